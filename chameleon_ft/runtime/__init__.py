@@ -1,0 +1,1 @@
+"""torch.distributed runtime: membership, process groups, elastic sampler, state transfer, fault injection."""
