@@ -1,0 +1,259 @@
+"""One JSONL event log per run: what happened, when, and how long recovery took.
+
+Every line is one JSON object with ``ts`` (``time.time()``), ``event`` and the event's fields.
+Event types and their fields:
+
+  ``run_start``   free-form (config, world size, ...)
+  ``membership``  generation, members, reason
+  ``failure``     workers, kind (fail_stop | hang | straggler | node_loss), detected_by, step,
+                  phase (when known)
+  ``decision``    decision: a JSON-able dict made by the engine, stored as given
+  ``recovery``    mttr: {detect, membership, rebuild, state_transfer, first_step, total}, ...
+  ``step``        step, world_size, samples, step_time  (optional and sparse)
+  ``run_end``     free-form
+
+Several processes may append to one file: it is opened with ``O_APPEND`` and each line goes
+out in a single ``os.write``, which Linux applies atomically at the end of a regular file, so
+lines do not interleave and a process killed between writes leaves no partial line.  A crash
+*inside* a write (or a full disk) can still leave a truncated line; ``read_events`` skips it.
+
+Limits, honestly: no fsync by default (a machine crash may lose the last lines; pass
+``fsync=True`` to pay for durability); ``ts`` is wall-clock time from each writer, so ordering
+across machines is only as good as their clock sync; the MTTR breakdown uses the monotonic clock
+of the one process that ran ``RecoveryTimer``; throughput in ``summarize`` is samples divided by
+the logged step times, so it covers only the steps that were logged and excludes time spent
+outside steps (recovery downtime shows up in MTTR instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+__all__ = [
+    "EVENT_TYPES",
+    "FAILURE_KINDS",
+    "MTTR_PHASES",
+    "EventLog",
+    "RecoveryTimer",
+    "read_events",
+    "summarize",
+]
+
+EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "run_end")
+FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
+MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
+
+
+class EventLog:
+    """Appends events to ``path``; ``defaults`` (e.g. ``rank=3``) go into every line."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, **defaults: Any) -> None:
+        self.path = os.fspath(path)
+        self.fsync = fsync
+        self.defaults = defaults
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, event: str, **fields: Any) -> dict:
+        """Append one event and return the record written."""
+        if event not in EVENT_TYPES:
+            raise ValueError(f"unknown event type {event!r}; expected one of {EVENT_TYPES}")
+        if self._fd is None:
+            raise ValueError(f"event log {self.path} is closed")
+        record = {"ts": time.time(), "event": event, **self.defaults, **fields}
+        # allow_nan=False: NaN/Infinity are not JSON and would break other readers.
+        data = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        written = os.write(self._fd, data)
+        if written != len(data):
+            # Only on a full disk or similar; writing the rest could interleave with another
+            # writer, so report it and let the reader skip the partial line.
+            raise OSError(f"short write to event log {self.path}: {written} of {len(data)} bytes")
+        if self.fsync:
+            os.fsync(self._fd)
+        return record
+
+    # -- typed helpers ------------------------------------------------------------------
+
+    def run_start(self, **fields: Any) -> dict:
+        return self.write("run_start", **fields)
+
+    def membership(self, generation: int, members: Sequence[int], reason: str, **fields: Any) -> dict:
+        return self.write("membership", generation=generation, members=list(members),
+                          reason=reason, **fields)
+
+    def failure(
+        self,
+        workers: Sequence[int],
+        kind: str,
+        detected_by: str,
+        step: int | None,
+        phase: str | None = None,
+        **fields: Any,
+    ) -> dict:
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"unknown failure kind {kind!r}; expected one of {FAILURE_KINDS}")
+        if phase is not None:
+            fields["phase"] = phase
+        return self.write("failure", workers=list(workers), kind=kind, detected_by=detected_by,
+                          step=step, **fields)
+
+    def decision(self, decision: Mapping[str, Any], **fields: Any) -> dict:
+        return self.write("decision", decision=decision, **fields)
+
+    def recovery(self, mttr: "Mapping[str, float] | RecoveryTimer", **fields: Any) -> dict:
+        """``mttr`` is a breakdown dict (``total`` is added as the sum when missing) or a
+        ``RecoveryTimer``."""
+        breakdown = mttr.breakdown() if isinstance(mttr, RecoveryTimer) else dict(mttr)
+        breakdown.setdefault("total", sum(v for k, v in breakdown.items() if k != "total"))
+        return self.write("recovery", mttr=breakdown, **fields)
+
+    def step(self, step: int, world_size: int, samples: int, step_time: float, **fields: Any) -> dict:
+        return self.write("step", step=step, world_size=world_size, samples=samples,
+                          step_time=step_time, **fields)
+
+    def run_end(self, **fields: Any) -> dict:
+        return self.write("run_end", **fields)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def read_events(path: str | os.PathLike, *, strict: bool = False) -> list[dict]:
+    """All events in file order.  A last line without its newline (a writer died mid-write)
+    is ignored; other unreadable lines are skipped, or raise ``ValueError`` when ``strict``."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    # Whatever follows the last newline is an unfinished line (or b"" for a clean file).
+    lines.pop()
+    events = []
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or "event" not in record or "ts" not in record:
+                raise ValueError("not an event object")
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"{path}:{lineno}: bad event line: {e}") from None
+            continue
+        events.append(record)
+    return events
+
+
+class RecoveryTimer:
+    """Times the phases of one recovery.  ``mark(phase)`` ends ``phase`` now; the phase ran
+    from the previous mark (or from ``start``).  Marking a phase twice adds to it (a phase
+    retried after a second failure)."""
+
+    def __init__(self, start: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.start = clock() if start is None else start
+        self._last = self.start
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> float:
+        now = self._clock()
+        elapsed = now - self._last
+        self.phases[phase] = self.phases.get(phase, 0.0) + elapsed
+        self._last = now
+        return elapsed
+
+    def breakdown(self) -> dict[str, float]:
+        """Every standard phase (0.0 when not marked), any extra phases, and ``total``."""
+        out = {p: self.phases.get(p, 0.0) for p in MTTR_PHASES}
+        out.update({p: v for p, v in self.phases.items() if p not in out})
+        out["total"] = self._last - self.start
+        return out
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _throughput(steps: Iterable[dict]) -> float | None:
+    steps = list(steps)
+    t = sum(e.get("step_time", 0.0) for e in steps)
+    return sum(e.get("samples", 0) for e in steps) / t if t > 0 else None
+
+
+def summarize(events: Iterable[Mapping[str, Any]]) -> dict:
+    """Headline figures of a run.
+
+    Keys: failures, failure_kinds, recoveries, mttr_median, mttr_max, mttr_breakdown_median,
+    decisions, membership_changes, final_world_size, steps (step events), last_step,
+    total_samples, throughput (overall), throughput_before_failure, throughput_after_failure
+    (samples per second of logged step time, split at the first failure), wall_time.
+    """
+    # Several writers append concurrently, so order by timestamp; the sort is stable.
+    events = sorted(events, key=lambda e: e["ts"])
+    failures = [e for e in events if e["event"] == "failure"]
+    recoveries = [e for e in events if e["event"] == "recovery"]
+    steps = [e for e in events if e["event"] == "step"]
+    totals = [r["mttr"]["total"] for r in recoveries if "total" in r.get("mttr", {})]
+    phase_names = [p for p in MTTR_PHASES] + sorted(
+        {k for r in recoveries for k in r.get("mttr", {})} - set(MTTR_PHASES) - {"total"}
+    )
+    breakdown = {
+        p: _median_or_none([r["mttr"][p] for r in recoveries if p in r.get("mttr", {})])
+        for p in phase_names
+    }
+
+    final_world_size = None
+    for e in events:
+        if e["event"] == "membership":
+            final_world_size = len(e["members"])
+        elif e["event"] == "step" and "world_size" in e:
+            final_world_size = e["world_size"]
+
+    kinds: dict[str, int] = {}
+    for f in failures:
+        kinds[f.get("kind", "unknown")] = kinds.get(f.get("kind", "unknown"), 0) + 1
+
+    first_failure_ts = failures[0]["ts"] if failures else None
+    before = [s for s in steps if first_failure_ts is None or s["ts"] < first_failure_ts]
+    after = [s for s in steps if first_failure_ts is not None and s["ts"] >= first_failure_ts]
+
+    starts = [e["ts"] for e in events if e["event"] == "run_start"]
+    ends = [e["ts"] for e in events if e["event"] == "run_end"]
+    return {
+        "failures": len(failures),
+        "failure_kinds": kinds,
+        "recoveries": len(recoveries),
+        "mttr_median": _median_or_none(totals),
+        "mttr_max": max(totals) if totals else None,
+        "mttr_breakdown_median": breakdown if recoveries else {},
+        "decisions": sum(1 for e in events if e["event"] == "decision"),
+        "membership_changes": sum(1 for e in events if e["event"] == "membership"),
+        "final_world_size": final_world_size,
+        "steps": len(steps),
+        "last_step": max((s["step"] for s in steps), default=None),
+        "total_samples": sum(s.get("samples", 0) for s in steps),
+        "throughput": _throughput(steps),
+        "throughput_before_failure": _throughput(before),
+        "throughput_after_failure": _throughput(after) if failures else None,
+        "wall_time": (max(ends) - min(starts)) if starts and ends else None,
+    }

@@ -1,0 +1,225 @@
+"""Event log: concurrent appends, crash tolerance, and the run summary."""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chameleon_ft.runtime.eventlog import (
+    MTTR_PHASES,
+    EventLog,
+    RecoveryTimer,
+    read_events,
+    summarize,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PAYLOAD = "x" * 3000  # lines longer than a pipe buffer's atomic size make interleaving visible
+
+
+def _append_many(path, writer, n):
+    with EventLog(path, writer=writer) as log:
+        for i in range(n):
+            log.step(step=i, world_size=4, samples=8, step_time=0.01, pad=PAYLOAD)
+
+
+def test_concurrent_appends_from_four_processes_give_whole_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    n = 300
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_append_many, args=(path, w, n)) for w in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    events = read_events(path, strict=True)
+    assert len(events) == 4 * n
+    for w in range(4):
+        assert [e["step"] for e in events if e["writer"] == w] == list(range(n))
+    assert all(e["pad"] == PAYLOAD for e in events)
+
+
+def test_writer_killed_mid_run_leaves_only_whole_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    code = (
+        "import sys\n"
+        "from chameleon_ft.runtime.eventlog import EventLog\n"
+        "log = EventLog(sys.argv[1])\n"
+        "i = 0\n"
+        "while True:\n"
+        "    log.step(step=i, world_size=1, samples=1, step_time=0.0, pad='y' * 5000)\n"
+        "    i += 1\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)],
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (not path.exists() or path.stat().st_size < 500_000):
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert path.read_bytes().endswith(b"\n")
+    events = read_events(path, strict=True)
+    assert len(events) >= 50
+    assert [e["step"] for e in events] == list(range(len(events)))
+
+
+def test_truncated_last_line_is_ignored(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.run_start(world_size=2)
+        log.membership(1, [0, 1], "start")
+    with open(path, "ab") as f:
+        f.write(b'{"ts": 1.0, "event": "fail')
+    assert [e["event"] for e in read_events(path)] == ["run_start", "membership"]
+    assert len(read_events(path, strict=True)) == 2
+
+
+def test_corrupt_middle_line_skipped_or_strict_error(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.run_start()
+    with open(path, "ab") as f:
+        f.write(b'{"ts": 1.0, "eve\n[1, 2]\n')
+    with EventLog(path) as log:
+        log.run_end()
+    assert [e["event"] for e in read_events(path)] == ["run_start", "run_end"]
+    with pytest.raises(ValueError, match=":2: bad event line"):
+        read_events(path, strict=True)
+
+
+def test_record_shapes_and_validation(tmp_path):
+    path = tmp_path / "sub" / "events.jsonl"  # parent directory is created
+    decision = {"action": "reroute", "candidates": [{"name": "replan", "score": 1.5}], "why": None}
+    with EventLog(path, rank=0) as log:
+        rec = log.failure([2], "hang", detected_by="heartbeat", step=10, phase="backward")
+        log.failure([3], "fail_stop", detected_by="collective", step=11)
+        log.decision(decision)
+        with pytest.raises(ValueError, match="unknown failure kind"):
+            log.failure([1], "gremlins", "x", 1)
+        with pytest.raises(ValueError, match="unknown event type"):
+            log.write("party")
+        with pytest.raises(ValueError):
+            log.step(1, 1, 1, float("nan"))
+    with pytest.raises(ValueError, match="closed"):
+        log.run_end()
+    events = read_events(path, strict=True)
+    assert events[0] == rec
+    assert events[0]["phase"] == "backward" and events[0]["rank"] == 0
+    assert "phase" not in events[1]
+    assert events[2]["decision"] == decision
+    assert len(events) == 3
+    assert isinstance(events[0]["ts"], float) and abs(events[0]["ts"] - time.time()) < 60
+
+
+def test_recovery_timer_breakdown_with_fake_clock():
+    now = [100.0]
+    timer = RecoveryTimer(clock=lambda: now[0])
+    for phase, dt in [("detect", 1.5), ("membership", 0.5), ("rebuild", 2.0),
+                      ("state_transfer", 3.0), ("first_step", 1.0), ("rebuild", 0.25)]:
+        now[0] += dt
+        timer.mark(phase)
+    b = timer.breakdown()
+    assert b == {"detect": 1.5, "membership": 0.5, "rebuild": 2.25, "state_transfer": 3.0,
+                 "first_step": 1.0, "total": 8.25}
+    partial = RecoveryTimer(start=0.0, clock=lambda: 2.0)
+    partial.mark("detect")
+    assert partial.breakdown() == {**{p: 0.0 for p in MTTR_PHASES}, "detect": 2.0, "total": 2.0}
+
+
+def test_recovery_event_accepts_timer_or_dict(tmp_path):
+    path = tmp_path / "e.jsonl"
+    t = RecoveryTimer(start=0.0, clock=lambda: 4.0)
+    t.mark("detect")
+    with EventLog(path) as log:
+        log.recovery(t, decision="reroute")
+        log.recovery({"detect": 1.0, "rebuild": 2.0})
+    a, b = read_events(path)
+    assert a["mttr"]["total"] == 4.0 and a["decision"] == "reroute"
+    assert b["mttr"] == {"detect": 1.0, "rebuild": 2.0, "total": 3.0}
+
+
+def synthetic_log():
+    """A run of 4 workers: 3 logged steps, worker 3 dies, a first recovery, 2 steps on 3
+    workers, worker 2 hangs, a second recovery, 1 step on 2 workers."""
+    ev = []
+
+    def add(ts, event, **f):
+        ev.append({"ts": ts, "event": event, **f})
+
+    add(0.0, "run_start", world_size=4)
+    add(0.1, "membership", generation=0, members=[0, 1, 2, 3], reason="start")
+    add(1.0, "step", step=0, world_size=4, samples=16, step_time=1.0)
+    add(2.0, "step", step=1, world_size=4, samples=16, step_time=1.0)
+    add(4.0, "step", step=2, world_size=4, samples=16, step_time=2.0)
+    add(5.0, "failure", workers=[3], kind="fail_stop", detected_by="collective", step=3)
+    add(5.2, "decision", decision={"action": "reroute"})
+    add(5.3, "membership", generation=1, members=[0, 1, 2], reason="failure")
+    add(9.0, "recovery", mttr={"detect": 1.0, "membership": 0.5, "rebuild": 1.0,
+                               "state_transfer": 0.0, "first_step": 1.5, "total": 4.0})
+    add(11.0, "step", step=3, world_size=3, samples=16, step_time=2.0)
+    add(13.0, "step", step=4, world_size=3, samples=16, step_time=2.0)
+    add(14.0, "failure", workers=[2], kind="hang", detected_by="heartbeat", step=5, phase="allreduce")
+    add(14.5, "membership", generation=2, members=[0, 1], reason="failure")
+    # Logged out of order on purpose: a second writer appended this a bit late.
+    add(24.0, "recovery", mttr={"detect": 3.0, "membership": 1.5, "rebuild": 2.0,
+                                "state_transfer": 2.0, "first_step": 1.5, "total": 10.0})
+    add(26.0, "step", step=5, world_size=2, samples=16, step_time=4.0)
+    add(27.0, "run_end")
+    ev[-3], ev[-4] = ev[-4], ev[-3]
+    return ev
+
+
+def test_summary_on_a_synthetic_log_matches_hand_figures():
+    s = summarize(synthetic_log())
+    assert s["failures"] == 2
+    assert s["failure_kinds"] == {"fail_stop": 1, "hang": 1}
+    assert s["recoveries"] == 2
+    assert s["mttr_median"] == 7.0  # median of 4 and 10
+    assert s["mttr_max"] == 10.0
+    assert s["mttr_breakdown_median"] == {"detect": 2.0, "membership": 1.0, "rebuild": 1.5,
+                                          "state_transfer": 1.0, "first_step": 1.5}
+    assert s["decisions"] == 1 and s["membership_changes"] == 3
+    assert s["final_world_size"] == 2
+    assert s["steps"] == 6 and s["last_step"] == 5
+    assert s["total_samples"] == 96
+    assert s["throughput"] == pytest.approx(96 / 12.0)
+    assert s["throughput_before_failure"] == pytest.approx(48 / 4.0)
+    assert s["throughput_after_failure"] == pytest.approx(48 / 8.0)
+    assert s["wall_time"] == 27.0
+
+
+def test_summary_of_failure_free_and_empty_runs():
+    s = summarize([e for e in synthetic_log() if e["ts"] < 5.0])
+    assert s["failures"] == 0 and s["recoveries"] == 0
+    assert s["mttr_median"] is None and s["mttr_breakdown_median"] == {}
+    assert s["throughput_before_failure"] == pytest.approx(12.0)
+    assert s["throughput_after_failure"] is None
+    assert s["final_world_size"] == 4 and s["wall_time"] is None
+    empty = summarize([])
+    assert empty["steps"] == 0 and empty["throughput"] is None and empty["last_step"] is None
+
+
+def test_summary_round_trips_through_the_file(tmp_path):
+    path = tmp_path / "e.jsonl"
+    with open(path, "w") as f:
+        for e in synthetic_log():
+            f.write(json.dumps(e) + "\n")
+    assert summarize(read_events(path)) == summarize(synthetic_log())
