@@ -355,3 +355,24 @@ def test_dataloader_full_epoch_num_workers_2_equals_schedule():
         got = loader_batches(s, member, num_workers=2)
         assert got == [list(x.indices) for x in ElasticBatchSampler(s, member).schedule()]
     assert math.isclose(sum(x.weight for x in ElasticBatchSampler(s, 0).schedule()), 4 / 2)
+
+
+@pytest.mark.parametrize("members, counts", [([0, 1, 2, 3], None), ([0, 2, 3], [1, 3, 0]), ([5], None)])
+@pytest.mark.parametrize("step", [0, 3])  # step 3 is the partial last batch
+def test_sample_weighted_gradients_equal_the_failure_free_update(members, counts, step):
+    """Summing each member's weight-scaled micro-batch gradients (what a SUM all-reduce does)
+    gives the full global batch's mean-loss gradient, whatever the membership."""
+    torch.manual_seed(0)
+    x, y = torch.randn(45, 3, dtype=torch.float64), torch.randn(45, dtype=torch.float64)
+    s = ElasticSampler(45, 12, 3, seed=1)
+    s.set_allocation(members, counts)
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+
+    def grad(idx, scale=1.0):
+        w.grad = None
+        (scale * ((x[idx] @ w - y[idx]) ** 2).mean()).backward()
+        return w.grad.clone()
+
+    reference = grad(s.global_batch_indices(step))
+    total = sum(grad(list(mb.indices), mb.weight) for m in s.members for mb in s.step_plan(step)[m])
+    torch.testing.assert_close(total, reference)
