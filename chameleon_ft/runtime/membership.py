@@ -1,0 +1,380 @@
+"""Membership for in-place recovery: who is alive now, and which generation this is.
+
+The engine is torchft's Lighthouse (``torchft._torchft.LighthouseServer`` / ``LighthouseClient``,
+a Rust gRPC service), not a home-made consensus.  Every worker heartbeats to it; after a
+failure every survivor asks it for a *quorum*; all workers in one quorum round receive the
+same participant list and ``quorum_id``, which become the next ``MembershipView``.  See
+docs/runtime-membership.md for why it was chosen over torch.distributed.elastic's rendezvous
+and for measured timings.
+
+Pieces:
+
+* ``CoordinatorServer`` runs in the launcher/agent process (never in a worker, so any worker
+  may die): a ``TCPStore`` (abort keys, published views, group set-up) and the Lighthouse,
+  both bound to 127.0.0.1 by default.  It is the single point of failure of the job.
+* ``Membership`` runs in each worker: ``join()``, ``view()``, ``report_failure()``,
+  ``next_view()`` and a heartbeat thread.
+
+How a quorum forms (Lighthouse rules): at once when every member of the previous quorum asks
+again ("fast quorum"); otherwise when every heartbeating worker has asked, or ``join_timeout_ms``
+after the first request, provided more than half of the heartbeating workers asked.  So after
+a SIGKILL agreement takes about ``join_timeout_ms`` (the dead worker still looks healthy until
+``heartbeat_timeout_ms``); if two of four die before their heartbeats expire, agreement waits
+for ``heartbeat_timeout_ms`` (split-brain guard).
+
+Limits, honestly:
+
+* Nothing here is Byzantine-safe or authenticated: anything that can reach the coordinator's
+  ports can join or abort a generation.  Default binds are loopback only.
+* ``report_failure`` is advisory: the Lighthouse has no eviction call, so a worker reported
+  dead but still alive and asking joins the next quorum.  Liveness is decided by who asks
+  and who heartbeats.
+* A live worker that asks more than ``join_timeout_ms`` after the first asker misses that
+  quorum; it then aborts the new generation and is re-admitted one round later.
+* Peer data is never unpickled: Lighthouse member data is JSON, store values are JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+# torchft's Rust side logs every quorum at INFO to stderr; keep it quiet unless asked.
+os.environ.setdefault("RUST_LOG", "warn")
+
+import torch.distributed as dist  # noqa: E402
+from torchft._torchft import LighthouseClient, LighthouseServer  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key"]
+
+_LATEST_KEY = "cft/latest"
+_REGISTRY_KEY = "cft/registry"
+_FAILURES_KEY = "cft/failures"
+
+
+def _incarnation_key(worker_id: int) -> str:
+    return f"cft/incarnation/{worker_id}"
+
+
+def _dead_key(worker_id: int) -> str:
+    return f"cft/dead/{worker_id}"
+
+
+def abort_key(token: str) -> str:
+    """Store key that, once set, ends the generation ``token`` for every member."""
+    return f"cft/abort/{token}"
+
+
+class MembershipError(RuntimeError):
+    """The coordinator is unreachable, or no quorum formed in time."""
+
+
+@dataclass(frozen=True)
+class MembershipView:
+    """One agreed generation, as seen by one member.
+
+    ``generation`` is the Lighthouse ``quorum_id`` (it only grows; it stays the same when a
+    new quorum has the same members).  ``token`` is unique per agreed quorum even then, and
+    names the generation's process group and abort key.
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    rank: int
+    world_size: int
+    token: str
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "members": list(self.members),
+                           "token": self.token})
+
+
+def _parse_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def connect_store(store_addr: str, timeout_s: float) -> dist.TCPStore:
+    """A new TCPStore client for ``host:port``; MembershipError if unreachable in time."""
+    host, port = _parse_hostport(store_addr)
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # DistNetworkError, RuntimeError, TimeoutError
+        raise MembershipError(
+            f"coordinator store at {store_addr} unreachable after {timeout_s:.1f} s: {exc}"
+        ) from exc
+
+
+class Membership:
+    """This worker's handle on the job's membership.
+
+    Args:
+        worker_id: stable id of this worker (survives restarts of its slot).
+        store_addr: ``host:port`` of the coordinator's TCPStore.
+        lighthouse_addr: ``http://host:port`` of the coordinator's Lighthouse.
+        heartbeat_interval_s: heartbeat period; keep it well under the Lighthouse's
+            ``heartbeat_timeout_ms``.
+        connect_timeout_s: limit for reaching the coordinator.
+        retry_s: how long one quorum request may wait before this worker re-checks whether
+            the others moved on without it.
+    """
+
+    def __init__(self, worker_id: int, store_addr: str, lighthouse_addr: str, *,
+                 heartbeat_interval_s: float = 0.1, connect_timeout_s: float = 5.0,
+                 retry_s: float = 1.0):
+        self.worker_id = int(worker_id)
+        self.store_addr = store_addr
+        self.lighthouse_addr = lighthouse_addr
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_s = retry_s
+        self.store = connect_store(store_addr, connect_timeout_s)
+        try:
+            self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
+        except Exception as exc:
+            raise MembershipError(
+                f"lighthouse at {lighthouse_addr} unreachable after {connect_timeout_s:.1f} s: {exc}"
+            ) from exc
+        self._view: Optional[MembershipView] = None
+        self._stop = threading.Event()
+        self._hb_thread: Optional[threading.Thread] = None
+        self.heartbeat_errors = 0
+
+    def connect_store(self) -> dist.TCPStore:
+        """A fresh client to the coordinator store (for a process group's set-up)."""
+        return connect_store(self.store_addr, self.connect_timeout_s)
+
+    # ---------------------------------------------------------------- lifecycle
+    def join(self, min_world_size: int = 1, timeout_s: float = 60.0) -> MembershipView:
+        """Register, start heartbeating, and wait for a generation with enough members.
+
+        A worker that joins a running job (a replacement) first ends the running generation,
+        so that the members come to the Lighthouse and admit it.
+        """
+        self.store.append(_REGISTRY_KEY, f"{self.worker_id},")
+        # A replacement reusing this id gets a new incarnation, so the launcher's death
+        # report about its predecessor does not apply to it.
+        self.incarnation = self.store.add(_incarnation_key(self.worker_id), 1)
+        self._heartbeat_once(raise_errors=True)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name=f"cft-heartbeat-{self.worker_id}")
+        self._hb_thread.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            view = self._agree(deadline, previous_token=self._view.token if self._view else None)
+            if view.world_size >= min_world_size:
+                return view
+            # Everyone in this quorum sees the same size and asks again; pace the retries.
+            time.sleep(0.01)
+
+    def view(self) -> Optional[MembershipView]:
+        return self._view
+
+    def report_failure(self, worker_ids=(), reason: str = "") -> None:
+        """End the current generation for every member, recording who is suspected.
+
+        Idempotent: the first report of a generation wins the abort key; every report is
+        appended to the coordinator's failure log (JSON lines).
+        """
+        record = {"by": self.worker_id, "reason": reason,
+                  "suspects": sorted(set(int(w) for w in worker_ids)), "time": time.time()}
+        if self._view is not None:
+            record["generation"] = self._view.generation
+            self.store.compare_set(abort_key(self._view.token), "", json.dumps(record))
+        self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+
+    def next_view(self, timeout_s: float = 30.0) -> MembershipView:
+        """Block until the survivors agree on the next generation, and return it.
+
+        Every worker that receives a view from the same quorum round gets the same members
+        and generation.  Raises MembershipError after ``timeout_s``.
+        """
+        previous = self._view.token if self._view else None
+        return self._agree(time.monotonic() + timeout_s, previous_token=previous)
+
+    def close(self) -> None:
+        """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
+        self._stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2 * self.heartbeat_interval_s + 1.0)
+
+    # ---------------------------------------------------------------- internals
+    def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
+        while True:
+            self._request_admission(previous_token)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MembershipError(
+                    f"worker {self.worker_id}: no quorum formed in time "
+                    f"(coordinator {self.lighthouse_addr})")
+            try:
+                quorum = self._client.quorum(
+                    replica_id=str(self.worker_id),
+                    timeout=timedelta(seconds=min(remaining, self.retry_s)),
+                    data={"worker_id": self.worker_id})
+            except Exception as exc:  # timeout, or the coordinator is gone
+                if self._stop.is_set():
+                    raise MembershipError("membership closed") from exc
+                log.debug("quorum request of worker %d: %s", self.worker_id, exc)
+                if not self._coordinator_alive():
+                    raise MembershipError(f"coordinator unreachable: {exc}") from exc
+                continue
+            view = self._to_view(quorum)
+            self._view = view
+            self._publish(view)
+            dead = self._reported_dead(view.members)
+            if dead:
+                # A member asked and then died (the launcher saw it exit): this quorum can
+                # never form a group; end it now rather than after the connect timeout.
+                self.report_failure(dead, "member reported dead by the launcher")
+                continue
+            return view
+
+    def _to_view(self, quorum) -> MembershipView:
+        members = tuple(sorted(int(p.replica_id) for p in quorum.participants))
+        created = quorum.created
+        token = f"{quorum.quorum_id}.{created.seconds}{created.nanos:09d}"
+        return MembershipView(generation=int(quorum.quorum_id), members=members,
+                              rank=members.index(self.worker_id), world_size=len(members),
+                              token=token)
+
+    def _reported_dead(self, members) -> tuple[int, ...]:
+        dead = []
+        for w in members:
+            if w == self.worker_id or not self.store.check([_dead_key(w)]):
+                continue
+            incarnation = self.store.add(_incarnation_key(w), 0)
+            if int(self.store.get(_dead_key(w)).decode()) >= incarnation:
+                dead.append(w)
+        return tuple(dead)
+
+    def _latest(self) -> Optional[dict]:
+        if not self.store.check([_LATEST_KEY]):
+            return None
+        try:
+            return json.loads(self.store.get(_LATEST_KEY).decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _request_admission(self, previous_token: Optional[str]) -> None:
+        """If a generation is running without us, end it so its members come and admit us."""
+        latest = self._latest()
+        if latest is None or latest.get("token") == previous_token:
+            return
+        record = {"by": self.worker_id, "reason": "admission", "suspects": [],
+                  "time": time.time(), "generation": latest.get("generation")}
+        self.store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
+
+    def _publish(self, view: MembershipView) -> None:
+        # Only move "latest" forward; quorum ids are monotonic, tokens break ties by time.
+        latest = self._latest()
+        mine = (view.generation, view.token)
+        if latest is None or (latest.get("generation", -1), latest.get("token", "")) < mine:
+            self.store.set(_LATEST_KEY, view.to_json())
+
+    def _coordinator_alive(self) -> bool:
+        try:
+            self.store.check([_LATEST_KEY])
+            return True
+        except Exception:
+            return False
+
+    def _heartbeat_once(self, raise_errors: bool = False) -> None:
+        try:
+            self._client.heartbeat(str(self.worker_id),
+                                   timedelta(seconds=max(1.0, 5 * self.heartbeat_interval_s)))
+        except Exception as exc:
+            self.heartbeat_errors += 1
+            if raise_errors:
+                raise MembershipError(
+                    f"lighthouse at {self.lighthouse_addr} unreachable: {exc}") from exc
+            log.debug("heartbeat of worker %d failed: %s", self.worker_id, exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            self._heartbeat_once()
+
+
+class CoordinatorServer:
+    """The job's coordination endpoint, run by the launcher (not by a worker).
+
+    Hosts a TCPStore and a Lighthouse on ``host`` (127.0.0.1 by default).  It is the single
+    point of failure of the job: if this process dies, workers finish their current
+    generation but cannot agree on another one.
+
+    Args:
+        min_replicas: smallest quorum the Lighthouse will form.
+        join_timeout_ms: how long a quorum waits for healthy stragglers after the first
+            request; it is most of the membership-agreement time after a SIGKILL.
+        heartbeat_timeout_ms: silence after which a worker is no longer counted as alive.
+        quorum_tick_ms: how often the Lighthouse re-evaluates pending quorums.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", store_port: int = 0, lighthouse_port: int = 0,
+                 *, min_replicas: int = 1, join_timeout_ms: int = 50,
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10):
+        self.host = host
+        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self._lighthouse = LighthouseServer(
+            bind=f"{host}:{lighthouse_port}", min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms)
+        # address() reports the machine's hostname, which need not resolve to the bound
+        # interface; rebuild it from the bind host.
+        lh_port = int(self._lighthouse.address().rsplit(":", 1)[1])
+        self.store_addr = f"{host}:{self.store.port}"
+        self.lighthouse_addr = f"http://{host}:{lh_port}"
+
+    def latest_view(self) -> Optional[dict]:
+        """The newest generation published by its members: generation, members, token."""
+        if not self.store.check([_LATEST_KEY]):
+            return None
+        return json.loads(self.store.get(_LATEST_KEY).decode())
+
+    def registered(self) -> set[int]:
+        """Worker ids that ever joined."""
+        if not self.store.check([_REGISTRY_KEY]):
+            return set()
+        raw = self.store.get(_REGISTRY_KEY).decode()
+        return {int(x) for x in raw.split(",") if x.strip()}
+
+    def dead_workers(self) -> set[int]:
+        """Workers that joined once but are not members of the newest generation."""
+        latest = self.latest_view()
+        members = set(latest["members"]) if latest else set()
+        return self.registered() - members
+
+    def failure_reports(self) -> list[dict]:
+        """Every ``report_failure`` so far, oldest first."""
+        if not self.store.check([_FAILURES_KEY]):
+            return []
+        lines = self.store.get(_FAILURES_KEY).decode().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def report_dead(self, worker_id: int, reason: str = "process exited") -> None:
+        """Launcher fast path: it saw a worker process exit, so end the newest generation
+        now instead of waiting for a collective error or a heartbeat timeout.  The death is
+        also recorded, so a quorum that the worker joined just before dying is ended as soon
+        as it forms (otherwise its group construction would wait for the connect timeout)."""
+        incarnation = self.store.add(_incarnation_key(worker_id), 0)
+        self.store.set(_dead_key(worker_id), str(incarnation))
+        latest = self.latest_view()
+        if latest is None:
+            return
+        record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
+                  "time": time.time(), "generation": latest["generation"]}
+        self.store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
+        self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+
+    def shutdown(self) -> None:
+        self._lighthouse.shutdown()

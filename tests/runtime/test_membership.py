@@ -1,0 +1,188 @@
+"""Membership + per-generation gloo groups, with real processes and real signals.
+
+A coordinator (Lighthouse + TCPStore) runs in the test process; 4 ``_proto_worker``
+processes all-reduce a known tensor every step and log JSON lines.  The test kills or stops
+workers from outside.  Timings are printed, and only asserted against generous bounds.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chameleon_ft.runtime._proto_harness import ProtoCluster, recovered, recovery_breakdown
+from chameleon_ft.runtime.membership import CoordinatorServer, Membership, MembershipError
+
+pytestmark = pytest.mark.timeout(90)
+
+N = 4
+
+
+def _steps(c: ProtoCluster, wid: int) -> list[dict]:
+    return [e for e in c.events(wid) if e["event"] == "step"]
+
+
+def _check_survivors(c: ProtoCluster, survivors, members_at_end, steps: int) -> None:
+    """Every step correct; at each step all survivors used the same generation/members;
+    everyone finished with ``members_at_end``."""
+    by_worker = {w: {e["step"]: e for e in _steps(c, w)} for w in survivors}
+    for w, evs in by_worker.items():
+        assert sorted(evs) == list(range(steps)), f"worker {w} skipped or missed steps"
+        bad = [e for e in evs.values() if not e["ok"]]
+        assert not bad, f"worker {w} got wrong all-reduce results: {bad[:2]}"
+        done = [e for e in c.events(w) if e["event"] == "done"]
+        assert done and done[-1]["members"] == list(members_at_end), done
+    for s in range(steps):
+        seen = {(by_worker[w][s]["token"], tuple(by_worker[w][s]["members"])) for w in survivors}
+        assert len(seen) == 1, f"survivors disagree at step {s}: {seen}"
+        members = next(iter(seen))[1]
+        assert set(survivors) <= set(members)
+
+
+def _wait_steps(c: ProtoCluster, wids, n: int, timeout: float = 30) -> None:
+    c.wait_for(lambda: all(len(_steps(c, w)) >= n for w in wids), timeout, f"{n} steps")
+
+
+def _step_after(c: ProtoCluster, wids, t: float, timeout: float = 20) -> None:
+    c.wait_for(lambda: all(recovered(c, w, t) for w in wids), timeout,
+               "a failure and then a completed step after the event")
+
+
+def test_sigkill_one_worker_survivors_continue(tmp_path):
+    steps = 120
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
+        _wait_steps(c, range(N), 15)
+        t_kill = c.kill(2)
+        survivors = [0, 1, 3]
+        rc = c.wait_exit(survivors, 30)
+        assert rc == {w: 0 for w in survivors}, rc
+        _check_survivors(c, survivors, survivors, steps)
+        print("\nMTTR after one SIGKILL:", {k: round(v, 3) for k, v in
+                                            recovery_breakdown(c, survivors, t_kill).items()})
+        assert c.coordinator.dead_workers() == {2}
+        assert c.coordinator.latest_view()["members"] == survivors
+        # The victim's last logged step precedes the kill; survivors logged steps after it.
+        assert max(e["ts"] for e in _steps(c, 0)) > t_kill
+
+
+def test_sigkill_two_workers_in_successive_steps(tmp_path):
+    steps = 150
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
+        _wait_steps(c, range(N), 15)
+        t1 = c.kill(1)
+        _step_after(c, [0, 2, 3], t1)
+        n_before = len(_steps(c, 0))
+        _wait_steps(c, [0], n_before + 1)
+        c.kill(3)
+        survivors = [0, 2]
+        rc = c.wait_exit(survivors, 30)
+        assert rc == {w: 0 for w in survivors}, rc
+        _check_survivors(c, survivors, survivors, steps)
+        sizes = {len(e["members"]) for e in _steps(c, 0)}
+        assert sizes == {4, 3, 2}, sizes
+        assert c.coordinator.dead_workers() == {1, 3}
+
+
+@pytest.mark.parametrize("launcher_watch", [False, True], ids=["workers-only", "launcher-reports"])
+def test_second_kill_during_reconfiguration(tmp_path, launcher_watch):
+    """A failure while the survivors reconfigure leads to another reconfiguration.
+
+    Without the launcher's report, a member that dies after a quorum formed but before the
+    group is built costs the group's connect timeout (5 s here)."""
+    steps = 120
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02,
+                      launcher_watch=launcher_watch) as c:
+        _wait_steps(c, range(N), 15)
+        t_kill = c.kill(0)
+        time.sleep(0.03)  # inside detection/agreement of the first failure
+        c.kill(2)
+        survivors = [1, 3]
+        rc = c.wait_exit(survivors, 40)
+        assert rc == {w: 0 for w in survivors}, rc
+        _check_survivors(c, survivors, survivors, steps)
+        first = min(e["ts"] for e in _steps(c, 1) if e["ts"] > t_kill)
+        views = {e["token"] for e in c.events(1) if e["event"] == "view" and e["ts"] > t_kill}
+        print(f"\ntwo kills 30 ms apart: first step after {first - t_kill:.3f} s, "
+              f"{len(views)} views agreed")
+
+
+def test_sigstop_hang_detected_by_watchdog(tmp_path):
+    watchdog = 2.0
+    steps = 100
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02,
+                      collective_timeout=watchdog, op_timeout=watchdog) as c:
+        _wait_steps(c, range(N), 15)
+        t_stop = c.kill(3, signal.SIGSTOP)
+        survivors = [0, 1, 2]
+        _step_after(c, survivors, t_stop, timeout=watchdog + 15)
+        detected = min(e["ts"] for w in survivors for e in c.events(w)
+                       if e["event"] == "failure" and e["ts"] > t_stop)
+        print(f"\nhang detected after {detected - t_stop:.3f} s (watchdog {watchdog} s)")
+        assert detected - t_stop <= watchdog + 5.0
+        c.kill(3, signal.SIGKILL)
+        rc = c.wait_exit(survivors, 30)
+        assert rc == {w: 0 for w in survivors}, rc
+        _check_survivors(c, survivors, survivors, steps)
+        after = [e for e in _steps(c, 0) if e["ts"] > detected]
+        assert after and all(e["members"] == survivors for e in after)
+
+
+def test_coordinator_unreachable_fails_fast(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on (race-free enough on loopback)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "w.jsonl"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chameleon_ft.runtime._proto_worker", "--worker-id", "0",
+         "--store", f"127.0.0.1:{port}", "--lighthouse", f"http://127.0.0.1:{port}",
+         "--log", str(log), "--connect-timeout", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    elapsed = time.monotonic() - t0
+    print(f"\nunreachable coordinator reported after {elapsed:.2f} s")
+    assert proc.returncode == 3, out
+    assert b"unreachable" in out
+    assert elapsed < 2 + 15  # connect timeout + interpreter/torch start-up on a busy box
+
+
+def test_lighthouse_unreachable_in_process():
+    """With the store up but no Lighthouse, join() raises MembershipError in bounded time."""
+    coord = CoordinatorServer()
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError):
+            m = Membership(7, coord.store_addr, f"http://127.0.0.1:{port}", connect_timeout_s=1)
+            m.join(timeout_s=3)
+        assert time.monotonic() - t0 < 10
+    finally:
+        coord.shutdown()
+
+
+def test_replacement_worker_is_admitted(tmp_path):
+    """A worker started later (same id as a dead one) joins the running job."""
+    steps = 200
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
+        _wait_steps(c, range(N), 10)
+        c.kill(1)
+        _step_after(c, [0, 2, 3], time.time())
+        c.log_path(1).rename(tmp_path / "w1.dead.jsonl")
+        c.spawn(1, extra=("--min-world", "1"))
+        rc = c.wait_exit(range(N), 40)
+        assert rc == {w: 0 for w in range(N)}, rc
+        last = {w: [e for e in c.events(w) if e["event"] == "done"][-1] for w in range(N)}
+        assert all(e["members"] == [0, 1, 2, 3] for e in last.values()), last
+        assert all(e["ok"] for w in range(N) for e in _steps(c, w))
