@@ -1,0 +1,135 @@
+"""Cluster description: devices, nodes and the links between them.
+
+A device has a speed factor (1.0 = the reference device the workload was costed on; a
+straggler running at a third of the speed has 1/3) and a memory capacity.  Links come in two
+tiers, intra-node and inter-node, each with an alpha (latency, s) and a beta (bandwidth,
+bytes/s).  Plain data; the planner and the performance model read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Device:
+    id: int
+    node: int
+    speed: float = 1.0
+    memory_bytes: float = 80e9
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ValueError(f"device {self.id}: speed must be positive, got {self.speed}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"device {self.id}: memory must be positive")
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise ValueError(f"invalid link {self}")
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class DeviceArrays:
+    index: np.ndarray  # device id -> position
+    speed: np.ndarray
+    node: np.ndarray
+    memory: np.ndarray
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: tuple[Device, ...]
+    intra: Link = Link(5e-6, 150e9)  # NVLink-class
+    inter: Link = Link(10e-6, 25e9)  # 200 Gb/s-class NIC
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        ids = [d.id for d in self.devices]
+        if len(set(ids)) != len(ids):
+            raise ValueError("device ids must be unique")
+        object.__setattr__(self, "_by_id", {d.id: d for d in self.devices})
+        object.__setattr__(self, "_arrays", None)
+
+    def arrays(self) -> "DeviceArrays":
+        """Per-device speed, node and memory as numpy arrays, indexed through ``index[id]``."""
+        if self._arrays is None:  # type: ignore[has-type]
+            ids = np.array(self.ids, dtype=np.int64)
+            index = np.full(int(ids.max()) + 1 if len(ids) else 1, -1, dtype=np.int64)
+            index[ids] = np.arange(len(ids))
+            object.__setattr__(self, "_arrays", DeviceArrays(
+                index=index,
+                speed=np.array([d.speed for d in self.devices], dtype=float),
+                node=np.array([d.node for d in self.devices], dtype=np.int64),
+                memory=np.array([d.memory_bytes for d in self.devices], dtype=float),
+            ))
+        return self._arrays  # type: ignore[return-value]
+
+    def __getitem__(self, device_id: int) -> Device:
+        try:
+            return self._by_id[device_id]  # type: ignore[attr-defined]
+        except KeyError:
+            raise KeyError(f"unknown device {device_id}") from None
+
+    def __contains__(self, device_id: int) -> bool:
+        return device_id in self._by_id  # type: ignore[attr-defined]
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(self._by_id)  # type: ignore[attr-defined]
+
+    def link(self, a: int, b: int) -> Link:
+        return self.intra if self[a].node == self[b].node else self.inter
+
+    def group_link(self, ids: Iterable[int]) -> Link:
+        """The slowest tier a collective over ``ids`` has to cross."""
+        nodes = {self[i].node for i in ids}
+        return self.intra if len(nodes) <= 1 else self.inter
+
+    def without(self, dead: Iterable[int]) -> "Cluster":
+        gone = set(dead)
+        return replace(self, devices=tuple(d for d in self.devices if d.id not in gone))
+
+    def with_speeds(self, speeds: Mapping[int, float]) -> "Cluster":
+        return replace(
+            self,
+            devices=tuple(replace(d, speed=speeds.get(d.id, d.speed)) for d in self.devices),
+        )
+
+    def with_devices(self, extra: Iterable[Device]) -> "Cluster":
+        return replace(self, devices=self.devices + tuple(extra))
+
+    def node_of(self, device_id: int) -> int:
+        return self[device_id].node
+
+    def devices_on_node(self, node: int) -> tuple[int, ...]:
+        return tuple(d.id for d in self.devices if d.node == node)
+
+
+def homogeneous(
+    n: int,
+    per_node: int = 8,
+    memory_bytes: float = 80e9,
+    intra: Link = Link(5e-6, 150e9),
+    inter: Link = Link(10e-6, 25e9),
+) -> Cluster:
+    """``n`` identical devices, ``per_node`` to a node."""
+    if n <= 0 or per_node <= 0:
+        raise ValueError("n and per_node must be positive")
+    return Cluster(
+        devices=tuple(Device(i, i // per_node, 1.0, memory_bytes) for i in range(n)),
+        intra=intra,
+        inter=inter,
+    )

@@ -1,0 +1,273 @@
+"""Unified performance model: step time and memory of a plan, with a breakdown.
+
+For each pipeline (``p`` stages, ``m`` micro-batches) the 1F1B time is
+``(m + p - 1) · (c_max + x_max)`` where ``c_max`` is the slowest stage's forward+backward time per
+micro-batch and ``x_max`` the slowest boundary transfer (activation out and gradient back).
+The breakdown calls ``m · c_max`` compute, ``(p - 1) · c_max`` bubble and the rest p2p.  The
+step is the slowest pipeline plus the exposed gradient synchronisation: a ring all-reduce per
+group of devices holding the same layers (``2(n-1)·α + 2(n-1)/n · bytes/β``), and under FSDP
+an all-gather of the weights for forward and backward and a reduce-scatter of the gradients
+within the shard group.  Memory per device is weights + gradients + optimizer state (divided by
+the shard degree) + in-flight activations (``min(m, p - i)`` micro-batches on stage ``i``).
+
+Rerouting is modelled without changing the plan: ``dead`` devices do no work and hold no state,
+and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  That work lands
+on the pipeline's critical path once: the pipeline takes ``max_s(e_s · c_s)`` longer (exact for
+data parallelism, where a rank simply accumulates ``m + e`` micro-batches; conservative for
+ReCycle, which hides part of it in the pipeline bubbles).
+
+Limits: communication is not overlapped with compute (calibration folds overlap into
+``comm_scale``); tensor parallelism is folded into a device; the optimizer step is part of
+``step_overhead_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from .cluster import Cluster, Link
+from .plan import Plan
+from .workload import Workload
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What calibration fits: multipliers on the workload's compute and on communication,
+    plus a fixed per-step overhead (optimizer, framework)."""
+
+    compute_scale: float = 1.0
+    comm_scale: float = 1.0
+    step_overhead_s: float = 0.0
+
+
+@dataclass
+class Estimate:
+    step_time: float
+    compute: float
+    bubble: float
+    p2p: float
+    allreduce: float
+    fsdp: float
+    overhead: float
+    pipeline_times: tuple[float, ...] = field(repr=False)
+    peak_memory: float = 0.0
+    over_memory: tuple[int, ...] = field(default=(), repr=False)
+    _memory: list = field(default_factory=list, repr=False)  # [(device ids, bytes)] arrays
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_memory
+
+    @property
+    def memory(self) -> dict[int, float]:
+        """Bytes per (alive) device."""
+        out: dict[int, float] = {}
+        for ids, mem in self._memory:
+            out.update(zip(ids.tolist(), mem.tolist()))
+        return out
+
+    def breakdown(self) -> dict[str, float]:
+        return {
+            "compute": self.compute,
+            "bubble": self.bubble,
+            "p2p": self.p2p,
+            "allreduce": self.allreduce,
+            "fsdp": self.fsdp,
+            "overhead": self.overhead,
+        }
+
+
+def ring_allreduce_s(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-reduce: 2(n-1) steps, each moving nbytes/n (alpha-beta model)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
+
+
+def ring_allgather_s(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a buffer of nbytes in total."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_Bps
+
+
+def estimate(
+    plan: Plan,
+    workload: Workload,
+    cluster: Cluster,
+    coeffs: Coefficients = Coefficients(),
+    dead: frozenset[int] | set[int] = frozenset(),
+    extra: Mapping[int, float] | None = None,
+) -> Estimate:
+    """Step time and memory of ``plan`` (see the module docstring for the model).
+
+    Pipelines that share a layer split are evaluated together as numpy arrays, so a plan over
+    100k devices costs milliseconds."""
+    extra = extra or {}
+    cs, ms = coeffs.compute_scale, coeffs.comm_scale
+    k = plan.shard_degree
+    arrays = cluster.arrays()
+    lut = arrays.index
+    speed_of, node_of, mem_of = arrays.speed, arrays.node, arrays.memory
+    dead_mask_flat = np.zeros(len(speed_of), dtype=bool)
+    if dead:
+        dead_mask_flat[lut[np.fromiter((d for d in dead if d in cluster), dtype=np.int64)]] = True
+    extra_flat = np.zeros(len(speed_of))
+    if extra:
+        extra_flat[lut[np.fromiter(extra.keys(), dtype=np.int64)]] = np.fromiter(extra.values(), dtype=float)
+    per_param_state = (workload.weight_bytes + workload.grad_bytes + workload.optim_bytes) / k
+
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, pipe in enumerate(plan.pipelines):
+        groups.setdefault(pipe.bounds, []).append(j)
+
+    times = np.zeros(len(plan.pipelines))
+    parts = np.zeros((len(plan.pipelines), 3))  # compute, bubble, p2p
+    memory: list = []
+    over: list[int] = []
+    alive_nodes: set[int] = set()
+    peak = 0.0
+    for bounds, members in groups.items():
+        p = len(bounds) - 1
+        dev = np.array([plan.pipelines[j].devices for j in members], dtype=np.int64)
+        idx = lut[dev]
+        m = np.array([plan.pipelines[j].microbatches for j in members], dtype=float)[:, None]
+        dead_m = dead_mask_flat[idx]
+        e = extra_flat[idx]
+        c, x_max = _stage_times(bounds, idx, workload, cluster, arrays, cs, ms)
+        c = np.where(dead_m, 0.0, c)
+        c_max = c.max(axis=1)
+        rerouted = (e * c).max(axis=1)  # extra micro-batches lengthen the critical path once
+        mm = m[:, 0]
+        busy = (mm > 0) | (rerouted > 0)
+        fill = np.where(mm > 0, mm + p - 1, 0.0)  # a pipeline with only rerouted work has no fill
+        t = np.where(busy, fill * (c_max + x_max) + rerouted, 0.0)
+        times[members] = t
+        parts[members, 0] = np.where(busy, mm * c_max + rerouted, 0.0)
+        parts[members, 1] = np.where(busy & (mm > 0), (p - 1) * c_max, 0.0)
+        parts[members, 2] = np.where(busy, fill * x_max, 0.0)
+
+        state = np.array([workload.params_in(bounds[s], bounds[s + 1]) for s in range(p)]) * per_param_state
+        if k > 1:  # one gathered layer of full weights at a time
+            state = state + np.array(
+                [max(layer.params for layer in workload.layers[bounds[s]:bounds[s + 1]]) for s in range(p)]
+            ) * workload.weight_bytes
+        acts = np.array([workload.act_bytes_in(bounds[s], bounds[s + 1]) for s in range(p)], dtype=float)
+        in_flight = np.minimum(m + e, (p - np.arange(p))[None, :])
+        mem = state[None, :] + in_flight * acts[None, :]
+        alive = ~dead_m
+        ids, mem_alive = dev[alive], mem[alive]
+        memory.append((ids, mem_alive))
+        if mem_alive.size:
+            peak = max(peak, float(mem_alive.max()))
+            over.extend(ids[mem_alive > mem_of[idx[alive]]].tolist())
+            alive_nodes.update(np.unique(node_of[idx[alive]]).tolist())
+
+    coll_link = cluster.inter if len(alive_nodes) > 1 else cluster.intra
+    allreduce, fsdp = _sync_times(plan, workload, cluster, dead, coll_link)
+    allreduce *= ms
+    fsdp *= ms
+    worst = int(np.argmax(times)) if len(times) else 0
+    return Estimate(
+        step_time=float(times[worst]) + allreduce + fsdp + coeffs.step_overhead_s,
+        compute=float(parts[worst, 0]),
+        bubble=float(parts[worst, 1]),
+        p2p=float(parts[worst, 2]),
+        allreduce=allreduce,
+        fsdp=fsdp,
+        overhead=coeffs.step_overhead_s,
+        pipeline_times=tuple(times.tolist()),
+        peak_memory=peak,
+        over_memory=tuple(sorted(over)),
+        _memory=memory,
+    )
+
+
+def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, arrays, cs: float, ms: float):
+    """Per-stage compute seconds per micro-batch (pipelines x stages) and each pipeline's slowest
+    boundary transfer (activation out, gradient back)."""
+    p = len(bounds) - 1
+    stage_cost = np.array([workload.compute_s(bounds[s], bounds[s + 1]) for s in range(p)])
+    c = stage_cost[None, :] / arrays.speed[idx] * cs
+    if p == 1:
+        return c, np.zeros(len(idx))
+    out = np.array([workload.layers[bounds[s + 1] - 1].out_bytes for s in range(p - 1)], dtype=float)
+    node = arrays.node
+    same = node[idx[:, :-1]] == node[idx[:, 1:]]
+    lat = np.where(same, cluster.intra.latency_s, cluster.inter.latency_s)
+    bw = np.where(same, cluster.intra.bandwidth_Bps, cluster.inter.bandwidth_Bps)
+    x = np.where(out[None, :] > 0, 2 * (lat + out[None, :] / bw) * ms, 0.0)
+    return c, x.max(axis=1)
+
+
+def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coefficients = Coefficients()) -> np.ndarray:
+    """Seconds one micro-batch adds to each pipeline in steady state (slowest stage + transfer)."""
+    arrays = cluster.arrays()
+    out = np.zeros(len(pipelines))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, pipe in enumerate(pipelines):
+        groups.setdefault(pipe.bounds, []).append(j)
+    for bounds, members in groups.items():
+        idx = arrays.index[np.array([pipelines[j].devices for j in members], dtype=np.int64)]
+        c, x_max = _stage_times(bounds, idx, workload, cluster, arrays, coeffs.compute_scale, coeffs.comm_scale)
+        out[members] = c.max(axis=1) + x_max
+    return out
+
+
+def _sync_times(
+    plan: Plan, workload: Workload, cluster: Cluster, dead, coll_link: Link
+) -> tuple[float, float]:
+    """Exposed gradient synchronisation: the slowest device's sum of bucket all-reduces, and
+    the slowest stage's FSDP all-gathers + reduce-scatter.
+
+    Work is grouped by pipeline template (layer split) so that 100k-device plans stay cheap."""
+    k = plan.shard_degree
+    # Segments of the layer chain over which the holder set is constant.
+    cuts = sorted({b for pipe in plan.pipelines for b in pipe.bounds})
+    index = {c: i for i, c in enumerate(cuts)}
+    nseg = len(cuts) - 1
+    first: dict[tuple[int, ...], int] = {}  # template -> first pipeline using it
+    count: dict[tuple[tuple[int, ...], int], int] = {}  # (template, shard) -> pipelines
+    for j, pipe in enumerate(plan.pipelines):
+        first.setdefault(pipe.bounds, j)
+        key = (pipe.bounds, j % k)
+        count[key] = count.get(key, 0) + 1
+    holders = [[0] * k for _ in range(nseg)]
+    for (bounds, q), n in count.items():
+        for s in range(len(bounds) - 1):
+            for i in range(index[bounds[s]], index[bounds[s + 1]]):
+                holders[i][q] += n
+    for d in dead:
+        where = plan.locate(d)
+        if where is not None:
+            j, s = where
+            bounds = plan.pipelines[j].bounds
+            for i in range(index[bounds[s]], index[bounds[s + 1]]):
+                holders[i][j % k] -= 1
+    seg_cost = [
+        max(
+            ring_allreduce_s(n, workload.params_in(cuts[i], cuts[i + 1]) * workload.grad_bytes / k, coll_link)
+            for n in holders[i]
+        )
+        for i in range(nseg)
+    ]
+    allreduce = fsdp = 0.0
+    for bounds, j in first.items():
+        for s in range(len(bounds) - 1):
+            lo, hi = bounds[s], bounds[s + 1]
+            allreduce = max(allreduce, sum(seg_cost[index[lo]:index[hi]]))
+            if k > 1:
+                group_start = j - j % k
+                devs = [plan.pipelines[g].devices[s] for g in range(group_start, group_start + k)]
+                alive = [d for d in devs if d not in dead]
+                link = cluster.group_link(alive) if alive else coll_link
+                params = workload.params_in(lo, hi)
+                fsdp = max(
+                    fsdp,
+                    2 * ring_allgather_s(len(alive), params * workload.weight_bytes, link)
+                    + ring_allgather_s(len(alive), params * workload.grad_bytes, link),
+                )
+    return allreduce, fsdp
