@@ -329,12 +329,20 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig) -> list
     if not kept:
         options.append(Option("shrink", False, "no intact replica is left"))
     else:
+        # Idle survivors (of this and earlier broken replicas) re-form whole replicas, never
+        # beyond the batch the plan ran before this failure.
+        formed: set[int] = set()
+        if k == 1:
+            kept, formed = _reform(kept, alive, survivors, plan.num_microbatches)
         shrunk = Plan(tuple(kept), shard_degree=k)
         o = _option_from_plan("shrink", shrunk, state, survivors)
         if o.feasible:
             nb = shrunk.num_microbatches * w.micro_batch  # lr_scale is relative to the workload's batch
-            o.transition_s, o.global_batch, o.lr_scale = cfg.rebuild_s, nb, nb / B
+            heal = heal_seconds(shrunk, formed, w, survivors) if formed else 0.0
+            o.transition_s, o.global_batch, o.lr_scale = heal + cfg.rebuild_s, nb, nb / B
             o.reason = f"global batch {B} -> {nb}, learning rate x{nb / B:.3g} (linear scaling rule)"
+            if formed:
+                o.reason += f"; {len(formed)} idle devices re-form replicas"
         options.append(o)
 
     # wait for a replacement, then heal it from a peer
@@ -389,6 +397,28 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig) -> list
     return options
 
 
+def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: int) -> tuple[list[Pipeline], set[int]]:
+    """Re-form whole replicas of the most common pipeline shape out of idle alive devices, each
+    with that shape's micro-batch count, until the plan's micro-batches reach ``budget``."""
+    missing = budget - sum(p.microbatches for p in pipes)
+    if missing <= 0 or not pipes:
+        return pipes, set()
+    shapes: dict[tuple, int] = {}
+    for p in pipes:
+        shapes[(p.bounds, p.microbatches)] = shapes.get((p.bounds, p.microbatches), 0) + 1
+    bounds, m = max(shapes, key=lambda k: (shapes[k], k[1]))
+    used = {d for p in pipes for d in p.devices}
+    loose = sorted((d for d in alive if d not in used), key=lambda d: (cluster[d].node, d))
+    depth = len(bounds) - 1
+    out, added = list(pipes), set()
+    while missing > 0 and len(loose) >= depth and m > 0:
+        take, loose = loose[:depth], loose[depth:]
+        out.append(Pipeline(tuple(take), bounds, min(m, missing)))
+        missing -= out[-1].microbatches
+        added.update(take)
+    return out, added
+
+
 def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Cluster, alive: set[int]) -> Option:
     """Put joined devices back without re-planning: into slots that rerouted-around devices left,
     then, while the global batch is below the workload's (after a shrink), as whole replicas of
@@ -402,21 +432,9 @@ def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Clus
             rename[free.pop(0)] = d
     pipes = [replace(p, devices=tuple(rename.get(x, x) for x in p.devices)) for p in plan.pipelines]
     added: set[int] = set(rename.values())
-    missing = w.num_microbatches - plan.num_microbatches
-    if missing > 0 and pipes:
-        shapes: dict[tuple, int] = {}
-        for p in pipes:
-            key = (p.bounds, p.microbatches)
-            shapes[key] = shapes.get(key, 0) + 1
-        bounds, m = max(shapes, key=lambda k: (shapes[k], k[1]))
-        used = {d for p in pipes for d in p.devices}
-        loose = sorted((d for d in alive if d not in used), key=lambda d: (grown[d].node, d))
-        depth = len(bounds) - 1
-        while missing > 0 and len(loose) >= depth and m > 0:
-            take, loose = loose[:depth], loose[depth:]
-            pipes.append(Pipeline(tuple(take), bounds, min(m, missing)))
-            missing -= pipes[-1].microbatches
-            added.update(take)
+    if plan.shard_degree == 1:
+        pipes, formed = _reform(pipes, alive, grown, w.num_microbatches)
+        added |= formed
     if not added:
         return Option("heal", False, "no slot left by a failed device and no dropped replica to re-form")
     healed = Plan(tuple(pipes), plan.shard_degree)
