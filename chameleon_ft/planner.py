@@ -45,7 +45,10 @@ class SearchSpace:
     dp_min: int = 1
     dp_max: int | None = None
     shard_degree: int = 1
-    global_limit: int = 4096  # above this many devices only local re-plans are searched
+    # Above this many devices only local re-plans are searched: a global re-layout of a large job
+    # moves most of the model (rarely worth it within D) and its search alone would cost more
+    # than the decision budget.  Raise it to search globally anyway.
+    global_limit: int = 256
 
     def depths(self, workload: Workload, n: int) -> range:
         hi = min(self.pp_max or workload.num_layers, workload.num_layers, n)

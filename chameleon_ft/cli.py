@@ -1,0 +1,142 @@
+"""``chameleon-ft`` command line: run | demo | simulate | report.
+
+* ``run``      launch a fault-tolerant job (torchrun-style flags), see ``chameleon_ft.launch``
+* ``demo``     the live demo: local CPU workers, a worker killed mid-run, the decision and recovery
+* ``simulate`` discrete-event simulation of a long run under failures, every policy side by side
+* ``report``   render a run directory's event log (summary, decisions, throughput plot)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _simulate(argv: list[str]) -> int:
+    from .sim import BATCH_CHANGING, POLICY_NAMES, PRESETS, simulate
+
+    ap = argparse.ArgumentParser(prog="chameleon-ft simulate", description="Simulate a long training run under failures.")
+    ap.add_argument("--preset", default="llama3-16k", choices=sorted(PRESETS))
+    ap.add_argument("--days", type=float, help="simulated days (default: the preset's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES)
+    ap.add_argument("--out", default="runs/simulate", help="folder for the plot and the JSON results")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if args.days is not None and args.days <= 0:
+        ap.error("--days must be positive")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    preset = PRESETS[args.preset]
+    console.print(f"[bold]{preset.name}[/]: {preset.source}")
+    console.print(f"{preset.gpus:,} GPUs = {preset.devices:,} devices of TP{preset.tp}; "
+                  f"{args.days or preset.days:g} days; seed {args.seed}")
+    with console.status("simulating every policy against the same failure schedule..."):
+        results = simulate(preset, args.policies, seed=args.seed, days=args.days)
+    table = Table(title=f"goodput = useful samples / failure-free samples ({preset.name})")
+    for col in ("policy", "goodput", "downtime (h)", "failures", "decisions", "median decision"):
+        table.add_column(col, justify="left" if col in ("policy", "decisions") else "right")
+    best_fixed = max(r.goodput for p, r in results.items() if not p.startswith("adaptive")) if any(
+        not p.startswith("adaptive") for p in results) else None
+    for name, r in results.items():
+        label = name + (" *" if name in BATCH_CHANGING else "")
+        med = r.to_json()["median_decide_s"]
+        style = "bold green" if name.startswith("adaptive") and best_fixed is not None and r.goodput >= best_fixed else None
+        table.add_row(label, f"{r.goodput:.4%}", f"{r.downtime_s / 3600:.2f}", str(r.failures),
+                      ", ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())),
+                      f"{med * 1e3:.1f} ms" if med is not None else "-", style=style)
+    console.print(table)
+    console.print("* changes the global batch (shrink); the others keep it.")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"preset": preset.name, "seed": args.seed, "days": args.days or preset.days,
+            "results": {k: v.to_json() for k, v in results.items()}}
+    (out / f"{preset.name}.json").write_text(json.dumps(data, indent=2))
+    if not args.no_plot:
+        path = out / f"{preset.name}.png"
+        _plot_sim(results, preset, path)
+        console.print(f"plot: {path}")
+    console.print(f"results: {out / (preset.name + '.json')}")
+    return 0
+
+
+def _plot_sim(results, preset, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    names = list(results)
+    ax1.barh(names, [results[n].goodput * 100 for n in names], color=["tab:green" if n.startswith("adaptive") else "tab:gray" for n in names])
+    lo = min(r.goodput for r in results.values()) * 100
+    ax1.set_xlim(max(0, lo - 2), 100.5)
+    ax1.set_xlabel("goodput (%)")
+    ax1.invert_yaxis()
+    for n in names:
+        ts, tp = zip(*results[n].timeline)
+        ideal = tp[0]
+        ax2.step([t / 86400 for t in ts], [x / ideal for x in tp], where="post", label=n, lw=1)
+    ax2.set_xlabel("day")
+    ax2.set_ylabel("throughput / failure-free (between transitions)")
+    ax2.legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"chameleon-ft simulate --preset {preset.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _run(argv: list[str]) -> int:
+    from . import launch
+
+    return launch.main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from . import demo
+
+    return demo.main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from . import report
+
+    return report.main(argv)
+
+
+COMMANDS = {"run": _run, "demo": _demo, "simulate": _simulate, "report": _report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"chameleon-ft {__version__}")
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"chameleon-ft: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return int(cmd(argv[1:]) or 0)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("chameleon_ft."):
+            print(f"chameleon-ft {argv[0]}: not available in this build ({e.name} missing)", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
