@@ -160,7 +160,7 @@ class GroupManager:
                    timeout_s: Optional[float] = None):
         """Run ``fn(group) -> Work`` and wait for it, failing fast.
 
-        Returns the work's result.  Raises ``CollectiveFailure`` when the op errors, when
+        Returns nothing (ops write into their tensors).  Raises ``CollectiveFailure`` when the op errors, when
         ``timeout_s`` (default ``op_timeout_s``) passes, or when the generation is aborted.
         On a local error the abort key is written first, so every other member stops too.
         """
@@ -195,7 +195,8 @@ class GroupManager:
             work.wait()
         except Exception as exc:
             raise self._local_failure(f"collective failed: {exc}", "peer_error")
-        return work.result() if hasattr(work, "result") else None
+        # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
+        # their tensors anyway.
 
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM,
                   timeout_s: Optional[float] = None, copy: bool = True) -> torch.Tensor:

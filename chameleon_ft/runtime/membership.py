@@ -53,7 +53,8 @@ from torchft._torchft import LighthouseClient, LighthouseServer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key"]
+__all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
+           "read_latest", "report_dead"]
 
 _LATEST_KEY = "cft/latest"
 _REGISTRY_KEY = "cft/registry"
@@ -337,9 +338,7 @@ class CoordinatorServer:
 
     def latest_view(self) -> Optional[dict]:
         """The newest generation published by its members: generation, members, token."""
-        if not self.store.check([_LATEST_KEY]):
-            return None
-        return json.loads(self.store.get(_LATEST_KEY).decode())
+        return read_latest(self.store)
 
     def registered(self) -> set[int]:
         """Worker ids that ever joined."""
@@ -362,19 +361,32 @@ class CoordinatorServer:
         return [json.loads(line) for line in lines if line.strip()]
 
     def report_dead(self, worker_id: int, reason: str = "process exited") -> None:
-        """Launcher fast path: it saw a worker process exit, so end the newest generation
-        now instead of waiting for a collective error or a heartbeat timeout.  The death is
-        also recorded, so a quorum that the worker joined just before dying is ended as soon
-        as it forms (otherwise its group construction would wait for the connect timeout)."""
-        incarnation = self.store.add(_incarnation_key(worker_id), 0)
-        self.store.set(_dead_key(worker_id), str(incarnation))
-        latest = self.latest_view()
-        if latest is None:
-            return
-        record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
-                  "time": time.time(), "generation": latest["generation"]}
-        self.store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
-        self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+        """Launcher fast path; see the module-level ``report_dead``."""
+        report_dead(self.store, worker_id, reason)
 
     def shutdown(self) -> None:
         self._lighthouse.shutdown()
+
+
+def read_latest(store: dist.Store) -> Optional[dict]:
+    """The newest generation published in ``store``: generation, members, token (or None)."""
+    if not store.check([_LATEST_KEY]):
+        return None
+    return json.loads(store.get(_LATEST_KEY).decode())
+
+
+def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited") -> None:
+    """Launcher fast path: it saw a worker process exit, so end the newest generation now
+    instead of waiting for a collective error or a heartbeat timeout.  The death is also
+    recorded, so a quorum that the worker joined just before dying is ended as soon as it
+    forms (otherwise its group construction would wait for the connect timeout).  Works from
+    any launcher that holds a client of the coordinator's store, not only the one hosting it."""
+    incarnation = store.add(_incarnation_key(worker_id), 0)
+    store.set(_dead_key(worker_id), str(incarnation))
+    latest = read_latest(store)
+    if latest is None:
+        return
+    record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
+              "time": time.time(), "generation": latest["generation"]}
+    store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
+    store.append(_FAILURES_KEY, json.dumps(record) + "\n")

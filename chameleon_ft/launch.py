@@ -1,0 +1,339 @@
+"""``chameleon-ft run [flags] script.py [args]``: start elastic workers that survive failures.
+
+One launcher per node (torchrun's flags).  Node 0's launcher hosts the job's coordinator
+(``CoordinatorServer``: a TCPStore and torchft's Lighthouse) on loopback, or on the address
+that ``--rdzv-endpoint`` names; every launcher (node 0's too) then starts
+``--nproc-per-node`` workers with the environment of ``runtime/env.py``.  Worker ids are
+``node_rank * nproc_per_node + local_rank`` and stay with their slot.
+
+What a launcher does while the job runs:
+
+* a worker that exits non-zero is reported to the coordinator at once (``report_dead``), so
+  the survivors stop waiting for it; its peers are never torn down;
+* up to ``--max-replacements`` times (per launcher) it starts a replacement in the dead
+  worker's slot, which joins and heals from a peer;
+* a worker left out of the agreed generation for longer than ``--hang-timeout`` + 2 s (it
+  hangs, e.g. SIGSTOP) is killed, which also frees its slot for a replacement;
+* once any worker finished successfully, the others get ``--hang-timeout`` + 5 s to finish;
+* Ctrl-C / SIGTERM: every worker's process group is terminated, then killed.
+
+Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart (rerun
+the command; the script resumes from its checkpoint); otherwise the first worker's failure
+code, or 1/2 for launcher errors (bad flags: 2).
+
+Limits, honestly: node 0's launcher is the single point of failure (it hosts the
+coordinator); when it dies, workers fail their next collective with a clear error.  The
+coordinator is not authenticated: bind it to a trusted network only.  No automatic
+whole-job restart: exit code 75 hands that to the caller (scheduler, shell loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from chameleon_ft.runtime import env as E
+from chameleon_ft.runtime.eventlog import EventLog
+from chameleon_ft.runtime.faults import parse_faults
+from chameleon_ft.runtime.membership import (CoordinatorServer, MembershipError, connect_store,
+                                             read_latest, report_dead)
+
+__all__ = ["main", "build_parser", "LaunchError"]
+
+_LIGHTHOUSE_KEY = "cft/launch/lighthouse"
+_POLL_S = 0.005
+
+
+class LaunchError(RuntimeError):
+    """Bad input or an unusable environment, found before any worker started."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chameleon-ft run", allow_abbrev=False,
+        description="Start elastic data-parallel workers that keep training in place when a "
+                    "peer dies, hangs or slows down.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="workers on this node (default 1)")
+    p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                   help="host:port of the coordinator (node 0 binds it; default: loopback, "
+                        "random port, single node)")
+    p.add_argument("--rdzv-timeout", type=float, default=30.0,
+                   help="seconds to reach the coordinator from nodes > 0 (default 30)")
+    p.add_argument("--max-replacements", type=int, default=0,
+                   help="replacement workers this launcher may start (default 0)")
+    p.add_argument("--hang-timeout", type=float, default=10.0,
+                   help="watchdog on every collective, seconds (default 10)")
+    p.add_argument("--run-dir", default=None, help="event log directory (default: a new temp dir)")
+    p.add_argument("--faults", default="", help="fault-injection spec (see runtime/faults.py)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= lo_n <= hi_n:
+        raise LaunchError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo_n, hi_n
+
+
+@dataclass
+class _Child:
+    wid: int
+    local_rank: int
+    proc: subprocess.Popen
+    incarnation: int
+    started: float = field(default_factory=time.monotonic)
+    seen: bool = False
+    absent_since: Optional[float] = None
+    rc: Optional[int] = None
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.min_nodes, self.max_nodes = _nnodes(args.nnodes)
+        if args.nproc_per_node < 1:
+            raise LaunchError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        if not 0 <= args.node_rank < self.max_nodes:
+            raise LaunchError(f"--node-rank {args.node_rank} outside 0..{self.max_nodes - 1}")
+        if self.max_nodes > 1 and not args.rdzv_endpoint:
+            raise LaunchError("more than one node needs --rdzv-endpoint host:port")
+        if args.max_replacements < 0 or args.hang_timeout <= 0:
+            raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
+        if not os.path.isfile(args.script):
+            raise LaunchError(f"script {args.script!r} not found")
+        try:
+            parse_faults(args.faults)
+        except ValueError as exc:
+            raise LaunchError(f"--faults: {exc}") from None
+        self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="chameleon-ft-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.coordinator: Optional[CoordinatorServer] = None
+        self.store = None
+        self.children: dict[int, _Child] = {}
+        self.replacements_left = args.max_replacements
+        self.stop_signal: Optional[int] = None
+
+    # ---------------------------------------------------------------- coordinator
+    def connect(self) -> tuple[str, str]:
+        a = self.args
+        if a.node_rank == 0:
+            host, port = "127.0.0.1", 0
+            if a.rdzv_endpoint:
+                host, _, p = a.rdzv_endpoint.rpartition(":")
+                host, port = host.strip("[]") or "127.0.0.1", int(p)
+            try:
+                self.coordinator = CoordinatorServer(host, store_port=port)
+            except Exception as exc:
+                raise LaunchError(f"cannot host the coordinator on {host}:{port}: {exc}") from exc
+            self.store = self.coordinator.store
+            self.store.set(_LIGHTHOUSE_KEY, self.coordinator.lighthouse_addr)
+            return self.coordinator.store_addr, self.coordinator.lighthouse_addr
+        try:
+            self.store = connect_store(a.rdzv_endpoint, a.rdzv_timeout)
+            self.store.wait([_LIGHTHOUSE_KEY])
+            return a.rdzv_endpoint, self.store.get(_LIGHTHOUSE_KEY).decode()
+        except MembershipError as exc:
+            raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
+        except Exception as exc:
+            raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
+
+    # ---------------------------------------------------------------- workers
+    def spawn(self, local_rank: int, incarnation: int = 0) -> _Child:
+        a = self.args
+        wid = a.node_rank * a.nproc_per_node + local_rank
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update({
+            E.STORE: self.store_addr, E.LIGHTHOUSE: self.lighthouse_addr, E.WORKER_ID: str(wid),
+            "RANK": str(wid), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.max_nodes * a.nproc_per_node),
+            "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "NODE_RANK": str(a.node_rank),
+            E.RUN_DIR: self.run_dir, E.FAULTS: a.faults, E.REPLACEMENT: str(incarnation),
+            E.HANG_TIMEOUT: str(a.hang_timeout),
+            E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
+            E.MAX_REPLACEMENTS: str(self.replacements_left),
+        })
+        proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
+                                start_new_session=True)
+        child = _Child(wid, local_rank, proc, incarnation)
+        self.children[local_rank] = child
+        what = f"replacement #{incarnation}" if incarnation else "worker"
+        _say(f"started {what} {wid} (pid {proc.pid})")
+        return child
+
+    def run(self) -> int:
+        self.store_addr, self.lighthouse_addr = self.connect()
+        log = EventLog(os.path.join(self.run_dir, "events.jsonl"), role="launcher",
+                       node_rank=self.args.node_rank, pid=os.getpid())
+        _say(f"run dir {self.run_dir}; coordinator {self.store_addr}")
+        for lr in range(self.args.nproc_per_node):
+            self.spawn(lr)
+        log.run_start(argv=sys.argv, workers={c.wid: c.proc.pid for c in self.children.values()},
+                      store=self.store_addr)
+        finished_at: Optional[float] = None
+        exits: list[tuple[int, int]] = []
+        next_view_check = 0.0
+        while True:
+            if self.stop_signal is not None:
+                self.terminate_all()
+                log.run_end(status="interrupted", signal=self.stop_signal)
+                return 128 + self.stop_signal
+            running = [c for c in self.children.values() if c.rc is None]
+            for c in running:
+                rc = c.proc.poll()
+                if rc is None:
+                    continue
+                c.rc = rc
+                exits.append((c.wid, rc))
+                if rc == 0:
+                    finished_at = finished_at or time.monotonic()
+                    continue
+                _say(f"worker {c.wid} (pid {c.proc.pid}) {_describe(rc)}; survivors carry on")
+                self._report(c.wid, _describe(rc))
+                if (rc != E.RESTART_EXIT_CODE and finished_at is None and self.replacements_left > 0):
+                    self.replacements_left -= 1
+                    self.spawn(c.local_rank, c.incarnation + 1)
+            running = [c for c in self.children.values() if c.rc is None]
+            if not running:
+                break
+            now = time.monotonic()
+            if now >= next_view_check:
+                next_view_check = now + 0.05
+                self._evict_hung(running, now)
+            if finished_at is not None and now - finished_at > self.args.hang_timeout + 5:
+                for c in running:
+                    _say(f"worker {c.wid} (pid {c.proc.pid}) still running after the others "
+                         "finished; killing it")
+                    _kill_group(c.proc.pid)
+            time.sleep(_POLL_S)
+        status = self._status(exits)
+        log.run_end(status=status, exits=[[w, rc] for w, rc in exits])
+        log.close()
+        return status
+
+    def _status(self, exits: list[tuple[int, int]]) -> int:
+        codes = [rc for _, rc in exits]
+        if 0 in codes:
+            return 0
+        if E.RESTART_EXIT_CODE in codes:
+            _say("the engine chose checkpoint-restart: rerun the same command to resume "
+                 "from the script's checkpoint")
+            return E.RESTART_EXIT_CODE
+        bad = [rc for rc in codes if rc > 0]
+        return bad[0] if bad else 1
+
+    def _report(self, wid: int, reason: str) -> None:
+        try:
+            report_dead(self.store, wid, reason)
+        except Exception as exc:  # the coordinator may be gone; workers will say so
+            _say(f"could not report worker {wid} to the coordinator: {exc}")
+
+    def _evict_hung(self, running: list[_Child], now: float) -> None:
+        try:
+            latest = read_latest(self.store)
+        except Exception:
+            return
+        members = set(latest["members"]) if latest else set()
+        for c in running:
+            if c.wid in members:
+                c.seen, c.absent_since = True, None
+            elif c.seen:
+                c.absent_since = c.absent_since or now
+                if now - c.absent_since > self.args.hang_timeout + 2:
+                    _say(f"worker {c.wid} (pid {c.proc.pid}) left out of the job for "
+                         f"{now - c.absent_since:.1f} s (hung?); killing it")
+                    c.seen = False
+                    _kill_group(c.proc.pid)
+
+    def terminate_all(self) -> None:
+        live = [c for c in self.children.values() if c.proc.poll() is None]
+        for c in live:
+            _signal_group(c.proc.pid, signal.SIGTERM)
+            _signal_group(c.proc.pid, signal.SIGCONT)  # a stopped worker must run to die
+        deadline = time.monotonic() + 3.0
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(c.proc.pid)
+        for c in live:
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        self.terminate_all()
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+            self.coordinator = None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(pid: int) -> None:
+    _signal_group(pid, signal.SIGCONT)
+    _signal_group(pid, signal.SIGKILL)
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+def _say(msg: str) -> None:
+    print(f"chameleon-ft run: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        launcher = Launcher(args)
+    except LaunchError as exc:
+        _say(f"error: {exc}")
+        return 2
+    previous = {}
+
+    def on_signal(signum, _frame):
+        launcher.stop_signal = signum
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        return launcher.run()
+    except LaunchError as exc:
+        _say(f"error: {exc}")
+        return 1
+    finally:
+        launcher.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

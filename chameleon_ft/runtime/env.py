@@ -1,0 +1,83 @@
+"""The environment contract between ``chameleon-ft run`` (the launcher) and a worker.
+
+The launcher sets these variables for every worker process; ``WorkerEnv.from_env()`` reads
+and checks them.  torchrun's names (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``NODE_RANK``) keep their meaning *at launch*; after a failure the live
+membership comes from the coordinator, not from these.  See docs/runtime.md for the table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = ["WorkerEnv", "EnvError", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
+           "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
+           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS"]
+
+STORE = "CHAMELEON_FT_STORE"                # host:port of the coordinator's TCPStore
+LIGHTHOUSE = "CHAMELEON_FT_LIGHTHOUSE"      # http://host:port of the coordinator's Lighthouse
+WORKER_ID = "CHAMELEON_FT_WORKER_ID"        # stable id of this slot (a replacement reuses it)
+RUN_DIR = "CHAMELEON_FT_RUN_DIR"            # where events.jsonl (and worker files) go
+FAULTS = "CHAMELEON_FT_FAULTS"              # fault-injection spec, see runtime/faults.py
+REPLACEMENT = "CHAMELEON_FT_REPLACEMENT"     # 0 for an original worker, n for its n-th replacement
+HANG_TIMEOUT = "CHAMELEON_FT_HANG_TIMEOUT"   # watchdog on every collective, seconds
+MIN_WORLD = "CHAMELEON_FT_MIN_WORLD"        # members needed before the first step
+MAX_REPLACEMENTS = "CHAMELEON_FT_MAX_REPLACEMENTS"  # replacement budget of this worker's launcher
+
+# A worker exits with this code when the engine chose checkpoint-restart (EX_TEMPFAIL).
+RESTART_EXIT_CODE = 75
+# ... and with this one when the coordinator is gone or no quorum formed.
+MEMBERSHIP_EXIT_CODE = 3
+
+
+class EnvError(RuntimeError):
+    """The process was not started by ``chameleon-ft run`` (or a variable is malformed)."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    store: str
+    lighthouse: str
+    worker_id: int
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    run_dir: Optional[str] = None
+    faults: str = ""
+    replacement: int = 0
+    hang_timeout_s: float = 10.0
+    min_world_size: int = 1
+    max_replacements: int = 0
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerEnv":
+        env = os.environ if env is None else env
+        missing = [k for k in (STORE, LIGHTHOUSE, WORKER_ID) if not env.get(k)]
+        if missing:
+            raise EnvError(f"{', '.join(missing)} not set: start this script with "
+                           "`chameleon-ft run [flags] script.py` (python -m chameleon_ft.launch)")
+
+        def num(name: str, default, kind=int):
+            raw = env.get(name)
+            if raw in (None, ""):
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise EnvError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+        wid = num(WORKER_ID, 0)
+        world = num("WORLD_SIZE", 1)
+        local_world = num("LOCAL_WORLD_SIZE", world)
+        return cls(
+            store=env[STORE], lighthouse=env[LIGHTHOUSE], worker_id=wid,
+            rank=num("RANK", wid), local_rank=num("LOCAL_RANK", wid % max(local_world, 1)),
+            world_size=world, local_world_size=local_world,
+            node_rank=num("NODE_RANK", wid // max(local_world, 1)),
+            run_dir=env.get(RUN_DIR) or None, faults=env.get(FAULTS, ""),
+            replacement=num(REPLACEMENT, 0), hang_timeout_s=num(HANG_TIMEOUT, 10.0, float),
+            min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0))

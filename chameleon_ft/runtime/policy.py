@@ -1,0 +1,278 @@
+"""The runtime's bridge to the engine: build its inputs from the live job, turn its Decisions
+into micro-batch allocations.  The engine decides; this module only translates.
+
+``EnginePolicy`` holds, as plain JSON-able state that every member keeps identical:
+
+* the running ``Plan`` (data parallel: one single-stage pipeline per worker id) and the set of
+  alive worker ids -- after a reroute the plan keeps its dead devices, as the selector expects;
+* the ``Workload``: one ``Layer`` per parameterised top-level child of the model, parameters
+  counted, forward/backward seconds split from the measured per-micro-batch compute time
+  (1/3 forward, 2/3 backward, in proportion to parameters), frozen after ``warmup_steps``;
+* a ``Calibrator`` fed with every step's phase timings (predicted by ``perf.estimate`` for the
+  running plan, observed by the members), so Decisions use this job's coefficients;
+* a ``StragglerDetector`` fed with every member's compute seconds per micro-batch;
+* a ``FailureRateEstimator`` for ``D`` (the expected time to the next failure).
+
+Every input comes from values all members share (all-reduced timings, the agreed view), so
+straggler decisions are taken by every member independently and agree.  Failure and join
+decisions are taken by one member during recovery and shipped to the others (see worker.py).
+
+Limits, honestly: only policies a data-parallel runtime can carry out are offered to the
+selector: ``reroute``, ``replan`` (pipeline depth 1), ``wait`` (carried out as reroute until
+the replacement arrives -- nobody idles), ``restart`` (the workers exit for the launcher),
+``keep``/``rebalance``/``heal``/``grow``.  ``shrink`` is not offered: the exactly-once sampler
+cannot change the global batch mid-epoch.  Per-layer costs are split by parameter count, not
+measured per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from chameleon_ft.calibrate import Calibrator, StepSample
+from chameleon_ft.cluster import homogeneous
+from chameleon_ft.failures import Event, EventKind, FailureRateEstimator
+from chameleon_ft.perf import Coefficients, estimate
+from chameleon_ft.plan import Plan
+from chameleon_ft.planner import SearchSpace
+from chameleon_ft.selector import Decision, JobState, SelectorConfig, select
+from chameleon_ft.stragglers import StragglerDetector
+from chameleon_ft.workload import Layer, Workload
+
+__all__ = ["EnginePolicy", "RestartRequested", "RUNTIME_POLICIES"]
+
+RUNTIME_POLICIES = frozenset({"reroute", "replan", "wait", "restart", "keep", "rebalance",
+                              "heal", "grow"})
+_DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
+
+
+class RestartRequested(RuntimeError):
+    """The engine chose checkpoint-restart (or nothing in place was feasible).  ``decision``
+    is the ``Decision`` (or its JSON, on members that received it from a peer)."""
+
+    def __init__(self, decision):
+        chosen = decision.chosen if isinstance(decision, Decision) else (decision or {}).get("chosen")
+        super().__init__(f"engine chose {chosen or 'nothing feasible'}: checkpoint-restart "
+                         "by the launcher")
+        self.decision = decision
+
+
+class EnginePolicy:
+    """Engine state of one job, identical on every member.
+
+    Args:
+        layer_params: parameters of each parameterised top-level child of the model.
+        global_batch, micro_batch: the sampler's sizes.
+        per_node: workers per node (``LOCAL_WORLD_SIZE``), for the cluster and node losses.
+        replacement_eta_s: when the launcher can still start replacements, how soon one is
+            expected (enables ``wait``/``heal``); None otherwise.
+        mttf_s: fixed ``D``; default: the failure-rate estimator's.
+    """
+
+    def __init__(self, layer_params: Sequence[int], global_batch: int, micro_batch: int, *,
+                 per_node: int = 1, warmup_steps: int = 3, replacement_eta_s: Optional[float] = None,
+                 mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
+                 stragglers: bool = True):
+        self.layer_params = [int(p) for p in layer_params] or [1]
+        self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
+        self.per_node = max(1, int(per_node))
+        self.warmup_steps = warmup_steps
+        self.replacement_eta_s = replacement_eta_s
+        self.mttf_s = mttf_s
+        self.rebuild_s = rebuild_s
+        self.restart_s = restart_s
+        self.stragglers = stragglers
+        self.plan: Optional[Plan] = None
+        self.alive: frozenset[int] = frozenset()
+        self.allocation: dict[int, int] = {}
+        self.mb_seconds: Optional[float] = None  # frozen per-micro-batch compute, after warm-up
+        self._warm: list[float] = []
+        self.calibrator = Calibrator()
+        self.detector = StragglerDetector()
+        self.estimator = FailureRateEstimator()
+        self._predicted: Optional[tuple[str, float, float]] = None
+
+    # ---------------------------------------------------------------- engine inputs
+    def workload(self) -> Workload:
+        per_mb = self.mb_seconds if self.mb_seconds is not None else _DEFAULT_MB_S
+        total = sum(self.layer_params)
+        layers = tuple(Layer(params=p, fwd_s=per_mb * p / total / 3, bwd_s=2 * per_mb * p / total / 3,
+                             act_bytes=0) for p in self.layer_params)
+        return Workload(layers, self.global_batch, self.micro_batch, name="elastic-dp")
+
+    def cluster(self, extra_ids=()):
+        ids = set(self.plan.devices if self.plan else ()) | set(self.alive) | set(extra_ids)
+        n = max(ids) + 1 if ids else 1
+        speeds = {d: 1.0 / s for d, s in self.detector.flagged.items() if s > 0}
+        return homogeneous(n, per_node=self.per_node).with_speeds(speeds)
+
+    def selector_config(self, steps_since_checkpoint: int) -> SelectorConfig:
+        return SelectorConfig(
+            allowed=RUNTIME_POLICIES, replacement_eta_s=self.replacement_eta_s,
+            rebuild_s=self.rebuild_s, restart_s=self.restart_s,
+            steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1))
+
+    def mttf(self) -> float:
+        return self.mttf_s or self.estimator.mttf(max(1, len(self.alive)))
+
+    def job_state(self, alive, extra_ids=()) -> JobState:
+        return JobState(workload=self.workload(), cluster=self.cluster(extra_ids), plan=self.plan,
+                        alive=frozenset(alive), coeffs=self.calibrator.coefficients())
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, members: Sequence[int]) -> dict[int, int]:
+        """The initial data-parallel plan over ``members``; returns the allocation."""
+        self.plan = Plan.data_parallel(sorted(members), self.workload())
+        self.alive = frozenset(members)
+        self._set_allocation(self.plan, {})
+        return self.allocation
+
+    def on_membership(self, members: Sequence[int], hang: bool, step: int,
+                      steps_since_checkpoint: int = 0) -> list[Decision]:
+        """The agreed view changed: one Decision for the lost workers (if any), one for the
+        joined (if any); the plan and allocation follow the choices.  Raises
+        ``RestartRequested`` when the engine picks checkpoint-restart."""
+        members = frozenset(members)
+        dead = self.alive - members
+        joined = members - self.alive
+        decisions = []
+        if dead:
+            if self.plan is None or not set(self.plan.devices) & members:
+                self.start(sorted(members))  # nothing of the old plan survives: start over
+            else:
+                kind = EventKind.HANG if hang else (
+                    EventKind.NODE_LOSS if self._whole_nodes(dead) else EventKind.FAIL_STOP)
+                self.estimator.observe(0, 0.0, failures=len(dead))
+                self.detector.forget(dead)
+                event = Event(kind, tuple(sorted(dead)), float(step))
+                d = select(event, self.job_state(self.alive), self.selector_config(steps_since_checkpoint),
+                           self.mttf())
+                decisions.append(d)
+                self._apply(d, self.alive - dead)
+        if joined:
+            event = Event(EventKind.JOIN, tuple(sorted(joined)), float(step))
+            d = select(event, self.job_state(self.alive | joined, joined),
+                       self.selector_config(steps_since_checkpoint), self.mttf())
+            decisions.append(d)
+            self._apply(d, self.alive | joined)
+        return decisions
+
+    def observe_step(self, timings: dict[int, tuple[float, int, float, float]], step: int,
+                     steps_since_checkpoint: int = 0) -> Optional[Decision]:
+        """Feed one committed step's shared timings, per member: (compute seconds,
+        micro-batches, previous step's all-reduce seconds, previous step's seconds).  Returns a
+        straggler Decision when the detector flags someone new."""
+        per_mb = {w: c / n for w, (c, n, _, _) in timings.items() if n > 0 and c > 0}
+        step_prev = max((s for *_, s in timings.values()), default=0.0)
+        if step_prev > 0:
+            self.estimator.observe(len(self.alive), step_prev)
+        if self.mb_seconds is None and per_mb:
+            self._warm.append(sorted(per_mb.values())[len(per_mb) // 2])
+            if len(self._warm) >= self.warmup_steps:
+                self.mb_seconds = sorted(self._warm)[len(self._warm) // 2]
+                self._predicted = None
+        self._calibrate(timings)
+        if not (self.stragglers and len(per_mb) >= 2):
+            return None
+        events = self.detector.observe(per_mb, float(step))
+        events = [e for e in events if e.devices[0] in self.alive]
+        if not events:
+            return None
+        d = select(events[0], self.job_state(self.alive), self.selector_config(steps_since_checkpoint),
+                   self.mttf())
+        self._apply(d, self.alive)
+        return d
+
+    # ---------------------------------------------------------------- helpers
+    def _whole_nodes(self, dead: frozenset[int]) -> bool:
+        """Every worker the plan had on each affected node is gone (a lost node)."""
+        if len(dead) < 2 or self.per_node < 2:
+            return False
+        for n in {d // self.per_node for d in dead}:
+            on_node = {d for d in self.plan.devices if d // self.per_node == n}
+            if not on_node <= dead:
+                return False
+        return True
+
+    def _calibrate(self, timings) -> None:
+        if self.mb_seconds is None or self.plan is None:
+            return
+        comm = [c for _, _, c, _ in timings.values() if c > 0]
+        steps = [s for *_, s in timings.values() if s > 0]
+        compute = max((c for c, _, _, _ in timings.values()), default=0.0)
+        if not comm or not steps or compute <= 0:
+            return
+        key = repr((self.plan.to_json(), sorted(self.alive)))
+        if self._predicted is None or self._predicted[0] != key:
+            dead = frozenset(set(self.plan.devices) - self.alive)
+            extra = {d: float(n - self._plan_share(d)) for d, n in self.allocation.items()
+                     if n > self._plan_share(d)}
+            est = estimate(self.plan, self.workload(), self.cluster(), Coefficients(), dead, extra)
+            self._predicted = (key, est.compute, est.allreduce)
+        _, pc, pm = self._predicted
+        self.calibrator.observe(StepSample(pc, pm, compute, sum(comm) / len(comm), max(steps)))
+
+    def _plan_share(self, d: int) -> int:
+        where = self.plan.locate(d)
+        return self.plan.pipelines[where[0]].microbatches if where else 0
+
+    def _apply(self, d: Decision, alive: frozenset[int]) -> None:
+        o = d.choice
+        if o is None or o.policy == "restart":
+            raise RestartRequested(d)
+        if o.policy == "wait":  # carry on rerouted until the replacement joins
+            o = d.option("reroute")
+        plan = o.plan if o.plan is not None else self.plan
+        alloc = self._allocation_of(plan, alive, o.extra)
+        if alloc is None:
+            raise RestartRequested(d)
+        self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
+        self._predicted = None
+
+    def _allocation_of(self, plan: Plan, alive, extra) -> Optional[dict[int, int]]:
+        if plan.max_depth != 1:
+            return None
+        alloc = {w: 0 for w in alive}
+        for p in plan.pipelines:
+            if p.devices[0] in alloc:
+                alloc[p.devices[0]] += p.microbatches
+        for w, e in extra.items():
+            if w in alloc:
+                alloc[w] += int(round(e))
+        if sum(alloc.values()) != self.global_batch // self.micro_batch:
+            return None
+        return dict(sorted(alloc.items()))
+
+    def _set_allocation(self, plan: Plan, extra) -> None:
+        alloc = self._allocation_of(plan, self.alive, extra)
+        if alloc is None:
+            raise ValueError(f"plan {plan.describe()} is not a data-parallel allocation of "
+                             f"{self.global_batch // self.micro_batch} micro-batches")
+        self.allocation = alloc
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "plan": self.plan.to_json() if self.plan else None,
+            "alive": sorted(self.alive),
+            "allocation": [[w, n] for w, n in sorted(self.allocation.items())],
+            "mb_seconds": self.mb_seconds, "warm": list(self._warm),
+            "rebuild_s": self.rebuild_s,
+            "calibrator": [list(vars(s).values()) for s in self.calibrator.samples],
+            "detector": self.detector.state_dict(),
+            "estimator": self.estimator.state_dict(),
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.plan = Plan.from_json(s["plan"]) if s["plan"] else None
+        self.alive = frozenset(int(w) for w in s["alive"])
+        self.allocation = {int(w): int(n) for w, n in s["allocation"]}
+        self.mb_seconds, self._warm = s["mb_seconds"], list(s["warm"])
+        self.rebuild_s = float(s["rebuild_s"])
+        self.calibrator.samples.clear()
+        for v in s["calibrator"]:
+            self.calibrator.observe(StepSample(*v))
+        self.detector = StragglerDetector()
+        self.detector.load_state_dict(s["detector"])
+        self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
+        self._predicted = None

@@ -1,0 +1,177 @@
+"""Run state as tensors plus plain JSON: moved between replicas and written to checkpoints.
+
+A worker's whole training state (model, optimizer, LR scheduler, sampler, step counters, RNG)
+is a nested tree of dicts, lists, tuples, numbers, strings and tensors.  ``encode`` splits such
+a tree into a JSON-able skeleton and a list of tensors; ``decode`` puts it back together.  The
+skeleton tags what JSON cannot say (tuples, dicts with non-string keys, tensor slots), so
+optimizer state keyed by parameter index and Adam's ``betas`` tuple survive exactly.
+
+Two uses:
+
+* ``broadcast_tree`` sends a tree from one member of a generation's gloo group to all others:
+  the JSON skeleton goes as a uint8 tensor and all tensors as *one* uint8 buffer (their raw
+  bytes, so any dtype arrives bit for bit).  Nothing received from a peer is unpickled.
+* ``save_checkpoint`` / ``load_checkpoint`` write ``{"format", "meta", "tensors"}`` with
+  ``torch.save`` and read it back with ``torch.load(weights_only=True)``; anything wrong with
+  the file is reported as ``CheckpointError`` naming the path.
+
+Limits, honestly: tensors are copied to CPU and must be dense (no sparse or quantized
+tensors); objects other than the types above (e.g. a custom class in a scheduler's state)
+raise ``TypeError`` naming where they sit; floats go through JSON, which round-trips Python
+floats exactly (NaN/inf included, as Python's non-standard JSON tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["encode", "decode", "broadcast_tree", "save_checkpoint", "load_checkpoint",
+           "CheckpointError", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = "chameleon-ft/run-state/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt or not ours."""
+
+
+def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``tree`` into a JSON-able skeleton and its tensors (in skeleton order)."""
+    tensors: list[torch.Tensor] = []
+
+    def enc(x: Any, where: str) -> Any:
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach().to("cpu").contiguous())
+            return {"__x": len(tensors) - 1}
+        if isinstance(x, list):
+            return [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return {"__t": [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            return {"__d": [[enc(k, f"{where} key"), enc(v, f"{where}[{k!r}]")]
+                            for k, v in x.items()]}
+        raise TypeError(f"cannot encode {type(x).__name__} at {where or 'top level'}: only "
+                        "tensors, numbers, strings, None, lists, tuples and dicts travel")
+
+    return enc(tree, ""), tensors
+
+
+def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of ``encode``."""
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if isinstance(x, dict):
+            if "__x" in x:
+                return tensors[x["__x"]]
+            if "__t" in x:
+                return tuple(dec(v) for v in x["__t"])
+            if "__d" in x:
+                return {_hashable(dec(k)): dec(v) for k, v in x["__d"]}
+            raise ValueError(f"bad state skeleton node {list(x)[:3]}")
+        return x
+
+    return dec(skeleton)
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
+
+
+def _specs(tensors: list[torch.Tensor]) -> list[list]:
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    parts = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack(buf: torch.Tensor, specs: list[list]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for dtype_name, shape in specs:
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype_name!r} in state")
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        out.append(buf[at:at + nbytes].clone().view(dtype).reshape(shape))
+        at += nbytes
+    if at != buf.numel():
+        raise ValueError(f"state buffer has {buf.numel()} bytes, specs describe {at}")
+    return out
+
+
+def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: int,
+                   tree: Optional[Any] = None) -> Any:
+    """Send ``tree`` from ``root`` to every member; returns the tree on every member.
+
+    ``collective`` is ``GroupManager.collective`` (so a dying peer raises
+    ``CollectiveFailure`` rather than hanging).  Three broadcasts: the skeleton's length, the
+    skeleton (JSON as uint8), and all tensor bytes in one buffer.
+    """
+
+    def bcast(t: torch.Tensor) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        collective(lambda pg: pg.broadcast([t], opts))
+        return t
+
+    if rank == root:
+        skeleton, tensors = encode(tree)
+        blob = json.dumps({"tree": skeleton, "specs": _specs(tensors)}).encode()
+        body = _pack(tensors)
+        sizes = torch.tensor([len(blob), body.numel()], dtype=torch.int64)
+    else:
+        sizes = torch.zeros(2, dtype=torch.int64)
+    bcast(sizes)
+    n_meta, n_body = int(sizes[0]), int(sizes[1])
+    meta_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if rank == root
+              else torch.empty(n_meta, dtype=torch.uint8))
+    bcast(meta_t)
+    if rank != root:
+        body = torch.empty(n_body, dtype=torch.uint8)
+    if n_body:
+        bcast(body)
+    if rank == root:
+        return tree
+    meta = json.loads(bytes(meta_t.numpy()).decode())
+    return decode(meta["tree"], _unpack(body, meta["specs"]))
+
+
+def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
+    """Write ``tree`` atomically (temporary file, then rename)."""
+    skeleton, tensors = encode(tree)
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save({"format": CHECKPOINT_FORMAT, "meta": json.dumps(skeleton),
+                "tensors": tensors}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> Any:
+    """Read a tree written by ``save_checkpoint``; ``CheckpointError`` if it is not one."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling errors, truncated zip, wrong magic...
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a {CHECKPOINT_FORMAT} file")
+    try:
+        return decode(json.loads(raw["meta"]), list(raw["tensors"]))
+    except (KeyError, ValueError, IndexError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} has a damaged skeleton: {exc}") from exc

@@ -1,0 +1,119 @@
+"""``ElasticTrainer``: a plain training loop on ``ElasticContext``, and ``elastic_main``.
+
+For scripts started by ``chameleon-ft run``::
+
+    def main():
+        trainer = ElasticTrainer(model, optimizer, dataset, loss_fn, global_batch=32,
+                                 micro_batch=4, scheduler=scheduler)
+        trainer.fit(epochs=3)
+    elastic_main(main)
+
+``loss_fn(model, batch)`` returns the mean loss of one micro-batch; ``batch`` is
+``collate_fn([dataset[i] for i in micro_batch.indices])`` (``default_collate`` by default).
+Every member of the job runs the same loop; failures, replacements and stragglers are
+handled inside ``ElasticContext.sync_and_step`` -- the loop only asks again what to compute.
+
+Limits: map-style datasets only (the sampler addresses samples by index); a DataLoader with
+workers can be built on ``ElasticBatchSampler`` instead of this loop (see sampler.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, Optional
+
+import torch
+from torch.utils.data import default_collate
+
+from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE, EnvError
+from chameleon_ft.runtime.membership import MembershipError
+from chameleon_ft.runtime.policy import RestartRequested
+from chameleon_ft.runtime.state import CheckpointError
+from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, WorldTooSmall
+
+__all__ = ["ElasticTrainer", "elastic_main"]
+
+
+class ElasticTrainer:
+    """Data-parallel training that survives worker failures in place.
+
+    Args:
+        checkpoint: optional path; resumed from when it exists, written by the lowest-ranked
+            member every ``checkpoint_every`` committed steps and at the end.
+        on_step: optional ``fn(ctx)`` called after every committed step (logging, metrics).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset,
+                 loss_fn: Callable, global_batch: int, micro_batch: int, scheduler=None, *,
+                 collate_fn: Callable = default_collate, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, config: Optional[ElasticConfig] = None,
+                 checkpoint: Optional[str] = None, checkpoint_every: int = 0,
+                 on_step: Optional[Callable] = None):
+        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+        self.collate_fn = collate_fn
+        self.ctx = ElasticContext(model, optimizer, len(dataset), global_batch, micro_batch,
+                                  scheduler=scheduler, seed=seed, shuffle=shuffle,
+                                  drop_last=drop_last, config=config)
+        self.checkpoint = checkpoint
+        self.checkpoint_every = checkpoint_every
+        self.on_step = on_step
+        self.redone_steps = 0
+
+    def fit(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> dict:
+        """Train until ``max_steps`` committed steps or ``epochs`` epochs, whichever first."""
+        if max_steps is None and epochs is None:
+            raise ValueError("give max_steps or epochs")
+        ctx = self.ctx
+        if self.checkpoint and os.path.exists(self.checkpoint):
+            ctx.load_checkpoint(self.checkpoint)
+        ctx.start()
+        try:
+            while not self._done(max_steps, epochs):
+                for mb in ctx.microbatches():
+                    batch = self.collate_fn([self.dataset[i] for i in mb.indices])
+                    ctx.backward(self.loss_fn(self.model, batch), mb)
+                if not ctx.sync_and_step():
+                    self.redone_steps += 1
+                    continue
+                if self.on_step is not None:
+                    self.on_step(ctx)
+                if self.checkpoint and self.checkpoint_every and ctx.step % self.checkpoint_every == 0:
+                    ctx.save_checkpoint(self.checkpoint)
+            if self.checkpoint:
+                ctx.save_checkpoint(self.checkpoint)
+        finally:
+            ctx.close(redone_steps=self.redone_steps)
+        return {"step": ctx.step, "epoch": ctx.epoch, "members": list(ctx.members),
+                "redone_steps": self.redone_steps}
+
+    def _done(self, max_steps, epochs) -> bool:
+        return ((max_steps is not None and self.ctx.step >= max_steps)
+                or (epochs is not None and self.ctx.epoch >= epochs))
+
+
+def elastic_main(fn: Callable[[], object]) -> None:
+    """Run a worker's ``fn`` and end the process with a code the launcher understands:
+    0 done, ``RESTART_EXIT_CODE`` for a checkpoint-restart, ``MEMBERSHIP_EXIT_CODE`` when the
+    coordinator is gone, 1 otherwise.  Ends with ``os._exit`` so that a gloo op abandoned after
+    a failure cannot hold the interpreter's teardown."""
+    wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
+    code = 0
+    try:
+        fn()
+    except RestartRequested as exc:
+        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
+        code = RESTART_EXIT_CODE
+    except MembershipError as exc:
+        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
+        code = MEMBERSHIP_EXIT_CODE
+    except (EnvError, WorldTooSmall, CheckpointError) as exc:
+        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
+        code = 1
+    except BaseException:  # the traceback is the clearest report of a bug in the script
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,443 @@
+"""``ElasticContext``: one worker's side of in-place recovery for data-parallel training.
+
+A framework-agnostic core that the trainer and the Lightning/Accelerate adapters wrap::
+
+    ctx = ElasticContext(model, optimizer, len(dataset), global_batch=32, micro_batch=4)
+    ctx.start()                                   # join, form the group, get the state
+    while ctx.epoch < epochs:
+        for mb in ctx.microbatches():             # this member's share of the current step
+            loss = loss_fn(model, batch(mb.indices))
+            ctx.backward(loss, mb)                # (loss * mb.weight).backward()
+        ctx.sync_and_step()                       # all-reduce + commit, or recover and redo
+
+**Commit protocol.**  Every member holds a committed step counter.  A step is: compute the
+member's micro-batches (gradients weighted by their share of the global batch's samples),
+flatten all gradients (plus a small tail of per-member timings) into one buffer, SUM-all-reduce
+it over the generation's gloo group, then optimizer/scheduler step and ``sampler.commit()``.
+Gloo may let some members finish an all-reduce in which a peer died while others fail.  So
+after every reconfiguration the members all-reduce their committed steps; the lowest-ranked
+member at the maximum (the *source*) broadcasts the whole run state to every member that is
+behind or new, together with the engine state and the Decisions it took.  A step nobody
+finished is redone with the new allocation; a step somebody finished is adopted by everyone.
+Hence no half steps, bitwise-equal replicas, and each global batch's samples are consumed
+exactly once (the sampler's cursor moves only on commit).
+
+**Decisions.**  On a membership change the source asks the engine (``runtime/policy.py``) what
+to do and ships the result; on a straggler every member asks it from the same all-reduced
+timings.  ``restart`` makes the worker exit with ``RESTART_EXIT_CODE`` for the launcher.
+
+Limits, honestly: one process group of gloo on CPU tensors; all trainable parameters must
+share one dtype; the model is a replica per worker (no sharding); the coordinator (hosted by
+the launcher on node 0) is a single point of failure: when it is gone, the next collective
+raises ``MembershipError``.  An abandoned gloo op keeps a thread until ``hang_timeout_s``, so
+end the process with ``os._exit`` (``trainer.elastic_main`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from chameleon_ft.runtime.env import WorkerEnv
+from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
+from chameleon_ft.runtime.faults import FaultInjector
+from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
+from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
+from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
+from chameleon_ft.runtime import state as run_state
+
+__all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "layer_params"]
+
+_TAIL = 4  # per-member timings appended to the gradient buffer
+
+
+class WorldTooSmall(RuntimeError):
+    """Fewer workers are left than ``ElasticConfig.min_world_size``."""
+
+
+@dataclass
+class ElasticConfig:
+    """Knobs of the runtime; the launcher's flags fill the ones marked (env).
+
+    hang_timeout_s: watchdog on every collective (env ``CHAMELEON_FT_HANG_TIMEOUT``); a
+        member silent for longer is treated as hung and left out of the next generation.
+    min_world_size: below this many survivors the worker gives up (exits for a restart).
+    warmup_steps: steps measured before the engine's workload is frozen.
+    seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
+        numbers whichever member runs a micro-batch (same trajectory under rerouting).
+    log_samples: write each member's sample ids of every step attempt to the event log.
+    """
+
+    hang_timeout_s: Optional[float] = None
+    connect_timeout_s: float = 5.0
+    view_timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
+    heartbeat_s: float = 0.1
+    min_world_size: int = 1
+    warmup_steps: int = 3
+    stragglers: bool = True
+    seed_microbatches: bool = True
+    log_samples: bool = True
+    mttf_s: Optional[float] = None
+    replacement_eta_s: float = 5.0
+    restart_s: float = 60.0
+
+
+def layer_params(model: torch.nn.Module) -> list[int]:
+    """Parameters of each parameterised top-level child (the engine's layers), plus the
+    model's own direct parameters as one more layer when it has any."""
+    sizes = [sum(p.numel() for p in child.parameters()) for child in model.children()]
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    return [s for s in sizes if s > 0] + ([own] if own else []) or [max(1, own)]
+
+
+class ElasticContext:
+    """One worker's membership, group, commit protocol and engine bridge (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
+                 global_batch: int, micro_batch: int, *, scheduler=None, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False,
+                 config: Optional[ElasticConfig] = None, env: Optional[WorkerEnv] = None):
+        self.env = env or WorkerEnv.from_env()
+        self.cfg = config or ElasticConfig()
+        self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.seed = seed
+        self.worker_id = self.env.worker_id
+        self.sampler = ElasticSampler(dataset_len, global_batch, micro_batch, seed=seed,
+                                      shuffle=shuffle, drop_last=drop_last)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.policy = EnginePolicy(
+            layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
+            warmup_steps=self.cfg.warmup_steps, mttf_s=self.cfg.mttf_s,
+            replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
+            restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers)
+        self.step = 0  # committed global steps, across epochs
+        self.fresh = True  # holds no agreed state yet (first start, replacement)
+        self.last_checkpoint_step = 0
+        self.view: Optional[MembershipView] = None
+        self.membership: Optional[Membership] = None
+        self.gm: Optional[GroupManager] = None
+        self.log: Optional[EventLog] = None
+        if self.env.run_dir:
+            self.log = EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
+                                worker=self.worker_id, pid=os.getpid())
+        # A replacement must not re-fire its predecessor's faults.
+        self.faults = FaultInjector(self.env.faults if self.env.replacement == 0 else None,
+                                    self.worker_id, self.env.local_rank, self.env.node_rank)
+        self._step_start: Optional[float] = None
+        self._compute_s = 0.0
+        self._n_mb = 0
+        self._ids: list[int] = []
+        self._prev_comm = 0.0
+        self._prev_step = 0.0
+        self._pending: Optional[tuple[RecoveryTimer, dict]] = None
+        self._is_source = False
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.view.rank if self.view else -1
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.view.members if self.view else ()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> MembershipView:
+        """Join the job, form the group, and receive the agreed state from a peer."""
+        self.membership = Membership(self.worker_id, self.env.store, self.env.lighthouse,
+                                     heartbeat_interval_s=self.cfg.heartbeat_s,
+                                     connect_timeout_s=self.cfg.connect_timeout_s)
+        self.gm = GroupManager(self.membership.store, self.worker_id, self.membership.connect_store,
+                               op_timeout_s=self.hang_timeout_s,
+                               connect_timeout_s=self.cfg.connect_timeout_s)
+        min_world = self.env.min_world_size if self.env.replacement == 0 else 1
+        timer = RecoveryTimer()
+        view = self.membership.join(min_world_size=min_world, timeout_s=self.cfg.join_timeout_s)
+        timer.mark("membership")
+        if self.log:
+            self.log.run_start(replacement=self.env.replacement, node_rank=self.env.node_rank,
+                               local_rank=self.env.local_rank, generation=view.generation,
+                               members=list(view.members))
+        self._establish(view, timer, None)
+        if self.env.replacement:
+            self._pending = (timer, {"reason": "replacement joined"})
+        return self.view
+
+    def close(self, **fields) -> None:
+        if self.log:
+            self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), **fields)
+        if self.membership:
+            self.membership.close()
+        if self.gm:
+            self.gm.close()
+
+    # ---------------------------------------------------------------- one step
+    def microbatches(self) -> Iterator[MicroBatch]:
+        """This member's micro-batches of the current step (possibly none), in slot order.
+
+        Before each one: the fault injector's ``forward`` hook and, with
+        ``seed_microbatches``, a per-(step, slot) seed."""
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+            self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+            self.faults.at(self.step, "step_start")
+        for mb in self.sampler.local_microbatches(self.worker_id):
+            self.faults.at(self.step, "forward")
+            if self.cfg.seed_microbatches:
+                torch.manual_seed((self.seed * 1_000_003 + self.step) * 65_537 + mb.index)
+            t0 = time.perf_counter()
+            yield mb
+            self._compute_s += time.perf_counter() - t0
+            self._n_mb += 1
+            if self.cfg.log_samples:
+                self._ids.extend(mb.indices)
+
+    def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
+        """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""
+        self.faults.at(self.step, "backward")
+        (loss * mb.weight).backward()
+
+    def sync_and_step(self) -> bool:
+        """All-reduce the accumulated gradients and commit the step.
+
+        Returns True when the step committed; False when a failure interrupted it: the
+        gradients were discarded, the job reconfigured, and the caller simply runs the (same
+        or next) step again with ``microbatches()``."""
+        if self._step_start is None:  # a member that had nothing to do this step
+            self._step_start = time.perf_counter()
+            self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+        self.faults.at(self.step, "allreduce")
+        n, r = self.view.world_size, self.view.rank
+        tail = torch.zeros(_TAIL * n, dtype=self.dtype)
+        tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(
+            [self._compute_s, self._n_mb, self._prev_comm, self._prev_step], dtype=self.dtype)
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.dtype)
+                 for p in self.params]
+        buf = torch.cat(grads + [tail])
+        if self.log:
+            self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
+                          token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
+        t0 = time.perf_counter()
+        try:
+            # A fresh buffer each step, so an abandoned op can't touch anything we keep.
+            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM,
+                                                     timeout_s=self.hang_timeout_s, copy=False))
+        except CollectiveFailure as failure:
+            self._discard()
+            self._recover(failure, t0)
+            return False
+        comm = time.perf_counter() - t0
+        at = 0
+        for p in self.params:
+            g = buf[at:at + p.numel()].view_as(p)
+            at += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        self.faults.at(self.step, "optimizer")
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._commit()
+        timings = buf[at:].view(n, _TAIL).tolist()
+        self._after_commit({w: tuple(timings[i]) for i, w in enumerate(self.view.members)})
+        self._prev_comm = comm
+        self._prev_step = time.perf_counter() - self._step_start
+        self._step_start = None
+        return True
+
+    def _commit(self) -> None:
+        self.sampler.commit()
+        self.step += 1
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _after_commit(self, timings: dict) -> None:
+        decision = self.policy.observe_step(
+            {w: (c, int(m), pc, ps) for w, (c, m, pc, ps) in timings.items()},
+            self.step, self.step - self.last_checkpoint_step)
+        if decision is not None:
+            self._apply_allocation()
+            if self.log and self.rank == 0:
+                self.log.decision(decision.to_json(), step=self.step)
+        if self._pending is not None:
+            timer, info = self._pending
+            self._pending = None
+            timer.mark("first_step")
+            if self.log and self._is_source:
+                self.log.recovery(timer, step=self.step, members=list(self.members), **info)
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_start = None
+
+    # ---------------------------------------------------------------- recovery
+    def _store_op(self, fn):
+        """Run ``fn``; a failing coordinator store becomes a clear ``MembershipError``."""
+        try:
+            return fn()
+        except (CollectiveFailure, MembershipError):
+            raise
+        except dist.DistError as exc:
+            raise MembershipError(
+                f"worker {self.worker_id}: lost the coordinator at {self.env.store} (it is "
+                f"hosted by the launcher of node 0, the job's single point of failure): {exc}"
+            ) from exc
+
+    def _recover(self, failure: CollectiveFailure, t_start: float) -> None:
+        timer = RecoveryTimer(start=t_start, clock=time.perf_counter)
+        timer.mark("detect")
+        record = self._store_op(self.gm.abort_record) or {}
+        hang = failure.kind == "timeout" or str(record.get("reason", "")).startswith("timeout")
+        info = {"kind": failure.kind, "hang": hang, "failed_generation": failure.generation,
+                "reporter": failure.reporter}
+        self._store_op(lambda: self.membership.report_failure(failure.suspects,
+                                                             f"{failure.kind}: {str(failure)[:200]}"))
+        view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s))
+        timer.mark("membership")
+        self._establish(view, timer, info)
+        self._pending = (timer, info)
+
+    def _establish(self, view: MembershipView, timer: RecoveryTimer, info: Optional[dict]) -> None:
+        """Form the group for ``view`` and agree on the state; on another failure (a kill
+        during recovery), report it and go again with the next view -- never wait forever."""
+        while True:
+            try:
+                if view.world_size < self.cfg.min_world_size:
+                    raise WorldTooSmall(
+                        f"{view.world_size} worker(s) left, fewer than min_world_size="
+                        f"{self.cfg.min_world_size}")
+                t0 = time.perf_counter()
+                self._store_op(lambda: self.gm.rebuild(view))
+                self.policy.rebuild_s = time.perf_counter() - t0
+                timer.mark("rebuild")
+                self.view = view
+                self._sync(view, info)
+                timer.mark("state_transfer")
+                return
+            except CollectiveFailure as again:
+                self._store_op(lambda: self.membership.report_failure(
+                    again.suspects, f"{again.kind} during recovery: {str(again)[:200]}"))
+                view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s))
+                timer.mark("membership")
+
+    def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
+        n, r = view.world_size, view.rank
+        v = torch.zeros(2 * n, dtype=torch.int64)
+        v[r], v[n + r] = self.step, int(self.fresh)
+        self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        steps, fresh = v[:n].tolist(), v[n:].tolist()
+        top = max(steps)
+        source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
+        behind = any(steps[i] < top or fresh[i] for i in range(n))
+        self._is_source = r == source
+        payload = None
+        if self._is_source:
+            payload = self._decide(view, info)
+            payload["state"] = self.state_dict() if behind else None
+        payload = run_state.broadcast_tree(
+            lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
+            source, r, payload)
+        if not self._is_source:
+            if payload["state"] is not None and (self.fresh or self.step < top):
+                self.load_state_dict(payload["state"])
+            self.policy.load_state_dict(payload["engine"])
+            self.sampler.load_state_dict(payload["sampler"])
+        self.fresh = False
+        if self._is_source and self.log:
+            self._log_reconfiguration(view, info, payload)
+        if payload["restart"]:
+            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
+
+    def _decide(self, view: MembershipView, info: Optional[dict]) -> dict:
+        restart, decisions = False, []
+        before = set(self.policy.alive)
+        try:
+            if self.policy.plan is None:
+                self.policy.start(view.members)
+            else:
+                decisions = self.policy.on_membership(
+                    view.members, bool(info and info.get("hang")), self.step,
+                    self.step - self.last_checkpoint_step)
+        except RestartRequested as req:
+            restart, decisions = True, decisions + [req.decision]
+        if not restart:
+            self._apply_allocation()
+        return {"engine": self.policy.state_dict(), "sampler": self.sampler.state_dict(),
+                "decisions": [d.to_json() for d in decisions], "restart": restart,
+                "dead": sorted(before - set(view.members))}
+
+    def _apply_allocation(self) -> None:
+        alloc = self.policy.allocation
+        self.sampler.set_allocation(list(alloc), list(alloc.values()))
+
+    def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
+        dead = payload.get("dead", [])
+        if info is not None and dead:
+            kind = "hang" if info.get("hang") else (
+                "node_loss" if any(d["event"]["kind"] == "node_loss" for d in payload["decisions"])
+                else "fail_stop")
+            self.log.failure(dead, kind, detected_by=f"worker {self.worker_id}", step=self.step,
+                             collective=info.get("kind"))
+        self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
+                            token=view.token, step=self.step, state_sent=payload["state"] is not None)
+        for d in payload["decisions"]:
+            self.log.decision(d, step=self.step)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """The whole run state: model, optimizer, scheduler, sampler, engine, step, RNG."""
+        return {
+            "step": self.step,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "engine": self.policy.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.model.load_state_dict(s["model"])
+        self.optimizer.load_state_dict(s["optimizer"])
+        if self.scheduler is not None and s["scheduler"] is not None:
+            self.scheduler.load_state_dict(s["scheduler"])
+        self.sampler.load_state_dict(s["sampler"])
+        self.policy.load_state_dict(s["engine"])
+        torch.set_rng_state(s["rng"]["torch"])
+        random.setstate(s["rng"]["python"])
+        self.step = int(s["step"])
+        self.last_checkpoint_step = int(s["last_checkpoint_step"])
+
+    def save_checkpoint(self, path: str) -> None:
+        """Call on every member at the same step: the lowest-ranked one writes the run state,
+        all of them remember the step (the engine weighs restart by steps since it)."""
+        self.last_checkpoint_step = self.step
+        if self.rank == 0:
+            run_state.save_checkpoint(path, self.state_dict())
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""
+        self.load_state_dict(run_state.load_checkpoint(path))
+        self.policy.plan = None
+

@@ -1,0 +1,66 @@
+"""Test worker: a 2-layer MLP on a seeded synthetic map-style dataset, trained with
+``ElasticTrainer`` under ``chameleon-ft run``.  At the end each worker saves its final
+parameters and optimizer state to ``<out>/final_<worker id>.pt`` for the tests to compare.
+
+    python -m chameleon_ft.launch --nproc-per-node 4 --run-dir D mlp_worker.py --out D
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
+from chameleon_ft.runtime.worker import ElasticConfig
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, n=256, dim=16, classes=4, seed=1234):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--mb-sleep", type=float, default=0.0, help="emulated compute per micro-batch (s)")
+    p.add_argument("--no-stragglers", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    # A different init per worker: the start-up broadcast must make the replicas equal.
+    torch.manual_seed(int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0")) + 7)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+    ce = torch.nn.CrossEntropyLoss()
+
+    def loss_fn(m, batch):
+        if a.mb_sleep:
+            time.sleep(a.mb_sleep)
+        x, y = batch
+        return ce(m(x), y)
+
+    trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch, sched,
+                             seed=3, config=ElasticConfig(stragglers=not a.no_stragglers))
+    result = trainer.fit(epochs=a.epochs)
+    ctx = trainer.ctx
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+                "step": ctx.step, "members": list(ctx.members), "lr": sched.get_last_lr()},
+               os.path.join(a.out, f"final_{ctx.worker_id}.pt"))
+    print(f"worker {ctx.worker_id} done: {result}", flush=True)
+
+
+if __name__ == "__main__":
+    elastic_main(main)
