@@ -248,7 +248,7 @@ def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfi
         raise ValueError(f"event names unknown devices {sorted(unknown)}")
     B = state.workload.global_batch
     if event.removes_devices:
-        options = _failure_options(event, state, config)
+        options = _failure_options(event, state, config, mttf_s)
     elif event.kind == EventKind.STRAGGLER:
         options = _straggler_options(event, state, config)
     else:
@@ -267,6 +267,20 @@ def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfi
     return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0)
 
 
+def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3):
+    """The searched plan that scores best once its migration is priced in (a faster plan can
+    cost more to reach).  Small jobs weigh the ``top`` fastest; large ones only the fastest,
+    to stay within the decision budget."""
+    k = top if len(alive) <= 4 * cfg.space.global_limit else 1
+    best = None
+    for cand in result.candidates[:k] or [result.best]:
+        mig = migrate(plan, cand.plan, w, cluster, alive)
+        value = score(w.global_batch, cand.estimate.step_time, cfg.search_s + mig.seconds + cfg.rebuild_s, mttf_s)
+        if best is None or value > best[0]:
+            best = (value, cand, mig)
+    return best[1], best[2]
+
+
 def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster, **kw) -> Option:
     est = estimate(plan, state.workload, cluster, state.coeffs, kw.pop("dead", frozenset()), kw.get("extra"))
     if not est.fits:
@@ -275,7 +289,7 @@ def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster
                   plan=plan, breakdown=est.breakdown(), **kw)
 
 
-def _failure_options(event: Event, state: JobState, cfg: SelectorConfig) -> list[Option]:
+def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s: float) -> list[Option]:
     w, plan = state.workload, state.plan
     alive = set(state.alive) - set(event.devices)
     dead = set(plan.devices) - alive  # earlier reroutes may have left dead devices in the plan
@@ -307,8 +321,7 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig) -> list
     if wanted & {"replan", "restart", "recompute", "rehabilitate"}:
         try:
             result = plan_search(w, survivors, state.coeffs, cfg.space, survivors=alive, base=plan)
-            best = result.best
-            mig = migrate(plan, best.plan, w, survivors, alive)
+            best, mig = _best_by_score(result, plan, w, survivors, alive, cfg, mttf_s)
         except PlanError as e:
             replan_why = str(e)
     if best is None:
