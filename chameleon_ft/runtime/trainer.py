@@ -31,7 +31,7 @@ from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE, En
 from chameleon_ft.runtime.membership import MembershipError
 from chameleon_ft.runtime.policy import RestartRequested
 from chameleon_ft.runtime.state import CheckpointError
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, WorldTooSmall
+from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, NothingToHeal, WorldTooSmall
 
 __all__ = ["ElasticTrainer", "elastic_main"]
 
@@ -102,7 +102,7 @@ def elastic_main(fn: Callable[[], object]) -> None:
     code = 0
     try:
         fn()
-    except RestartRequested as exc:
+    except (RestartRequested, NothingToHeal) as exc:
         print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
         code = RESTART_EXIT_CODE
     except MembershipError as exc:

@@ -53,13 +53,17 @@ from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
 from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_ft.runtime import state as run_state
 
-__all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "layer_params"]
+__all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "NothingToHeal", "layer_params"]
 
 _TAIL = 4  # per-member timings appended to the gradient buffer
 
 
 class WorldTooSmall(RuntimeError):
     """Fewer workers are left than ``ElasticConfig.min_world_size``."""
+
+
+class NothingToHeal(RuntimeError):
+    """A replacement joined a generation in which nobody holds the job's state."""
 
 
 @dataclass
@@ -347,6 +351,10 @@ class ElasticContext:
         self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
         steps, fresh = v[:n].tolist(), v[n:].tolist()
         top = max(steps)
+        if self.env.replacement and all(fresh):
+            # Everyone here is new: the job finished, or every worker with state is gone.
+            raise NothingToHeal(f"replacement worker {self.worker_id} found no peer with state "
+                                "to heal from (the job finished or all its workers are gone)")
         source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
         behind = any(steps[i] < top or fresh[i] for i in range(n))
         self._is_source = r == source

@@ -36,6 +36,7 @@ def main():
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--mb-sleep", type=float, default=0.0, help="emulated compute per micro-batch (s)")
     p.add_argument("--no-stragglers", action="store_true")
+    p.add_argument("--min-world", type=int, default=1, help="ElasticConfig.min_world_size")
     a = p.parse_args()
     torch.set_num_threads(1)
     # A different init per worker: the start-up broadcast must make the replicas equal.
@@ -52,7 +53,8 @@ def main():
         return ce(m(x), y)
 
     trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch, sched,
-                             seed=3, config=ElasticConfig(stragglers=not a.no_stragglers))
+                             seed=3, config=ElasticConfig(stragglers=not a.no_stragglers,
+                                                 min_world_size=a.min_world))
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
     torch.save({"params": [p.detach().clone() for p in model.parameters()],

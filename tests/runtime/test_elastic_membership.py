@@ -1,0 +1,168 @@
+"""Membership-level scenarios of the elastic runtime with real processes: a whole "node" lost
+(two launchers of 2 workers each, the multi-node code path on loopback), a replacement that
+joins and heals, faults injected at each step phase, the coordinator's loss, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).with_name("_workers")))
+from elastic_job import (Job, assert_exactly_once, assert_replicas_equal,  # noqa: E402
+                         max_relative_diff, reference)
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+EPOCHS = 2
+
+
+def _events(evs, kind):
+    return [e for e in evs if e["event"] == kind]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_node_loss_two_of_four_local_ranks(tmp_path, tmp_path_factory):
+    port = _free_port()
+    job = Job(tmp_path, nproc=2)
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    try:
+        job.start(extra=[*common, "--node-rank", "0"])
+        job.start(extra=[*common, "--node-rank", "1"])
+        job.wait_step(4)
+        pids = [job.pid(2), job.pid(3)]  # node 1's workers
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        codes = job.wait(60)
+        assert codes[0] == 0, job.output()
+        assert codes[1] != 0  # node 1 lost all its workers
+        evs = job.events()
+        assert_exactly_once(evs, EPOCHS)
+        finals = job.final()
+        assert sorted(finals) == [0, 1]
+        assert_replicas_equal(finals, [0, 1])
+        failure = _events(evs, "failure")[0]
+        assert failure["workers"] == [2, 3] and failure["kind"] == "node_loss"
+        assert _events(evs, "decision")[0]["decision"]["event"]["kind"] == "node_loss"
+        ref = reference(tmp_path_factory.mktemp("ref"), EPOCHS)
+        assert max_relative_diff(finals[0], ref) < 1e-5
+    finally:
+        job.cleanup()
+
+
+def test_replacement_joins_and_heals(tmp_path):
+    # Long enough (~5 s) for the replacement to import torch and join before the end.
+    job = Job(tmp_path, max_replacements=1, mb_sleep=0.05, epochs=4)
+    try:
+        job.start()
+        job.wait_step(2)
+        old = job.pid(1)
+        job.kill(1)
+        assert job.wait(60) == [0], job.output()
+        evs = job.events()
+        assert_exactly_once(evs, 4)
+        new = job.pid(1)
+        assert new != old and (1, 1) in job.worker_pids()
+        finals = job.final()
+        assert sorted(finals) == [0, 1, 2, 3]
+        assert finals[1]["members"] == [0, 1, 2, 3]
+        assert_replicas_equal(finals, [0, 1, 2, 3])
+        kinds = [d["decision"]["event"]["kind"] for d in _events(evs, "decision")]
+        assert "fail_stop" in kinds and "join" in kinds
+        joined = [m for m in _events(evs, "membership") if m["members"] == [0, 1, 2, 3]
+                  and m.get("state_sent")]
+        assert joined, "the replacement was not admitted with a state transfer"
+    finally:
+        job.cleanup()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_injected_kill_at_each_phase(tmp_path, tmp_path_factory, phase):
+    """CHAMELEON_FT_FAULTS (the launcher's --faults): a real SIGKILL at a chosen phase."""
+    # Without stragglers: with no emulated compute, CPU noise can flag worker 2 as slow and
+    # rebalance its micro-batches away, and then it never reaches "forward" at step 6.
+    job = Job(tmp_path, launch_args=["--faults", f"kill:rank=2:step=6:phase={phase}"],
+              mb_sleep=0.0, worker_args=["--no-stragglers"])
+    try:
+        job.start()
+        assert job.wait(60) == [0], job.output()
+        evs = job.events()
+        assert_exactly_once(evs, EPOCHS)
+        finals = job.final()
+        assert sorted(finals) == [0, 1, 3]
+        assert_replicas_equal(finals, [0, 1, 3])
+        ref = reference(tmp_path_factory.mktemp("ref"), EPOCHS)
+        assert max_relative_diff(finals[0], ref) < 1e-5
+    finally:
+        job.cleanup()
+
+
+def test_coordinator_loss_gives_a_clear_error(tmp_path):
+    """The launcher of node 0 hosts the coordinator: it is the single point of failure."""
+    job = Job(tmp_path, mb_sleep=0.02)
+    try:
+        launcher = job.start()
+        job.wait_step(3)
+        pids = [job.pid(w) for w in range(4)]
+        os.kill(launcher.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "workers outlived the coordinator"
+        out = job.output()
+        assert "lost the coordinator" in out and "single point of failure" in out, out[-2000:]
+    finally:
+        job.cleanup()
+
+
+def test_bad_launcher_input(tmp_path):
+    import subprocess
+
+    def run(*args, timeout=30):
+        return subprocess.run([sys.executable, "-m", "chameleon_ft.launch", *args],
+                              capture_output=True, text=True, timeout=timeout)
+
+    worker = str(Path(__file__).with_name("_workers") / "mlp_worker.py")
+    r = run("--no-such-flag", worker)
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+    r = run("--nproc-per-node", "0", worker)
+    assert r.returncode == 2 and "--nproc-per-node must be >= 1" in r.stderr
+    r = run("--nnodes", "3:2", worker)
+    assert r.returncode == 2 and "MIN <= MAX" in r.stderr
+    r = run("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+            "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "x"), worker, "--out", str(tmp_path))
+    assert r.returncode == 1 and "cannot reach the coordinator" in r.stderr
+    assert "started worker" not in r.stderr
+    r = run("no_such_script.py")
+    assert r.returncode == 2 and "not found" in r.stderr
+    # A world too small for what the script requires: every worker says so and exits; the
+    # launcher exits non-zero and leaves no worker behind.
+    job = Job(tmp_path / "small", nproc=2, worker_args=["--min-world", "3"])
+    try:
+        job.start()
+        assert job.wait(60) == [1]
+        assert "fewer than min_world_size=3" in job.output()
+        assert not any(_alive(p) for p in job.worker_pids().values())
+    finally:
+        job.cleanup()
