@@ -1,0 +1,225 @@
+"""The performance model against hand-computed examples (issue 2: 1F1B time, ring all-reduce,
+FSDP, memory per device, rerouting)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from chameleon_ft.cluster import Cluster, Device, Link
+from chameleon_ft.perf import Coefficients, estimate, ring_allgather_s, ring_allreduce_s, unit_times
+from chameleon_ft.plan import Pipeline, Plan
+
+from .conftest import INTER, INTRA, chain, cluster
+
+approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
+
+# Stage costs: layers 0-1 -> 2 + 4 = 6 s, layers 2-3 -> 6 + 3 = 9 s per micro-batch.
+COSTS = [2.0, 4.0, 6.0, 3.0]
+
+
+# -- collectives -----------------------------------------------------------------------
+def test_ring_allreduce_hand_computed():
+    link = Link(0.001, 1e9)
+    # 2(n-1)α + 2(n-1)/n · bytes/β = 6 ms + 1.5 · 8 ms
+    assert ring_allreduce_s(4, 8e6, link) == approx(0.006 + 0.012)
+    assert ring_allreduce_s(2, 1e9, link) == approx(0.002 + 1.0)
+    assert ring_allreduce_s(1, 8e6, link) == 0.0
+    assert ring_allreduce_s(4, 0, link) == 0.0
+
+
+def test_ring_allgather_hand_computed():
+    link = Link(0.001, 1e9)
+    # (n-1)α + (n-1)/n · bytes/β
+    assert ring_allgather_s(4, 8e6, link) == approx(0.003 + 0.006)
+    assert ring_allgather_s(1, 8e6, link) == 0.0
+
+
+# -- 1F1B pipeline time ----------------------------------------------------------------
+def test_single_pipeline_1f1b_with_breakdown():
+    w = chain(COSTS, outs=[0, 100_000, 0, 0], microbatches=4)
+    c = cluster(2)  # one node: intra link 1 ms, 1 GB/s
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4),))
+    est = estimate(plan, w, c)
+    x = 2 * (0.001 + 100_000 / 1e9)  # activation out + gradient back across the one boundary
+    # (m + p - 1) · (c_max + x_max)
+    assert est.step_time == approx((4 + 2 - 1) * (9 + x))
+    assert est.compute == approx(4 * 9)
+    assert est.bubble == approx(1 * 9)
+    assert est.p2p == approx(5 * x)
+    assert est.allreduce == 0.0 and est.fsdp == 0.0 and est.overhead == 0.0
+    assert sum(est.breakdown().values()) == approx(est.step_time)
+    assert est.pipeline_times == (approx(est.step_time),)
+    assert unit_times(plan.pipelines, w, c)[0] == approx(9 + x)
+
+
+def test_p2p_across_nodes_uses_the_inter_link():
+    w = chain(COSTS, outs=[0, 100_000, 0, 0], microbatches=4)
+    c = cluster(2, per_node=1)
+    est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
+    x = 2 * (INTER.latency_s + 100_000 / INTER.bandwidth_Bps)
+    assert est.step_time == approx(5 * (9 + x))
+
+
+def test_heterogeneous_speed_device_slows_its_stage():
+    w = chain(COSTS, microbatches=4)
+    c = cluster(2, speeds=[1.0, 0.5])  # stage 1 runs at half speed: 9 s -> 18 s
+    est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
+    assert est.step_time == approx(5 * 18)
+    c = cluster(2, speeds=[0.25, 1.0])  # stage 0: 6 s -> 24 s
+    est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
+    assert est.step_time == approx(5 * 24)
+
+
+def test_coefficients_scale_compute_comm_and_add_overhead():
+    w = chain(COSTS, outs=[0, 100_000, 0, 0], microbatches=4)
+    c = cluster(2)
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4),))
+    est = estimate(plan, w, c, Coefficients(compute_scale=2.0, comm_scale=3.0, step_overhead_s=0.5))
+    x = 3 * 2 * (0.001 + 100_000 / 1e9)
+    assert est.step_time == approx(5 * (18 + x) + 0.5)
+    assert est.overhead == 0.5
+
+
+# -- data-parallel all-reduce ----------------------------------------------------------
+def test_dp_times_pp_step_is_slowest_pipeline_plus_allreduce():
+    params = [1_000_000, 2_000_000, 500_000, 500_000]
+    w = chain(COSTS, params=params, microbatches=8)
+    c = cluster(4)
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
+    est = estimate(plan, w, c)
+    # each stage's gradients are all-reduced between its 2 holders; the slowest stage counts
+    ar = max(ring_allreduce_s(2, 3_000_000 * 4, INTRA), ring_allreduce_s(2, 1_000_000 * 4, INTRA))
+    assert est.allreduce == approx(ar)
+    assert est.step_time == approx(5 * 9 + ar)
+
+
+def test_pure_dp_allreduce_over_nodes_uses_inter_link():
+    w = chain([3.0], params=[10_000_000], microbatches=8)
+    c = cluster(4, per_node=2)
+    est = estimate(Plan.data_parallel(range(4), w), w, c)
+    ar = ring_allreduce_s(4, 10_000_000 * 4, INTER)
+    assert est.allreduce == approx(ar)
+    assert est.step_time == approx(2 * 3.0 + ar)
+
+
+def test_unequal_pipelines_step_is_the_slowest():
+    w = chain(COSTS, microbatches=6)
+    c = cluster(3)
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2,), (0, 4), 2)))
+    est = estimate(plan, w, c)
+    # PP2: (4+1)·9 = 45; PP1: 2·15 = 30
+    assert est.pipeline_times[0] == approx(45) and est.pipeline_times[1] == approx(30)
+    assert est.step_time == approx(45 + est.allreduce)
+
+
+# -- FSDP / HSDP -----------------------------------------------------------------------
+def test_fsdp_terms_hand_computed():
+    P = 4_000_000
+    w = chain([3.0], params=[P], acts=[1000], microbatches=4)
+    c = cluster(2)
+    plan = Plan((Pipeline((0,), (0, 1), 2), Pipeline((1,), (0, 1), 2)), shard_degree=2)
+    est = estimate(plan, w, c)
+    # all-gather weights for forward and backward, reduce-scatter gradients
+    fsdp = 2 * ring_allgather_s(2, P * 4, INTRA) + ring_allgather_s(2, P * 4, INTRA)
+    assert est.fsdp == approx(fsdp)
+    assert est.allreduce == 0.0  # one replica: nothing to all-reduce across replicas
+    assert est.step_time == approx(2 * 3.0 + fsdp)
+    # memory: (w+g+o)/k per parameter + one gathered layer of full weights + activations
+    assert est.memory[0] == approx(P * 16 / 2 + P * 4 + 1 * 1000)
+
+
+def test_hsdp_allreduces_shards_across_replicas():
+    P = 4_000_000
+    w = chain([3.0], params=[P], microbatches=4)
+    c = cluster(4)
+    plan = Plan(tuple(Pipeline((d,), (0, 1), 1) for d in range(4)), shard_degree=2)
+    est = estimate(plan, w, c)
+    assert est.allreduce == approx(ring_allreduce_s(2, P * 4 / 2, INTRA))
+    assert est.fsdp == approx(3 * ring_allgather_s(2, P * 4, INTRA))
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: perf._sync_times costs FSDP only for the first shard group "
+                   "of each layer split, so a later group that straddles nodes is costed on the intra link")
+def test_fsdp_time_is_the_slowest_shard_group():
+    P = 1_000_000
+    w = chain([3.0], params=[P], microbatches=4)
+    c = Cluster((Device(0, 0), Device(1, 0), Device(2, 0), Device(3, 1)), intra=INTRA, inter=INTER)
+    # group 0 = devices 0,1 (one node), group 1 = devices 2,3 (two nodes)
+    plan = Plan(tuple(Pipeline((d,), (0, 1), 1) for d in range(4)), shard_degree=2)
+    est = estimate(plan, w, c)
+    assert est.fsdp == approx(3 * ring_allgather_s(2, P * 4, INTER))
+
+
+# -- memory ----------------------------------------------------------------------------
+def test_memory_per_stage_holds_min_m_p_minus_i_microbatches():
+    params, acts = [1000, 2000, 3000], [10, 20, 30]
+    for m in (1, 2, 5):
+        w = chain([1.0, 1.0, 1.0], params=params, acts=acts, microbatches=m)
+        est = estimate(Plan((Pipeline((0, 1, 2), (0, 1, 2, 3), m),)), w, cluster(3))
+        for i in range(3):
+            assert est.memory[i] == approx(params[i] * 16 + min(m, 3 - i) * acts[i])
+        assert est.peak_memory == approx(max(est.memory.values()))
+
+
+def test_fits_and_over_memory():
+    w = chain([1.0, 1.0], params=[1000, 1000], acts=[100, 100], microbatches=4)
+    plan = Plan((Pipeline((0, 1), (0, 1, 2), 4),))
+    need0, need1 = 1000 * 16 + 2 * 100, 1000 * 16 + 1 * 100
+    c = Cluster((Device(0, 0, 1.0, need0), Device(1, 0, 1.0, need1)))
+    assert estimate(plan, w, c).fits
+    c = Cluster((Device(0, 0, 1.0, need0 - 1), Device(1, 0, 1.0, need1)))
+    est = estimate(plan, w, c)
+    assert not est.fits and est.over_memory == (0,)
+    c = Cluster((Device(0, 0, 1.0, need0 - 1), Device(1, 0, 1.0, need1 - 1)))
+    assert estimate(plan, w, c).over_memory == (0, 1)
+
+
+# -- rerouting -------------------------------------------------------------------------
+def test_reroute_in_data_parallel():
+    w = chain([3.0], params=[1_000_000], acts=[50], microbatches=6)
+    c = cluster(3)
+    plan = Plan.data_parallel(range(3), w)  # 2 micro-batches each
+    est = estimate(plan, w, c, dead={0}, extra={1: 1, 2: 1})
+    ar = ring_allreduce_s(2, 1_000_000 * 4, INTRA)  # only the two survivors all-reduce
+    assert est.pipeline_times[1] == approx(2 * 3 + 1 * 3)
+    assert est.step_time == approx(9 + ar)
+    assert est.allreduce == approx(ar)
+    assert 0 not in est.memory  # a dead device holds nothing
+    assert est.memory[1] == approx(1_000_000 * 16 + 1 * 50)
+
+
+def test_reroute_in_pipelines_adds_max_extra_times_stage_cost():
+    w = chain(COSTS, params=[1000] * 4, microbatches=8)
+    c = cluster(4)
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
+    base = estimate(plan, w, c)
+    est = estimate(plan, w, c, dead={0}, extra={2: 4})
+    # pipeline 1 takes pipeline 0's 4 micro-batches on stage 0: + max_s(e_s · c_s) = 4 · 6
+    assert est.pipeline_times[1] == approx(base.pipeline_times[1] + 4 * 6)
+    assert est.pipeline_times[0] == approx(5 * 9)  # stage 1 of the broken pipeline still runs
+    assert est.compute == approx(4 * 9 + 4 * 6)
+    # stage 0 now has one holder (nothing to all-reduce), stage 1 still two
+    assert est.allreduce == approx(ring_allreduce_s(2, 2000 * 4, INTRA))
+    # extra on both stages: the larger product wins
+    est = estimate(plan, w, c, dead={0, 3}, extra={2: 4, 1: 4})
+    assert est.pipeline_times[0] == approx(5 * 9 + 4 * 9)
+    assert est.pipeline_times[1] == approx(5 * 6 + 4 * 6)
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: perf.estimate maps a plan device missing from the cluster "
+                   "through index -1 (another device) instead of treating it as dead or raising; "
+                   "selector._heal_option passes such a cluster")
+def test_dead_device_absent_from_the_cluster_holds_nothing():
+    w = chain([3.0], microbatches=8)
+    c = cluster(4).without({1})
+    est = estimate(Plan.data_parallel(range(4), w), w, c, dead={1}, extra={0: 1, 2: 1})
+    assert 1 not in est.memory
+
+
+def test_estimate_is_not_nan_for_idle_pipeline():
+    w = chain([3.0], microbatches=2)
+    plan = Plan((Pipeline((0,), (0, 1), 2), Pipeline((1,), (0, 1), 0)))
+    est = estimate(plan, w, cluster(2))
+    assert est.pipeline_times[1] == 0.0 and math.isfinite(est.step_time)
