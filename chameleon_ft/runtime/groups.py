@@ -160,8 +160,9 @@ class GroupManager:
                    timeout_s: Optional[float] = None):
         """Run ``fn(group) -> Work`` and wait for it, failing fast.
 
-        Returns nothing (ops write into their tensors).  Raises ``CollectiveFailure`` when the op errors, when
-        ``timeout_s`` (default ``op_timeout_s``) passes, or when the generation is aborted.
+        Returns nothing (ops write into their tensors).  Raises ``CollectiveFailure`` when
+        the op errors, when ``timeout_s`` (default ``op_timeout_s``) passes, or when the
+        generation is aborted.
         On a local error the abort key is written first, so every other member stops too.
         """
         view, pg = self._view, self.group()
