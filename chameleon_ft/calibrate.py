@@ -61,8 +61,10 @@ def fit_coefficients(
     pm = np.array([s.predicted_comm for s in samples])
     om = np.array([s.observed_comm for s in samples])
     st = np.array([s.observed_step for s in samples])
-    if not (np.all(np.isfinite(oc)) and np.all(np.isfinite(om)) and np.all(np.isfinite(st))):
-        raise ValueError("step timings must be finite numbers")
+    if not all(np.all(np.isfinite(a)) for a in (pc, oc, pm, om, st)):
+        raise ValueError("predicted and observed step timings must be finite numbers")
+    if any(np.any(a < 0) for a in (pc, oc, pm, om, st)):
+        raise ValueError("predicted and observed step timings must be non-negative")
     cs = _ratio_fit(pc, oc, prior.compute_scale)
     ms = _ratio_fit(pm, om, prior.comm_scale)
     overhead = float(np.median(st - cs * pc - ms * pm))

@@ -112,12 +112,20 @@ def estimate(
     arrays = cluster.arrays()
     lut = arrays.index
     speed_of, node_of, mem_of = arrays.speed, arrays.node, arrays.memory
-    dead_mask_flat = np.zeros(len(speed_of), dtype=bool)
+    # One extra slot at the end stands for every device the cluster does not know: such a
+    # device (e.g. still dead while another one rejoins) does no work and holds nothing.
+    unknown = len(speed_of)
+    speed_of = np.append(speed_of, 1.0)
+    node_of = np.append(node_of, -1)
+    mem_of = np.append(mem_of, np.inf)
+    dead_mask_flat = np.zeros(unknown + 1, dtype=bool)
+    dead_mask_flat[unknown] = True
     if dead:
         dead_mask_flat[lut[np.fromiter((d for d in dead if d in cluster), dtype=np.int64)]] = True
-    extra_flat = np.zeros(len(speed_of))
+    extra_flat = np.zeros(unknown + 1)
     if extra:
-        extra_flat[lut[np.fromiter(extra.keys(), dtype=np.int64)]] = np.fromiter(extra.values(), dtype=float)
+        known = {d: e for d, e in extra.items() if d in cluster}
+        extra_flat[lut[np.fromiter(known.keys(), dtype=np.int64)]] = np.fromiter(known.values(), dtype=float)
     per_param_state = (workload.weight_bytes + workload.grad_bytes + workload.optim_bytes) / k
 
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -133,11 +141,11 @@ def estimate(
     for bounds, members in groups.items():
         p = len(bounds) - 1
         dev = np.array([plan.pipelines[j].devices for j in members], dtype=np.int64)
-        idx = lut[dev]
+        idx = _positions(lut, dev, unknown)
         m = np.array([plan.pipelines[j].microbatches for j in members], dtype=float)[:, None]
         dead_m = dead_mask_flat[idx]
         e = extra_flat[idx]
-        c, x_max = _stage_times(bounds, idx, workload, cluster, arrays, cs, ms)
+        c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms)
         c = np.where(dead_m, 0.0, c)
         c_max = c.max(axis=1)
         rerouted = (e * c).max(axis=1)  # extra micro-batches lengthen the critical path once
@@ -186,16 +194,22 @@ def estimate(
     )
 
 
-def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, arrays, cs: float, ms: float):
+def _positions(lut: np.ndarray, dev: np.ndarray, unknown: int) -> np.ndarray:
+    """Array positions of device ids; ``unknown`` for ids the cluster does not have."""
+    ok = (dev >= 0) & (dev < len(lut))
+    idx = np.where(ok, lut[np.where(ok, dev, 0)], -1)
+    return np.where(idx >= 0, idx, unknown)
+
+
+def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, speed, node, cs: float, ms: float):
     """Per-stage compute seconds per micro-batch (pipelines x stages) and each pipeline's slowest
     boundary transfer (activation out, gradient back)."""
     p = len(bounds) - 1
     stage_cost = np.array([workload.compute_s(bounds[s], bounds[s + 1]) for s in range(p)])
-    c = stage_cost[None, :] / arrays.speed[idx] * cs
+    c = stage_cost[None, :] / speed[idx] * cs
     if p == 1:
         return c, np.zeros(len(idx))
     out = np.array([workload.layers[bounds[s + 1] - 1].out_bytes for s in range(p - 1)], dtype=float)
-    node = arrays.node
     same = node[idx[:, :-1]] == node[idx[:, 1:]]
     lat = np.where(same, cluster.intra.latency_s, cluster.inter.latency_s)
     bw = np.where(same, cluster.intra.bandwidth_Bps, cluster.inter.bandwidth_Bps)
@@ -212,7 +226,8 @@ def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coeffici
         groups.setdefault(pipe.bounds, []).append(j)
     for bounds, members in groups.items():
         idx = arrays.index[np.array([pipelines[j].devices for j in members], dtype=np.int64)]
-        c, x_max = _stage_times(bounds, idx, workload, cluster, arrays, coeffs.compute_scale, coeffs.comm_scale)
+        c, x_max = _stage_times(bounds, idx, workload, cluster, arrays.speed, arrays.node,
+                                coeffs.compute_scale, coeffs.comm_scale)
         out[members] = c.max(axis=1) + x_max
     return out
 
@@ -229,7 +244,7 @@ def _sync_times(
     cuts = sorted({b for pipe in plan.pipelines for b in pipe.bounds})
     index = {c: i for i, c in enumerate(cuts)}
     nseg = len(cuts) - 1
-    first: dict[tuple[int, ...], int] = {}  # template -> first pipeline using it
+    first: dict[tuple[int, ...], int] = {}  # layer split -> first pipeline using it
     count: dict[tuple[tuple[int, ...], int], int] = {}  # (template, shard) -> pipelines
     for j, pipe in enumerate(plan.pipelines):
         first.setdefault(pipe.bounds, j)
@@ -255,16 +270,16 @@ def _sync_times(
         for i in range(nseg)
     ]
     allreduce = fsdp = 0.0
-    for bounds, j in first.items():
+    for bounds in first:
         for s in range(len(bounds) - 1):
-            lo, hi = bounds[s], bounds[s + 1]
-            allreduce = max(allreduce, sum(seg_cost[index[lo]:index[hi]]))
-            if k > 1:
-                group_start = j - j % k
-                devs = [plan.pipelines[g].devices[s] for g in range(group_start, group_start + k)]
-                alive = [d for d in devs if d not in dead]
+            allreduce = max(allreduce, sum(seg_cost[index[bounds[s]]:index[bounds[s + 1]]]))
+    if k > 1:  # every shard group: its stages' all-gathers and reduce-scatter, on its own links
+        for g in range(0, len(plan.pipelines), k):
+            group = plan.pipelines[g:g + k]
+            for s in range(group[0].depth):
+                alive = [p.devices[s] for p in group if p.devices[s] not in dead]
                 link = cluster.group_link(alive) if alive else coll_link
-                params = workload.params_in(lo, hi)
+                params = workload.params_in(group[0].bounds[s], group[0].bounds[s + 1])
                 fsdp = max(
                     fsdp,
                     2 * ring_allgather_s(len(alive), params * workload.weight_bytes, link)

@@ -84,41 +84,69 @@ def balance_layers(
     memory: Sequence[float] | None = None,
     shard_degree: int = 1,
 ) -> tuple[int, ...] | None:
-    """Layer bounds minimising the slowest stage; None when no split fits ``memory``."""
+    """Layer bounds minimising the slowest stage; None when no split fits ``memory``.
+
+    Binary search on the bottleneck; for each candidate, a reachability pass over the chain
+    (which positions can stage ``s`` end at?) decides feasibility exactly, also when stages
+    differ in speed and memory — packing each stage greedily is not enough then, because every
+    stage must take at least one layer and a slow stage may be left with an expensive one."""
     p, n = len(speeds), workload.num_layers
     if p > n:
         return None
     per_param = (workload.weight_bytes + workload.grad_bytes + workload.optim_bytes) / shard_degree
+    gathered = [layer.params * workload.weight_bytes if shard_degree > 1 else 0 for layer in workload.layers]
+    cs = coeffs.compute_scale
 
-    def stage_mem(s: int, lo: int, hi: int) -> float:
-        return workload.params_in(lo, hi) * per_param + (p - s) * workload.act_bytes_in(lo, hi)
+    def fits(s: int, lo: int, hi: int, limit: float) -> bool:
+        if workload.compute_s(lo, hi) / speeds[s] * cs > limit:
+            return False
+        if memory is None:
+            return True
+        # Stage s holds up to p - s micro-batches of activations under 1F1B.
+        mem = workload.params_in(lo, hi) * per_param + (p - s) * workload.act_bytes_in(lo, hi)
+        return mem + max(gathered[lo:hi]) <= memory[s]
 
-    def greedy(limit: float) -> tuple[int, ...] | None:
-        bounds, lo = [0], 0
+    def split(limit: float) -> tuple[int, ...] | None:
+        reach = [0]  # positions the previous stages can end at, ascending
+        furthest: list[dict[int, int]] = []  # per stage: start -> furthest end
         for s in range(p):
-            left = p - s - 1  # stages after this one, each needs a layer
-            hi = lo + 1
-            if workload.compute_s(lo, hi) / speeds[s] * coeffs.compute_scale > limit:
+            cap = n - (p - s - 1)  # leave a layer for every later stage
+            ends = {}
+            hi = 0
+            for lo in reach:  # furthest end is non-decreasing in the start: two pointers
+                hi = max(hi, lo)
+                while hi < cap and fits(s, lo, hi + 1, limit):
+                    hi += 1
+                if hi > lo:
+                    ends[lo] = hi
+            if not ends:
                 return None
-            if memory is not None and stage_mem(s, lo, hi) > memory[s]:
-                return None
-            while hi < n - left and workload.compute_s(lo, hi + 1) / speeds[s] * coeffs.compute_scale <= limit and (
-                memory is None or stage_mem(s, lo, hi + 1) <= memory[s]
-            ):
-                hi += 1
-            bounds.append(hi)
-            lo = hi
-        return tuple(bounds) if lo == n else None
+            furthest.append(ends)
+            marks = [0] * (n + 2)
+            for lo, hi in ends.items():  # every end in (lo, hi] is reachable
+                marks[lo + 1] += 1
+                marks[hi + 1] -= 1
+            reach, run = [], 0
+            for pos in range(n + 1):
+                run += marks[pos]
+                if run > 0:
+                    reach.append(pos)
+        if not reach or reach[-1] != n:
+            return None
+        bounds, pos = [n], n
+        for s in range(p - 1, -1, -1):
+            pos = max(lo for lo, hi in furthest[s].items() if lo < pos <= hi)
+            bounds.append(pos)
+        return tuple(reversed(bounds))
 
-    slowest = min(speeds)
-    hi_t = workload.compute_s(0, n) / slowest * coeffs.compute_scale * (1 + 1e-9)
-    best = greedy(hi_t)
+    hi_t = workload.compute_s(0, n) / min(speeds) * cs * (1 + 1e-9)
+    best = split(hi_t)
     if best is None:
         return None
     lo_t = 0.0
     for _ in range(60):
         mid = (lo_t + hi_t) / 2
-        got = greedy(mid)
+        got = split(mid)
         if got is None:
             lo_t = mid
         else:
@@ -198,6 +226,8 @@ class _Builder:
     def plan(self, chunks: Sequence[Sequence[int]], total: int, fixed: Sequence[Pipeline] = ()) -> Plan | None:
         """A plan of ``fixed`` pipelines (kept as they are, micro-batches re-allocated) plus one
         pipeline per chunk."""
+        if not fixed and not chunks:
+            return None
         pipes = [(pipe.devices, pipe.bounds) for pipe in fixed]
         units = unit_times(fixed, self.w, self.c, self.k).tolist() if fixed else []
         for devs in chunks:
@@ -272,6 +302,10 @@ def plan_search(
             validate(plan, workload, alive_set, total)
         except PlanError as e:
             rejected[label] = str(e)
+            return
+        width = len(plan.pipelines)
+        if not space.dp_min <= width <= (space.dp_max or width):
+            rejected[label] = f"{width} pipelines is outside the allowed data-parallel range"
             return
         est = estimate(plan, workload, cluster, coeffs)
         if not est.fits:

@@ -372,8 +372,10 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
         options.append(o)
 
     # checkpoint-restart over the survivors
-    if best is None:
-        options.append(Option("restart", False, "the survivors cannot hold the model: restart needs replacements"))
+    if "restart" not in wanted:
+        options.append(Option("restart", False, "not in the allowed policies"))
+    elif best is None:
+        options.append(Option("restart", False, f"no plan over the survivors ({replan_why}): restart needs replacements"))
     else:
         redo = cfg.steps_since_checkpoint * best.estimate.step_time
         options.append(Option(
@@ -405,8 +407,9 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
                 f"{fraction:.1%} of the model restored from the snapshot",
             ))
     elif lost:
-        options.append(Option("recompute", False, "the survivors cannot hold the model"))
-        options.append(Option("rehabilitate", False, "the survivors cannot hold the model"))
+        for name in ("recompute", "rehabilitate"):
+            why = "not in the allowed policies" if name not in wanted else f"no plan over the survivors ({replan_why})"
+            options.append(Option(name, False, why))
     return options
 
 

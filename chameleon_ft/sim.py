@@ -199,12 +199,7 @@ class _Job:
         devs = tuple(d for d in devices if d in self.alive)
         if not devs:
             return
-        cfg = self.cfg
-        if self.policy == "restart":
-            steps = int((now % self.p.checkpoint_every_s) / self.step_time)
-            cfg = replace(cfg, steps_since_checkpoint=steps)
-        else:
-            cfg = replace(cfg, steps_since_checkpoint=int((now % self.p.checkpoint_every_s) / self.step_time))
+        cfg = replace(self.cfg, steps_since_checkpoint=int((now % self.p.checkpoint_every_s) / self.step_time))
         t0 = time.perf_counter()
         down = self.p.devices - len(self.alive) + len(devs)
         decision = select(Event(EventKind.FAIL_STOP, devs, now), self._state(), cfg, self._mttf(down))
@@ -248,8 +243,7 @@ class _Job:
 
     def _restart_over_alive(self, now: float) -> None:
         survivors = self.cluster.without(set(self.cluster.ids) - self.alive)
-        best = plan_search(self.workload, survivors, self.coeffs, replace(self.p.space, global_limit=0),
-                           base=self.full_plan).best
+        best = plan_search(self.workload, survivors, self.coeffs, self.p.space, base=self.full_plan).best
         self.plan, self.step_time = best.plan, best.estimate.step_time
         self.batch = self.workload.global_batch
         lost = (now % self.p.checkpoint_every_s)

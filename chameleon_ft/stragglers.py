@@ -1,8 +1,8 @@
 """Straggler detection from step-phase timings.
 
 Each step, every rank reports how long its compute took per micro-batch.  A rank's score is
-the median of its recent samples divided by the median of all ranks' recent samples — robust
-to a single slow step and to the whole job slowing down together.  Hysteresis keeps noise from
+the median of its recent samples divided by the median of the other ranks' — robust to a
+single slow step and to the whole job slowing down together.  Hysteresis keeps noise from
 flapping: a rank is flagged after ``patience`` consecutive scores above ``enter`` and cleared
 after ``patience`` consecutive scores below ``leave``.  A newly flagged straggler becomes an
 :class:`~chameleon_ft.failures.Event` of kind ``straggler`` with its measured slowdown; the
@@ -65,11 +65,16 @@ class StragglerDetector:
         return events
 
     def scores(self) -> dict[int, float]:
+        """Each rank's median against the median of the *other* ranks (leave-one-out, so a
+        straggler does not pull its own reference up: with two ranks, a 3x slow one scores 3)."""
         per_rank = {r: median(q) for r, q in self._samples.items() if q}
         if len(per_rank) < 2:
             return {r: 1.0 for r in per_rank}
-        ref = median(per_rank.values())
-        return {r: (m / ref if ref > 0 else 1.0) for r, m in per_rank.items()}
+        out = {}
+        for r, m in per_rank.items():
+            ref = median(v for k, v in per_rank.items() if k != r)
+            out[r] = m / ref if ref > 0 else 1.0
+        return out
 
     def forget(self, ranks) -> None:
         """Drop ranks that left the job."""

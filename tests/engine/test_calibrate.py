@@ -54,8 +54,6 @@ def test_nan_observation_is_rejected(field):
         fit_coefficients(samples)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: calibrate.fit_coefficients checks only observed timings; "
-                   "a NaN prediction yields step_overhead_s=nan instead of ValueError")
 def test_nan_prediction_is_rejected():
     samples = [StepSample(float("nan"), 1.0, 1.0, 1.0, 2.5) for _ in range(5)]
     with pytest.raises(ValueError):

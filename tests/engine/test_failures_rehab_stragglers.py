@@ -177,9 +177,6 @@ def test_a_rank_between_leave_and_enter_is_never_flagged():
     assert feed(det, 50, slow=3, factor=1.4) == []
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: stragglers.StragglerDetector scores against the median of "
-                   "all ranks including the straggler; with 2 ranks that median is their mean, so a 3x "
-                   "slow rank scores 1.5 and is never flagged (enter=1.5, strict >)")
 def test_flags_a_3x_slow_rank_among_two():
     det = StragglerDetector()
     assert len(feed(det, 10, slow=1, ranks=2)) == 1

@@ -140,8 +140,6 @@ def test_hsdp_allreduces_shards_across_replicas():
     assert est.fsdp == approx(3 * ring_allgather_s(2, P * 4, INTRA))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: perf._sync_times costs FSDP only for the first shard group "
-                   "of each layer split, so a later group that straddles nodes is costed on the intra link")
 def test_fsdp_time_is_the_slowest_shard_group():
     P = 1_000_000
     w = chain([3.0], params=[P], microbatches=4)
@@ -208,9 +206,6 @@ def test_reroute_in_pipelines_adds_max_extra_times_stage_cost():
     assert est.pipeline_times[1] == approx(5 * 6 + 4 * 6)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: perf.estimate maps a plan device missing from the cluster "
-                   "through index -1 (another device) instead of treating it as dead or raising; "
-                   "selector._heal_option passes such a cluster")
 def test_dead_device_absent_from_the_cluster_holds_nothing():
     w = chain([3.0], microbatches=8)
     c = cluster(4).without({1})

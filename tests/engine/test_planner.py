@@ -89,13 +89,7 @@ def test_every_plan_is_valid_uses_survivors_once_conserves_batch_and_fits(scn):
         full = plan_search(w, c, space=space)
         base = full.candidates[0].plan if full.candidates else None
     live = c.without(set(c.ids) - survivors)
-    try:
-        result = plan_search(w, live, space=space, survivors=survivors, base=base)
-    except PlanError as e:
-        # Known engine bug (see test_search_with_base_returns_global_plans_after_a_pipeline_breaks):
-        # a local re-plan with no pipeline left to allocate to raises out of plan_search.
-        assert base is not None and "no pipelines to allocate" in str(e), e
-        return
+    result = plan_search(w, live, space=space, survivors=survivors, base=base)
     total = w.num_microbatches
     times = [cand.estimate.step_time for cand in result.candidates]
     assert times == sorted(times), "candidates are not fastest first"
@@ -142,8 +136,6 @@ def test_no_feasible_plan_names_why():
         plan_search(w, cluster(3), space=SearchSpace(pp_min=3)).best  # 2 layers cannot make 3 stages
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: planner.plan_search's local re-plans (base given) ignore "
-                   "SearchSpace.dp_max / dp_min; only global layouts are filtered by _layouts")
 def test_local_replan_respects_dp_max():
     w = chain([1.0, 1.0], microbatches=8)
     c = cluster(4)
@@ -153,10 +145,6 @@ def test_local_replan_respects_dp_max():
         assert len(cand.plan.pipelines) <= 2, (cand.kind, cand.plan.describe())
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: planner.plan_search (local re-plan loop) calls "
-                   "_Builder.plan([], total, intact=[]) when no base pipeline is intact and fewer loose "
-                   "survivors than a base depth remain; allocate_microbatches raises PlanError out of "
-                   "plan_search and the global plans already found are lost")
 def test_search_with_base_returns_global_plans_after_a_pipeline_breaks():
     w = chain([1.0] * 4, microbatches=4)
     c = cluster(4)
@@ -247,9 +235,6 @@ def test_balance_layers_respects_memory_and_finds_a_split_when_one_fits(w, p, fr
         assert want is None, "a split fits memory but balance_layers found none"
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: planner.balance_layers' greedy check fills each stage as far "
-                   "as it can, which is not exact when speeds differ and layers differ: a fast stage "
-                   "swallows cheap layers and leaves an expensive one to a slow stage")
 def test_balance_layers_is_optimal_with_mixed_speeds_and_layers():
     w = chain([1.0, 1.0, 5.0, 1.0])
     speeds = [10.0, 1.0, 10.0]

@@ -198,9 +198,6 @@ def test_allowed_policies_restrict_the_choice():
     assert {o.policy for o in d.options} <= set(POLICIES)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: selector._failure_options gives restart the reason 'the "
-                   "survivors cannot hold the model' when it was only left out of the allowed policies "
-                   "(no plan search ran); the Decision explains the wrong thing")
 def test_restart_ruled_out_by_allowed_policies_says_so():
     d = cross_decide(1e9, allowed={"reroute"})
     assert d.option("restart").reason == "not in the allowed policies"
@@ -294,9 +291,6 @@ def test_restart_is_the_fallback_when_nothing_in_place_works():
     assert d.chosen == "restart"
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a pure pipeline-parallel job (one pipeline) that loses a "
-                   "device gets no feasible candidate: plan_search(base=...) raises 'no pipelines to "
-                   "allocate micro-batches to' from its local re-plan, so replan and restart are ruled out")
 def test_single_pipeline_job_can_replan_after_losing_a_stage():
     w = chain([1.0] * 4, microbatches=4)
     plan = Plan((Pipeline((0, 1, 2, 3), (0, 1, 2, 3, 4), 4),))
@@ -368,9 +362,6 @@ def test_join_after_shrink_heals_the_global_batch_back():
     assert d.option("keep").global_batch == 12
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: selector._heal_option estimates the healed plan on a "
-                   "cluster without the still-dead devices; perf.estimate then indexes past its lookup "
-                   "table (IndexError) when a still-dead device has the highest id")
 def test_join_while_another_device_is_still_down():
     w, c, plan = straggler_setup()
     # devices 0 and 3 died (rerouted); 0 is repaired and joins while 3 is still down
