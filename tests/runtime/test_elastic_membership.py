@@ -166,3 +166,16 @@ def test_bad_launcher_input(tmp_path):
         assert not any(_alive(p) for p in job.worker_pids().values())
     finally:
         job.cleanup()
+
+
+def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
+    job = Job(tmp_path, mb_sleep=0.02, epochs=4)
+    try:
+        launcher = job.start()
+        job.wait_step(2)
+        pids = [job.pid(w) for w in range(4)]
+        os.kill(launcher.pid, signal.SIGTERM)
+        assert launcher.wait(timeout=20) == 128 + signal.SIGTERM
+        assert not any(_alive(p) for p in pids)
+    finally:
+        job.cleanup()
