@@ -43,6 +43,7 @@ class Workload:
     _prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
     _params: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _acts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -62,6 +63,22 @@ class Workload:
         object.__setattr__(self, "_prefix", tuple(prefix))
         object.__setattr__(self, "_params", tuple(params))
         object.__setattr__(self, "_acts", tuple(acts))
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    # Workloads key the planner's caches: hash once, and compare cheaply when it matters.
+    def _fields(self) -> tuple:
+        return (self.layers, self.global_batch, self.micro_batch, self.weight_bytes,
+                self.grad_bytes, self.optim_bytes, self.name)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Workload) or self._hash != other._hash:
+            return False
+        return self._fields() == other._fields()
 
     @property
     def num_layers(self) -> int:
