@@ -77,7 +77,7 @@ def decision_table(decision: Mapping, title: str | None = None) -> Table:
         fmt = (lambda v, unit="s": "-" if v is None else f"{v:.4g} {unit}".strip())
         table.add_row(("→ " if chosen else "  ") + c["policy"],
                       fmt(c.get("step_time_s")), fmt(c.get("transition_s")),
-                      fmt(c.get("throughput"), ""), f"{c.get('score', 0):.4g}" if c["feasible"] else "ruled out",
+                      fmt(c.get("throughput"), ""), f"{c.get('score', 0):.6g}" if c["feasible"] else "ruled out",
                       c.get("reason", "") or (c["plan"] if isinstance(c.get("plan"), str) else ""),
                       style="bold green" if chosen else (None if c["feasible"] else "dim"))
     return table

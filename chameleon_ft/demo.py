@@ -1,0 +1,107 @@
+"""``chameleon-ft demo``: watch a job survive a worker killed from outside.
+
+A few local CPU workers train a small classifier (``chameleon_ft/examples/demo_train.py``,
+embedded data, no services to start, no network) under ``chameleon-ft run``.  Mid-run the
+demo sends SIGKILL to one worker's PID — from outside, like a crashed host would — then shows
+the engine's Decision (every candidate with its predicted figures and the choice), the recovery
+with its MTTR breakdown, and the end of training.  It writes the event log and a throughput
+plot and says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+
+from .examples import demo_train
+from .report import committed_steps, render
+from .runtime.eventlog import read_events
+
+
+def _pids(events) -> dict[int, int]:
+    return {e["worker"]: e["pid"] for e in events if e["event"] == "run_start" and "worker" in e and "pid" in e}
+
+
+def _kill_tree(pids) -> None:
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="chameleon-ft demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--kill-rank", type=int, default=2, help="worker id to SIGKILL (-1: none)")
+    ap.add_argument("--at-step", type=int, default=12, help="kill once this many steps committed")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--mb-sleep", type=float, default=0.02, help="emulated compute per micro-batch (s)")
+    ap.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    if args.workers < 2:
+        ap.error("--workers must be at least 2 (one of them dies)")
+    if args.kill_rank >= args.workers:
+        ap.error(f"--kill-rank must be below --workers ({args.workers})")
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    run_dir = Path(args.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(args.workers),
+           "--run-dir", str(run_dir), "--hang-timeout", "5", demo_train.__file__,
+           "--epochs", str(args.epochs), "--mb-sleep", str(args.mb_sleep), "--out", str(run_dir)]
+    console.print(f"[bold]chameleon-ft demo[/]: {args.workers} CPU workers train a small classifier; "
+                  + (f"worker {args.kill_rank} gets SIGKILL from outside after step {args.at_step}."
+                     if args.kill_rank >= 0 else "no failure injected."))
+    console.print(f"$ {' '.join(cmd[2:])}", style="dim")
+    log_out = open(run_dir / "launcher.out", "wb")
+    launcher = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True)
+    log_out.close()
+    events_path = run_dir / "events.jsonl"
+    killed = False
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        with console.status("starting workers...") as status:
+            while launcher.poll() is None:
+                if time.monotonic() > deadline:
+                    console.print(f"[red]timed out after {args.timeout:g} s[/]")
+                    return 1
+                events = read_events(events_path) if events_path.exists() else []
+                pids.update(_pids(events))
+                steps = committed_steps(events)
+                done = len(steps) - 1 if steps else 0  # the newest step may still be running
+                status.update(f"{len(pids)} workers, step {max(done, 0)} committed")
+                if not killed and args.kill_rank >= 0 and done >= args.at_step and args.kill_rank in pids:
+                    os.kill(pids[args.kill_rank], signal.SIGKILL)
+                    killed = True
+                    console.print(f"[red]✗ SIGKILL[/] worker {args.kill_rank} (pid {pids[args.kill_rank]}) "
+                                  f"after step {done}")
+                time.sleep(0.05)
+        code = launcher.returncode
+    finally:
+        if launcher.poll() is None:
+            _kill_tree([launcher.pid])
+        _kill_tree(pids.values())
+        launcher.wait(timeout=10)
+    console.print(f"launcher exited with {code}" + ("" if code == 0 else f" (see {run_dir / 'launcher.out'})"))
+    summary = render(run_dir, console)
+    finals = [json.loads(p.read_text()) for p in sorted(run_dir.glob("final_*.json"))]
+    for f in finals:
+        console.print(f"worker {f['worker']}: {f['step']} steps, members {f['members']}, "
+                      f"accuracy {f['accuracy']:.3f}, loss {f['loss']:.4f}")
+    console.print(f"event log: {events_path}")
+    console.print(f"throughput plot: {summary.get('plot')}")
+    if code != 0 or not finals:
+        return code or 1
+    return 0

@@ -1,0 +1,1 @@
+"""Example training scripts shipped with the package (the demo's embedded default)."""
