@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -23,21 +21,8 @@ from pathlib import Path
 from rich.console import Console
 
 from .examples import demo_train
+from .localjob import LocalJob
 from .report import committed_steps, render
-from .runtime.eventlog import read_events
-
-
-def _pids(events) -> dict[int, int]:
-    return {e["worker"]: e["pid"] for e in events if e["event"] == "run_start" and "worker" in e and "pid" in e}
-
-
-def _kill_tree(pids) -> None:
-    for pid in pids:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def main(argv=None) -> int:
@@ -57,50 +42,42 @@ def main(argv=None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     run_dir = Path(args.run_dir or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(args.workers),
-           "--run-dir", str(run_dir), "--hang-timeout", "5", demo_train.__file__,
-           "--epochs", str(args.epochs), "--mb-sleep", str(args.mb_sleep), "--out", str(run_dir)]
+    job = LocalJob(run_dir, demo_train.__file__, ["--epochs", str(args.epochs), "--mb-sleep", str(args.mb_sleep),
+                                                  "--out", str(run_dir)], nproc=args.workers, hang_timeout=5)
     console.print(f"[bold]chameleon-ft demo[/]: {args.workers} CPU workers train a small classifier; "
                   + (f"worker {args.kill_rank} gets SIGKILL from outside after step {args.at_step}."
                      if args.kill_rank >= 0 else "no failure injected."))
-    console.print(f"$ {' '.join(cmd[2:])}", style="dim")
-    log_out = open(run_dir / "launcher.out", "wb")
-    launcher = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True)
-    log_out.close()
-    events_path = run_dir / "events.jsonl"
+    console.print("$ chameleon-ft run " + " ".join(job.command()[4:]), style="dim")
     killed = False
-    pids: dict[int, int] = {}
     deadline = time.monotonic() + args.timeout
     try:
+        launcher = job.start()
         with console.status("starting workers...") as status:
             while launcher.poll() is None:
                 if time.monotonic() > deadline:
                     console.print(f"[red]timed out after {args.timeout:g} s[/]")
                     return 1
-                events = read_events(events_path) if events_path.exists() else []
-                pids.update(_pids(events))
+                events = job.events()
+                pids = {w: pid for (w, _), pid in job.worker_pids().items()}
                 steps = committed_steps(events)
                 done = len(steps) - 1 if steps else 0  # the newest step may still be running
                 status.update(f"{len(pids)} workers, step {max(done, 0)} committed")
                 if not killed and args.kill_rank >= 0 and done >= args.at_step and args.kill_rank in pids:
-                    os.kill(pids[args.kill_rank], signal.SIGKILL)
+                    job.kill(args.kill_rank, signal.SIGKILL)
                     killed = True
                     console.print(f"[red]✗ SIGKILL[/] worker {args.kill_rank} (pid {pids[args.kill_rank]}) "
                                   f"after step {done}")
                 time.sleep(0.05)
         code = launcher.returncode
     finally:
-        if launcher.poll() is None:
-            _kill_tree([launcher.pid])
-        _kill_tree(pids.values())
-        launcher.wait(timeout=10)
-    console.print(f"launcher exited with {code}" + ("" if code == 0 else f" (see {run_dir / 'launcher.out'})"))
+        job.cleanup()
+    console.print(f"launcher exited with {code}" + ("" if code == 0 else f" (see {run_dir / 'launcher0.out'})"))
     summary = render(run_dir, console)
     finals = [json.loads(p.read_text()) for p in sorted(run_dir.glob("final_*.json"))]
     for f in finals:
         console.print(f"worker {f['worker']}: {f['step']} steps, members {f['members']}, "
                       f"accuracy {f['accuracy']:.3f}, loss {f['loss']:.4f}")
-    console.print(f"event log: {events_path}")
+    console.print(f"event log: {run_dir / 'events.jsonl'}")
     console.print(f"throughput plot: {summary.get('plot')}")
     if code != 0 or not finals:
         return code or 1

@@ -5,9 +5,8 @@ throughput before and after the first failure), every Decision with all of its c
 writes a throughput-timeline plot with failure and decision markers.  The demo and the
 benchmark harness use the same functions.
 
-Step records: each worker logs its own micro-batch samples per step attempt (with the group
-``token`` of the attempt); an attempt that a failure interrupted is logged too, so per step only
-the last attempt's records count.
+Step records: each worker logs its own micro-batch samples per step attempt; an attempt that a
+failure interrupted is logged too, so per step only the committed (last) attempt counts.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Iterable, Mapping
 from rich.console import Console
 from rich.table import Table
 
-from .runtime.eventlog import read_events, summarize
+from .runtime.eventlog import committed_attempts, read_events, summarize
 
 EVENTS_FILE = "events.jsonl"
 
@@ -36,18 +35,11 @@ def find_log(path: str | Path) -> Path:
 
 
 def committed_steps(events: Iterable[Mapping]) -> list[dict]:
-    """One record per step: global samples of its last attempt and when it ended (wall clock)."""
-    attempts: dict[int, dict[str, list[Mapping]]] = {}
-    for e in events:
-        if e.get("event") == "step":
-            attempts.setdefault(int(e["step"]), {}).setdefault(str(e.get("token", "")), []).append(e)
-    out = []
-    for step in sorted(attempts):
-        last = max(attempts[step].values(), key=lambda recs: max(r["ts"] for r in recs))
-        out.append({"step": step, "ts": max(r["ts"] for r in last),
-                    "samples": sum(int(r.get("samples", 0)) for r in last),
-                    "world_size": max(int(r.get("world_size", 0)) for r in last)})
-    return out
+    """One record per step: global samples of its committed attempt and when it ended."""
+    return [{"step": step, "ts": max(r["ts"] for r in recs),
+             "samples": sum(int(r.get("samples", 0)) for r in recs),
+             "world_size": max(int(r.get("world_size", 0)) for r in recs)}
+            for step, recs in sorted(committed_attempts(events).items())]
 
 
 def throughput_series(events: list[Mapping], window: int = 5) -> tuple[list[float], list[float]]:

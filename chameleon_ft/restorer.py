@@ -28,7 +28,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from .cluster import Cluster
-from .plan import Pipeline, Plan
+from .plan import Plan
 from .workload import Workload
 
 Held = tuple[int, int, int, int]  # (first layer, stop layer, shard index, shard degree)

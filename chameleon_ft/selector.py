@@ -38,7 +38,7 @@ from .perf import Coefficients, estimate
 from .plan import Pipeline, Plan, PlanError, even_split
 from .planner import SearchSpace, plan_search
 from .rehab import LossTrend, rehab_cost
-from .restorer import MigrationPlan, held_state, migrate
+from .restorer import MigrationPlan, migrate
 from .workload import Workload
 
 POLICIES = ("reroute", "replan", "shrink", "wait", "restart", "recompute", "rehabilitate",

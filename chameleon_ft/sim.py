@@ -37,7 +37,7 @@ from .failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind
 from .perf import Coefficients, estimate
 from .plan import Plan
 from .planner import SearchSpace, plan_search
-from .selector import JobState, SelectorConfig, heal_seconds, select
+from .selector import JobState, SelectorConfig, select
 from .workload import Workload, transformer
 
 FIXED = ("reroute", "replan", "shrink", "restart")

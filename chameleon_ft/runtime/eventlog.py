@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
+    "committed_attempts",
     "EVENT_TYPES",
     "FAILURE_KINDS",
     "MTTR_PHASES",
@@ -198,6 +199,22 @@ def _throughput(steps: Iterable[dict]) -> float | None:
     steps = list(steps)
     t = sum(e.get("step_time", 0.0) for e in steps)
     return sum(e.get("samples", 0) for e in steps) / t if t > 0 else None
+
+
+def committed_attempts(events: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    """The ``step`` records of each step's last attempt, by step.
+
+    Each member logs a record before every all-reduce attempt, tagged with the generation's
+    ``token``.  A step is attempted again only if no member committed it, so the last attempt
+    of a step is the one that committed."""
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
+    for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"]):
+        by_step.setdefault(int(e["step"]), []).append(e)
+    out = {}
+    for step, recs in by_step.items():
+        token = recs[-1].get("token")
+        out[step] = [r for r in recs if r.get("token") == token]
+    return out
 
 
 def summarize(events: Iterable[Mapping[str, Any]]) -> dict:

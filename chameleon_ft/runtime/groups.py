@@ -165,7 +165,7 @@ class GroupManager:
         generation is aborted.
         On a local error the abort key is written first, so every other member stops too.
         """
-        view, pg = self._view, self.group()
+        pg = self.group()
         timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         # Someone may already have ended this generation (e.g. a joiner is waiting).
         record = self.abort_record()

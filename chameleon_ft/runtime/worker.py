@@ -339,8 +339,9 @@ class ElasticContext:
                 timer.mark("state_transfer")
                 return
             except CollectiveFailure as again:
+                failure = again  # the lambda runs now, but keep the name alive past the except
                 self._store_op(lambda: self.membership.report_failure(
-                    again.suspects, f"{again.kind} during recovery: {str(again)[:200]}"))
+                    failure.suspects, f"{failure.kind} during recovery: {str(failure)[:200]}"))
                 view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s))
                 timer.mark("membership")
 

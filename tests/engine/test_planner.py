@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chameleon_ft.cluster import Cluster, Device
-from chameleon_ft.perf import Coefficients, estimate
+from chameleon_ft.perf import estimate
 from chameleon_ft.plan import Pipeline, Plan, PlanError, even_split, validate
 from chameleon_ft.planner import SearchSpace, allocate_microbatches, balance_layers, plan_search
 from chameleon_ft.workload import Layer, Workload

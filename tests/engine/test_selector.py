@@ -108,7 +108,6 @@ def test_reroute_infeasible_exactly_when_a_stage_lost_all_replicas(case):
 
 
 def test_reroute_load_splits_evenly_over_peers():
-    w = chain([1.0, 1.0], microbatches=9)
     plan = Plan(tuple(Pipeline((d,), (0, 2), 3) for d in range(3)))
     extra, why = reroute_load(plan, {0}, {1, 2})
     assert why == "" and extra == {1: 2.0, 2: 1.0}
