@@ -105,6 +105,11 @@ class GroupManager:
     def view(self) -> Optional[MembershipView]:
         return self._view
 
+    def formed_for(self, view: MembershipView) -> bool:
+        """Whether the current group is the healthy one of ``view`` (no rebuild needed)."""
+        return (self._pg is not None and self._view is not None
+                and self._view.token == view.token and self.abort_record() is None)
+
     def group(self) -> dist.ProcessGroup:
         if self._pg is None:
             raise RuntimeError("no process group yet: call rebuild(view) first")
@@ -165,12 +170,13 @@ class GroupManager:
         generation is aborted.
         On a local error the abort key is written first, so every other member stops too.
         """
-        pg = self.group()
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        # Someone may already have ended this generation (e.g. a joiner is waiting).
+        # Someone may already have ended this generation (e.g. a joiner is waiting); checked
+        # first, since a watchdog expiry leaves the generation aborted and its group parked.
         record = self.abort_record()
         if record is not None:
             raise self._failure("generation aborted", "aborted", record)
+        pg = self.group()
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         try:
             work = fn(pg)
         except Exception as exc:  # enqueueing can fail on an already-broken pair
@@ -209,6 +215,22 @@ class GroupManager:
         if copy:
             tensor.copy_(buf)
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor, timeout_s: Optional[float] = None) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (on CPU), in rank order; shapes may differ between members
+        (same number of dimensions): shapes are gathered first, the data flattened and padded."""
+        n = self._view.world_size if self._view else 1
+        t = tensor.detach().to("cpu").contiguous()
+        meta = torch.tensor([t.numel(), *t.shape], dtype=torch.int64)
+        metas = [torch.zeros_like(meta) for _ in range(n)]
+        self.collective(lambda pg: pg.allgather([metas], [meta]), timeout_s)
+        top = max(1, max(int(m[0]) for m in metas))
+        flat = torch.zeros(top, dtype=t.dtype)
+        flat[:t.numel()] = t.reshape(-1)
+        out = [torch.empty_like(flat) for _ in range(n)]
+        self.collective(lambda pg: pg.allgather([out], [flat]), timeout_s)
+        return [o[:int(m[0])].reshape([int(d) for d in m[1:].tolist()]).clone()
+                for o, m in zip(out, metas)]
 
     # ------------------------------------------------------------------ aborts
     def abort_record(self) -> Optional[dict]:

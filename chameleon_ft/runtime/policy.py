@@ -72,7 +72,7 @@ class EnginePolicy:
     def __init__(self, layer_params: Sequence[int], global_batch: int, micro_batch: int, *,
                  per_node: int = 1, warmup_steps: int = 3, replacement_eta_s: Optional[float] = None,
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
-                 stragglers: bool = True):
+                 stragglers: bool = True, allowed=None, allow_batch_change: bool = False):
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -82,6 +82,8 @@ class EnginePolicy:
         self.rebuild_s = rebuild_s
         self.restart_s = restart_s
         self.stragglers = stragglers
+        self.allowed = RUNTIME_POLICIES if allowed is None else RUNTIME_POLICIES & frozenset(allowed)
+        self.allow_batch_change = allow_batch_change
         self.plan: Optional[Plan] = None
         self.alive: frozenset[int] = frozenset()
         self.allocation: dict[int, int] = {}
@@ -108,7 +110,8 @@ class EnginePolicy:
 
     def selector_config(self, steps_since_checkpoint: int) -> SelectorConfig:
         return SelectorConfig(
-            allowed=RUNTIME_POLICIES, replacement_eta_s=self.replacement_eta_s,
+            allowed=self.allowed, allow_batch_change=self.allow_batch_change,
+            replacement_eta_s=self.replacement_eta_s,
             rebuild_s=self.rebuild_s, restart_s=self.restart_s,
             steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1))
 

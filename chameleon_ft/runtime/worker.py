@@ -39,7 +39,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,8 @@ from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
 from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_ft.runtime import state as run_state
 
-__all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "NothingToHeal", "layer_params"]
+__all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "NothingToHeal", "layer_params",
+           "Joined", "join_job"]
 
 _TAIL = 4  # per-member timings appended to the gradient buffer
 
@@ -77,6 +78,9 @@ class ElasticConfig:
     seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
         numbers whichever member runs a micro-batch (same trajectory under rerouting).
     log_samples: write each member's sample ids of every step attempt to the event log.
+    allowed_policies: restrict the engine's choices (intersected with what the runtime can
+        carry out); None: all of them.
+    allow_batch_change: let the engine consider policies that change the global batch.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -92,6 +96,37 @@ class ElasticConfig:
     mttf_s: Optional[float] = None
     replacement_eta_s: float = 5.0
     restart_s: float = 60.0
+    allowed_policies: Optional[frozenset] = None
+    allow_batch_change: bool = False
+
+
+class Joined(NamedTuple):
+    """A worker that joined the job: its membership, group manager and first view."""
+
+    membership: Membership
+    gm: GroupManager
+    view: MembershipView
+
+
+def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float] = None) -> Joined:
+    """Join the job's membership and form the first generation's group.
+
+    ``ElasticContext.start`` does this itself; an adapter whose framework needs collectives
+    before the model, optimizer and data exist (Lightning: logger versions, checkpoint
+    directories, the sanity check) calls it early and passes the result to ``start``."""
+    timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
+    membership = Membership(env.worker_id, env.store, env.lighthouse,
+                            heartbeat_interval_s=cfg.heartbeat_s,
+                            connect_timeout_s=cfg.connect_timeout_s)
+    gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
+                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
+    min_world = env.min_world_size if env.replacement == 0 else 1
+    view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
+    try:
+        gm.rebuild(view)
+    except CollectiveFailure:
+        pass  # the generation is aborted; ElasticContext.start recovers from it
+    return Joined(membership, gm, view)
 
 
 def layer_params(model: torch.nn.Module) -> list[int]:
@@ -126,7 +161,11 @@ class ElasticContext:
             layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
             warmup_steps=self.cfg.warmup_steps, mttf_s=self.cfg.mttf_s,
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
-            restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers)
+            restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
+            allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change)
+        self.recoveries = 0
+        self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
+        self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received
         self.step = 0  # committed global steps, across epochs
         self.fresh = True  # holds no agreed state yet (first start, replacement)
         self.last_checkpoint_step = 0
@@ -163,17 +202,16 @@ class ElasticContext:
         return self.view.members if self.view else ()
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> MembershipView:
-        """Join the job, form the group, and receive the agreed state from a peer."""
-        self.membership = Membership(self.worker_id, self.env.store, self.env.lighthouse,
-                                     heartbeat_interval_s=self.cfg.heartbeat_s,
-                                     connect_timeout_s=self.cfg.connect_timeout_s)
-        self.gm = GroupManager(self.membership.store, self.worker_id, self.membership.connect_store,
-                               op_timeout_s=self.hang_timeout_s,
-                               connect_timeout_s=self.cfg.connect_timeout_s)
-        min_world = self.env.min_world_size if self.env.replacement == 0 else 1
+    def start(self, joined: Optional["Joined"] = None) -> MembershipView:
+        """Join the job, form the group, and receive the agreed state from a peer.
+
+        ``joined``: the result of an earlier ``join_job`` (adapters whose framework needs
+        collectives before the training state exists join early and hand it over here)."""
         timer = RecoveryTimer()
-        view = self.membership.join(min_world_size=min_world, timeout_s=self.cfg.join_timeout_s)
+        if joined is None:
+            joined = join_job(self.env, self.cfg, self.hang_timeout_s)
+        self.membership, self.gm = joined.membership, joined.gm
+        view = joined.view
         timer.mark("membership")
         if self.log:
             self.log.run_start(replacement=self.env.replacement, node_rank=self.env.node_rank,
@@ -281,12 +319,16 @@ class ElasticContext:
             self.step, self.step - self.last_checkpoint_step)
         if decision is not None:
             self._apply_allocation()
+            self.last_decisions = [decision.to_json()]
             if self.log and self.rank == 0:
                 self.log.decision(decision.to_json(), step=self.step)
         if self._pending is not None:
             timer, info = self._pending
             self._pending = None
             timer.mark("first_step")
+            self.recoveries += 1
+            self.last_recovery = {"mttr": timer.breakdown(), "step": self.step,
+                                  "members": list(self.members), **info}
             if self.log and self._is_source:
                 self.log.recovery(timer, step=self.step, members=list(self.members), **info)
 
@@ -331,7 +373,8 @@ class ElasticContext:
                         f"{view.world_size} worker(s) left, fewer than min_world_size="
                         f"{self.cfg.min_world_size}")
                 t0 = time.perf_counter()
-                self._store_op(lambda: self.gm.rebuild(view))
+                if not self.gm.formed_for(view):
+                    self._store_op(lambda: self.gm.rebuild(view))
                 self.policy.rebuild_s = time.perf_counter() - t0
                 timer.mark("rebuild")
                 self.view = view
@@ -372,6 +415,7 @@ class ElasticContext:
             self.policy.load_state_dict(payload["engine"])
             self.sampler.load_state_dict(payload["sampler"])
         self.fresh = False
+        self.last_decisions = list(payload["decisions"])
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
         if payload["restart"]:

@@ -1,0 +1,206 @@
+"""``FaultToleranceCallback``: the one line a Lightning user adds to survive worker failures.
+
+    trainer = Trainer(accelerator="cpu", devices=4, strategy="ddp",
+                      callbacks=[FaultToleranceCallback()])
+    # run with:  chameleon-ft run --nproc-per-node 4 train.py
+
+**Why the callback installs the strategy when it is constructed.**  Every callback hook runs
+after ``Strategy.setup_environment``, and ``DDPStrategy.setup_environment`` creates the default
+process group -- a fixed world that cannot survive a death, and that under
+``chameleon-ft run`` (no ``MASTER_PORT``) would wait for its peers for 30 minutes.  The only
+moment before the Trainer resolves ``strategy="ddp"`` is the construction of the callback
+itself (Python builds ``callbacks=[...]`` before calling ``Trainer``), so the constructor
+points Lightning's ``StrategyRegistry`` entry ``"ddp"`` at ``FaultTolerantDDPStrategy``.
+``strategy="ddp_ft"`` is the same strategy by name, for code that builds the Trainer first.
+``setup`` checks that the trainer really runs it and stops with a clear error otherwise
+(e.g. ``strategy=DDPStrategy(...)`` given as an object).
+
+Hooks: ``setup`` (checks), ``on_train_batch_end`` (fault-tolerance metrics to the loggers),
+``on_save_checkpoint`` (the engine counts steps since the last checkpoint),
+``state_dict``/``load_state_dict`` (sampler cursor, engine state, global batch: a checkpoint
+resumes on the same or another number of workers), ``on_exception`` (exit codes that
+``chameleon-ft run`` understands).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import warnings
+from typing import Iterable, Optional
+
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import StrategyRegistry
+
+from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE
+from chameleon_ft.runtime.membership import MembershipError
+from chameleon_ft.runtime.policy import RUNTIME_POLICIES, RestartRequested
+from chameleon_ft.runtime.state import CheckpointError
+from chameleon_ft.runtime.worker import ElasticConfig, NothingToHeal, WorldTooSmall
+from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
+
+__all__ = ["FaultToleranceCallback"]
+
+_STATE_VERSION = 1
+
+
+def install_as_ddp() -> None:
+    """Make ``strategy="ddp"`` (and ``"ddp_ft"``) build ``FaultTolerantDDPStrategy``."""
+    for name in ("ddp", "ddp_ft"):
+        StrategyRegistry.register(name, FaultTolerantDDPStrategy, override=True,
+                                  description="fault-tolerant DDP (chameleon-ft)")
+
+
+class FaultToleranceCallback(Callback):
+    """Keep training in place when a data-parallel worker dies, hangs or slows down.
+
+    Args:
+        allowed_policies: what the engine may choose on a failure, among
+            ``reroute, replan, wait, restart, keep, rebalance, heal, grow`` (default: all).
+            ``restart`` ends the run with exit code 75 for a checkpoint-restart.
+        hang_timeout_s: watchdog on every collective: a worker silent for longer is treated as
+            hung (default: ``chameleon-ft run --hang-timeout``, 10 s).
+        allow_batch_change: let the engine shrink the global batch.  The runtime keeps the
+            global batch fixed today (shrink is not offered), so this only warns.
+        event_log: path of the JSONL event log (default: ``events.jsonl`` in the run dir of
+            ``chameleon-ft run``); ``chameleon-ft report`` reads it.
+        stragglers: rebalance micro-batches away from a persistently slow worker.
+        log_every_n_steps: how often the fault-tolerance metrics go to the loggers (default:
+            the Trainer's ``log_every_n_steps``); every recovery is logged at once.
+    """
+
+    def __init__(self, allowed_policies: Optional[Iterable[str]] = None,
+                 hang_timeout_s: Optional[float] = None, allow_batch_change: bool = False,
+                 event_log: Optional[str] = None, stragglers: bool = True,
+                 log_every_n_steps: Optional[int] = None) -> None:
+        if allowed_policies is not None:
+            allowed_policies = frozenset(allowed_policies)
+            unknown = allowed_policies - RUNTIME_POLICIES
+            if unknown:
+                raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by the "
+                                 f"runtime; choose among {sorted(RUNTIME_POLICIES)}")
+        if hang_timeout_s is not None and hang_timeout_s <= 0:
+            raise ValueError("hang_timeout_s must be > 0")
+        if allow_batch_change:
+            warnings.warn("allow_batch_change=True: the runtime keeps the global batch fixed "
+                          "(shrink is not offered yet); the option has no effect", stacklevel=2)
+        self.allowed_policies = allowed_policies
+        self.hang_timeout_s = hang_timeout_s
+        self.allow_batch_change = allow_batch_change
+        self.event_log = event_log
+        self.stragglers = stragglers
+        self.log_every_n_steps = log_every_n_steps
+        self.resume_state: Optional[dict] = None
+        self._strategy: Optional[FaultTolerantDDPStrategy] = None
+        self._logged_recoveries = 0
+        install_as_ddp()
+
+    def elastic_config(self) -> ElasticConfig:
+        return ElasticConfig(hang_timeout_s=self.hang_timeout_s, allowed_policies=self.allowed_policies,
+                             allow_batch_change=self.allow_batch_change, stragglers=self.stragglers)
+
+    # ---------------------------------------------------------------- hooks
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Check that the trainer runs the fault-tolerant strategy and settings it supports."""
+        if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
+            raise LauncherError(
+                f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "
+                f"{type(trainer.strategy).__name__}); build the callback before the Trainer, e.g. "
+                "Trainer(strategy='ddp', callbacks=[FaultToleranceCallback()])")
+        self._strategy = trainer.strategy
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError("FaultToleranceCallback: GradientAccumulationScheduler changes the global "
+                             "batch mid-run; use a fixed accumulate_grad_batches")
+        if stage == "fit" and trainer.limit_train_batches not in (1.0, None):
+            raise ValueError("FaultToleranceCallback: limit_train_batches must be 1.0 (an epoch is "
+                             "every sample exactly once)")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        s = self._strategy
+        if s is None or s.ctx is None or not trainer.is_global_zero or not trainer.loggers:
+            return
+        ctx = s.ctx
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 50
+        recovered = ctx.recoveries != self._logged_recoveries
+        if not recovered and trainer.global_step % every:
+            return
+        step_s = s.last_step.get("step_s") or 0.0
+        m = {"ft/world_size": float(ctx.view.world_size), "ft/recoveries": float(ctx.recoveries),
+             "ft/redone_steps": float(s.redone_steps), "ft/adopted_steps": float(s.adopted_steps)}
+        if step_s > 0:
+            m["ft/throughput_samples_per_s"] = ctx.sampler.global_batch / step_s
+        m.update({f"ft/{k}": float(v) for k, v in s.last_step.items()})
+        if recovered:
+            self._logged_recoveries = ctx.recoveries
+            rec = ctx.last_recovery or {}
+            if "total" in rec.get("mttr", {}):
+                m["ft/mttr_s"] = float(rec["mttr"]["total"])
+            for d in ctx.last_decisions:
+                if d.get("chosen"):
+                    m[f"ft/policy/{d['chosen']}"] = 1.0
+        for logger in trainer.loggers:
+            logger.log_metrics(m, step=trainer.global_step)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self._strategy is not None and self._strategy.ctx is not None:
+            self._strategy.ctx.last_checkpoint_step = self._strategy.ctx.step
+
+    def state_dict(self) -> dict:
+        ctx = self._strategy.ctx if self._strategy is not None else None
+        if ctx is None:
+            return dict(self.resume_state or {})
+        return {"version": _STATE_VERSION, "global_batch": ctx.sampler.global_batch,
+                "micro_batch": ctx.sampler.micro_batch, "step": ctx.step,
+                "sampler": ctx.sampler.state_dict(), "engine": ctx.policy.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict and state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(f"FaultToleranceCallback: checkpoint state version "
+                             f"{state_dict.get('version')!r} is not {_STATE_VERSION}")
+        self.resume_state = dict(state_dict) or None
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """End the worker with the code ``chameleon-ft run`` acts on (75: checkpoint-restart,
+        3: coordinator lost); ``os._exit`` because a gloo op abandoned by a failure may still
+        hold a thread until its timeout."""
+        if isinstance(exception, (RestartRequested, NothingToHeal)):
+            code = RESTART_EXIT_CODE
+        elif isinstance(exception, MembershipError):
+            code = MEMBERSHIP_EXIT_CODE
+        elif isinstance(exception, (WorldTooSmall, CheckpointError, LauncherError)):
+            code = 1
+        else:
+            return
+        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
+        print(f"chameleon-ft worker {wid}: {exception}", file=sys.stderr, flush=True)
+        if code == RESTART_EXIT_CODE:
+            print(f"chameleon-ft worker {wid}: resume with trainer.fit(model, ckpt_path=...) "
+                  "from the last checkpoint", file=sys.stderr, flush=True)
+        for logger in trainer.loggers:
+            try:
+                logger.finalize("failed")
+            except Exception:  # exiting anyway
+                pass
+        sys.stdout.flush()
+        os._exit(code)
+
+    # ---------------------------------------------------------------- logging take-over
+    def take_over_logging(self, trainer) -> None:
+        """This worker became rank 0 after a failure: continue the loggers' files.  A
+        CSVLogger would delete its ``metrics.csv`` on first use; keep the rows the previous
+        rank 0 wrote and append to them."""
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger) and logger._experiment is None:
+                path = os.path.join(logger.log_dir, "metrics.csv")
+                kept = None
+                if os.path.isfile(path):
+                    kept = path + ".takeover"
+                    os.replace(path, kept)
+                writer = logger.experiment
+                if kept is not None:
+                    os.replace(kept, path)
+                    with open(path, newline="") as f:
+                        header = next(csv.reader(f), [])
+                    writer.metrics_keys = list(header)

@@ -1,0 +1,191 @@
+"""Data for fault-tolerant Lightning training: one Lightning batch per global step, loaded from
+the runtime's exactly-once ``ElasticSampler``; evaluation shards that follow the membership.
+
+``StepLoader`` replaces the training DataLoader (and Lightning's ``DistributedSampler``).  It
+yields one item per global step of the epoch, the same number on every worker: the member's
+first micro-batch of that step, collated exactly as the user's DataLoader would (same
+``collate_fn``, ``num_workers``, ``pin_memory``).  The strategy runs the member's other
+micro-batches of the step itself (``fetch``).  Lightning's fetcher reads one item ahead, so
+an item may have been loaded under an allocation that a failure changed since; every item is
+recorded with the allocation it was loaded for, and ``resolve`` (called by the strategy's
+``batch_to_device``) swaps a stale one for the right micro-batch.
+
+``ShardSampler`` replaces the ``DistributedSampler`` of validation/test loaders: rank ``r`` of
+``n`` current members gets samples ``r, r+n, ...`` -- every sample exactly once, no padding (a
+``DistributedSampler`` repeats samples to even out ranks, which double counts in metrics).
+
+Limits, honestly: map-style datasets only; the user's DataLoader must use ``batch_size`` (no
+custom ``batch_sampler``) and a plain random or sequential order (a custom sampler's order
+cannot be kept exactly-once under membership changes); the samples of a micro-batch that is
+redone by another member after a failure are loaded in the main process.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterator, NamedTuple, Optional
+
+from torch.utils.data import DataLoader, Sampler
+
+from chameleon_ft.runtime.sampler import MicroBatch
+
+__all__ = ["StepLoader", "ShardSampler", "NoMicroBatch"]
+
+
+class NoMicroBatch:
+    """The Lightning batch of a step in which this member has no micro-batch (the allocation
+    gave it none); it still takes part in the step's gradient all-reduce."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"NoMicroBatch(step={self.step})"
+
+
+class _Handed(NamedTuple):
+    epoch: int
+    step: int
+    mb: Optional[MicroBatch]
+    signature: tuple
+
+
+class _Feed:
+    """This member's planned micro-batches from one step to the end of the epoch, loaded in
+    order by a DataLoader with the user's settings."""
+
+    def __init__(self, loader: "StepLoader", start: int) -> None:
+        s = loader.sampler
+        self.signature, self.epoch = loader.signature(), s.epoch
+        wid = loader.worker_id
+        self.plan = deque((t, mb) for t in range(start, s.steps_per_epoch)
+                          for mb in s.local_microbatches(wid, t))
+        self.planned = {(t, mb.index) for t, mb in self.plan}
+        self.stash: dict = {}
+        self.it = iter(loader.make_dataloader([list(mb.indices) for _, mb in self.plan]))
+
+    def has(self, step: int, mb: MicroBatch) -> bool:
+        return (step, mb.index) in self.planned
+
+    def get(self, step: int, mb: MicroBatch) -> Any:
+        key = (step, mb.index)
+        while key not in self.stash:
+            t, m = self.plan.popleft()
+            self.stash[(t, m.index)] = next(self.it)
+        self.planned.discard(key)
+        # Lightning reads one step ahead, so the previous step's micro-batches may still be asked for.
+        for old in [k for k in self.stash if k[0] < step - 1]:
+            del self.stash[old]
+        return self.stash.pop(key)
+
+
+class StepLoader:
+    """What Lightning iterates for training: one item per global step (see module doc)."""
+
+    def __init__(self, strategy, dataloader: DataLoader) -> None:
+        self.strategy = strategy
+        self.dataloader = dataloader
+        self.dataset = dataloader.dataset
+        self.worker_init_fn = dataloader.worker_init_fn
+        self._feed: Optional[_Feed] = None
+        self._handed: deque[_Handed] = deque()
+
+    # ---------------------------------------------------------------- runtime state
+    @property
+    def sampler(self):
+        return self.strategy.ctx.sampler
+
+    @property
+    def worker_id(self) -> int:
+        return self.strategy.ctx.worker_id
+
+    def signature(self) -> tuple:
+        s = self.sampler
+        return (s.epoch, tuple(s.members), tuple(s.allocation))
+
+    def make_dataloader(self, index_lists: list[list[int]]) -> DataLoader:
+        dl = self.dataloader
+        kwargs = {}
+        if dl.num_workers > 0:
+            kwargs = {"prefetch_factor": dl.prefetch_factor, "persistent_workers": False,
+                      "multiprocessing_context": dl.multiprocessing_context}
+        return DataLoader(self.dataset, batch_sampler=index_lists, collate_fn=dl.collate_fn,
+                          num_workers=dl.num_workers, pin_memory=dl.pin_memory,
+                          worker_init_fn=dl.worker_init_fn, timeout=dl.timeout,
+                          generator=dl.generator, **kwargs)
+
+    def load_now(self, mb: MicroBatch) -> Any:
+        """Load one micro-batch in this process (a slot off this member's plan)."""
+        return self.dataloader.collate_fn([self.dataset[i] for i in mb.indices])
+
+    def fetch(self, step: int, mb: MicroBatch) -> Any:
+        """The collated data of micro-batch ``mb`` of ``step`` (this epoch)."""
+        feed = self._feed
+        if (feed is not None and feed.signature == self.signature() and feed.has(step, mb)):
+            return feed.get(step, mb)
+        return self.load_now(mb)
+
+    def _feed_from(self, step: int) -> _Feed:
+        if self._feed is None or self._feed.signature != self.signature():
+            self._feed = _Feed(self, step)
+        return self._feed
+
+    # ---------------------------------------------------------------- Lightning side
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        self._handed.clear()
+        self._feed = None
+        s = self.sampler
+        epoch, start = s.epoch, s.cursor
+        for step in range(start, s.steps_per_epoch):
+            if s.epoch != epoch:
+                return
+            mbs = s.local_microbatches(self.worker_id, step)
+            sig = self.signature()
+            if not mbs:
+                self._handed.append(_Handed(epoch, step, None, sig))
+                yield NoMicroBatch(step)
+                continue
+            data = self._feed_from(step).get(step, mbs[0])
+            self._handed.append(_Handed(epoch, step, mbs[0], sig))
+            yield data
+
+    def resolve(self, batch: Any, prepare) -> tuple[Optional[tuple[int, int]], Any]:
+        """For the item Lightning is about to train on: its (step, slot) key and the batch,
+        swapped for the right micro-batch (through ``prepare``) when a reconfiguration since
+        it was loaded changed this member's share of the step."""
+        if not self._handed:
+            raise RuntimeError("lightning_ft: a training batch arrived that StepLoader did not hand out")
+        h = self._handed.popleft()
+        s = self.sampler
+        if (h.epoch, h.step) != (s.epoch, s.cursor):
+            raise RuntimeError(f"lightning_ft: training data of epoch {h.epoch} step {h.step} arrived "
+                               f"while the job is at epoch {s.epoch} step {s.cursor}")
+        if h.signature == self.signature():
+            return (None if h.mb is None else (h.step, h.mb.index)), batch
+        mbs = s.local_microbatches(self.worker_id)
+        if not mbs:
+            return None, NoMicroBatch(h.step)
+        self._feed = None
+        data = self._feed_from(h.step).get(h.step, mbs[0])
+        return (h.step, mbs[0].index), prepare(data)
+
+
+class ShardSampler(Sampler):
+    """Evaluation sampler over the *current* members: rank r of n gets r, r+n, ... (no padding,
+    so metrics count every sample once).  The shard is computed at each ``iter()``."""
+
+    def __init__(self, dataset_len: int, strategy) -> None:
+        self.dataset_len = dataset_len
+        self.strategy = strategy
+
+    def _shard(self) -> range:
+        return range(self.strategy.global_rank, self.dataset_len, max(1, self.strategy.world_size))
+
+    def __iter__(self):
+        return iter(self._shard())
+
+    def __len__(self) -> int:
+        return len(self._shard())

@@ -1,0 +1,524 @@
+"""``FaultTolerantDDPStrategy`` (``strategy="ddp_ft"``): Lightning's data-parallel strategy on
+the chameleon-ft runtime, so that the survivors keep training in place when a worker dies,
+hangs or slows down.
+
+What it changes against ``DDPStrategy`` and why:
+
+* **No default process group, no DDP wrapper.**  ``setup_environment`` joins the job's
+  membership (``join_job``) and forms a gloo group per membership generation; gradients are
+  reduced by ``ElasticContext.sync_and_step`` (one fail-fast all-reduce per step) instead of
+  DDP's hooks, because a default group cannot be re-formed after a death.
+* **One Lightning batch per global step.**  The training DataLoader becomes a ``StepLoader``
+  over the exactly-once ``ElasticSampler`` (global batch = workers at launch x ``batch_size``
+  x ``accumulate_grad_batches``, kept through failures); ``trainer.accumulate_grad_batches``
+  is set to 1 and the strategy runs the member's micro-batches of the step inside
+  ``optimizer_step``: the first through Lightning's closure, the others through
+  ``training_step``/``backward`` hooks, each loss weighted by its share of the global batch.
+  So ``global_step``, ``batch_idx`` (= step in the epoch) and ``current_epoch`` are identical
+  on every worker whatever the membership.
+* **The step is atomic.**  ``optimizer_step`` hands the update (precision plugin: hooks,
+  gradient clipping, ``optimizer.step``) to ``sync_and_step``, which applies it only after the
+  all-reduce succeeded; on a failure the runtime recovers (membership, new group, engine
+  decision, state agreement) and the strategy redoes the step's missing micro-batches, or
+  adopts the step when a peer committed it.  Lightning sees one completed optimizer step.
+* **Collectives follow the membership.**  ``reduce``/``all_gather``/``broadcast``/``barrier``
+  and every torchmetrics ``Metric``'s sync run over the current generation's group, with the
+  runtime's watchdog; ``global_rank``/``world_size``/``is_global_zero`` are the live view's.
+  Evaluation loaders get a ``ShardSampler`` (every sample once, re-sharded after a change).
+
+Collectives outside a training step (evaluation metrics, checkpoint barriers) are not
+reconfigured in place: when one fails, it and the following ones return this worker's local
+values (with a warning) until the next training step recovers the job.  The same holds for
+a worker that adopted a step its peers committed, until its next step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from chameleon_ft.runtime import state as run_state
+from chameleon_ft.runtime.env import EnvError, WorkerEnv
+from chameleon_ft.runtime.eventlog import EventLog
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, Joined, join_job
+from lightning_ft.data import ShardSampler, StepLoader
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FaultTolerantDDPStrategy", "LauncherError"]
+
+_NOT_LAUNCHED = (
+    "fault-tolerant training needs the chameleon-ft launcher: start the script with "
+    "`chameleon-ft run --nproc-per-node N train.py` (or `python -m chameleon_ft.launch ...`). "
+    "Lightning's own launcher runs rank 0 inside your `python train.py` process and torchrun "
+    "restarts every worker on a failure, so neither can keep the survivors training in place. "
+    "Without it, train with strategy='ddp' and a ModelCheckpoint, and after a failure rerun with "
+    "`trainer.fit(model, ckpt_path='last')` (checkpoint-restart).")
+
+
+class LauncherError(RuntimeError):
+    """The process was not started by ``chameleon-ft run``."""
+
+
+class _OptimizerHandle:
+    """What ``ElasticContext`` sees as the optimizer: ``step()`` applies the update through
+    Lightning's precision plugin (set per step), the rest goes to the real optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.update: Optional[Callable[[], Any]] = None
+
+    def step(self) -> None:
+        self.update()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class _SchedulerState:
+    """What ``ElasticContext`` sees as the scheduler.  Lightning steps the LR schedulers itself
+    (after the step, by interval and frequency); the runtime only needs their state *at the
+    commit* so that a worker that adopts a step its peers committed ends up where they are
+    once its own Lightning loop has stepped the schedulers for that step."""
+
+    def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
+        self.strategy = strategy
+        self.snapshot = self._current()
+
+    def _schedulers(self):
+        return [c.scheduler for c in self.strategy.lr_scheduler_configs]
+
+    def _current(self) -> list:
+        return [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
+
+    def step(self) -> None:  # called by sync_and_step right after the optimizer update
+        self.snapshot = self._current()
+
+    def state_dict(self) -> dict:
+        return {"schedulers": self.snapshot}
+
+    def load_state_dict(self, state: dict) -> None:
+        for sched, s in zip(self._schedulers(), state["schedulers"]):
+            sched.load_state_dict(s)
+        self.snapshot = copy.deepcopy(state["schedulers"])
+
+
+class FaultTolerantDDPStrategy(DDPStrategy):
+    """Data-parallel training that survives worker failures in place (see module doc).
+
+    Args:
+        ft_config: runtime knobs; default: taken from the trainer's ``FaultToleranceCallback``.
+        event_log: path of the JSONL event log (default: the launcher's run dir).
+    """
+
+    strategy_name = "ddp_ft"
+
+    def __init__(self, *args: Any, ft_config: Optional[ElasticConfig] = None,
+                 event_log: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ft_config = ft_config
+        self.event_log = event_log
+        self.ctx: Optional[ElasticContext] = None
+        self.env: Optional[WorkerEnv] = None
+        self._joined: Optional[Joined] = None
+        self._loader: Optional[StepLoader] = None
+        self._degraded = False  # the generation broke outside a step: collectives are local
+        self._catch_up = False  # adopted a committed step: local until our next step
+        self._warned: set = set()
+        self._batch_key: Optional[tuple] = None
+        self._mb = None
+        self._handle: Optional[_OptimizerHandle] = None
+        self.user_accumulate = 1
+        self.redone_steps = 0
+        self.adopted_steps = 0
+        self.last_step: dict = {}  # phase timings of the last committed step
+
+    # ---------------------------------------------------------------- ranks
+    def _view(self):
+        if self.ctx is not None and self.ctx.view is not None:
+            return self.ctx.view
+        return self._joined.view if self._joined is not None else None
+
+    @property
+    def global_rank(self) -> int:
+        v = self._view()
+        return v.rank if v is not None else super().global_rank
+
+    @property
+    def world_size(self) -> int:
+        v = self._view()
+        return v.world_size if v is not None else super().world_size
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        if self.parallel_devices[0].type == "cpu":
+            return torch.device("cpu")
+        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        self._publish_rank()
+
+    def _publish_rank(self) -> None:
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    # ---------------------------------------------------------------- set-up
+    def _configure_launcher(self) -> None:
+        env = self.cluster_environment
+        if env is not None and not env.creates_processes_externally:
+            # Lightning would start the workers itself, with rank 0 in the user's process.
+            raise LauncherError(_NOT_LAUNCHED)
+        self._launcher = None
+
+    def setup_environment(self) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        try:
+            self.env = WorkerEnv.from_env()
+        except EnvError as exc:
+            raise LauncherError(f"{_NOT_LAUNCHED} ({exc})") from None
+        if self.env.replacement:
+            raise LauncherError(
+                "lightning_ft does not heal replacement workers yet (a replacement would have to "
+                "replay Lightning's loop state): run `chameleon-ft run` without --max-replacements")
+        if self.ft_config is None:
+            cb = self._callback()
+            self.ft_config = cb.elastic_config() if cb is not None else ElasticConfig()
+            self.event_log = self.event_log or (cb.event_log if cb is not None else None)
+        self._joined = join_job(self.env, self.ft_config)
+        atexit.register(self.close)
+        self._publish_rank()
+        self._agree_logger_versions()
+
+    def _callback(self):
+        from lightning_ft.callback import FaultToleranceCallback
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for cb in (trainer.callbacks if trainer is not None else []):
+            if isinstance(cb, FaultToleranceCallback):
+                return cb
+        return None
+
+    def _agree_logger_versions(self) -> None:
+        """Any member may become rank 0 and take over logging: all must write to the same
+        logger version (rank 0's choice)."""
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:
+            if hasattr(logger, "_version"):
+                version = logger.version if self.is_global_zero else None
+                logger._version = self.broadcast(version, 0)
+
+    def setup(self, trainer) -> None:
+        # Strategy.setup: no DDP wrapper -- the runtime reduces the gradients.
+        Strategy.setup(self, trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError("lightning_ft supports automatic optimization only "
+                                 "(manual_backward/optimizer.step in training_step is not redone)")
+            if len(self.optimizers) != 1:
+                raise ValueError("lightning_ft supports exactly one optimizer")
+        self._route_metrics()
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # no DistributedDataParallel: the runtime reduces the gradients
+
+    def _route_metrics(self) -> None:
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        for m in self.lightning_module.modules():
+            if isinstance(m, Metric):
+                m.dist_sync_fn = self._metric_gather
+                m.distributed_available_fn = self._metric_sync_available
+
+    # ---------------------------------------------------------------- data
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self._training_loader(dataloader)
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, DistributedSampler):
+            from lightning.pytorch.utilities.data import _update_dataloader
+            return _update_dataloader(dataloader, ShardSampler(len(dataloader.dataset), self),
+                                      mode=trainer.state.stage)
+        return dataloader
+
+    def _training_loader(self, dl: object) -> StepLoader:
+        if not isinstance(dl, DataLoader):
+            raise TypeError(f"lightning_ft needs a torch DataLoader for training, got {type(dl).__name__}")
+        if dl.batch_size is None:
+            raise ValueError("lightning_ft: the training DataLoader must use batch_size "
+                             "(a custom batch_sampler cannot be re-planned exactly once)")
+        sampler = dl.sampler
+        if type(sampler) is DistributedSampler:
+            shuffle, seed = sampler.shuffle, sampler.seed
+        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
+            shuffle, seed = isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
+        else:
+            raise ValueError(f"lightning_ft: the training sampler {type(sampler).__name__} is not "
+                             "supported: use shuffle=True/False (the elastic sampler keeps a seeded "
+                             "global order and hands out every sample exactly once per epoch)")
+        if self.ctx is None:
+            self._start_context(dl, shuffle, seed)
+        self._loader = StepLoader(self, dl)
+        return self._loader
+
+    def _start_context(self, dl: DataLoader, shuffle: bool, seed: int) -> None:
+        trainer = self.lightning_module.trainer
+        cb = self._callback()
+        resume = cb.resume_state if cb is not None else None
+        self.user_accumulate = int(trainer.accumulate_grad_batches)
+        trainer.accumulate_grad_batches = 1  # one Lightning batch is one global step
+        mb = int(dl.batch_size)
+        global_batch = (int(resume["global_batch"]) if resume
+                        else self.env.world_size * mb * self.user_accumulate)
+        if resume and int(resume["micro_batch"]) != mb:
+            raise ValueError(f"lightning_ft: the checkpoint was trained with batch_size "
+                             f"{resume['micro_batch']}, this run uses {mb}")
+        self._handle = _OptimizerHandle(self.optimizers[0])
+        ctx = ElasticContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,
+                             scheduler=_SchedulerState(self), seed=seed, shuffle=shuffle,
+                             drop_last=dl.drop_last, config=self.ft_config, env=self.env)
+        if self.event_log:
+            ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
+        if resume:
+            ctx.sampler.load_state_dict(resume["sampler"])
+            ctx.policy.load_state_dict(resume["engine"])
+            ctx.policy.plan = None  # start over on whoever is here
+            ctx.step = int(resume["step"])
+            ctx.last_checkpoint_step = int(resume["step"])
+        self.ctx = ctx
+        ctx.start(self._joined)
+        self._after_reconfiguration(initial=True)
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None,
+                        dataloader_idx: int = 0) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (trainer is not None and self._loader is not None and trainer.training
+                and trainer.state.stage == RunningStage.TRAINING):
+            self._batch_key, batch = self._loader.resolve(batch, self._prepare)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _prepare(self, batch: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        batch = trainer.precision_plugin.convert_input(batch)
+        return self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+    # ---------------------------------------------------------------- the step
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._mb is not None:
+            # The micro-batch's share of the global batch: summed over members, the gradient
+            # is the global-batch mean whoever computed which micro-batch.
+            self.ctx.faults.at(self.ctx.step, "backward")
+            closure_loss = closure_loss * self._mb.weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        ctx = self.ctx
+        if ctx is None:
+            raise RuntimeError("lightning_ft: optimizer_step before the training data was set up")
+        model = model or self.lightning_module
+        trainer = model.trainer
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        self._catch_up = False
+        ran_closure, result = False, None
+        t0 = time.perf_counter()
+        compute = data_wait = 0.0
+        while True:
+            step = ctx.step
+            for mb in ctx.microbatches():
+                self._mb = mb
+                tc = time.perf_counter()
+                if not ran_closure and self._batch_key == (step, mb.index):
+                    result = closure()  # training_step on Lightning's batch, zero_grad, backward
+                    ran_closure = True
+                else:
+                    td = time.perf_counter()
+                    batch = self._prepare(self._loader.fetch(step, mb))
+                    batch = Strategy.batch_to_device(self, batch)
+                    data_wait += time.perf_counter() - td
+                    self._extra_microbatch(trainer, batch, batch_idx, optimizer)
+                compute += time.perf_counter() - tc
+            self._mb = None
+            self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)
+            ts = time.perf_counter()
+            if ctx.sync_and_step():
+                break
+            # A failure interrupted the step; the runtime has reconfigured the job.
+            self._after_reconfiguration()
+            if ctx.step > step:  # a peer committed it; its state is ours now
+                self.adopted_steps += 1
+                self._catch_up = True
+                break
+            self.redone_steps += 1
+        if not ran_closure and isinstance(closure, Closure):
+            closure._result = ClosureResult(None)  # nothing of this step ran through Lightning's batch
+        self._batch_key = None
+        end = time.perf_counter()
+        self.last_step = {"step_s": end - t0, "compute_s": compute - data_wait, "data_wait_s": data_wait,
+                          "sync_s": end - ts}
+        return result
+
+    def _extra_microbatch(self, trainer, batch: Any, batch_idx: int, optimizer) -> None:
+        """One more micro-batch of this step: ``training_step`` and ``backward`` through
+        Lightning's hooks (logging, on_before/after_backward), as its closure would."""
+        trainer._logger_connector.on_batch_start(batch)
+        kwargs = trainer.fit_loop.epoch_loop._build_kwargs(OrderedDict(), batch, batch_idx)
+        out = call._call_strategy_hook(trainer, "training_step", *kwargs.values())
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if loss is None:
+            raise RuntimeError("lightning_ft: training_step returned no loss; skipping a micro-batch "
+                               "is not supported in fault-tolerant training")
+        call._call_strategy_hook(trainer, "backward", loss, optimizer)
+
+    def _apply_update(self, optimizer, model, result, kwargs) -> None:
+        # Gradients are reduced by now: hooks, clipping and the update see the global gradient.
+        self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: result, **kwargs)
+
+    def _after_reconfiguration(self, initial: bool = False) -> None:
+        was_zero = rank_zero_only.rank == 0
+        self._publish_rank()
+        self._degraded = False
+        trainer = self.lightning_module.trainer
+        if not initial:
+            # Evaluation loaders are re-sharded over the new members at their next run.
+            for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+                loop._combined_loader = None
+        if self.is_global_zero and not was_zero:
+            cb = self._callback()
+            if cb is not None:
+                cb.take_over_logging(trainer)
+
+    # ---------------------------------------------------------------- collectives
+    def _gm(self):
+        if self.ctx is not None and self.ctx.gm is not None:
+            return self.ctx.gm
+        return self._joined.gm if self._joined is not None else None
+
+    def _op_timeout(self) -> float:
+        return self.ctx.hang_timeout_s if self.ctx is not None else float(
+            self.ft_config.hang_timeout_s or self.env.hang_timeout_s)
+
+    def _collective(self, what: str, fn: Callable, local: Callable) -> Any:
+        gm = self._gm()
+        if gm is None or self.world_size <= 1 or self._degraded or self._catch_up:
+            if self._degraded or self._catch_up:
+                self._warn_local(what)
+            return local()
+        try:
+            return fn(gm)
+        except CollectiveFailure as failure:
+            self._degraded = True
+            self._warn_local(what, failure)
+            if self.ctx is not None and self.ctx.log is not None:
+                self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
+                                   detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
+                                   collective=what, deferred=True)
+            return local()
+
+    def _warn_local(self, what: str, failure: Optional[CollectiveFailure] = None) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        why = f"failed ({failure.kind}: {str(failure)[:300]})" if failure else "skipped while the job reconfigures"
+        log.warning("lightning_ft: %s %s outside a training step; it returns this worker's local "
+                    "value until the job recovers at the next training step", what, why)
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"lightning_ft: unsupported reduce_op {reduce_op!r}")
+
+        def fn(gm):
+            buf = tensor.detach().to("cpu", copy=True)
+            if op in ("mean", "avg") and not buf.is_floating_point():
+                buf = buf.float()
+            gm.allreduce(buf, ops[op], timeout_s=self._op_timeout())
+            if op in ("mean", "avg"):
+                buf = buf / self.world_size
+            return buf.to(tensor.device)
+
+        return self._collective("reduce", fn, lambda: tensor)
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False):
+        return self._collective(
+            "all_gather",
+            lambda gm: torch.stack(gm.all_gather(tensor, self._op_timeout())).to(tensor.device),
+            lambda: tensor)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        gm = self._gm()
+        if gm is None or self.world_size <= 1:
+            return obj
+        is_path = isinstance(obj, PurePath)
+        tree = {"path": str(obj)} if is_path else obj
+
+        def fn(gm):
+            out = run_state.broadcast_tree(lambda f: gm.collective(f, self._op_timeout()), src,
+                                           self.global_rank, tree if self.global_rank == src else None)
+            return type(obj)(out["path"]) if is_path else out
+
+        return self._collective("broadcast", fn, lambda: obj)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        self._collective("barrier", lambda gm: gm.allreduce(torch.zeros(1), timeout_s=self._op_timeout()),
+                         lambda: None)
+
+    def _metric_sync_available(self) -> bool:
+        return self._gm() is not None and self.world_size > 1
+
+    def _metric_gather(self, tensor: torch.Tensor, group: Optional[Any] = None) -> list:
+        return self._collective(
+            "metric sync",
+            lambda gm: [t.to(tensor.device) for t in gm.all_gather(tensor, self._op_timeout())],
+            lambda: [tensor])
+
+    # ---------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        # The membership and group stay for later stages (validate/test after fit); they end
+        # with the process.
+        super().teardown()
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close(redone_steps=self.redone_steps, adopted_steps=self.adopted_steps)
+        elif self._joined is not None:
+            self._joined.membership.close()
+            self._joined.gm.close()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("ddp_ft", cls, description="fault-tolerant DDP (chameleon-ft)",
+                                   override=True)

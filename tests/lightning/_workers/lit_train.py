@@ -1,0 +1,119 @@
+"""An ordinary Lightning training script (LightningModule with a torchmetrics Accuracy,
+ModelCheckpoint, CSVLogger, an LR scheduler); the only fault-tolerance line is the callback.
+
+    chameleon-ft run --nproc-per-node 4 --run-dir D lit_train.py --out D [--ckpt PATH]
+
+At the end each worker writes ``<out>/final_<worker id>.pt`` (parameters, optimizer moments,
+global step, epoch, validation accuracy) for the tests to compare.  ``--plain`` runs the same
+script with strategy="ddp" and no callback (for the overhead benchmark, under torchrun-style
+env).  ``--mb-sleep`` pads each micro-batch's compute (accelerator emulation).
+"""
+
+import argparse
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset
+
+
+class Blobs(Dataset):
+    def __init__(self, n=256, dim=16, classes=4, seed=1234):
+        g = torch.Generator().manual_seed(seed)
+        centers = torch.randn(classes, dim, generator=g) * 2
+        self.y = torch.randint(0, classes, (n,), generator=g)
+        self.x = centers[self.y] + torch.randn(n, dim, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, mb_sleep=0.0, lr=0.05):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                       torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.hparams.mb_sleep:
+            time.sleep(self.hparams.mb_sleep)
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", torch.nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    p.add_argument("--mb-sleep", type=float, default=0.0)
+    p.add_argument("--ckpt", default=None, help="resume from this checkpoint")
+    p.add_argument("--hang-timeout", type=float, default=None)
+    p.add_argument("--plain", action="store_true", help="strategy='ddp', no fault tolerance")
+    p.add_argument("--dataset", type=int, default=256)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(7, workers=True, verbose=False)
+    model = Classifier(mb_sleep=a.mb_sleep)
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
+                                 filename="{epoch}-{step}")]
+    if not a.plain:
+        from lightning_ft import FaultToleranceCallback
+        callbacks.append(FaultToleranceCallback(hang_timeout_s=a.hang_timeout))
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, strategy="ddp", max_epochs=a.epochs,
+                         accumulate_grad_batches=a.accumulate, callbacks=callbacks,
+                         logger=CSVLogger(os.path.join(a.out, "logs"), name="lit"),
+                         log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    train = DataLoader(Blobs(a.dataset), batch_size=a.batch_size, shuffle=True)
+    val = DataLoader(Blobs(100, seed=99), batch_size=8)
+    t0 = time.perf_counter()
+    trainer.fit(model, train, val, ckpt_path=a.ckpt)
+    fit_s = time.perf_counter() - t0
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", trainer.global_rank))
+    opt = trainer.optimizers[0]
+    torch.save({"params": [q.detach().clone() for q in model.parameters()],
+                "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                "val_acc": float(trainer.callback_metrics["val_acc"]),
+                "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+                "world_size": trainer.world_size, "fit_s": fit_s},
+               os.path.join(a.out, f"final_{wid}.pt"))
+    print(f"worker {wid} done: step {trainer.global_step} epoch {trainer.current_epoch} "
+          f"val_acc {float(trainer.callback_metrics['val_acc']):.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
