@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "random port, single node)")
     p.add_argument("--rdzv-timeout", type=float, default=30.0,
                    help="seconds to reach the coordinator from nodes > 0 (default 30)")
+    p.add_argument("--join-timeout-ms", type=int, default=50,
+                   help="how long the membership quorum waits for survivors after the first one "
+                        "asks (node 0 only; default 50): agreement after a failure costs about this")
     p.add_argument("--max-replacements", type=int, default=0,
                    help="replacement workers this launcher may start (default 0)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
@@ -138,7 +141,8 @@ class Launcher:
                 host, _, p = a.rdzv_endpoint.rpartition(":")
                 host, port = host.strip("[]") or "127.0.0.1", int(p)
             try:
-                self.coordinator = CoordinatorServer(host, store_port=port)
+                self.coordinator = CoordinatorServer(host, store_port=port,
+                                                     join_timeout_ms=a.join_timeout_ms)
             except Exception as exc:
                 raise LaunchError(f"cannot host the coordinator on {host}:{port}: {exc}") from exc
             self.store = self.coordinator.store

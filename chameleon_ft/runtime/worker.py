@@ -50,6 +50,7 @@ from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
 from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
+from chameleon_ft.plan import even_split
 from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_ft.runtime import state as run_state
 
@@ -183,6 +184,10 @@ class ElasticContext:
         self._compute_s = 0.0
         self._n_mb = 0
         self._ids: list[int] = []
+        # Slots of the current step whose gradients this member holds (kept across a failed
+        # all-reduce), and the slots it still has to compute when a failure interrupted it.
+        self._done_slots: list[int] = []
+        self._redo_slots: Optional[list[int]] = None
         self._prev_comm = 0.0
         self._prev_step = 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
@@ -238,9 +243,16 @@ class ElasticContext:
         ``seed_microbatches``, a per-(step, slot) seed."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
-            self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+            if self._redo_slots is None:
+                self._compute_s, self._n_mb, self._ids, self._done_slots = 0.0, 0, [], []
             self.faults.at(self.step, "step_start")
-        for mb in self.sampler.local_microbatches(self.worker_id):
+        if self._redo_slots is not None:  # an interrupted step: only the orphaned slots
+            wanted = set(self._redo_slots)
+            todo = [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
+            self._redo_slots = None
+        else:
+            todo = self.sampler.local_microbatches(self.worker_id)
+        for mb in todo:
             self.faults.at(self.step, "forward")
             if self.cfg.seed_microbatches:
                 torch.manual_seed((self.seed * 1_000_003 + self.step) * 65_537 + mb.index)
@@ -248,6 +260,7 @@ class ElasticContext:
             yield mb
             self._compute_s += time.perf_counter() - t0
             self._n_mb += 1
+            self._done_slots.append(mb.index)
             if self.cfg.log_samples:
                 self._ids.extend(mb.indices)
 
@@ -264,7 +277,9 @@ class ElasticContext:
         or next) step again with ``microbatches()``."""
         if self._step_start is None:  # a member that had nothing to do this step
             self._step_start = time.perf_counter()
-            self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+            if self._redo_slots is None:
+                self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+            self._redo_slots = None
         self.faults.at(self.step, "allreduce")
         n, r = self.view.world_size, self.view.rank
         tail = torch.zeros(_TAIL * n, dtype=self.dtype)
@@ -282,7 +297,9 @@ class ElasticContext:
             self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM,
                                                      timeout_s=self.hang_timeout_s, copy=False))
         except CollectiveFailure as failure:
-            self._discard()
+            # Keep this member's gradients: unless a peer committed the step, they are still
+            # its share of the redone step (see _salvage).
+            self._step_start = None
             self._recover(failure, t0)
             return False
         comm = time.perf_counter() - t0
@@ -299,6 +316,7 @@ class ElasticContext:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._done_slots = []
         self._commit()
         timings = buf[at:].view(n, _TAIL).tolist()
         self._after_commit({w: tuple(timings[i]) for i, w in enumerate(self.view.members)})
@@ -335,6 +353,38 @@ class ElasticContext:
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_start = None
+        self._done_slots, self._redo_slots = [], None
+        self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+
+    def _salvage(self, top: int, n: int, r: int) -> None:
+        """Redo an interrupted step without recomputing what survivors already computed.
+
+        Every member at the agreed step reports the slots whose gradients it still holds (one
+        small all-reduce); the slots nobody holds -- the dead members' share -- are split over
+        the members in order, and each member computes only its part before the all-reduce.
+        The step's samples and their weights are unchanged, so the update is the one the
+        failure-free run makes (up to summation order).  Members that adopted a committed step
+        or hold nothing simply compute their part from zero."""
+        mine = self._done_slots if (self.step == top and self._step_had_work()) else []
+        covered = torch.zeros(self.sampler.num_microbatches, dtype=torch.int64)
+        if mine:
+            covered[mine] = 1
+        self._store_op(lambda: self.gm.allreduce(covered, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        if not mine:
+            self._discard()
+        if not bool(covered.any()):
+            self._discard()
+            return
+        slots = [mb.index for mb in self.sampler.microbatches(self.sampler.cursor)]
+        orphans = [j for j in slots if covered[j] == 0]
+        lo = 0
+        for i, share in enumerate(even_split(len(orphans), n)):
+            if i == r:
+                self._redo_slots = orphans[lo:lo + share]
+            lo += share
+
+    def _step_had_work(self) -> bool:
+        return bool(self._done_slots) and any(p.grad is not None for p in self.params)
 
     # ---------------------------------------------------------------- recovery
     def _store_op(self, fn):
@@ -401,6 +451,7 @@ class ElasticContext:
                                 "to heal from (the job finished or all its workers are gone)")
         source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
         behind = any(steps[i] < top or fresh[i] for i in range(n))
+        was_behind = self.fresh or self.step < top
         self._is_source = r == source
         payload = None
         if self._is_source:
@@ -414,8 +465,11 @@ class ElasticContext:
                 self.load_state_dict(payload["state"])
             self.policy.load_state_dict(payload["engine"])
             self.sampler.load_state_dict(payload["sampler"])
+        if was_behind:
+            self._discard()  # nothing of ours belongs to the step everyone is at now
         self.fresh = False
         self.last_decisions = list(payload["decisions"])
+        self._salvage(top, n, r)
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
         if payload["restart"]:
