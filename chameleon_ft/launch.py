@@ -17,14 +17,15 @@ What a launcher does while the job runs:
 * once any worker finished successfully, the others get ``--hang-timeout`` + 5 s to finish;
 * Ctrl-C / SIGTERM: every worker's process group is terminated, then killed.
 
-Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart (rerun
-the command; the script resumes from its checkpoint); otherwise the first worker's failure
+Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart and
+``--max-restarts`` is spent (rerun the command; the script resumes from its checkpoint); otherwise the first worker's failure
 code, or 1/2 for launcher errors (bad flags: 2).
 
 Limits, honestly: node 0's launcher is the single point of failure (it hosts the
 coordinator); when it dies, workers fail their next collective with a clear error.  The
-coordinator is not authenticated: bind it to a trusted network only.  No automatic
-whole-job restart: exit code 75 hands that to the caller (scheduler, shell loop).
+coordinator is not authenticated: bind it to a trusted network only.  Whole-job restart: ``--max-restarts N``
+relaunches every worker (single node) when the engine chooses checkpoint-restart; otherwise
+exit code 75 hands that to the caller (scheduler, shell loop).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout-ms", type=int, default=50,
                    help="how long the membership quorum waits for survivors after the first one "
                         "asks (node 0 only; default 50): agreement after a failure costs about this")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="when the engine chooses checkpoint-restart (workers exit 75), relaunch every "
+                        "worker up to this many times; the script resumes from its checkpoint "
+                        "(single node only; default 0: exit 75 and leave it to the caller)")
     p.add_argument("--max-replacements", type=int, default=0,
                    help="replacement workers this launcher may start (default 0)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
@@ -328,8 +333,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
+    restarts_left = args.max_restarts
     try:
-        return launcher.run()
+        while True:
+            status = launcher.run()
+            if status != E.RESTART_EXIT_CODE or restarts_left <= 0 or launcher.stop_signal is not None:
+                return status
+            if launcher.max_nodes > 1:
+                _say("--max-restarts relaunches a single node only; exiting for the caller to restart")
+                return status
+            restarts_left -= 1
+            _say(f"checkpoint-restart: relaunching every worker ({restarts_left} restart(s) left)")
+            launcher.close()
+            args.run_dir = launcher.run_dir  # one event log across restarts
+            launcher = Launcher(args)
     except LaunchError as exc:
         _say(f"error: {exc}")
         return 1

@@ -37,6 +37,9 @@ def main():
     p.add_argument("--mb-sleep", type=float, default=0.0, help="emulated compute per micro-batch (s)")
     p.add_argument("--no-stragglers", action="store_true")
     p.add_argument("--min-world", type=int, default=1, help="ElasticConfig.min_world_size")
+    p.add_argument("--checkpoint", default=None, help="resume from / write this checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--allowed", default=None, help="comma-separated policies the engine may choose")
     a = p.parse_args()
     torch.set_num_threads(1)
     # A different init per worker: the start-up broadcast must make the replicas equal.
@@ -53,8 +56,10 @@ def main():
         return ce(m(x), y)
 
     trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch, sched,
-                             seed=3, config=ElasticConfig(stragglers=not a.no_stragglers,
-                                                 min_world_size=a.min_world))
+                             seed=3, config=ElasticConfig(
+                                 stragglers=not a.no_stragglers, min_world_size=a.min_world,
+                                 allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None),
+                             checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every)
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
