@@ -90,7 +90,14 @@ def run_ft(a) -> None:
         trainer = ElasticTrainer(net, opt, dataset(), loss_fn, a.global_batch, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(stragglers=False, log_samples=False),
                                  on_step=lambda ctx: stamps.append(time.time()))
-        trainer.fit(max_steps=a.steps)
+        if a.profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0":
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.runcall(trainer.fit, max_steps=a.steps)
+            prof.dump_stats(a.out + ".prof")
+        else:
+            trainer.fit(max_steps=a.steps)
         if trainer.ctx.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"mode": "ft", "stamps": stamps}, f)
@@ -106,6 +113,7 @@ if __name__ == "__main__":
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--mb-sleep", type=float, default=0.025)
+    ap.add_argument("--profile", action="store_true", help="cProfile worker 0 (ft mode) into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
