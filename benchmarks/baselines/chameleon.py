@@ -1,0 +1,52 @@
+"""chameleon-ft on the shared benchmark shape (``chameleon-ft run --nproc-per-node 4 ...``).
+
+``ElasticTrainer`` with the same model, data order (unshuffled), global batch, micro-batches,
+optimizer and emulated compute as the baselines; ``--policy P`` restricts the engine to one
+policy (the fixed-policy variants of the matrix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, tb
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    ap.add_argument("--policy", help="fix the engine's policy (e.g. reroute)")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
+    from chameleon_ft.runtime.worker import ElasticConfig
+
+    def run():
+        log = StepLog(int(os.environ.get("CHAMELEON_FT_WORKER_ID", 0)))
+        net = tb.model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+        def loss_fn(m, batch):
+            x, y = batch
+            loss, pad = tb.padded_loss(m, x, y, a.mb_sleep)
+            time.sleep(pad)
+            return loss
+
+        cfg = ElasticConfig(stragglers=False, log_samples=False,
+                            allowed_policies=frozenset([a.policy]) if a.policy else None)
+        trainer = ElasticTrainer(net, opt, tb.dataset(), loss_fn, GLOBAL_BATCH, MICRO_BATCH, shuffle=False,
+                                 config=cfg,
+                                 on_step=lambda ctx: log.step(ctx.step - 1, len(ctx.members), GLOBAL_BATCH))
+        trainer.fit(max_steps=a.steps)
+        if trainer.ctx.rank == 0:
+            log.final(net, a.steps)
+
+    elastic_main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""How each system is started on the shared benchmark script, and acted on from outside.
+
+Every system runs ``benchmarks/baselines/*.py`` on ``nproc`` CPU workers; each worker logs
+its PID and rank to ``RUN/steps.jsonl`` (``common.StepLog``).  ``Job`` starts the system's
+processes in their own sessions, finds a worker's newest PID in that log, signals it, and
+kills every process group and every PID it saw at the end, also when the caller fails.
+
+``SYSTEMS`` is the table the matrix iterates over; a new system or variant is one row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "benchmarks" / "baselines"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class System:
+    name: str               # row label in the report
+    family: str             # chameleon-ft | torchrun-restart | torchft | lightning-ddp
+    variant: str            # "adaptive", "policy=reroute", "as shipped", "workaround: ..."
+    start: Callable[["Job"], None]
+    note: str = ""
+
+
+class Job:
+    """One run of one system: its processes, its run directory, its progress log."""
+
+    def __init__(self, run_dir: Path, nproc: int, steps: int, mb_sleep: float):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.nproc, self.steps, self.mb_sleep = nproc, steps, mb_sleep
+        self.procs: list[subprocess.Popen] = []   # launchers / workers we started directly
+        self.main: list[subprocess.Popen] = []    # the ones whose exit ends the run
+        self.seen_pids: set[int] = set()
+
+    # ------------------------------------------------------------------ processes
+    def env(self, **extra) -> dict:
+        return dict(os.environ, BENCH_OUT=str(self.run_dir), OMP_NUM_THREADS="1",
+                    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                    **{k: str(v) for k, v in extra.items()})
+
+    def spawn(self, cmd: list[str], env: dict, name: str, main: bool = True) -> subprocess.Popen:
+        out = open(self.run_dir / f"{name}.out", "wb")
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             cwd=str(ROOT))
+        out.close()
+        self.procs.append(p)
+        if main:
+            self.main.append(p)
+        return p
+
+    def script_args(self) -> list[str]:
+        return ["--steps", str(self.steps), "--mb-sleep", str(self.mb_sleep)]
+
+    def wait(self, timeout: float) -> Optional[list[int]]:
+        """Exit codes of the main processes, or None when they did not all end in time."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.main:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                return None
+        return codes
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.main)
+
+    def cleanup(self) -> None:
+        """SIGCONT then SIGKILL every process group we started and every worker PID logged."""
+        self.records()
+        for pid in {p.pid for p in self.procs} | self.seen_pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def output(self) -> str:
+        return "".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:]
+                       for f in sorted(self.run_dir.glob("*.out")))
+
+    # ------------------------------------------------------------------ progress log
+    def records(self) -> list[dict]:
+        path = self.run_dir / "steps.jsonl"
+        if not path.exists():
+            return []
+        recs = []
+        for line in path.read_bytes().split(b"\n")[:-1]:
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue
+        self.seen_pids |= {r["pid"] for r in recs if "pid" in r}
+        return recs
+
+    def worker_pid(self, rank: int) -> int:
+        starts = [r for r in self.records() if r["kind"] == "start" and r.get("rank") == rank]
+        return max(starts, key=lambda r: (r.get("restart", 0), r["ts"]))["pid"]
+
+    def wait_step(self, step: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(r["kind"] == "step" and r["step"] >= step for r in self.records()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no step {step} after {timeout} s")
+            if not self.running():
+                raise RuntimeError(f"the job ended before step {step}:\n{self.output()}")
+            time.sleep(0.005)
+
+    def signal(self, rank: int, sig: int) -> float:
+        pid = self.worker_pid(rank)
+        t = time.time()
+        os.kill(pid, sig)
+        return t
+
+
+# ---------------------------------------------------------------------- launchers
+def _torchrun(job: Job, script: str, extra: list[str], torchrun_args: list[str], env: dict) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(job.nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *torchrun_args,
+           str(BASE / script), *job.script_args(), *extra]
+    job.spawn(cmd, env, "torchrun")
+
+
+def start_chameleon(policy: Optional[str] = None) -> Callable[[Job], None]:
+    def start(job: Job) -> None:
+        extra = ["--policy", policy] if policy else []
+        cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(job.nproc),
+               "--run-dir", str(job.run_dir), "--hang-timeout", "5", str(BASE / "chameleon.py"),
+               *job.script_args(), *extra]
+        job.spawn(cmd, job.env(), "launcher")
+    return start
+
+
+def start_torchrun_restart(workaround: bool) -> Callable[[Job], None]:
+    def start(job: Job) -> None:
+        env = job.env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) if workaround else job.env()
+        _torchrun(job, "ddp_restart.py", ["--ckpt", str(job.run_dir / "ckpt.pt"), "--ckpt-every", "10"],
+                  ["--max-restarts", "3"], env)
+    return start
+
+
+def start_lightning(job: Job) -> None:
+    _torchrun(job, "lightning_ddp.py", [], [], job.env())
+
+
+def start_torchft(variant: str) -> Callable[[Job], None]:
+    def start(job: Job) -> None:
+        port = free_port()
+        # As torchft's README / train_ddp.py example: min_replicas 1, join timeout 10 s.
+        job.spawn(["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
+                   "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"], job.env(), "lighthouse", main=False)
+        time.sleep(0.5)
+        for g in range(job.nproc):
+            env = job.env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=g,
+                          NUM_REPLICA_GROUPS=job.nproc, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
+                          MASTER_ADDR="localhost", MASTER_PORT=free_port())
+            job.spawn([sys.executable, str(BASE / "torchft_ddp.py"), *job.script_args(), "--variant", variant],
+                      env, f"group{g}")
+    return start
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in [
+    System("chameleon-ft", "chameleon-ft", "adaptive", start_chameleon()),
+    System("chameleon-ft[reroute]", "chameleon-ft", "policy fixed: reroute", start_chameleon("reroute")),
+    System("torchrun-restart", "torchrun-restart", "as shipped", start_torchrun_restart(False),
+           "torchrun --max-restarts 3, checkpoint every 10 steps"),
+    System("torchrun-restart+fix", "torchrun-restart", "workaround: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+           start_torchrun_restart(True), "torchrun --max-restarts 3, checkpoint every 10 steps"),
+    System("torchft", "torchft", "as shipped: torchft DDP, default timeouts", start_torchft("shipped")),
+    System("torchft+fix", "torchft", "workaround: manager.allreduce of grads, example timeouts (5 s / 30 s)",
+           start_torchft("workaround")),
+    System("lightning-ddp", "lightning-ddp", "as shipped (no fault tolerance)", start_lightning),
+]}
