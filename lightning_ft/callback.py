@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
+from chameleon_ft.runtime.adapters import ft_metrics
 from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE
 from chameleon_ft.runtime.membership import MembershipError
 from chameleon_ft.runtime.policy import RUNTIME_POLICIES, RestartRequested
@@ -126,20 +127,9 @@ class FaultToleranceCallback(Callback):
         recovered = ctx.recoveries != self._logged_recoveries
         if not recovered and trainer.global_step % every:
             return
-        step_s = s.last_step.get("step_s") or 0.0
-        m = {"ft/world_size": float(ctx.view.world_size), "ft/recoveries": float(ctx.recoveries),
-             "ft/redone_steps": float(s.redone_steps), "ft/adopted_steps": float(s.adopted_steps)}
-        if step_s > 0:
-            m["ft/throughput_samples_per_s"] = ctx.sampler.global_batch / step_s
-        m.update({f"ft/{k}": float(v) for k, v in s.last_step.items()})
         if recovered:
             self._logged_recoveries = ctx.recoveries
-            rec = ctx.last_recovery or {}
-            if "total" in rec.get("mttr", {}):
-                m["ft/mttr_s"] = float(rec["mttr"]["total"])
-            for d in ctx.last_decisions:
-                if d.get("chosen"):
-                    m[f"ft/policy/{d['chosen']}"] = 1.0
+        m = ft_metrics(ctx, s.last_step, s.redone_steps, s.adopted_steps, recovered)
         for logger in trainer.loggers:
             logger.log_metrics(m, step=trainer.global_step)
 

@@ -17,7 +17,9 @@ recorded with the allocation it was loaded for, and ``resolve`` (called by the s
 Limits, honestly: map-style datasets only; the user's DataLoader must use ``batch_size`` (no
 custom ``batch_sampler``) and a plain random or sequential order (a custom sampler's order
 cannot be kept exactly-once under membership changes); the samples of a micro-batch that is
-redone by another member after a failure are loaded in the main process.
+redone by another member after a failure are loaded in the main process.  The loading itself
+(``MicroBatchSource``) and the shards are shared with accelerate_ft in
+``chameleon_ft/runtime/adapters.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterator, NamedTuple, Optional
 
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
+from chameleon_ft.runtime.adapters import MicroBatchSource
+from chameleon_ft.runtime.adapters import ShardSampler as _ShardSampler
 from chameleon_ft.runtime.sampler import MicroBatch
 
 __all__ = ["StepLoader", "ShardSampler", "NoMicroBatch"]
@@ -50,85 +54,14 @@ class _Handed(NamedTuple):
     signature: tuple
 
 
-class _Feed:
-    """This member's planned micro-batches from one step to the end of the epoch, loaded in
-    order by a DataLoader with the user's settings."""
-
-    def __init__(self, loader: "StepLoader", start: int) -> None:
-        s = loader.sampler
-        self.signature, self.epoch = loader.signature(), s.epoch
-        wid = loader.worker_id
-        self.plan = deque((t, mb) for t in range(start, s.steps_per_epoch)
-                          for mb in s.local_microbatches(wid, t))
-        self.planned = {(t, mb.index) for t, mb in self.plan}
-        self.stash: dict = {}
-        self.it = iter(loader.make_dataloader([list(mb.indices) for _, mb in self.plan]))
-
-    def has(self, step: int, mb: MicroBatch) -> bool:
-        return (step, mb.index) in self.planned
-
-    def get(self, step: int, mb: MicroBatch) -> Any:
-        key = (step, mb.index)
-        while key not in self.stash:
-            t, m = self.plan.popleft()
-            self.stash[(t, m.index)] = next(self.it)
-        self.planned.discard(key)
-        # Lightning reads one step ahead, so the previous step's micro-batches may still be asked for.
-        for old in [k for k in self.stash if k[0] < step - 1]:
-            del self.stash[old]
-        return self.stash.pop(key)
-
-
-class StepLoader:
+class StepLoader(MicroBatchSource):
     """What Lightning iterates for training: one item per global step (see module doc)."""
 
     def __init__(self, strategy, dataloader: DataLoader) -> None:
+        super().__init__(lambda: strategy.ctx, dataloader)
         self.strategy = strategy
-        self.dataloader = dataloader
-        self.dataset = dataloader.dataset
         self.worker_init_fn = dataloader.worker_init_fn
-        self._feed: Optional[_Feed] = None
         self._handed: deque[_Handed] = deque()
-
-    # ---------------------------------------------------------------- runtime state
-    @property
-    def sampler(self):
-        return self.strategy.ctx.sampler
-
-    @property
-    def worker_id(self) -> int:
-        return self.strategy.ctx.worker_id
-
-    def signature(self) -> tuple:
-        s = self.sampler
-        return (s.epoch, tuple(s.members), tuple(s.allocation))
-
-    def make_dataloader(self, index_lists: list[list[int]]) -> DataLoader:
-        dl = self.dataloader
-        kwargs = {}
-        if dl.num_workers > 0:
-            kwargs = {"prefetch_factor": dl.prefetch_factor, "persistent_workers": False,
-                      "multiprocessing_context": dl.multiprocessing_context}
-        return DataLoader(self.dataset, batch_sampler=index_lists, collate_fn=dl.collate_fn,
-                          num_workers=dl.num_workers, pin_memory=dl.pin_memory,
-                          worker_init_fn=dl.worker_init_fn, timeout=dl.timeout,
-                          generator=dl.generator, **kwargs)
-
-    def load_now(self, mb: MicroBatch) -> Any:
-        """Load one micro-batch in this process (a slot off this member's plan)."""
-        return self.dataloader.collate_fn([self.dataset[i] for i in mb.indices])
-
-    def fetch(self, step: int, mb: MicroBatch) -> Any:
-        """The collated data of micro-batch ``mb`` of ``step`` (this epoch)."""
-        feed = self._feed
-        if (feed is not None and feed.signature == self.signature() and feed.has(step, mb)):
-            return feed.get(step, mb)
-        return self.load_now(mb)
-
-    def _feed_from(self, step: int) -> _Feed:
-        if self._feed is None or self._feed.signature != self.signature():
-            self._feed = _Feed(self, step)
-        return self._feed
 
     # ---------------------------------------------------------------- Lightning side
     def __len__(self) -> int:
@@ -173,19 +106,10 @@ class StepLoader:
         return (h.step, mbs[0].index), prepare(data)
 
 
-class ShardSampler(Sampler):
-    """Evaluation sampler over the *current* members: rank r of n gets r, r+n, ... (no padding,
-    so metrics count every sample once).  The shard is computed at each ``iter()``."""
+class ShardSampler(_ShardSampler):
+    """Evaluation sampler over the strategy's *current* members: rank r of n gets r, r+n, ...
+    (no padding, so metrics count every sample once); computed at each ``iter()``."""
 
     def __init__(self, dataset_len: int, strategy) -> None:
-        self.dataset_len = dataset_len
+        super().__init__(dataset_len, lambda: (strategy.global_rank, strategy.world_size))
         self.strategy = strategy
-
-    def _shard(self) -> range:
-        return range(self.strategy.global_rank, self.dataset_len, max(1, self.strategy.world_size))
-
-    def __iter__(self):
-        return iter(self._shard())
-
-    def __len__(self) -> int:
-        return len(self._shard())

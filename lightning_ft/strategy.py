@@ -45,16 +45,15 @@ from pathlib import PurePath
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from chameleon_ft.runtime import state as run_state
+from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
@@ -76,27 +75,6 @@ _NOT_LAUNCHED = (
 
 class LauncherError(RuntimeError):
     """The process was not started by ``chameleon-ft run``."""
-
-
-class _OptimizerHandle:
-    """What ``ElasticContext`` sees as the optimizer: ``step()`` applies the update through
-    Lightning's precision plugin (set per step), the rest goes to the real optimizer."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.update: Optional[Callable[[], Any]] = None
-
-    def step(self) -> None:
-        self.update()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
 
 
 class _SchedulerState:
@@ -146,12 +124,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self.env: Optional[WorkerEnv] = None
         self._joined: Optional[Joined] = None
         self._loader: Optional[StepLoader] = None
-        self._degraded = False  # the generation broke outside a step: collectives are local
-        self._catch_up = False  # adopted a committed step: local until our next step
-        self._warned: set = set()
+        self._coll = LiveCollectives(self._gm, self._view, self._op_timeout, self._log_deferred,
+                                     who="lightning_ft")
         self._batch_key: Optional[tuple] = None
         self._mb = None
-        self._handle: Optional[_OptimizerHandle] = None
+        self._handle: Optional[UpdateHandle] = None
         self.user_accumulate = 1
         self.redone_steps = 0
         self.adopted_steps = 0
@@ -272,20 +249,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return dataloader
 
     def _training_loader(self, dl: object) -> StepLoader:
-        if not isinstance(dl, DataLoader):
-            raise TypeError(f"lightning_ft needs a torch DataLoader for training, got {type(dl).__name__}")
-        if dl.batch_size is None:
-            raise ValueError("lightning_ft: the training DataLoader must use batch_size "
-                             "(a custom batch_sampler cannot be re-planned exactly once)")
-        sampler = dl.sampler
-        if type(sampler) is DistributedSampler:
-            shuffle, seed = sampler.shuffle, sampler.seed
-        elif isinstance(sampler, (RandomSampler, SequentialSampler)):
-            shuffle, seed = isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
-        else:
-            raise ValueError(f"lightning_ft: the training sampler {type(sampler).__name__} is not "
-                             "supported: use shuffle=True/False (the elastic sampler keeps a seeded "
-                             "global order and hands out every sample exactly once per epoch)")
+        shuffle, seed = training_order(dl, int(os.environ.get("PL_GLOBAL_SEED", 0)), "lightning_ft")
         if self.ctx is None:
             self._start_context(dl, shuffle, seed)
         self._loader = StepLoader(self, dl)
@@ -303,7 +267,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if resume and int(resume["micro_batch"]) != mb:
             raise ValueError(f"lightning_ft: the checkpoint was trained with batch_size "
                              f"{resume['micro_batch']}, this run uses {mb}")
-        self._handle = _OptimizerHandle(self.optimizers[0])
+        self._handle = UpdateHandle(self.optimizers[0])
         ctx = ElasticContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,
                              scheduler=_SchedulerState(self), seed=seed, shuffle=shuffle,
                              drop_last=dl.drop_last, config=self.ft_config, env=self.env)
@@ -348,7 +312,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         model = model or self.lightning_module
         trainer = model.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
-        self._catch_up = False
+        self._coll.catch_up = False
         ran_closure, result = False, None
         t0 = time.perf_counter()
         compute = data_wait = 0.0
@@ -376,7 +340,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             self._after_reconfiguration()
             if ctx.step > step:  # a peer committed it; its state is ours now
                 self.adopted_steps += 1
-                self._catch_up = True
+                self._coll.catch_up = True
                 break
             self.redone_steps += 1
         if not ran_closure and isinstance(closure, Closure):
@@ -406,7 +370,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
     def _after_reconfiguration(self, initial: bool = False) -> None:
         was_zero = rank_zero_only.rank == 0
         self._publish_rank()
-        self._degraded = False
+        self._coll.reset()
         trainer = self.lightning_module.trainer
         if not initial:
             # Evaluation loaders are re-sharded over the new members at their next run.
@@ -427,83 +391,35 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         return self.ctx.hang_timeout_s if self.ctx is not None else float(
             self.ft_config.hang_timeout_s or self.env.hang_timeout_s)
 
-    def _collective(self, what: str, fn: Callable, local: Callable) -> Any:
-        gm = self._gm()
-        if gm is None or self.world_size <= 1 or self._degraded or self._catch_up:
-            if self._degraded or self._catch_up:
-                self._warn_local(what)
-            return local()
-        try:
-            return fn(gm)
-        except CollectiveFailure as failure:
-            self._degraded = True
-            self._warn_local(what, failure)
-            if self.ctx is not None and self.ctx.log is not None:
-                self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
-                                   detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
-                                   collective=what, deferred=True)
-            return local()
-
-    def _warn_local(self, what: str, failure: Optional[CollectiveFailure] = None) -> None:
-        if what in self._warned:
-            return
-        self._warned.add(what)
-        why = f"failed ({failure.kind}: {str(failure)[:300]})" if failure else "skipped while the job reconfigures"
-        log.warning("lightning_ft: %s %s outside a training step; it returns this worker's local "
-                    "value until the job recovers at the next training step", what, why)
+    def _log_deferred(self, what: str, failure: CollectiveFailure) -> None:
+        if self.ctx is not None and self.ctx.log is not None:
+            self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
+                               detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
+                               collective=what, deferred=True)
 
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
-        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"lightning_ft: unsupported reduce_op {reduce_op!r}")
-
-        def fn(gm):
-            buf = tensor.detach().to("cpu", copy=True)
-            if op in ("mean", "avg") and not buf.is_floating_point():
-                buf = buf.float()
-            gm.allreduce(buf, ops[op], timeout_s=self._op_timeout())
-            if op in ("mean", "avg"):
-                buf = buf / self.world_size
-            return buf.to(tensor.device)
-
-        return self._collective("reduce", fn, lambda: tensor)
+        return self._coll.allreduce(tensor, reduce_op or "mean")
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False):
-        return self._collective(
-            "all_gather",
-            lambda gm: torch.stack(gm.all_gather(tensor, self._op_timeout())).to(tensor.device),
-            lambda: tensor)
+        return torch.stack(self._coll.all_gather(tensor))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        gm = self._gm()
-        if gm is None or self.world_size <= 1:
+        if self._gm() is None or self.world_size <= 1:
             return obj
         is_path = isinstance(obj, PurePath)
-        tree = {"path": str(obj)} if is_path else obj
-
-        def fn(gm):
-            out = run_state.broadcast_tree(lambda f: gm.collective(f, self._op_timeout()), src,
-                                           self.global_rank, tree if self.global_rank == src else None)
-            return type(obj)(out["path"]) if is_path else out
-
-        return self._collective("broadcast", fn, lambda: obj)
+        out = self._coll.broadcast({"path": str(obj)} if is_path else obj, src)
+        return type(obj)(out["path"]) if is_path else out
 
     def barrier(self, name: Optional[str] = None) -> None:
-        self._collective("barrier", lambda gm: gm.allreduce(torch.zeros(1), timeout_s=self._op_timeout()),
-                         lambda: None)
+        self._coll.barrier()
 
     def _metric_sync_available(self) -> bool:
         return self._gm() is not None and self.world_size > 1
 
     def _metric_gather(self, tensor: torch.Tensor, group: Optional[Any] = None) -> list:
-        return self._collective(
-            "metric sync",
-            lambda gm: [t.to(tensor.device) for t in gm.all_gather(tensor, self._op_timeout())],
-            lambda: [tensor])
+        return self._coll.all_gather(tensor, what="metric sync")
 
     # ---------------------------------------------------------------- teardown
     def teardown(self) -> None:

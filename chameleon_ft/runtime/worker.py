@@ -255,12 +255,8 @@ class ElasticContext:
             if self._redo_slots is None:
                 self._compute_s, self._n_mb, self._ids, self._done_slots = 0.0, 0, [], []
             self.faults.at(self.step, "step_start")
-        if self._redo_slots is not None:  # an interrupted step: only the orphaned slots
-            wanted = set(self._redo_slots)
-            todo = [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
-            self._redo_slots = None
-        else:
-            todo = self.sampler.local_microbatches(self.worker_id)
+        todo = self.pending_microbatches()
+        self._redo_slots = None
         for mb in todo:
             self.faults.at(self.step, "forward")
             if self.cfg.seed_microbatches:
@@ -272,6 +268,15 @@ class ElasticContext:
             self._done_slots.append(mb.index)
             if self.cfg.log_samples:
                 self._ids.extend(mb.indices)
+
+    def pending_microbatches(self) -> list[MicroBatch]:
+        """What the next ``microbatches()`` yields: this member's share of the current step or,
+        after a failure interrupted the step, only the orphaned slots it was given (adapters
+        whose loop is the user's code need to know where a step ends)."""
+        if self._redo_slots is not None:
+            wanted = set(self._redo_slots)
+            return [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
+        return self.sampler.local_microbatches(self.worker_id)
 
     def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
         """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""

@@ -1,0 +1,433 @@
+"""``FaultTolerantAccelerator``: ``accelerate.Accelerator`` whose data-parallel workers keep
+training in place when one of them dies, hangs or slows down; ``wrap(accelerator)`` turns an
+existing one into it.  Start the script with ``chameleon-ft run --nproc-per-node N train.py``.
+
+What changes against ``Accelerator`` (and why) -- the contract is in docs/accelerate.md:
+
+* **No default process group, no DDP wrapper.**  Accelerate is set up as a single process on
+  CPU (``_env.py`` hides torchrun's variables); the runtime joins the job's membership and
+  reduces the gradients once per global step over a gloo group that is re-formed after a failure.
+* **The training loader yields micro-batches** of the runtime's exactly-once sampler; the user's
+  ``optimizer.step()`` after the member's last micro-batch commits the global step, and only a
+  committed step updates the weights and steps the LR schedulers (``runtime.py``).
+* **Evaluation loaders are re-split over the current members** at each pass; ``gather``,
+  ``gather_for_metrics``, ``reduce``, ``wait_for_everyone`` run over the live group, and
+  ``num_processes``/``process_index``/``is_main_process`` are the live membership's.
+* ``save_state``/``load_state`` write and read Accelerate's folder (rank 0 writes) plus the
+  runtime's sampler cursor and engine state, so a checkpoint resumes on any number of workers.
+
+Under ``accelerate launch``/torchrun (no ``chameleon-ft run`` environment) it is a plain
+``Accelerator`` and says so once: a failure there restarts every worker (checkpoint-restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from typing import Any, Iterable, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
+
+from accelerate_ft._env import launch_env, other_launcher
+from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader
+from accelerate_ft.runtime import AccelerateRuntime
+from chameleon_ft.runtime.policy import RUNTIME_POLICIES
+from chameleon_ft.runtime.worker import ElasticConfig
+
+__all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
+
+NOT_LAUNCHED = (
+    "accelerate_ft: this process was not started by `chameleon-ft run`, so it trains as a plain "
+    "Accelerator without in-place recovery.  Under `accelerate launch` (torchrun) a worker failure "
+    "restarts every worker: call accelerator.save_state() every few steps, accelerator.load_state() "
+    "at start when a checkpoint exists, and launch with `accelerate launch --max_restarts N` "
+    "(checkpoint-restart).  For survivors that keep training in place run "
+    "`chameleon-ft run --nproc-per-node N train.py`.")
+
+
+class LauncherError(RuntimeError):
+    """Fault tolerance was required but the process was not started by ``chameleon-ft run``,
+    or an existing Accelerator cannot be wrapped."""
+
+
+def _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change=False) -> ElasticConfig:
+    if allowed_policies is not None:
+        allowed_policies = frozenset(allowed_policies)
+        unknown = (allowed_policies - RUNTIME_POLICIES) | (allowed_policies & {"shrink"})
+        if unknown:
+            raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by the runtime; "
+                             f"choose among {sorted(RUNTIME_POLICIES - {'shrink'})} (accelerate_ft keeps the "
+                             "global batch fixed: shrink is not offered)")
+    if hang_timeout_s is not None and hang_timeout_s <= 0:
+        raise ValueError("hang_timeout_s must be > 0")
+    if allow_batch_change:
+        warnings.warn("allow_batch_change=True: accelerate_ft keeps the global batch fixed (the "
+                      "user's step and scheduler arithmetic assume it); the option has no effect",
+                      stacklevel=3)
+    return ElasticConfig(hang_timeout_s=hang_timeout_s, allowed_policies=allowed_policies,
+                         stragglers=stragglers, allow_batch_change=False)
+
+
+class _FTOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer: ``step()`` commits the global step after the member's last
+    micro-batch (a no-op otherwise); the runtime zeroes the gradients after each commit."""
+
+    _ft_rt: AccelerateRuntime
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("accelerate_ft: optimizer closures (LBFGS) are not supported")
+        self._ft_rt.optimizer_step()
+
+    def zero_grad(self, set_to_none=None):
+        if self._ft_rt.ctx is None:
+            super().zero_grad(set_to_none=set_to_none)
+        # Otherwise a no-op: the gradients a member holds when a failure interrupts a step are
+        # kept for the redone step, and the runtime zeroes them after every commit.
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return False
+
+
+class _FTScheduler(AcceleratedScheduler):
+    """The prepared scheduler: stepped by the runtime once per committed step when it steps
+    with the optimizer (the default), so the user's ``scheduler.step()`` is a no-op."""
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+
+
+def _tensors_only(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, dict):
+        return all(_tensors_only(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return len(data) > 0 and all(_tensors_only(v) for v in data)
+    return False
+
+
+def _map(fn, data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)({k: _map(fn, v) for k, v in data.items()})
+    if isinstance(data, (list, tuple)) and _tensors_only(data):
+        return type(data)(_map(fn, v) for v in data)
+    return data
+
+
+def _trim(data: Any, n: int) -> Any:
+    """The first ``n`` samples of a batch's results (tensors, containers, lists of objects)."""
+    if isinstance(data, torch.Tensor):
+        return data[:n] if data.ndim else data
+    if isinstance(data, dict):
+        return type(data)({k: _trim(v, n) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        if _tensors_only(data) or all(isinstance(v, dict) for v in data):
+            return type(data)(_trim(v, n) for v in data)
+        return data[:n]
+    return data
+
+
+class FaultTolerantAccelerator(Accelerator):
+    """Drop-in ``Accelerator`` whose workers survive failures in place (see module doc).
+
+    Args (besides Accelerator's own):
+        allowed_policies: what the engine may choose on a failure, among
+            ``reroute, replan, wait, restart, keep, rebalance, heal, grow`` (default: all).
+        hang_timeout_s: watchdog on every collective (default: ``chameleon-ft run --hang-timeout``).
+        stragglers: rebalance micro-batches away from a persistently slow worker.
+        event_log: JSONL event log (default: ``events.jsonl`` in the launcher's run dir).
+        require_launcher: raise ``LauncherError`` instead of running as a plain Accelerator
+            when the process was not started by ``chameleon-ft run``.
+    """
+
+    def __init__(self, *args: Any, allowed_policies: Optional[Iterable[str]] = None,
+                 hang_timeout_s: Optional[float] = None, stragglers: bool = True,
+                 allow_batch_change: bool = False, event_log: Optional[str] = None,
+                 require_launcher: bool = False, **kwargs: Any) -> None:
+        cfg = _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change)
+        self._ft: Optional[AccelerateRuntime] = None
+        env = launch_env()
+        if env is None:
+            if require_launcher:
+                raise LauncherError(NOT_LAUNCHED)
+            if other_launcher():
+                warnings.warn(NOT_LAUNCHED, stacklevel=2)
+            super().__init__(*args, **kwargs)
+            return
+        if len(args) < 5:  # the runtime reduces CPU tensors over gloo
+            kwargs["cpu"] = True
+        super().__init__(*args, **kwargs)
+        self._ft = AccelerateRuntime(self, env, cfg, event_log)
+
+    # ---------------------------------------------------------------- introspection
+    @property
+    def ft_context(self):
+        """The worker's ``ElasticContext`` (None before the training loader is first iterated)."""
+        return self._ft.ctx if self._ft is not None else None
+
+    @property
+    def ft_metrics(self) -> dict:
+        """The ``ft/*`` metrics of the last committed step (what the trackers receive)."""
+        return self._ft.metrics() if self._ft is not None else {}
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._ft.is_local_main() if self._ft is not None else super().is_local_main_process
+
+    def print(self, *args, **kwargs):
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # ---------------------------------------------------------------- prepare
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None,
+                            training: Optional[bool] = None):
+        """``training``: whether this is the training loader (default: the first DataLoader
+        prepared is, the others are evaluation loaders)."""
+        if self._ft is None or not isinstance(data_loader, torch.utils.data.DataLoader):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        placement = self.device_placement if device_placement is None else device_placement
+        rt = self._ft
+        if training is None:
+            training = not getattr(rt, "_train_prepared", False)
+        if training:
+            if getattr(rt, "_train_prepared", False):
+                raise ValueError("accelerate_ft: one training DataLoader per Accelerator; prepare the "
+                                 "others with prepare_data_loader(dl, training=False)")
+            rt._train_prepared = True
+            return ElasticTrainLoader(rt, data_loader, placement)
+        return ElasticEvalLoader(rt, data_loader, placement)
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self._ft is not None and not evaluation_mode:
+            self._ft.add_model(model)
+        return model
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        opt = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if self._ft is not None and not isinstance(opt, _FTOptimizer):
+            if self._ft.optimizer is not None:
+                raise ValueError("accelerate_ft supports one optimizer per Accelerator")
+            opt.__class__ = _FTOptimizer
+            opt._ft_rt = self._ft
+            self._ft.optimizer = opt
+        return opt
+
+    def prepare_scheduler(self, scheduler):
+        sched = super().prepare_scheduler(scheduler)
+        if self._ft is not None and not isinstance(sched, _FTScheduler):
+            sched.__class__ = _FTScheduler
+            self._ft.schedulers.append(sched)
+        return sched
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        if self._ft is not None and isinstance(dataloader, (ElasticTrainLoader, ElasticEvalLoader)):
+            return dataloader  # the runtime's cursor (restored by load_state) says where to go on
+        return super().skip_first_batches(dataloader, num_batches)
+
+    # ---------------------------------------------------------------- the step
+    def backward(self, loss, **kwargs):
+        if self._ft is None:
+            return super().backward(loss, **kwargs)
+        self._ft.backward(loss, **kwargs)
+
+    def _do_sync(self):
+        if self._ft is None:
+            return super()._do_sync()
+        # The training loader sets sync_gradients: True on the member's last item of a step.
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        if self._ft is None:
+            with super().accumulate(*models):
+                yield
+            return
+        yield  # the step boundaries come from the training loader; there is no DDP to silence
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        if self._ft is None:
+            with super().no_sync(model):
+                yield
+            return
+        yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Inside a training step the clipping is applied to the *reduced* gradients just before
+        the update; the returned tensor is filled with the total norm when the step commits."""
+        if self._ft is None or not self._ft.in_step:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        params, out = list(parameters), torch.zeros(())
+        self._ft.defer(lambda: out.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)))
+        return out
+
+    def clip_grad_value_(self, parameters, clip_value):
+        if self._ft is None or not self._ft.in_step:
+            return super().clip_grad_value_(parameters, clip_value)
+        params = list(parameters)
+        self._ft.defer(lambda: torch.nn.utils.clip_grad_value_(params, clip_value))
+
+    def unscale_gradients(self, optimizer=None):
+        if self._ft is None:
+            return super().unscale_gradients(optimizer)
+
+    # ---------------------------------------------------------------- collectives
+    def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._ft.coll.all_gather(t.unsqueeze(0) if t.ndim == 0 else t, what="gather")
+        return torch.cat(parts, dim=0)
+
+    def gather(self, tensor):
+        """Every current member's tensor(s), concatenated in rank order (shapes may differ in
+        the first dimension)."""
+        if self._ft is None:
+            return super().gather(tensor)
+        return _map(self._gather_one, tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """Like ``gather``, over the current members; inside an evaluation loader every sample
+        comes back exactly once, in dataset order (the ghost a member may get is dropped)."""
+        if self._ft is None:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        n_valid = self._ft.eval_valid
+        if n_valid is not None:
+            input_data = _trim(input_data, n_valid)
+        if use_gather_object or not _tensors_only(input_data):
+            items = input_data if isinstance(input_data, list) else [input_data]
+            return [x for part in self._ft.coll.gather_objects(items) for x in part]
+        return self.gather(input_data)
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        if self._ft is None:
+            return super().reduce(tensor, reduction, scale)
+        if reduction == "none":
+            return tensor
+        return _map(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
+                    else self._ft.coll.allreduce(t, reduction), tensor)
+
+    def wait_for_everyone(self):
+        if self._ft is None:
+            return super().wait_for_everyone()
+        if not getattr(self._ft, "_barrier_off", False):
+            self._ft.coll.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        if self._ft is None:
+            with super().main_process_first():
+                yield
+            return
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        with self.main_process_first():
+            yield
+
+    # ---------------------------------------------------------------- trackers
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
+        """Started on the live rank 0; a worker that becomes rank 0 after a failure starts them."""
+        if self._ft is None:
+            return super().init_trackers(project_name, config, init_kwargs)
+        self._ft.tracker_args = (project_name, config, init_kwargs)
+        self._ft.ensure_trackers()
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
+        """Logged by the live rank 0, with the ``ft/*`` metrics added."""
+        if self._ft is None:
+            return super().log(values, step, log_kwargs)
+        if not self.is_main_process:
+            return
+        self._ft.ensure_trackers()
+        super().log({**values, **self._ft.metrics()}, step, log_kwargs)
+
+    def end_training(self):
+        if self._ft is None or self.is_main_process:
+            super().end_training()
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        """Call on every member at the same point: rank 0 writes Accelerate's folder plus the
+        runtime's state (sampler cursor, engine); returns the folder."""
+        if self._ft is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        rt = self._ft
+        if self.project_configuration.automatic_checkpoint_naming:
+            folder = os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+        else:
+            folder = output_dir
+        if self.is_main_process:
+            rt._barrier_off = True  # Accelerate's own barrier would wait for members that don't save
+            try:
+                folder = super().save_state(output_dir, safe_serialization, **kwargs)
+            finally:
+                rt._barrier_off = False
+            rt.save_ft_state(folder)
+        else:
+            self.project_configuration.iteration += 1
+        if rt.ctx is not None:
+            rt.ctx.last_checkpoint_step = rt.ctx.step
+        self.wait_for_everyone()
+        return folder
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+        """Every member loads the same folder; training resumes at the saved sampler cursor, on
+        however many workers are running now."""
+        if self._ft is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        folder = input_dir
+        if folder is None and self.project_configuration.automatic_checkpoint_naming:
+            root = os.path.join(self.project_dir, "checkpoints")
+            folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"(\d+)$", f)[0]))
+            folder = os.path.join(root, folders[-1])
+        out = super().load_state(folder, load_kwargs, **kwargs)
+        self._ft.load_ft_state(folder)
+        return out
+
+
+def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
+    """Make an existing ``Accelerator`` fault-tolerant (before anything was prepared); the
+    options are ``FaultTolerantAccelerator``'s.  Build it after ``import accelerate_ft`` (the
+    import keeps Accelerate from creating a fixed-world process group under ``chameleon-ft run``).
+    Outside ``chameleon-ft run`` it is returned unchanged (plain, with the same warning)."""
+    if isinstance(accelerator, FaultTolerantAccelerator) and accelerator._ft is not None:
+        return accelerator
+    require = options.pop("require_launcher", False)
+    event_log = options.pop("event_log", None)
+    cfg = _config(options.pop("allowed_policies", None), options.pop("hang_timeout_s", None),
+                  options.pop("stragglers", True), options.pop("allow_batch_change", False))
+    if options:
+        raise TypeError(f"wrap(): unknown options {sorted(options)}")
+    env = launch_env()
+    if env is None:
+        if require:
+            raise LauncherError(NOT_LAUNCHED)
+        if other_launcher():
+            warnings.warn(NOT_LAUNCHED, stacklevel=2)
+        return accelerator
+    if accelerator.distributed_type != DistributedType.NO or torch.distributed.is_initialized():
+        raise LauncherError(
+            f"wrap(): this Accelerator already set up {accelerator.distributed_type} with a fixed-world "
+            "process group; import accelerate_ft before building it, or build FaultTolerantAccelerator")
+    if accelerator.device.type != "cpu":
+        raise LauncherError("wrap(): accelerate_ft reduces CPU tensors over gloo; build the Accelerator "
+                            "with cpu=True (or use FaultTolerantAccelerator)")
+    if accelerator._models or accelerator._optimizers or accelerator._dataloaders or accelerator._schedulers:
+        raise ValueError("wrap() must come before accelerator.prepare(...)")
+    accelerator.__class__ = FaultTolerantAccelerator
+    accelerator._ft = AccelerateRuntime(accelerator, env, cfg, event_log)
+    return accelerator

@@ -1,0 +1,419 @@
+"""``AccelerateRuntime``: one worker's bridge between a ``FaultTolerantAccelerator`` and
+``chameleon_ft.runtime.ElasticContext``.
+
+It owns the step protocol of the user's plain loop (see docs/accelerate.md):
+
+* the training loader's items are the member's micro-batches (``accelerate_ft/data.py``);
+* ``accelerator.backward(loss)`` weights the micro-batch's mean loss by its share of the global
+  batch (instead of dividing by ``gradient_accumulation_steps``), so the SUM over members is the
+  global-batch mean gradient whoever computed which micro-batch;
+* the user's ``optimizer.step()`` after the member's last micro-batch runs
+  ``ElasticContext.sync_and_step``: the all-reduce, then -- only if it succeeded -- deferred
+  gradient clipping, the real optimizer step, the LR schedulers (stepped by the runtime, so
+  every member steps them once per committed step) and ``zero_grad``.  Any other
+  ``optimizer.step()``, ``scheduler.step()`` and ``optimizer.zero_grad()`` is a no-op;
+* on a failure the step is not committed; ``accelerator.sync_gradients`` turns False, and the
+  loader goes on with what the recovery gave this member.
+
+It also keeps Accelerate's view of the world current: ``num_processes``/``process_index`` (and
+thus ``is_main_process``) are the live membership's, the trackers follow rank 0 (the new rank 0
+starts them when the old one died) and receive the ``ft/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import PartialState
+
+from chameleon_ft.runtime import state as run_state
+from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, ft_metrics, training_order
+from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE, WorkerEnv
+from chameleon_ft.runtime.eventlog import EventLog
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.membership import MembershipError
+from chameleon_ft.runtime.policy import RestartRequested
+from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
+from chameleon_ft.runtime.state import CheckpointError
+from chameleon_ft.runtime.worker import (ElasticConfig, ElasticContext, NothingToHeal, WorldTooSmall,
+                                         join_job)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AccelerateRuntime", "FT_STATE_FILE"]
+
+FT_STATE_FILE = "chameleon_ft_state.pt"
+_STATE_VERSION = 1
+
+
+class _SchedulerSteps:
+    """What ``ElasticContext`` sees as the scheduler: every prepared scheduler that steps with
+    the optimizer, stepped as Accelerate would (``num_processes`` at launch times per step
+    unless ``split_batches``), once per *committed* step."""
+
+    def __init__(self, rt: "AccelerateRuntime") -> None:
+        self.rt = rt
+
+    def step(self) -> None:
+        # Accelerate steps a scheduler num_processes times per step because the global batch is
+        # num_processes data-loader batches; the global batch is fixed here, and so is this count.
+        s = self.rt.ctx.sampler
+        ga = max(1, int(self.rt.acc.gradient_accumulation_steps))
+        times = 1 if self.rt.acc.split_batches else max(1, s.global_batch // (s.micro_batch * ga))
+        for s in self.rt.schedulers:
+            if not s.step_with_optimizer:
+                continue
+            for _ in range(times):
+                raw = s.scheduler
+                if hasattr(raw, "total_steps") and raw._step_count > raw.total_steps:
+                    break
+                raw.step()
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [s.scheduler.state_dict() for s in self.rt.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, st in zip(self.rt.schedulers, state["schedulers"]):
+            s.scheduler.load_state_dict(st)
+
+
+def exit_code(exc: BaseException) -> Optional[int]:
+    if isinstance(exc, (RestartRequested, NothingToHeal)):
+        return RESTART_EXIT_CODE
+    if isinstance(exc, MembershipError):
+        return MEMBERSHIP_EXIT_CODE
+    if isinstance(exc, (WorldTooSmall, CheckpointError)):
+        return 1
+    return None
+
+
+class AccelerateRuntime:
+    """See module doc.  Created by ``FaultTolerantAccelerator`` / ``wrap``; joins the job at once
+    so that collectives (``wait_for_everyone``, ``gather``) work before training starts."""
+
+    def __init__(self, acc: Accelerator, env: WorkerEnv, cfg: ElasticConfig,
+                 event_log: Optional[str] = None) -> None:
+        self.acc, self.env, self.cfg, self.event_log = acc, env, cfg, event_log
+        if env.replacement:
+            raise RuntimeError("accelerate_ft does not heal replacement workers (the user's loop "
+                               "state cannot be replayed): run `chameleon-ft run` without --max-replacements")
+        self.joined = join_job(env, cfg)
+        self.ctx: Optional[ElasticContext] = None
+        self.coll = LiveCollectives(self.gm, self.view, self.timeout, self._log_deferred, who="accelerate_ft")
+        self.model: Optional[torch.nn.Module] = None
+        self.optimizer = None  # the prepared (FaultTolerant)AcceleratedOptimizer
+        self.schedulers: list = []
+        self.train_loader = None
+        self.resume: Optional[dict] = None
+        # the step in progress
+        self.gen = None
+        self.in_step = False
+        self.current: Optional[MicroBatch] = None  # None while a ghost item runs
+        self.last = False
+        self.sync_attempted = True
+        self.clips: list[Callable[[], None]] = []
+        self._mb_t0: Optional[float] = None
+        self._step_t0 = 0.0
+        self._compute = 0.0
+        self.eval_valid: Optional[int] = None
+        self.redone_steps = self.adopted_steps = 0
+        self.last_step: dict = {}
+        # trackers
+        self.tracker_args: Optional[tuple] = None
+        self.trackers_ready = False
+        self.logged_recoveries = 0
+        self._warned: set = set()
+        self.publish()
+        atexit.register(self.close)
+        _install_excepthook()
+
+    # ---------------------------------------------------------------- membership
+    def view(self):
+        if self.ctx is not None and self.ctx.view is not None:
+            return self.ctx.view
+        return self.joined.view
+
+    def gm(self):
+        if self.ctx is not None and self.ctx.gm is not None:
+            return self.ctx.gm
+        return self.joined.gm
+
+    def timeout(self) -> float:
+        return float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
+
+    def publish(self) -> None:
+        """Accelerate's ``num_processes``/``process_index`` are the live membership's."""
+        v = self.view()
+        for st in (self.acc.state, PartialState()):
+            st.num_processes, st.process_index = v.world_size, v.rank
+
+    def is_main(self) -> bool:
+        return self.view().rank == 0
+
+    def is_local_main(self) -> bool:
+        lws = max(1, self.env.local_world_size)
+        mine = [w for w in self.view().members if w // lws == self.env.worker_id // lws]
+        return bool(mine) and min(mine) == self.env.worker_id
+
+    def _log_deferred(self, what: str, failure: CollectiveFailure) -> None:
+        if self.ctx is not None and self.ctx.log is not None:
+            self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
+                               detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
+                               collective=what, deferred=True)
+
+    # ---------------------------------------------------------------- prepared objects
+    def add_model(self, model: torch.nn.Module) -> None:
+        if not any(p.requires_grad for p in model.parameters()):
+            return  # a frozen model (teacher, reference) needs no reduction
+        if self.model is not None and self.model is not model:
+            raise ValueError("accelerate_ft supports one trained model per Accelerator")
+        self.model = model
+
+    def batch_sizes(self, dl) -> tuple[int, int]:
+        """(global batch, micro-batch) for the training DataLoader ``dl``."""
+        ga, world, bs = int(self.acc.gradient_accumulation_steps), self.env.world_size, int(dl.batch_size)
+        if self.acc.split_batches:
+            if bs % world:
+                raise ValueError(f"accelerate_ft: split_batches needs batch_size ({bs}) divisible by "
+                                 f"the number of workers ({world})")
+            return bs * ga, bs // world
+        return world * bs * ga, bs
+
+    def launch_items_per_epoch(self, loader) -> int:
+        glob, micro = self.batch_sizes(loader.dataloader)
+        if self.resume:
+            glob = int(self.resume["global_batch"])
+        s = ElasticSampler(len(loader.dataset), glob, micro, drop_last=loader.dataloader.drop_last)
+        return s.steps_per_epoch * s.num_microbatches // self.env.world_size
+
+    def ensure_started(self, loader) -> ElasticContext:
+        """Start the runtime at the first iteration of the training loader."""
+        if self.ctx is not None:
+            if loader is not self.train_loader:
+                raise RuntimeError("accelerate_ft: only one prepared training DataLoader can be "
+                                   "iterated; pass the others as evaluation loaders")
+            return self.ctx
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError("accelerate_ft: prepare() the model and the optimizer before iterating "
+                               "the training DataLoader")
+        dl = loader.dataloader
+        shuffle, seed = training_order(dl, int(self.acc.dataloader_config.data_seed or 0), "accelerate_ft")
+        glob, micro = self.batch_sizes(dl)
+        resume = self.resume
+        if resume:
+            if int(resume["micro_batch"]) != micro:
+                raise ValueError(f"accelerate_ft: the checkpoint was trained with micro-batches of "
+                                 f"{resume['micro_batch']}, this run uses {micro}")
+            glob = int(resume["global_batch"])
+        handle = UpdateHandle(self.optimizer.optimizer)
+        handle.update = self._apply_update
+        ctx = ElasticContext(self.model, handle, len(dl.dataset), glob, micro,
+                             scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle,
+                             drop_last=dl.drop_last, config=self.cfg, env=self.env)
+        if self.event_log:
+            ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
+        if resume:
+            self._apply_resume(ctx, resume)
+        self.train_loader = loader
+        self.ctx = ctx
+        ctx.start(self.joined)
+        self.after_reconfiguration()
+        return ctx
+
+    @staticmethod
+    def _apply_resume(ctx: ElasticContext, resume: dict) -> None:
+        ctx.sampler.load_state_dict(resume["sampler"])
+        ctx.policy.load_state_dict(resume["engine"])
+        ctx.policy.plan = None  # start over on whoever is here
+        ctx.step = ctx.last_checkpoint_step = int(resume["step"])
+
+    # ---------------------------------------------------------------- the step
+    def enter_step(self, gen, n: int) -> None:
+        self.gen, self.in_step, self.sync_attempted = gen, True, False
+        self.coll.catch_up = False
+        self._step_t0, self._compute = time.perf_counter(), 0.0
+
+    def enter_microbatch(self, mb: Optional[MicroBatch], last: bool) -> None:
+        self.current, self.last = mb, last
+        self.acc.gradient_state._set_sync_gradients(last)
+        self._mb_t0 = time.perf_counter()
+
+    def after_microbatch(self) -> None:
+        if self._mb_t0 is None:
+            return
+        dt = time.perf_counter() - self._mb_t0
+        self._mb_t0 = None
+        self._compute += dt
+        if self.current is not None and self.ctx.faults:
+            self.ctx.faults.at(self.ctx.step, "forward", phase_time=dt)  # slow faults pad the compute
+
+    def leave_step(self) -> None:
+        self.in_step, self.current, self.gen = False, None, None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if not self.in_step:
+            self._warn_once("backward", "accelerator.backward() outside the items of the prepared "
+                            "training DataLoader: plain loss.backward(), not part of a global step")
+            loss.backward(**kwargs)
+            return
+        if self.current is None:
+            return  # a ghost item: this member has nothing of this step to compute
+        self.ctx.faults.at(self.ctx.step, "backward")
+        (loss * self.current.weight).backward(**kwargs)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (gradient clipping) on the reduced gradients, just before the update."""
+        self.clips.append(fn)
+
+    def optimizer_step(self) -> None:
+        """The user's ``optimizer.step()``: commits the step after the member's last item."""
+        if not self.in_step:
+            if self.ctx is None:
+                raise RuntimeError("accelerate_ft: optimizer.step() before iterating the prepared "
+                                   "training DataLoader (the runtime reduces gradients per global step)")
+            self._warn_once("step", "optimizer.step() outside the items of the training DataLoader is ignored")
+            return
+        if self.last and not self.sync_attempted:
+            self.finish_step()
+
+    def finish_step(self) -> bool:
+        """All-reduce and commit (or recover); True when a step was committed."""
+        ctx = self.ctx
+        self.after_microbatch()
+        if self.gen is not None:
+            for _ in self.gen:
+                raise RuntimeError("accelerate_ft: the training loader handed out fewer micro-batches "
+                                   "than the step has")
+            self.gen = None
+        self.sync_attempted = True
+        step = ctx.step
+        ts = time.perf_counter()
+        ok = ctx.sync_and_step()
+        self.clips = []
+        committed = ctx.step > step
+        if not ok:
+            if committed:
+                self.adopted_steps += 1
+            else:
+                self.redone_steps += 1
+            self.after_reconfiguration()
+            if committed:
+                self.coll.catch_up = True  # peers are a step ahead until our next step
+        self.acc.gradient_state._set_sync_gradients(committed)
+        if committed:
+            end = time.perf_counter()
+            self.last_step = {"step_s": end - self._step_t0, "compute_s": self._compute, "sync_s": end - ts}
+            if ctx.recoveries != self.logged_recoveries:
+                self.logged_recoveries = ctx.recoveries
+                self.log_ft(recovered=True)
+        return committed
+
+    def _apply_update(self) -> None:
+        for fn in self.clips:
+            fn()
+        self.optimizer.optimizer.step()
+
+    def after_reconfiguration(self) -> None:
+        was_main = self.acc.state.process_index == 0
+        self.publish()
+        self.coll.reset()
+        if self.is_main() and not was_main:
+            self.ensure_trackers()
+
+    # ---------------------------------------------------------------- trackers
+    def ensure_trackers(self) -> None:
+        """The live rank 0 runs the trackers; one that took over starts them now."""
+        if self.is_main() and self.tracker_args is not None and not self.trackers_ready:
+            Accelerator.init_trackers(self.acc, *self.tracker_args)
+            self.trackers_ready = True
+
+    def metrics(self, recovered: bool = False) -> dict:
+        if self.ctx is None or self.ctx.view is None:
+            return {}
+        return ft_metrics(self.ctx, self.last_step, self.redone_steps, self.adopted_steps, recovered)
+
+    def log_ft(self, recovered: bool) -> None:
+        if not self.is_main():
+            return
+        self.ensure_trackers()
+        if self.acc.trackers:
+            Accelerator.log(self.acc, self.metrics(recovered), step=self.ctx.step)
+
+    # ---------------------------------------------------------------- checkpoints
+    def ft_state(self) -> Optional[dict]:
+        ctx = self.ctx
+        if ctx is None:
+            return dict(self.resume) if self.resume else None
+        return {"version": _STATE_VERSION, "global_batch": ctx.sampler.global_batch,
+                "micro_batch": ctx.sampler.micro_batch, "step": ctx.step,
+                "sampler": ctx.sampler.state_dict(), "engine": ctx.policy.state_dict()}
+
+    def save_ft_state(self, folder: str) -> None:
+        st = self.ft_state()
+        if st is not None:
+            run_state.save_checkpoint(os.path.join(folder, FT_STATE_FILE), st)
+
+    def load_ft_state(self, folder: str) -> None:
+        path = os.path.join(folder, FT_STATE_FILE)
+        if not os.path.exists(path):
+            return
+        st = run_state.load_checkpoint(path)
+        if st.get("version") != _STATE_VERSION:
+            raise CheckpointError(f"{path}: state version {st.get('version')!r} is not {_STATE_VERSION}")
+        if self.ctx is None:
+            self.resume = st
+        else:  # every member loads the same files at the same point of its loop
+            self._apply_resume(self.ctx, st)
+            self.ctx.policy.start(self.ctx.members)
+            alloc = self.ctx.policy.allocation
+            self.ctx.sampler.set_allocation(list(alloc), list(alloc.values()))
+
+    # ---------------------------------------------------------------- misc
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("accelerate_ft: %s", msg)
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close(redone_steps=self.redone_steps, adopted_steps=self.adopted_steps)
+            self.ctx = None
+        elif self.joined is not None:
+            self.joined.membership.close()
+            self.joined.gm.close()
+        self.joined = None
+
+
+_hook_installed = False
+
+
+def _install_excepthook() -> None:
+    """Uncaught runtime outcomes end the worker with the codes ``chameleon-ft run`` acts on (75:
+    checkpoint-restart, 3: coordinator lost); ``os._exit`` because a gloo op abandoned by a
+    failure may still hold a thread until its timeout."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(tp, exc, tb):
+        code = exit_code(exc)
+        if code is None:
+            return previous(tp, exc, tb)
+        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
+        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr, flush=True)
+        if code == RESTART_EXIT_CODE:
+            print(f"chameleon-ft worker {wid}: resume with accelerator.load_state(<last save_state dir>)",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+    sys.excepthook = hook

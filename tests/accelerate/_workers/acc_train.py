@@ -1,0 +1,137 @@
+"""An ordinary Accelerate training script; the fault-tolerance change is the Accelerator class.
+
+    chameleon-ft run --nproc-per-node 4 --run-dir D acc_train.py --out D [--resume DIR]
+
+The loop is the plain one from Accelerate's examples (accumulate, backward, clip, optimizer /
+scheduler step, zero_grad, ``if accelerator.sync_gradients`` step counting, gather_for_metrics
+evaluation each epoch, a tracker, save_state).  At the end each worker writes
+``<out>/final_<worker id>.pt`` (parameters, momentum, counters, LR, the evaluation sample ids
+gathered in each epoch, accuracy) for the tests to compare.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, Dataset
+
+from accelerate_ft import FaultTolerantAccelerator, wrap
+
+
+class Blobs(Dataset):
+    def __init__(self, n=256, dim=16, classes=4, seed=1234):
+        g = torch.Generator().manual_seed(seed)
+        centers = torch.randn(classes, dim, generator=g) * 2
+        self.y = torch.randint(0, classes, (n,), generator=g)
+        self.x = centers[self.y] + torch.randn(n, dim, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "id": torch.tensor(i)}
+
+
+class JsonlTracker(GeneralTracker):
+    """A file tracker: one JSON line per log call (appended by whichever worker is rank 0)."""
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    @property
+    def tracker(self):
+        return self.path
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "worker": int(os.environ.get("CHAMELEON_FT_WORKER_ID", -1)),
+                                **{k: float(v) for k, v in values.items()}}) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--mb-sleep", type=float, default=0.0)
+    p.add_argument("--wrap", action="store_true", help="use wrap(Accelerator(...))")
+    p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
+    p.add_argument("--resume", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    set_seed(7)
+    tracker = JsonlTracker(os.path.join(a.out, "tracker.jsonl"))
+    if a.wrap:
+        from accelerate import Accelerator
+        acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=2, log_with=[tracker]))
+    else:
+        acc = FaultTolerantAccelerator(gradient_accumulation_steps=2, log_with=[tracker])
+    acc.init_trackers("acc")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
+    train = DataLoader(Blobs(), batch_size=4, shuffle=True)
+    val = DataLoader(Blobs(100, seed=99), batch_size=8)
+    model, opt, train, val, sched = acc.prepare(model, opt, train, val, sched)
+    if a.resume:
+        acc.load_state(a.resume)
+    completed, eval_ids, accs = 0, [], []
+    t0 = time.perf_counter()
+    for epoch in range(a.epochs):
+        if acc.ft_context is not None and acc.ft_context.epoch > epoch:
+            continue  # resumed past this epoch
+        model.train()
+        for batch in train:
+            with acc.accumulate(model):
+                if a.mb_sleep:
+                    time.sleep(a.mb_sleep)
+                loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                completed += 1
+                acc.log({"train_loss": loss.item()}, step=acc.ft_context.step)
+                if a.save_at is not None and acc.ft_context.step == a.save_at:
+                    acc.save_state(os.path.join(a.out, "ckpt"))
+        model.eval()
+        ids, correct = [], 0
+        for batch in val:
+            with torch.no_grad():
+                pred = model(batch["x"]).argmax(-1)
+            g_pred, g_y, g_id = acc.gather_for_metrics((pred, batch["y"], batch["id"]))
+            correct += int((g_pred == g_y).sum())
+            ids += g_id.tolist()
+        eval_ids.append(ids)
+        accs.append(correct / len(ids))
+        acc.log({"val_acc": accs[-1]}, step=acc.ft_context.step)
+    fit_s = time.perf_counter() - t0
+    acc.wait_for_everyone()
+    ctx = acc.ft_context
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", acc.process_index))
+    torch.save({"params": [q.detach().clone() for q in model.parameters()],
+                "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
+                "step": ctx.step, "epoch": ctx.epoch, "completed": completed,
+                "lr": sched.get_last_lr(), "eval_ids": eval_ids, "val_acc": accs,
+                "num_processes": acc.num_processes, "process_index": acc.process_index,
+                "is_main": acc.is_main_process, "fit_s": fit_s},
+               os.path.join(a.out, f"final_{wid}.pt"))
+    acc.end_training()
+    print(f"worker {wid} done: step {ctx.step} completed {completed} val_acc {accs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

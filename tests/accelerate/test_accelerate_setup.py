@@ -1,0 +1,45 @@
+"""accelerate_ft in-process (no workers): launcher detection, options, evaluation shards."""
+
+import os
+
+import pytest
+import torch
+
+from accelerate_ft import NOT_LAUNCHED, FaultTolerantAccelerator, LauncherError, wrap
+from chameleon_ft.runtime.adapters import eval_batches, shard_indices
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("CHAMELEON_FT_") or k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(k)
+
+
+def test_other_launchers_get_a_plain_accelerator_and_the_checkpoint_restart_message(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    acc = FaultTolerantAccelerator(cpu=True)
+    assert acc.ft_context is None and acc.ft_metrics == {}
+    model, opt = acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+    assert wrap(acc) is acc
+    with pytest.raises(LauncherError, match="chameleon-ft run.*max_restarts"):
+        FaultTolerantAccelerator(cpu=True, require_launcher=True)
+    assert "accelerate launch --max_restarts" in NOT_LAUNCHED
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="shrink"):
+        FaultTolerantAccelerator(allowed_policies=["reroute", "shrink"])
+    with pytest.raises(ValueError):
+        FaultTolerantAccelerator(hang_timeout_s=0)
+
+
+@pytest.mark.parametrize("n,b,world", [(100, 8, 3), (5, 4, 4), (3, 2, 4), (64, 8, 4), (0, 4, 2), (17, 1, 5)])
+def test_eval_batches_every_sample_once_in_order_same_count(n, b, world):
+    per_rank = [eval_batches(n, b, r, world) for r in range(world)]
+    assert len({len(p) for p in per_rank}) == 1  # one collective per batch on every member
+    gathered = [i for k in range(len(per_rank[0])) for r in range(world)
+                for i in per_rank[r][k][0][:per_rank[r][k][1]]]
+    assert gathered == list(range(n))
+    assert all(len(idx) <= b for p in per_rank for idx, _ in p)
+    assert sorted(i for r in range(world) for i in shard_indices(n, r, world)) == list(range(n))
