@@ -52,6 +52,10 @@ def main() -> None:
     def state_dict():
         return {"model": net.state_dict(), "optim": base_opt.state_dict()}
 
+    # torchrun's agent would host the group's TCPStore at MASTER_ADDR:MASTER_PORT; one process
+    # per group here, so the group's rank 0 hosts it (the Manager connects to it as a client).
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1,
+                                       is_master=True, wait_for_workers=False)
     shipped = a.variant == "shipped"
     pg = ProcessGroupGloo() if shipped else ProcessGroupGloo(timeout=timedelta(seconds=5))
     kw = {} if shipped else {"timeout": timedelta(seconds=30)}
@@ -79,6 +83,7 @@ def main() -> None:
     if manager.participating_rank() == 0:
         log.final(net, a.steps)
     manager.shutdown(wait=False)
+    del store
     os._exit(0)
 
 

@@ -43,7 +43,8 @@ def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: in
     rss = [r.get("rss_kb", 0) for r in records if r["kind"] == "step"]
     m: dict = {
         "completed": completed,
-        "crashed": not completed or exit_codes is None or any(exit_codes),
+        # A process we SIGKILLed ourselves (a torchft replica group) exits -9: not a crash.
+        "crashed": not completed or exit_codes is None or any(c not in (0, -9) for c in exit_codes),
         "exit_codes": exit_codes,
         "wall_s": wall_s,
         "committed_steps": len(done),
