@@ -37,7 +37,7 @@ from accelerate.utils import DistributedType
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader
 from accelerate_ft.runtime import AccelerateRuntime
-from chameleon_ft.runtime.policy import RUNTIME_POLICIES
+from chameleon_ft.runtime.adapters import adapter_config
 from chameleon_ft.runtime.worker import ElasticConfig
 
 __all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
@@ -57,21 +57,8 @@ class LauncherError(RuntimeError):
 
 
 def _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change=False) -> ElasticConfig:
-    if allowed_policies is not None:
-        allowed_policies = frozenset(allowed_policies)
-        unknown = (allowed_policies - RUNTIME_POLICIES) | (allowed_policies & {"shrink"})
-        if unknown:
-            raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by the runtime; "
-                             f"choose among {sorted(RUNTIME_POLICIES - {'shrink'})} (accelerate_ft keeps the "
-                             "global batch fixed: shrink is not offered)")
-    if hang_timeout_s is not None and hang_timeout_s <= 0:
-        raise ValueError("hang_timeout_s must be > 0")
-    if allow_batch_change:
-        warnings.warn("allow_batch_change=True: accelerate_ft keeps the global batch fixed (the "
-                      "user's step and scheduler arithmetic assume it); the option has no effect",
-                      stacklevel=3)
-    return ElasticConfig(hang_timeout_s=hang_timeout_s, allowed_policies=allowed_policies,
-                         stragglers=stragglers, allow_batch_change=False)
+    return adapter_config("accelerate_ft", allowed_policies, hang_timeout_s, allow_batch_change,
+                          stragglers=stragglers)
 
 
 class _FTOptimizer(AcceleratedOptimizer):

@@ -27,17 +27,17 @@ from __future__ import annotations
 import csv
 import os
 import sys
-import warnings
+from dataclasses import replace
 from typing import Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
-from chameleon_ft.runtime.adapters import ft_metrics
+from chameleon_ft.runtime.adapters import adapter_config, ft_metrics
 from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE
 from chameleon_ft.runtime.membership import MembershipError
-from chameleon_ft.runtime.policy import RUNTIME_POLICIES, RestartRequested
+from chameleon_ft.runtime.policy import RestartRequested
 from chameleon_ft.runtime.state import CheckpointError
 from chameleon_ft.runtime.worker import ElasticConfig, NothingToHeal, WorldTooSmall
 from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
@@ -76,17 +76,8 @@ class FaultToleranceCallback(Callback):
                  hang_timeout_s: Optional[float] = None, allow_batch_change: bool = False,
                  event_log: Optional[str] = None, stragglers: bool = True,
                  log_every_n_steps: Optional[int] = None) -> None:
-        if allowed_policies is not None:
-            allowed_policies = frozenset(allowed_policies)
-            unknown = allowed_policies - RUNTIME_POLICIES
-            if unknown:
-                raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by the "
-                                 f"runtime; choose among {sorted(RUNTIME_POLICIES)}")
-        if hang_timeout_s is not None and hang_timeout_s <= 0:
-            raise ValueError("hang_timeout_s must be > 0")
-        if allow_batch_change:
-            warnings.warn("allow_batch_change=True: the runtime keeps the global batch fixed "
-                          "(shrink is not offered yet); the option has no effect", stacklevel=2)
+        self._config = adapter_config("lightning_ft", allowed_policies, hang_timeout_s,
+                                      allow_batch_change, stragglers=stragglers)
         self.allowed_policies = allowed_policies
         self.hang_timeout_s = hang_timeout_s
         self.allow_batch_change = allow_batch_change
@@ -99,8 +90,7 @@ class FaultToleranceCallback(Callback):
         install_as_ddp()
 
     def elastic_config(self) -> ElasticConfig:
-        return ElasticConfig(hang_timeout_s=self.hang_timeout_s, allowed_policies=self.allowed_policies,
-                             allow_batch_change=self.allow_batch_change, stragglers=self.stragglers)
+        return replace(self._config)
 
     # ---------------------------------------------------------------- hooks
     def setup(self, trainer, pl_module, stage: str) -> None:

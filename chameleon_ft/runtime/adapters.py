@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -41,6 +42,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from chameleon_ft.plan import even_split
 from chameleon_ft.runtime import state as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.policy import RUNTIME_POLICIES
+from chameleon_ft.runtime.worker import ElasticConfig
 from chameleon_ft.runtime.sampler import MicroBatch
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,27 @@ class MicroBatchSource:
         if self._feed is None or self._feed.signature != self.signature():
             self._feed = MicroBatchFeed(self, step)
         return self._feed
+
+
+def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_change: bool, **kw) -> ElasticConfig:
+    """The ``ElasticConfig`` an adapter runs with, its options checked.  Adapters map one
+    framework batch to a fixed share of one global step, so they keep the global batch fixed:
+    ``shrink`` is refused and ``allow_batch_change`` only warns."""
+    offered = RUNTIME_POLICIES - {"shrink"}
+    if allowed_policies is not None:
+        allowed_policies = frozenset(allowed_policies)
+        unknown = allowed_policies - offered
+        if unknown:
+            raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by {who}; "
+                             f"choose among {sorted(offered)} ({who} keeps the global batch fixed: "
+                             "shrink is not offered)")
+    if hang_timeout_s is not None and hang_timeout_s <= 0:
+        raise ValueError("hang_timeout_s must be > 0")
+    if allow_batch_change:
+        warnings.warn(f"allow_batch_change=True: {who} keeps the global batch fixed (one framework "
+                      "batch is a fixed share of one global step); the option has no effect", stacklevel=3)
+    return ElasticConfig(hang_timeout_s=hang_timeout_s, allowed_policies=allowed_policies,
+                         allow_batch_change=False, **kw)
 
 
 def training_order(dl: DataLoader, default_seed: int, who: str) -> tuple[bool, int]:

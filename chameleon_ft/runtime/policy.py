@@ -20,8 +20,9 @@ decisions are taken by one member during recovery and shipped to the others (see
 Limits, honestly: only policies a data-parallel runtime can carry out are offered to the
 selector: ``reroute``, ``replan`` (pipeline depth 1), ``wait`` (carried out as reroute until
 the replacement arrives -- nobody idles), ``restart`` (the workers exit for the launcher),
-``keep``/``rebalance``/``heal``/``grow``.  ``shrink`` is not offered: the exactly-once sampler
-cannot change the global batch mid-epoch.  Per-layer costs are split by parameter count, not
+``keep``/``rebalance``/``heal``/``grow``, and ``shrink`` when the user allows the global batch
+to change (the sampler then cuts the epoch's remaining samples into smaller batches and the
+learning rate follows the linear scaling rule; a heal or grow brings both back).  Per-layer costs are split by parameter count, not
 measured per layer.
 """
 
@@ -41,7 +42,7 @@ from chameleon_ft.workload import Layer, Workload
 
 __all__ = ["EnginePolicy", "RestartRequested", "RUNTIME_POLICIES"]
 
-RUNTIME_POLICIES = frozenset({"reroute", "replan", "wait", "restart", "keep", "rebalance",
+RUNTIME_POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
                               "heal", "grow"})
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
 
@@ -84,6 +85,8 @@ class EnginePolicy:
         self.stragglers = stragglers
         self.allowed = RUNTIME_POLICIES if allowed is None else RUNTIME_POLICIES & frozenset(allowed)
         self.allow_batch_change = allow_batch_change
+        # Samples per step now: below global_batch after a shrink, back up after a heal/grow.
+        self.current_batch = self.global_batch
         self.plan: Optional[Plan] = None
         self.alive: frozenset[int] = frozenset()
         self.allocation: dict[int, int] = {}
@@ -127,6 +130,7 @@ class EnginePolicy:
         """The initial data-parallel plan over ``members``; returns the allocation."""
         self.plan = Plan.data_parallel(sorted(members), self.workload())
         self.alive = frozenset(members)
+        self.current_batch = self.global_batch
         self._set_allocation(self.plan, {})
         return self.allocation
 
@@ -226,13 +230,20 @@ class EnginePolicy:
         if o.policy == "wait":  # carry on rerouted until the replacement joins
             o = d.option("reroute")
         plan = o.plan if o.plan is not None else self.plan
-        alloc = self._allocation_of(plan, alive, o.extra)
+        batch = o.global_batch or self.current_batch
+        alloc = self._allocation_of(plan, alive, o.extra, batch)
         if alloc is None:
             raise RestartRequested(d)
         self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
+        self.current_batch = batch
         self._predicted = None
 
-    def _allocation_of(self, plan: Plan, alive, extra) -> Optional[dict[int, int]]:
+    @property
+    def lr_scale(self) -> float:
+        """Learning-rate factor for the current global batch (linear scaling rule)."""
+        return self.current_batch / self.global_batch
+
+    def _allocation_of(self, plan: Plan, alive, extra, batch: Optional[int] = None) -> Optional[dict[int, int]]:
         if plan.max_depth != 1:
             return None
         alloc = {w: 0 for w in alive}
@@ -242,7 +253,7 @@ class EnginePolicy:
         for w, e in extra.items():
             if w in alloc:
                 alloc[w] += int(round(e))
-        if sum(alloc.values()) != self.global_batch // self.micro_batch:
+        if sum(alloc.values()) != (batch or self.global_batch) // self.micro_batch:
             return None
         return dict(sorted(alloc.items()))
 
@@ -259,6 +270,7 @@ class EnginePolicy:
             "plan": self.plan.to_json() if self.plan else None,
             "alive": sorted(self.alive),
             "allocation": [[w, n] for w, n in sorted(self.allocation.items())],
+            "current_batch": self.current_batch,
             "mb_seconds": self.mb_seconds, "warm": list(self._warm),
             "rebuild_s": self.rebuild_s,
             "calibrator": [list(vars(s).values()) for s in self.calibrator.samples],
@@ -270,6 +282,7 @@ class EnginePolicy:
         self.plan = Plan.from_json(s["plan"]) if s["plan"] else None
         self.alive = frozenset(int(w) for w in s["alive"])
         self.allocation = {int(w): int(n) for w, n in s["allocation"]}
+        self.current_batch = int(s.get("current_batch", self.global_batch))
         self.mb_seconds, self._warm = s["mb_seconds"], list(s["warm"])
         self.rebuild_s = float(s["rebuild_s"])
         self.calibrator.samples.clear()

@@ -47,7 +47,7 @@ import torch
 
 __all__ = ["MicroBatch", "ElasticSampler", "ElasticBatchSampler", "equal_allocation"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,12 @@ class ElasticSampler:
         self.epoch = _as_int(epoch, "epoch")
         if self.epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {self.epoch}")
+        self.base_global_batch = self.global_batch  # the user's batch (shrink changes global_batch)
         self.cursor = 0
+        # After a global-batch change at step ``base`` of this epoch, step t >= base starts at
+        # sample ``offset + (t - base) * global_batch`` of the epoch's order.
+        self.base = 0
+        self.offset = 0
         self.members: tuple[int, ...] = ()
         self.allocation: tuple[int, ...] = ()
         self._order_cache: tuple[int, list[int]] | None = None
@@ -146,25 +151,46 @@ class ElasticSampler:
 
     @property
     def steps_per_epoch(self) -> int:
+        left = self.dataset_len - self.offset
         if self.drop_last:
-            return self.dataset_len // self.global_batch
-        return math.ceil(self.dataset_len / self.global_batch)
+            return self.base + left // self.global_batch
+        return self.base + math.ceil(left / self.global_batch)
+
+    def _start(self, step: int) -> int:
+        return self.offset + (step - self.base) * self.global_batch
 
     def samples_in_step(self, step: int) -> int:
         self._check_step(step)
-        return min(self.global_batch, self.dataset_len - step * self.global_batch)
+        return min(self.global_batch, self.dataset_len - self._start(step))
 
     def remaining_samples(self) -> int:
         """Samples of this epoch not yet covered by a committed step."""
         if self.drop_last:
             return (self.steps_per_epoch - self.cursor) * self.global_batch
-        return max(0, self.dataset_len - self.cursor * self.global_batch)
+        return max(0, self.dataset_len - self._start(self.cursor))
 
     def epoch_samples(self) -> int:
         """Samples an epoch covers (fewer than the dataset with ``drop_last``)."""
         if self.drop_last:
-            return self.steps_per_epoch * self.global_batch
+            return self.offset + (self.steps_per_epoch - self.base) * self.global_batch
         return self.dataset_len
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Change the global batch from the cursor step on (a ``shrink``, or growing back).
+
+        Committed steps keep the samples they had; the epoch's remaining samples are cut into
+        batches of the new size, so nothing is lost or repeated.  The allocation is reset:
+        call ``set_allocation`` next."""
+        global_batch = _as_int(global_batch, "global_batch")
+        if global_batch <= 0 or global_batch % self.micro_batch or global_batch > self.base_global_batch:
+            raise ValueError(f"global_batch {global_batch} must be a positive multiple of "
+                             f"micro_batch {self.micro_batch}, at most {self.base_global_batch}")
+        if global_batch == self.global_batch:
+            return
+        self.offset = self._start(self.cursor)
+        self.base = self.cursor
+        self.global_batch = global_batch
+        self.members, self.allocation = (), ()
 
     def order(self) -> list[int]:
         """This epoch's global sample order (cached; do not mutate)."""
@@ -181,7 +207,8 @@ class ElasticSampler:
     def global_batch_indices(self, step: int) -> list[int]:
         """Sample ids of global batch ``step`` -- independent of membership."""
         self._check_step(step)
-        return self.order()[step * self.global_batch : step * self.global_batch + self.samples_in_step(step)]
+        start = self._start(step)
+        return self.order()[start : start + self.samples_in_step(step)]
 
     def microbatches(self, step: int) -> list[MicroBatch]:
         """Non-empty micro-batches of ``step`` in slot order, independent of membership."""
@@ -289,23 +316,27 @@ class ElasticSampler:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self.epoch:
             self.epoch = epoch
-            self.cursor = 0
+            self.cursor = self.base = self.offset = 0
 
     def _check_step(self, step) -> None:
         step = _as_int(step, "step")
-        if not 0 <= step < self.steps_per_epoch:
-            raise ValueError(f"step {step} out of range: epoch has {self.steps_per_epoch} steps")
+        if not self.base <= step < self.steps_per_epoch:
+            raise ValueError(f"step {step} out of range: the epoch's steps with this global batch "
+                             f"are {self.base}..{self.steps_per_epoch - 1}")
 
     # -- checkpointing -------------------------------------------------------------------
 
-    _CONFIG = ("dataset_len", "global_batch", "micro_batch", "seed", "shuffle", "drop_last")
+    _CONFIG = ("dataset_len", "base_global_batch", "micro_batch", "seed", "shuffle", "drop_last")
 
     def state_dict(self) -> dict:
         """Plain ints/bools/lists only, so it survives ``json``."""
         return {
             "version": _STATE_VERSION,
             "dataset_len": self.dataset_len,
+            "base_global_batch": self.base_global_batch,
             "global_batch": self.global_batch,
+            "base": self.base,
+            "offset": self.offset,
             "micro_batch": self.micro_batch,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -321,7 +352,8 @@ class ElasticSampler:
         (a different dataset or batch size would silently change the trajectory)."""
         if not isinstance(state, Mapping):
             raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
-        missing = [k for k in (*self._CONFIG, "version", "epoch", "cursor", "members", "allocation") if k not in state]
+        missing = [k for k in (*self._CONFIG, "version", "epoch", "cursor", "members", "allocation",
+                               "global_batch", "base", "offset") if k not in state]
         if missing:
             raise ValueError(f"sampler state is missing {missing}")
         if state["version"] != _STATE_VERSION:
@@ -334,26 +366,36 @@ class ElasticSampler:
                 )
         epoch = _as_int(state["epoch"], "epoch")
         cursor = _as_int(state["cursor"], "cursor")
+        gb, base, offset = (_as_int(state[k], k) for k in ("global_batch", "base", "offset"))
         if epoch < 0:
             raise ValueError(f"sampler state has epoch={epoch} < 0")
-        if not 0 <= cursor <= self.steps_per_epoch:
-            raise ValueError(f"sampler state has cursor={cursor} outside [0, {self.steps_per_epoch}]")
+        if gb <= 0 or gb % self.micro_batch or gb > self.base_global_batch:
+            raise ValueError(f"sampler state has global_batch={gb}: not a positive multiple of "
+                             f"micro_batch {self.micro_batch} up to {self.base_global_batch}")
+        if not (0 <= base <= cursor and 0 <= offset <= self.dataset_len):
+            raise ValueError(f"sampler state has base={base}, offset={offset}, cursor={cursor}: inconsistent")
+        probe = ElasticSampler(self.dataset_len, self.base_global_batch, self.micro_batch,
+                               drop_last=self.drop_last)
+        probe.global_batch, probe.base, probe.offset = gb, base, offset
+        if not cursor <= probe.steps_per_epoch:
+            raise ValueError(f"sampler state has cursor={cursor} outside [0, {probe.steps_per_epoch}]")
         if not isinstance(state["members"], list) or not isinstance(state["allocation"], list):
             raise ValueError("sampler state members/allocation must be lists")
         if state["members"] or state["allocation"]:
             # Validate on a scratch copy so a bad state leaves this sampler untouched.
-            probe = ElasticSampler(self.dataset_len, self.global_batch, self.micro_batch)
             probe.set_allocation(state["members"], state["allocation"])
-            self.members, self.allocation = probe.members, probe.allocation
+            members, allocation = probe.members, probe.allocation
         else:
-            self.members, self.allocation = (), ()
+            members, allocation = (), ()
+        self.members, self.allocation = members, allocation
+        self.global_batch, self.base, self.offset = gb, base, offset
         self.epoch, self.cursor = epoch, cursor
 
     @classmethod
     def from_state_dict(cls, state: Mapping) -> "ElasticSampler":
         try:
             s = cls(
-                state["dataset_len"], state["global_batch"], state["micro_batch"],
+                state["dataset_len"], state["base_global_batch"], state["micro_batch"],
                 seed=state["seed"], shuffle=state["shuffle"], drop_last=state["drop_last"],
             )
         except KeyError as e:

@@ -177,6 +177,7 @@ class ElasticContext:
         self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
         self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received
         self.step = 0  # committed global steps, across epochs
+        self.lr_scale = 1.0  # learning-rate factor applied for a changed global batch
         self.fresh = True  # holds no agreed state yet (first start, replacement)
         self.last_checkpoint_step = 0
         self.view: Optional[MembershipView] = None
@@ -454,6 +455,7 @@ class ElasticContext:
 
     def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
         n, r = view.world_size, view.rank
+        batch_before = self.sampler.global_batch
         v = torch.zeros(2 * n, dtype=torch.int64)
         v[r], v[n + r] = self.step, int(self.fresh)
         self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
@@ -479,8 +481,11 @@ class ElasticContext:
                 self.load_state_dict(payload["state"])
             self.policy.load_state_dict(payload["engine"])
             self.sampler.load_state_dict(payload["sampler"])
-        if was_behind:
-            self._discard()  # nothing of ours belongs to the step everyone is at now
+        if was_behind or self.sampler.global_batch != batch_before:
+            # Nothing of ours belongs to the step everyone is at now (or the step's samples
+            # and weights changed with the global batch).
+            self._discard()
+        self._apply_lr_scale()
         self.fresh = False
         self.last_decisions = list(payload["decisions"])
         self._salvage(top, n, r)
@@ -508,8 +513,24 @@ class ElasticContext:
                 "dead": sorted(before - set(view.members))}
 
     def _apply_allocation(self) -> None:
+        if self.sampler.global_batch != self.policy.current_batch:  # shrink, or growing back
+            self.sampler.set_global_batch(self.policy.current_batch)
         alloc = self.policy.allocation
         self.sampler.set_allocation(list(alloc), list(alloc.values()))
+
+    def _apply_lr_scale(self) -> None:
+        """Follow the global batch with the learning rate (linear scaling rule): every member
+        does this after a reconfiguration, from the same engine state."""
+        factor = self.policy.lr_scale / self.lr_scale
+        if factor == 1.0:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
+        self.lr_scale = self.policy.lr_scale
 
     def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
         dead = payload.get("dead", [])
@@ -530,6 +551,7 @@ class ElasticContext:
         return {
             "step": self.step,
             "last_checkpoint_step": self.last_checkpoint_step,
+            "lr_scale": self.lr_scale,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -549,6 +571,7 @@ class ElasticContext:
         random.setstate(s["rng"]["python"])
         self.step = int(s["step"])
         self.last_checkpoint_step = int(s["last_checkpoint_step"])
+        self.lr_scale = float(s.get("lr_scale", 1.0))
 
     def save_checkpoint(self, path: str) -> None:
         """Call on every member at the same step: the lowest-ranked one writes the run state,

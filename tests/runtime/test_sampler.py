@@ -267,7 +267,8 @@ def test_state_dict_round_trips_through_json(scenario):
         (dict(epoch=-1), "epoch=-1"),
         (dict(allocation=[1, 1]), "sums to 2"),
         (dict(members="0"), "lists"),
-        (dict(version=2), "version"),
+        (dict(version=1), "version"),
+        (dict(offset=99), "inconsistent"),
     ],
 )
 def test_load_state_dict_validates(change, match):
@@ -376,3 +377,43 @@ def test_sample_weighted_gradients_equal_the_failure_free_update(members, counts
     reference = grad(s.global_batch_indices(step))
     total = sum(grad(list(mb.indices), mb.weight) for m in s.members for mb in s.step_plan(step)[m])
     torch.testing.assert_close(total, reference)
+
+
+# -- global batch changes (shrink and growing back) ----------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 120), data=st.data())
+def test_global_batch_changes_keep_every_sample_exactly_once(n, data):
+    mb = data.draw(st.integers(1, 4))
+    base = mb * data.draw(st.integers(1, 6))
+    s = ElasticSampler(n, base, mb, seed=5, members=[0, 1, 2])
+    seen, epochs = [], 2
+    for epoch in range(epochs):
+        s.set_epoch(epoch)
+        while not s.epoch_done:
+            if data.draw(st.booleans()):
+                s.set_global_batch(mb * data.draw(st.integers(1, base // mb)))
+                s.set_allocation([0, 1])
+            for mbs in s.step_plan().values():
+                for m in mbs:
+                    seen.extend((epoch, i) for i in m.indices)
+            plan = [i for mbs in s.step_plan().values() for m in mbs for i in m.indices]
+            assert len(plan) == s.samples_in_step(s.cursor) <= s.global_batch
+            s.commit()
+    assert sorted(seen) == sorted((e, i) for e in range(epochs) for i in range(n))
+
+
+def test_global_batch_change_round_trips_and_validates():
+    s = ElasticSampler(20, 8, 2, members=[0, 1])
+    s.commit()
+    s.set_global_batch(6)
+    s.set_allocation([0, 1], [2, 1])
+    assert s.global_batch_indices(1) == s.order()[8:14]
+    state = json.loads(json.dumps(s.state_dict()))
+    t = ElasticSampler(20, 8, 2)
+    t.load_state_dict(state)
+    assert t.state_dict() == s.state_dict() and t.step_plan() == s.step_plan()
+    assert t.steps_per_epoch == 1 + 2  # 12 samples left in batches of 6
+    with pytest.raises(ValueError, match="at most 8"):
+        s.set_global_batch(10)
+    with pytest.raises(ValueError, match="multiple"):
+        s.set_global_batch(5)

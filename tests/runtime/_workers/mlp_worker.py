@@ -40,6 +40,7 @@ def main():
     p.add_argument("--checkpoint", default=None, help="resume from / write this checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--allowed", default=None, help="comma-separated policies the engine may choose")
+    p.add_argument("--allow-batch-change", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     # A different init per worker: the start-up broadcast must make the replicas equal.
@@ -58,13 +59,15 @@ def main():
     trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch, sched,
                              seed=3, config=ElasticConfig(
                                  stragglers=not a.no_stragglers, min_world_size=a.min_world,
-                                 allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None),
+                                 allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
+                                 allow_batch_change=a.allow_batch_change),
                              checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every)
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
-                "step": ctx.step, "members": list(ctx.members), "lr": sched.get_last_lr()},
+                "step": ctx.step, "members": list(ctx.members), "lr": sched.get_last_lr(),
+                "base_lr": list(sched.base_lrs)},
                os.path.join(a.out, f"final_{ctx.worker_id}.pt"))
     print(f"worker {ctx.worker_id} done: {result}", flush=True)
 
