@@ -72,16 +72,17 @@ def test_node_loss_two_of_four_local_ranks(tmp_path, tmp_path_factory):
 
 
 def test_replacement_joins_and_heals(tmp_path):
-    # Long enough (~5 s) for the replacement to import torch and join before the end.
-    job = Job(tmp_path, max_replacements=1, mb_sleep=0.05, epochs=4)
+    # Long enough (~6 s of steps) for the replacement to import torch and join before the end,
+    # also on a loaded machine.
+    job = Job(tmp_path, max_replacements=1, mb_sleep=0.05, epochs=8)
     try:
         job.start()
         job.wait_step(2)
         old = job.pid(1)
         job.kill(1)
-        assert job.wait(60) == [0], job.output()
+        assert job.wait(90) == [0], job.output()
         evs = job.events()
-        assert_exactly_once(evs, 4)
+        assert_exactly_once(evs, 8)
         new = job.pid(1)
         assert new != old and (1, 1) in job.worker_pids()
         finals = job.final()
