@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Callable, Optional
 
@@ -72,8 +73,11 @@ class ElasticTrainer:
         try:
             while not self._done(max_steps, epochs):
                 for mb in ctx.microbatches():
+                    t0 = time.perf_counter()
                     batch = self.collate_fn([self.dataset[i] for i in mb.indices])
                     ctx.backward(self.loss_fn(self.model, batch), mb)
+                    # ``slow`` faults pad the micro-batch by (factor - 1) x its compute time.
+                    ctx.faults.at(ctx.step, "forward", time.perf_counter() - t0)
                 if not ctx.sync_and_step():
                     self.redone_steps += 1
                     continue
