@@ -9,7 +9,7 @@ here; ``SHORT`` is the subset ``--short`` runs.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

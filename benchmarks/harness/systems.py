@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -85,9 +85,13 @@ class Job:
         return any(p.poll() is None for p in self.main)
 
     def cleanup(self) -> None:
-        """SIGCONT then SIGKILL every process group we started and every worker PID logged."""
+        """SIGCONT then SIGKILL every process group we started, every worker PID logged, and
+        every descendant of the launchers (torchrun starts its workers in their own sessions,
+        and a hung restarted round never logs its PIDs)."""
         self.records()
-        for pid in {p.pid for p in self.procs} | self.seen_pids:
+        pids = {p.pid for p in self.procs} | self.seen_pids
+        pids |= _descendants({p.pid for p in self.procs})
+        for pid in pids:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 for kill in (os.killpg, os.kill):
                     try:
@@ -196,3 +200,25 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            start_torchft("workaround")),
     System("lightning-ddp", "lightning-ddp", "as shipped (no fault tolerance)", start_lightning),
 ]}
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Every live process below ``roots`` (from /proc; empty where /proc is missing)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
