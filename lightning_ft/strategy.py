@@ -321,6 +321,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             for mb in ctx.microbatches():
                 self._mb = mb
                 tc = time.perf_counter()
+                wait = 0.0
                 if not ran_closure and self._batch_key == (step, mb.index):
                     result = closure()  # training_step on Lightning's batch, zero_grad, backward
                     ran_closure = True
@@ -328,8 +329,14 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                     td = time.perf_counter()
                     batch = self._prepare(self._loader.fetch(step, mb))
                     batch = Strategy.batch_to_device(self, batch)
-                    data_wait += time.perf_counter() - td
+                    wait = time.perf_counter() - td
                     self._extra_microbatch(trainer, batch, batch_idx, optimizer)
+                # ``slow`` faults (--faults slow:...) pad the micro-batch by (factor - 1) x its
+                # forward+backward time, as ElasticTrainer does.  Inside the loop body, so the
+                # padding counts in the compute time that ``microbatches()`` measures and the
+                # straggler detector sees.
+                ctx.faults.at(step, "forward", time.perf_counter() - tc - wait)
+                data_wait += wait
                 compute += time.perf_counter() - tc
             self._mb = None
             self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)

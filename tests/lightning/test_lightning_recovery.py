@@ -6,7 +6,7 @@ Each run is checked against a failure-free run of the same script: the same numb
 optimizer steps, every sample of every epoch exactly once (the workers' logged ids), bitwise
 equal survivors, final weights within 1e-5 relative under reroute, the same validation
 accuracy; a checkpoint written after the recovery resumes on 3 workers onto the same
-trajectory.
+trajectory; a straggler (``--faults slow``) is flagged and rebalanced onto the same trajectory.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS = 256, 32, 8, 2
 
 
 class LitJob(LocalJob):
-    def __init__(self, run_dir: Path, *args: str, nproc: int = 4, hang_timeout: float = 5.0):
+    def __init__(self, run_dir: Path, *args: str, nproc: int = 4, hang_timeout: float = 5.0,
+                 launch_args=()):
         env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         super().__init__(run_dir, SCRIPT, ["--out", str(run_dir), *args], nproc=nproc,
-                         hang_timeout=hang_timeout, env=env)
+                         hang_timeout=hang_timeout, launch_args=launch_args, env=env)
 
     def final(self) -> dict[int, dict]:
         return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
@@ -163,3 +164,42 @@ def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert rel_diff(got, reference) < 1e-5
     assert "hung?" in job.output()
+
+
+def test_straggler_flagged_and_rebalanced_same_trajectory(tmp_path, reference):
+    """``--faults slow:rank=1:factor=4``: worker 1 pads every micro-batch's forward+backward to
+    4x; the detector flags it from the step timings, the engine rebalances, and the fit ends
+    with the failure-free steps, samples and weights."""
+    job = LitJob(tmp_path, "--mb-sleep", "0.02", launch_args=["--faults", "slow:rank=1:factor=4"])
+    try:
+        finals = run_to_end(job)
+    finally:
+        job.cleanup()
+    evs = job.events()
+    assert sorted(finals) == [0, 1, 2, 3]
+    stragglers = [e for e in evs if e["event"] == "decision"
+                  and e["decision"]["event"]["kind"] == "straggler"]
+    assert stragglers, "the slow worker was never flagged"
+    first = stragglers[0]["decision"]
+    assert first["event"]["devices"] == [1] and first["event"]["slowdown"] > 2, first["event"]
+    assert first["chosen"] == "rebalance", first
+    # Before the rebalance every worker ran the same share; afterwards worker 1 runs less.
+    attempts = committed_attempts(evs)
+    per_worker = {s: {r["worker"]: len(r["ids"]) for r in recs} for s, recs in attempts.items()}
+    assert len(set(per_worker[0].values())) == 1, per_worker[0]
+    # The rebalanced allocation holds from the decision's step until the next decision (a
+    # noisy shared machine may flag someone else later).
+    start = stragglers[0]["step"]
+    until = min((d["step"] for d in evs if d["event"] == "decision" and d["step"] > start),
+                default=EPOCHS * STEPS_PER_EPOCH)
+    after = [s for s in per_worker if start <= s < until]
+    assert after, "no step committed after the rebalance"
+    for s in after:
+        others = [n for w, n in per_worker[s].items() if w != 1]
+        assert per_worker[s].get(1, 0) < min(others), (s, per_worker[s])
+    exactly_once(evs)
+    got = replicas_equal(finals)
+    assert got["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert got["lr"] == reference["lr"]
+    assert rel_diff(got, reference) < 1e-5
+    assert got["val_acc"] == reference["val_acc"]
