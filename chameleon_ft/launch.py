@@ -177,6 +177,8 @@ class Launcher:
             E.HANG_TIMEOUT: str(a.hang_timeout),
             E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
             E.MAX_REPLACEMENTS: str(self.replacements_left),
+            # torchrun's name for "how many times the whole job was relaunched".
+            "TORCHELASTIC_RESTART_COUNT": str(getattr(a, "restart_count", 0)),
         })
         proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
                                 start_new_session=True)
@@ -346,6 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _say(f"checkpoint-restart: relaunching every worker ({restarts_left} restart(s) left)")
             launcher.close()
             args.run_dir = launcher.run_dir  # one event log across restarts
+            args.restart_count = args.max_restarts - restarts_left
             launcher = Launcher(args)
     except LaunchError as exc:
         _say(f"error: {exc}")

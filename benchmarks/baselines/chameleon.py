@@ -13,34 +13,40 @@ import time
 
 import torch
 
-from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, tb
+from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, compute_s, tb
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_args(ap)
     ap.add_argument("--policy", help="fix the engine's policy (e.g. reroute)")
+    ap.add_argument("--ckpt", help="checkpoint file (the restart policy resumes from it)")
+    ap.add_argument("--ckpt-every", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(1)
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
     from chameleon_ft.runtime.worker import ElasticConfig
 
     def run():
-        log = StepLog(int(os.environ.get("CHAMELEON_FT_WORKER_ID", 0)))
+        log = StepLog(int(os.environ.get("CHAMELEON_FT_WORKER_ID", 0)),
+                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         net = tb.model()
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
         def loss_fn(m, batch):
             x, y = batch
-            loss, pad = tb.padded_loss(m, x, y, a.mb_sleep)
+            loss, pad = tb.padded_loss(m, x, y, compute_s(log.rank, trainer.ctx.step, a.mb_sleep))
             time.sleep(pad)
             return loss
 
-        cfg = ElasticConfig(stragglers=False, log_samples=False,
+        cfg = ElasticConfig(log_samples=False,
                             allowed_policies=frozenset([a.policy]) if a.policy else None)
         trainer = ElasticTrainer(net, opt, tb.dataset(), loss_fn, GLOBAL_BATCH, MICRO_BATCH, shuffle=False,
                                  config=cfg,
-                                 on_step=lambda ctx: log.step(ctx.step - 1, len(ctx.members), GLOBAL_BATCH))
+                                 checkpoint=a.ckpt, checkpoint_every=a.ckpt_every if a.ckpt else 0,
+                                 # shrink lowers the global batch: the step covers all of its batch
+                                 on_step=lambda ctx: log.step(ctx.step - 1, len(ctx.members),
+                                                              ctx.sampler.global_batch, ctx.sampler.global_batch))
         trainer.fit(max_steps=a.steps)
         if trainer.ctx.rank == 0:
             log.final(net, a.steps)

@@ -11,12 +11,17 @@ Progress log: every worker appends one JSON line per event to ``$BENCH_OUT/steps
 (``O_APPEND``, one ``os.write`` a line, as ``chameleon_ft.runtime.eventlog`` does):
 
   ``{"kind": "start", "pid", "rank", "restart", "ts"}``                     at start
-  ``{"kind": "step", "step", "world", "samples", "restart", "rss_kb", "pid", "ts"}`` per committed step
+  ``{"kind": "step", "step", "world", "samples", "batch", "restart", "rss_kb", "pid", "ts"}`` per committed step
   ``{"kind": "final", "loss", "step", "pid", "ts"}``                        lowest live rank at the end
 
 ``world`` is the number of workers whose gradients went into the step, ``samples`` the
-samples the step's update covered (all of them), ``restart`` the torchrun restart count (0
-elsewhere).  The harness derives every metric from this file, the same way for each system.
+samples the step's update covered, ``batch`` the step's global batch (64, or less after
+chameleon-ft's shrink: ``batch - samples`` samples of the step were dropped), ``restart`` the
+launcher's restart count (``TORCHELASTIC_RESTART_COUNT``).
+
+Straggler knob: ``BENCH_SLOW=rank:factor:from_step`` pads that rank's emulated compute per
+micro-batch to ``factor x --mb-sleep`` from that step on (``compute_s``): a slower
+accelerator, for every system alike.  The harness derives every metric from this file, the same way for each system.
 """
 
 from __future__ import annotations
@@ -52,12 +57,22 @@ class StepLog:
         rec = {"kind": kind, "ts": time.time(), "pid": os.getpid(), "restart": self.restart, **fields}
         os.write(self.fd, (json.dumps(rec) + "\n").encode())
 
-    def step(self, step: int, world: int, samples: int) -> None:
-        self.write("step", step=step, world=world, samples=samples, rank=self.rank,
+    def step(self, step: int, world: int, samples: int, batch: int = GLOBAL_BATCH) -> None:
+        self.write("step", step=step, world=world, samples=samples, batch=batch, rank=self.rank,
                    rss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
     def final(self, net, step: int) -> None:
         self.write("final", loss=eval_loss(net), step=step)
+
+
+def compute_s(rank: int, step: int, mb_sleep: float) -> float:
+    """Emulated compute of one micro-batch of ``rank`` at ``step`` (``BENCH_SLOW`` applied)."""
+    spec = os.environ.get("BENCH_SLOW")
+    if spec:
+        r, factor, start = spec.split(":")
+        if rank == int(r) and step >= int(start):
+            return mb_sleep * float(factor)
+    return mb_sleep
 
 
 def microbatch_indices(step: int, share: range) -> list[list[int]]:
@@ -66,9 +81,9 @@ def microbatch_indices(step: int, share: range) -> list[list[int]]:
     return [list(range(base + k * MICRO_BATCH, base + (k + 1) * MICRO_BATCH)) for k in share]
 
 
-def train_microbatch(net, data, idx: list[int], mb_sleep: float, scale: float):
+def train_microbatch(net, data, idx: list[int], mb_sleep: float, scale: float, rank: int = -1, step: int = 0):
     x, y = data[idx]
-    loss, pad = tb.padded_loss(net, x, y, mb_sleep)
+    loss, pad = tb.padded_loss(net, x, y, compute_s(rank, step, mb_sleep))
     (loss * scale).backward()
     time.sleep(pad)
     return loss

@@ -52,7 +52,7 @@ def main() -> None:
         mbs = microbatch_indices(step, range(rank * per, (rank + 1) * per))
         for k, idx in enumerate(mbs):
             with (net.no_sync() if k < per - 1 else torch.enable_grad()):
-                train_microbatch(net, data, idx, a.mb_sleep, 1.0 / per)
+                train_microbatch(net, data, idx, a.mb_sleep, 1.0 / per, rank, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
         log.step(step, world, GLOBAL_BATCH)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, tb
+from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, compute_s, tb
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
             import time
 
             x, y = batch
-            loss, pad = tb.padded_loss(self.net, x, y, a.mb_sleep)
+            loss, pad = tb.padded_loss(self.net, x, y, compute_s(log.rank, self.trainer.global_step, a.mb_sleep))
             time.sleep(pad)  # before backward: the padding stands for forward+backward
             return loss
 

@@ -71,7 +71,7 @@ def main() -> None:
         mbs = microbatch_indices(step, range(gid * per, (gid + 1) * per))
         for k, idx in enumerate(mbs):
             with (model.no_sync() if shipped and k < per - 1 else torch.enable_grad()):
-                train_microbatch(model, data, idx, a.mb_sleep, 1.0 / per)
+                train_microbatch(model, data, idx, a.mb_sleep, 1.0 / per, gid, step)
         if not shipped:
             works = [manager.allreduce(p.grad) for p in net.parameters() if p.grad is not None]
             for w in works:
@@ -79,7 +79,7 @@ def main() -> None:
         participants = manager.num_participants()
         opt.step()
         if manager.current_step() > step:
-            log.step(step, participants, participants * per * MICRO_BATCH)
+            log.step(step, participants, participants * per * MICRO_BATCH)  # batch 64: the rest is lost
     if manager.participating_rank() == 0:
         log.final(net, a.steps)
     manager.shutdown(wait=False)

@@ -6,10 +6,15 @@ restart): its samples are *duplicated*.  Samples of the run's steps that no comm
 covered (TorchFT's dead replica's shard) are *lost*.
 
 * MTTR: fault -> first step committed by a membership without the victim (smaller ``world``,
-  or a later torchrun restart).
-* throughput before: samples/s over the steps from ``WARMUP`` to the fault; after: from the
-  first step after recovery to the end; failure-free: the system's own failure-free run.
-* post-recovery efficiency = after / (failure-free x survivors / N).
+  or a later torchrun restart); one per fault in ``mttrs_s``.
+* full strength (replacement): fault -> first step committed by N workers again.
+* fault offset: how long after the last committed step the fault was sent (where it landed).
+* samples lost: per step, its global batch minus the samples its update covered.
+* throughput before: samples/s over the steps from ``WARMUP`` to the first fault; after: from
+  the first step after the recovery from the last fault to the end (straggler: before / from
+  the step the slowdown starts); failure-free: the system's own failure-free run.
+* post-recovery efficiency = after / (failure-free x W / N), W = the world at the end (the
+  survivors; N again once a replacement joined).
 * peak RSS: the largest worker's ``ru_maxrss``.
 """
 
@@ -34,8 +39,33 @@ def throughput(execs: list[dict]) -> Optional[float]:
     return sum(e["samples"] for e in execs[1:]) / dt if dt > 0 else None
 
 
+def _median(xs: list[float]) -> Optional[float]:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def step_time(execs: list[dict]) -> Optional[float]:
+    """Median wall time between consecutive committed steps."""
+    return _median([b["ts"] - a["ts"] for a, b in zip(execs, execs[1:])])
+
+
+def recovered_at(ex: list[dict], t_fault: float) -> Optional[dict]:
+    """The first step committed after ``t_fault`` by a smaller membership than the one before
+    it, or by a later restart round (torchrun / checkpoint-restart)."""
+    prior = [e for e in ex if e["ts"] < t_fault]
+    world0 = prior[-1]["world"] if prior else None
+    restart0 = max((e.get("restart", 0) for e in prior), default=0)
+    for e in ex:
+        if e["ts"] > t_fault and ((world0 is not None and e["world"] < world0) or e.get("restart", 0) > restart0):
+            return e
+    return None
+
+
 def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: int,
-                t_fault: Optional[float], exit_codes: Optional[list[int]], wall_s: float) -> dict:
+                t_faults: list[float], exit_codes: Optional[list[int]], wall_s: float,
+                split_step: Optional[int] = None) -> dict:
+    """``t_faults``: when each fault was sent; ``split_step`` (straggler): the step from which the
+    fault acts (throughput before/after is split there instead of at a fault time)."""
     ex = executions(records)
     done = {e["step"] for e in ex}
     completed = len(done) >= steps and max(done, default=-1) == steps - 1
@@ -51,24 +81,48 @@ def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: in
         "final_loss": finals[-1]["loss"] if finals else None,
         "peak_rss_mb": max(rss) / 1024 if rss else None,
         "throughput": throughput([e for e in ex if e["step"] >= WARMUP]),
-        "mttr_s": None, "throughput_before": None, "throughput_after": None, "survivors": None,
-        "samples_lost": None, "samples_duplicated": None,
+        "step_time_s": step_time([e for e in ex if e["step"] >= WARMUP]),
+        "mttr_s": None, "mttrs_s": [], "throughput_before": None, "throughput_after": None,
+        "step_time_after_s": None, "survivors": None, "full_strength_s": None,
+        "fault_offset_s": None, "samples_lost": None, "samples_duplicated": None,
     }
     last = {}
     for e in ex:
         last[e["step"]] = e
     if completed:
-        m["samples_lost"] = steps * global_batch - sum(e["samples"] for e in last.values())
+        m["samples_lost"] = sum(e.get("batch", global_batch) - e["samples"] for e in last.values())
         m["samples_duplicated"] = sum(e["samples"] for e in ex) - sum(e["samples"] for e in last.values())
-    if t_fault is None:
+    t0 = ex[0]["ts"] if ex else 0.0
+    m["timeline"] = [[round(e["ts"] - t0, 4), e["step"], e["samples"], e["world"]] for e in ex]
+    m["t0"] = t0
+    if split_step is not None:
+        before = [e for e in ex if WARMUP <= e["step"] < split_step]
+        after = [e for e in ex if e["step"] >= split_step]
+        m["throughput_before"], m["throughput_after"] = throughput(before), throughput(after)
+        m["step_time_after_s"], m["survivors"] = step_time(after), nproc
         return m
-    before = [e for e in ex if e["step"] >= WARMUP and e["ts"] < t_fault]
-    m["throughput_before"] = throughput(before)
-    restart0 = max((e.get("restart", 0) for e in ex if e["ts"] < t_fault), default=0)
-    after = [e for e in ex if e["ts"] > t_fault and (e["world"] < nproc or e.get("restart", 0) > restart0)]
-    if after:
-        m["mttr_s"] = after[0]["ts"] - t_fault
+    if not t_faults:
+        return m
+    t_fault = t_faults[0]
+    prior = [e for e in ex if e["ts"] < t_fault]
+    if prior:
+        m["fault_offset_s"] = t_fault - prior[-1]["ts"]   # how far into a step the fault landed
+    m["throughput_before"] = throughput([e for e in prior if e["step"] >= WARMUP])
+    for t in t_faults:
+        r = recovered_at(ex, t)
+        m["mttrs_s"].append(r["ts"] - t if r else None)
+    first = recovered_at(ex, t_fault)
+    if first:
+        m["mttr_s"] = first["ts"] - t_fault
+        full = [e for e in ex if e["ts"] >= first["ts"] and e["world"] >= nproc]
+        if full:
+            m["full_strength_s"] = full[0]["ts"] - t_fault
+    # After the recovery from the last fault: throughput, step time, and the world at the end.
+    last_rec = recovered_at(ex, t_faults[-1])
+    if last_rec:
+        after = [e for e in ex if e["ts"] >= last_rec["ts"]]
         m["throughput_after"] = throughput(after)
+        m["step_time_after_s"] = step_time(after)
         m["survivors"] = after[-1]["world"]
     return m
 

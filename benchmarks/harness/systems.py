@@ -38,24 +38,31 @@ class System:
     variant: str            # "adaptive", "policy=reroute", "as shipped", "workaround: ..."
     start: Callable[["Job"], None]
     note: str = ""
+    # How the system brings a new worker for a dead rank (None: it cannot, or does it itself).
+    replace: Optional[Callable[["Job", int], None]] = None
 
 
 class Job:
     """One run of one system: its processes, its run directory, its progress log."""
 
-    def __init__(self, run_dir: Path, nproc: int, steps: int, mb_sleep: float):
+    def __init__(self, run_dir: Path, nproc: int, steps: int, mb_sleep: float, *, replace: bool = False,
+                 env: Optional[dict] = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.nproc, self.steps, self.mb_sleep = nproc, steps, mb_sleep
+        self.replace = replace                    # the scenario expects a replacement worker
+        self.extra_env = dict(env or {})          # the scenario's (BENCH_SLOW)
         self.procs: list[subprocess.Popen] = []   # launchers / workers we started directly
         self.main: list[subprocess.Popen] = []    # the ones whose exit ends the run
         self.seen_pids: set[int] = set()
+        self.stopped: set[int] = set()            # PIDs we SIGSTOPped: a hung process never exits
+        self.spawners: dict[int, Callable[[], subprocess.Popen]] = {}  # rank -> restart it (torchft)
 
     # ------------------------------------------------------------------ processes
     def env(self, **extra) -> dict:
         return dict(os.environ, BENCH_OUT=str(self.run_dir), OMP_NUM_THREADS="1",
                     PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                    **{k: str(v) for k, v in extra.items()})
+                    **{k: str(v) for k, v in {**self.extra_env, **extra}.items()})
 
     def spawn(self, cmd: list[str], env: dict, name: str, main: bool = True) -> subprocess.Popen:
         out = open(self.run_dir / f"{name}.out", "wb")
@@ -71,10 +78,13 @@ class Job:
         return ["--steps", str(self.steps), "--mb-sleep", str(self.mb_sleep)]
 
     def wait(self, timeout: float) -> Optional[list[int]]:
-        """Exit codes of the main processes, or None when they did not all end in time."""
+        """Exit codes of the main processes, or None when they did not all end in time.  A
+        process we stopped ourselves (a hung TorchFT replica group) is not waited for."""
         deadline = time.monotonic() + timeout
         codes = []
-        for p in self.main:
+        for p in list(self.main):
+            if p.pid in self.stopped:
+                continue
             try:
                 codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
@@ -137,9 +147,21 @@ class Job:
 
     def signal(self, rank: int, sig: int) -> float:
         pid = self.worker_pid(rank)
+        if sig == signal.SIGSTOP:
+            self.stopped.add(pid)
         t = time.time()
         os.kill(pid, sig)
         return t
+
+    def wait_exit(self, rank: int, timeout: float = 10) -> None:
+        """Until the newest process of ``rank`` is gone (a SIGKILL is asynchronous)."""
+        pid, deadline = self.worker_pid(rank), time.monotonic() + timeout
+        for p in self.main:
+            if p.pid == pid:
+                p.wait(timeout=timeout)
+                return
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------- launchers
@@ -153,8 +175,12 @@ def _torchrun(job: Job, script: str, extra: list[str], torchrun_args: list[str],
 def start_chameleon(policy: Optional[str] = None) -> Callable[[Job], None]:
     def start(job: Job) -> None:
         extra = ["--policy", policy] if policy else []
+        launch = ["--max-replacements", "1"] if job.replace else []
+        if policy == "restart":  # checkpoint-restart: the launcher relaunches, the script resumes
+            launch += ["--max-restarts", "3"]
+            extra += ["--ckpt", str(job.run_dir / "ckpt.pt"), "--ckpt-every", "10"]
         cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(job.nproc),
-               "--run-dir", str(job.run_dir), "--hang-timeout", "5", str(BASE / "chameleon.py"),
+               "--run-dir", str(job.run_dir), "--hang-timeout", "5", *launch, str(BASE / "chameleon.py"),
                *job.script_args(), *extra]
         job.spawn(cmd, job.env(), "launcher")
     return start
@@ -180,24 +206,37 @@ def start_torchft(variant: str) -> Callable[[Job], None]:
                    "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"], job.env(), "lighthouse", main=False)
         time.sleep(0.5)
         for g in range(job.nproc):
-            env = job.env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=g,
-                          NUM_REPLICA_GROUPS=job.nproc, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
-                          MASTER_ADDR="localhost", MASTER_PORT=free_port())
-            job.spawn([sys.executable, str(BASE / "torchft_ddp.py"), *job.script_args(), "--variant", variant],
-                      env, f"group{g}")
+            def spawn(g=g, n=[0]):
+                env = job.env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=g,
+                              NUM_REPLICA_GROUPS=job.nproc, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
+                              MASTER_ADDR="localhost", MASTER_PORT=free_port())
+                n[0] += 1
+                return job.spawn([sys.executable, str(BASE / "torchft_ddp.py"), *job.script_args(),
+                                  "--variant", variant], env, f"group{g}" + (f"-{n[0] - 1}" if n[0] > 1 else ""))
+            job.spawners[g] = spawn
+            spawn()
     return start
+
+
+def replace_torchft(job: Job, rank: int) -> None:
+    """What torchft's supervisor (torchx / a scheduler) does: start the replica group again; the
+    new group joins the next quorum and recovers the model from a live peer."""
+    job.spawners[rank]()
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("chameleon-ft", "chameleon-ft", "adaptive", start_chameleon()),
-    System("chameleon-ft[reroute]", "chameleon-ft", "policy fixed: reroute", start_chameleon("reroute")),
+    *[System(f"chameleon-ft[{p}]", "chameleon-ft", f"policy fixed: {p}", start_chameleon(p),
+             "restart: --max-restarts 3, checkpoint every 10 steps" if p == "restart" else "")
+      for p in ("reroute", "replan", "shrink", "restart")],
     System("torchrun-restart", "torchrun-restart", "as shipped", start_torchrun_restart(False),
            "torchrun --max-restarts 3, checkpoint every 10 steps"),
     System("torchrun-restart+fix", "torchrun-restart", "workaround: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
            start_torchrun_restart(True), "torchrun --max-restarts 3, checkpoint every 10 steps"),
-    System("torchft", "torchft", "as shipped: torchft DDP, default timeouts", start_torchft("shipped")),
+    System("torchft", "torchft", "as shipped: torchft DDP, default timeouts", start_torchft("shipped"),
+           replace=replace_torchft),
     System("torchft+fix", "torchft", "workaround: manager.allreduce of grads, example timeouts (5 s / 30 s)",
-           start_torchft("workaround")),
+           start_torchft("workaround"), replace=replace_torchft),
     System("lightning-ddp", "lightning-ddp", "as shipped (no fault tolerance)", start_lightning),
 ]}
 
