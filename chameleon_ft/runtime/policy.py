@@ -206,8 +206,12 @@ class EnginePolicy:
             return
         comm = [c for _, _, c, _ in timings.values() if c > 0]
         steps = [s for *_, s in timings.values() if s > 0]
-        compute = max((c for c, _, _, _ in timings.values()), default=0.0)
-        if not comm or not steps or compute <= 0:
+        # The compute scale comes from the median worker's measured/predicted ratio, so that a
+        # straggler (flagged or not yet) does not inflate it: its speed is the detector's
+        # business, and counting it in both would double its slowdown in every prediction.
+        ratios = sorted(c / (n * self.mb_seconds * self.detector.flagged.get(w, 1.0))
+                        for w, (c, n, _, _) in timings.items() if n > 0 and c > 0)
+        if not comm or not steps or not ratios:
             return
         key = repr((self.plan.to_json(), sorted(self.alive)))
         if self._predicted is None or self._predicted[0] != key:
@@ -217,6 +221,7 @@ class EnginePolicy:
             est = estimate(self.plan, self.workload(), self.cluster(), Coefficients(), dead, extra)
             self._predicted = (key, est.compute, est.allreduce)
         _, pc, pm = self._predicted
+        compute = pc * ratios[len(ratios) // 2]
         self.calibrator.observe(StepSample(pc, pm, compute, sum(comm) / len(comm), max(steps)))
 
     def _plan_share(self, d: int) -> int:
