@@ -68,7 +68,7 @@ FULL_PLAN: list[Cell] = [
     *_cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), "straggler"),
     *_cells(("chameleon-ft", *FIXED_BASELINES), "replacement"),
     *[c for sc in ("failure-free", "kill", "node-loss")
-      for c in _cells(("chameleon-ft", *FIXED_BASELINES), sc, nproc=8)],
+      for c in _cells(("chameleon-ft", *FIXED_BASELINES), sc, nproc=8, mb_sleep=2 * EMULATION)],
     *[c for sc in ("failure-free", "kill")
       for c in _cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), sc, mb_sleep=0.0)],
 ]

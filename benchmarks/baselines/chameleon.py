@@ -39,7 +39,7 @@ def main() -> None:
             time.sleep(pad)
             return loss
 
-        cfg = ElasticConfig(log_samples=False,
+        cfg = ElasticConfig(log_samples=False, allow_batch_change=a.policy == "shrink",
                             allowed_policies=frozenset([a.policy]) if a.policy else None)
         trainer = ElasticTrainer(net, opt, tb.dataset(), loss_fn, GLOBAL_BATCH, MICRO_BATCH, shuffle=False,
                                  config=cfg,
