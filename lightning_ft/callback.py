@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 from chameleon_ft.runtime.adapters import adapter_config, ft_metrics
@@ -170,8 +170,13 @@ class FaultToleranceCallback(Callback):
     def take_over_logging(self, trainer) -> None:
         """This worker became rank 0 after a failure: continue the loggers' files.  A
         CSVLogger would delete its ``metrics.csv`` on first use; keep the rows the previous
-        rank 0 wrote and append to them."""
+        rank 0 wrote and append to them.  A ``TensorBoardLogger`` starts a new event file in the
+        same directory (TensorBoard reads all of them), named with this worker's id so that it
+        cannot collide with the previous rank 0's file."""
+        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "x")
         for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and logger._experiment is None:
+                logger._kwargs.setdefault("filename_suffix", f".worker{wid}")
             if isinstance(logger, CSVLogger) and logger._experiment is None:
                 path = os.path.join(logger.log_dir, "metrics.csv")
                 kept = None

@@ -105,6 +105,37 @@ class _SchedulerState:
         self.snapshot = copy.deepcopy(state["schedulers"])
 
 
+class _LightningContext(ElasticContext):
+    """``ElasticContext`` that leaves no member without a micro-batch in a step (while the
+    step has at least one per member).  Lightning's logging is per ``training_step`` call: a
+    member that ran no ``training_step`` in an epoch holds none of the epoch's logged
+    metrics, so it would skip their epoch-end sync while its peers run it (mismatched
+    collectives, a watchdog timeout, local metrics).  The engine may give a straggler nothing
+    (rebalance); every member applies the same deterministic correction to the same
+    allocation, one micro-batch at a time from the largest share (highest worker id first)."""
+
+    def _apply_allocation(self) -> None:
+        super()._apply_allocation()
+        s = self.sampler
+        counts = at_least_one_each(s.allocation, s.members)
+        if counts != list(s.allocation):
+            s.set_allocation(list(s.members), counts)
+
+
+def at_least_one_each(counts, members) -> list[int]:
+    """``counts`` (micro-batches per member) with every zero raised to one, taken one at a time
+    from the largest share (the highest worker id among equals); unchanged when there are
+    fewer micro-batches than members."""
+    counts = list(counts)
+    if 0 not in counts or sum(counts) < len(counts):
+        return counts
+    while 0 in counts:
+        j = max(range(len(counts)), key=lambda k: (counts[k], members[k]))
+        counts[j] -= 1
+        counts[counts.index(0)] += 1
+    return counts
+
+
 class FaultTolerantDDPStrategy(DDPStrategy):
     """Data-parallel training that survives worker failures in place (see module doc).
 
@@ -191,8 +222,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             cb = self._callback()
             self.ft_config = cb.elastic_config() if cb is not None else ElasticConfig()
             self.event_log = self.event_log or (cb.event_log if cb is not None else None)
-        self._joined = join_job(self.env, self.ft_config)
-        atexit.register(self.close)
+        if self._joined is None:
+            # Once per process: a later stage (trainer.test/validate after fit) runs on the
+            # live membership; joining again would wait for workers that may be gone.
+            self._joined = join_job(self.env, self.ft_config)
+            atexit.register(self.close)
         self._publish_rank()
         self._agree_logger_versions()
 
@@ -268,7 +302,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             raise ValueError(f"lightning_ft: the checkpoint was trained with batch_size "
                              f"{resume['micro_batch']}, this run uses {mb}")
         self._handle = UpdateHandle(self.optimizers[0])
-        ctx = ElasticContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,
+        ctx = _LightningContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,
                              scheduler=_SchedulerState(self), seed=seed, shuffle=shuffle,
                              drop_last=dl.drop_last, config=self.ft_config, env=self.env)
         if self.event_log:

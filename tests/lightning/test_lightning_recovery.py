@@ -6,14 +6,19 @@ Each run is checked against a failure-free run of the same script: the same numb
 optimizer steps, every sample of every epoch exactly once (the workers' logged ids), bitwise
 equal survivors, final weights within 1e-5 relative under reroute, the same validation
 accuracy; a checkpoint written after the recovery resumes on 3 workers onto the same
-trajectory; a straggler (``--faults slow``) is flagged and rebalanced onto the same trajectory.
+trajectory; ``trainer.test()`` after the recovered fit runs on the survivors with the
+failure-free test metrics; a straggler (``--faults slow``) is flagged and rebalanced onto the
+same trajectory; TensorBoardLogger + precision="bf16-mixed" + ``trainer.test()`` survive a kill
+of rank 0 (the new rank 0 writes the ``ft/*`` metrics to the event files).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
+import struct
 import time
 from pathlib import Path
 
@@ -27,7 +32,8 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_workers") / "lit_train.py"
-DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS = 256, 32, 8, 2
+DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS, TEST = 256, 32, 8, 2, 120
+TB_BACKEND = next((m for m in ("tensorboard", "tensorboardX") if importlib.util.find_spec(m)), None)
 
 
 class LitJob(LocalJob):
@@ -73,7 +79,7 @@ def rel_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = LitJob(tmp_path_factory.mktemp("reference"))
+    job = LitJob(tmp_path_factory.mktemp("reference"), "--test")
     try:
         finals = run_to_end(job)
     finally:
@@ -82,7 +88,38 @@ def reference(tmp_path_factory):
     exactly_once(job.events())
     ref = replicas_equal(finals)
     assert ref["global_step"] == EPOCHS * STEPS_PER_EPOCH and ref["epoch"] == EPOCHS
+    check_test_loop(finals, 4)
     return ref
+
+
+def check_test_loop(finals: dict[int, dict], world_size: int) -> None:
+    """``trainer.test()`` ran on ``world_size`` workers, every test sample exactly once, and
+    every worker got the same metrics."""
+    seen = sorted(i for f in finals.values() for i in f["test_ids"])
+    assert seen == list(range(TEST)), f"{len(seen)} test ids, {len(set(seen))} distinct"
+    for f in finals.values():
+        assert f["test_world_size"] == world_size
+        assert (f["test_acc"], f["test_loss"]) == (finals[min(finals)]["test_acc"], finals[min(finals)]["test_loss"])
+
+
+def tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under ``log_dir``: tag -> [(step, value)]."""
+    if TB_BACKEND == "tensorboard":
+        from tensorboard.compat.proto.event_pb2 import Event
+    else:
+        from tensorboardX.proto.event_pb2 import Event
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(log_dir.rglob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):  # records: u64 length, u32 crc, payload, u32 crc
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            if pos + 16 + n > len(data):
+                break  # cut short by a killed writer
+            ev = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +127,7 @@ def killed_run(tmp_path_factory):
     """A run with one worker SIGKILLed from outside in the middle of epoch 0."""
     rng = random.Random()
     victim, step = rng.randrange(4), rng.randrange(2, 7)
-    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01")
+    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test")
     try:
         job.start()
         job.wait_step(step)
@@ -119,6 +156,10 @@ def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, ref
     assert rel_diff(got, reference) < 1e-5
     assert got["val_acc"] == reference["val_acc"]
     assert got["world_size"] == 3
+    # trainer.test() after the recovered fit: on the 3 survivors, the failure-free metrics.
+    check_test_loop(finals, 3)
+    assert got["test_acc"] == reference["test_acc"]
+    assert abs(got["test_loss"] - reference["test_loss"]) <= 1e-5 * abs(reference["test_loss"])
     # The fault-tolerance metrics reached the CSV log, including the recovery.
     csv = next(job.run_dir.glob("logs/lit/version_*/metrics.csv")).read_text()
     assert "ft/world_size" in csv and "ft/mttr_s" in csv and "ft/policy/" in csv
@@ -203,3 +244,43 @@ def test_straggler_flagged_and_rebalanced_same_trajectory(tmp_path, reference):
     assert got["lr"] == reference["lr"]
     assert rel_diff(got, reference) < 1e-5
     assert got["val_acc"] == reference["val_acc"]
+
+
+def test_tensorboard_bf16_and_test_loop_survive_a_kill_of_rank_0(tmp_path):
+    """One run, three things Lightning users combine: TensorBoardLogger, precision="bf16-mixed"
+    on CPU and ``trainer.test()`` after the fit.  Worker 0 (rank 0, the one that logs) is
+    SIGKILLed mid-epoch: the survivors finish with the same steps and exactly-once samples, the
+    new rank 0 writes the ``ft/*`` metrics of the recovery to the TensorBoard event files, and
+    the test loop runs on the 3 survivors."""
+    logger = "tb" if TB_BACKEND else "csv"
+    job = LitJob(tmp_path, "--logger", logger, "--precision", "bf16-mixed", "--test",
+                 "--mb-sleep", "0.01")
+    try:
+        job.start()
+        job.wait_step(random.randrange(2, 6))
+        job.kill(0)
+        assert job.wait(90) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    evs = job.events()
+    assert sorted(finals) == [1, 2, 3]
+    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
+    assert failures and failures[0]["workers"] == [0]
+    exactly_once(evs)
+    got = replicas_equal(finals)
+    assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
+    check_test_loop(finals, 3)
+    assert 0.0 < got["test_acc"] <= 1.0
+    recovered_at = min(e["step"] for e in evs if e["event"] == "recovery")
+    if not TB_BACKEND:
+        pytest.skip("TensorBoard part skipped: neither tensorboard nor tensorboardX is installed "
+                    "(pip install tensorboardX); bf16-mixed and trainer.test() after the kill passed")
+    scalars = tb_scalars(job.run_dir / "logs" / "lit")
+    world = scalars.get("ft/world_size", [])
+    assert (recovered_at, 3.0) in world or any(v == 3.0 and s >= recovered_at for s, v in world), world
+    assert scalars.get("ft/mttr_s") and all(v > 0 for _, v in scalars["ft/mttr_s"])
+    policies = {t.split("/")[-1] for t in scalars if t.startswith("ft/policy/")}
+    assert policies & {"reroute", "replan"}, sorted(scalars)
+    assert any(v > 0 for _, v in scalars.get("ft/throughput_samples_per_s", [])), sorted(scalars)
+    assert "test_acc" in scalars and "val_acc" in scalars

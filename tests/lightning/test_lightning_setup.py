@@ -8,6 +8,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_ft import FaultToleranceCallback, FaultTolerantDDPStrategy, LauncherError
+from lightning_ft.strategy import at_least_one_each
 
 
 @pytest.fixture(autouse=True)
@@ -39,3 +40,12 @@ def test_bad_options_are_refused():
         FaultToleranceCallback(allow_batch_change=True)
     cfg = FaultToleranceCallback(allowed_policies=["reroute"], hang_timeout_s=3).elastic_config()
     assert cfg.allowed_policies == frozenset({"reroute"}) and cfg.hang_timeout_s == 3
+
+
+def test_every_member_keeps_a_microbatch_after_a_rebalance():
+    # The engine may give a straggler nothing; Lightning needs a training_step per member.
+    assert at_least_one_each([3, 3, 2, 0], [0, 1, 2, 3]) == [3, 2, 2, 1]
+    assert at_least_one_each([0, 4, 4, 0], [0, 1, 2, 3]) == [1, 3, 3, 1]
+    assert at_least_one_each([2, 2, 2, 2], [0, 1, 2, 3]) == [2, 2, 2, 2]
+    assert at_least_one_each([2, 0, 0], [5, 6, 7]) == [2, 0, 0]  # fewer micro-batches than members
+    assert sum(at_least_one_each([8, 0, 0, 0], [0, 1, 2, 3])) == 8

@@ -1,12 +1,16 @@
 """An ordinary Lightning training script (LightningModule with a torchmetrics Accuracy,
-ModelCheckpoint, CSVLogger, an LR scheduler); the only fault-tolerance line is the callback.
+ModelCheckpoint, CSVLogger or TensorBoardLogger, an LR scheduler); the only fault-tolerance line
+is the callback.
 
     chameleon-ft run --nproc-per-node 4 --run-dir D lit_train.py --out D [--ckpt PATH]
+        [--logger csv|tb] [--precision bf16-mixed] [--test]
 
 At the end each worker writes ``<out>/final_<worker id>.pt`` (parameters, optimizer moments,
-global step, epoch, validation accuracy) for the tests to compare.  ``--plain`` runs the same
-script with strategy="ddp" and no callback (for the overhead benchmark, under torchrun-style
-env).  ``--mb-sleep`` pads each micro-batch's compute (accelerator emulation).
+global step, epoch, validation accuracy; with ``--test`` also the ``trainer.test()`` metrics
+after the fit and the test sample ids this worker evaluated) for the tests to compare.
+``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
+benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's compute
+(accelerator emulation).
 """
 
 import argparse
@@ -17,14 +21,16 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 
 
 class Blobs(Dataset):
-    def __init__(self, n=256, dim=16, classes=4, seed=1234):
+    def __init__(self, n=256, dim=16, classes=4, seed=1234, centers_seed=None):
         g = torch.Generator().manual_seed(seed)
         centers = torch.randn(classes, dim, generator=g) * 2
+        if centers_seed is not None:  # samples of seed ``seed`` around the centers of ``centers_seed``
+            centers = torch.randn(classes, dim, generator=torch.Generator().manual_seed(centers_seed)) * 2
         self.y = torch.randint(0, classes, (n,), generator=g)
         self.x = centers[self.y] + torch.randn(n, dim, generator=g)
 
@@ -35,6 +41,19 @@ class Blobs(Dataset):
         return self.x[i], self.y[i]
 
 
+class WithIds(Dataset):
+    """``(x, y, index)``: lets a worker record which samples it evaluated."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return (*self.base[i], i)
+
+
 class Classifier(pl.LightningModule):
     def __init__(self, mb_sleep=0.0, lr=0.05):
         super().__init__()
@@ -43,6 +62,9 @@ class Classifier(pl.LightningModule):
                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.test_loss = torchmetrics.MeanMetric()  # per-sample mean: exact however sharded
+        self.test_seen = []
 
     def forward(self, x):
         return self.net(x)
@@ -65,6 +87,18 @@ class Classifier(pl.LightningModule):
         self.log("val_loss", torch.nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", self.val_acc)
 
+    def on_test_epoch_start(self):
+        self.test_seen = []
+
+    def test_step(self, batch, batch_idx):
+        x, y, ids = batch
+        logits = self(x)
+        self.test_acc(logits, y)
+        self.test_loss.update(torch.nn.functional.cross_entropy(logits.float(), y, reduction="none"))
+        self.test_seen.extend(ids.tolist())
+        self.log("test_acc", self.test_acc)
+        self.log("test_loss", self.test_loss)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
@@ -83,6 +117,9 @@ def main():
     p.add_argument("--hang-timeout", type=float, default=None)
     p.add_argument("--plain", action="store_true", help="strategy='ddp', no fault tolerance")
     p.add_argument("--dataset", type=int, default=256)
+    p.add_argument("--logger", choices=["csv", "tb"], default="csv")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--test", action="store_true", help="trainer.test() after the fit")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(7, workers=True, verbose=False)
@@ -92,27 +129,34 @@ def main():
     if not a.plain:
         from lightning_ft import FaultToleranceCallback
         callbacks.append(FaultToleranceCallback(hang_timeout_s=a.hang_timeout))
+    logger_cls = TensorBoardLogger if a.logger == "tb" else CSVLogger
+    logger = logger_cls(os.path.join(a.out, "logs"), name="lit")
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, strategy="ddp", max_epochs=a.epochs,
                          accumulate_grad_batches=a.accumulate, callbacks=callbacks,
-                         logger=CSVLogger(os.path.join(a.out, "logs"), name="lit"),
+                         logger=logger, precision=a.precision,
                          log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     train = DataLoader(Blobs(a.dataset), batch_size=a.batch_size, shuffle=True)
-    val = DataLoader(Blobs(100, seed=99), batch_size=8)
+    val = DataLoader(Blobs(100, seed=99, centers_seed=1234), batch_size=8)
     t0 = time.perf_counter()
     trainer.fit(model, train, val, ckpt_path=a.ckpt)
     fit_s = time.perf_counter() - t0
     wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", trainer.global_rank))
     opt = trainer.optimizers[0]
-    torch.save({"params": [q.detach().clone() for q in model.parameters()],
-                "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
-                "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-                "val_acc": float(trainer.callback_metrics["val_acc"]),
-                "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
-                "world_size": trainer.world_size, "fit_s": fit_s},
-               os.path.join(a.out, f"final_{wid}.pt"))
+    val_acc = float(trainer.callback_metrics["val_acc"])
+    final = {"params": [q.detach().clone() for q in model.parameters()],
+             "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
+             "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
+             "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
+             "world_size": trainer.world_size, "fit_s": fit_s}
+    if a.test:
+        test = DataLoader(WithIds(Blobs(120, seed=77, centers_seed=1234)), batch_size=8)
+        metrics = trainer.test(model, test, verbose=False)[0]
+        final.update(test_acc=float(metrics["test_acc"]), test_loss=float(metrics["test_loss"]),
+                     test_ids=list(model.test_seen), test_world_size=trainer.world_size)
+    torch.save(final, os.path.join(a.out, f"final_{wid}.pt"))
     print(f"worker {wid} done: step {trainer.global_step} epoch {trainer.current_epoch} "
-          f"val_acc {float(trainer.callback_metrics['val_acc']):.4f}", flush=True)
+          f"val_acc {val_acc:.4f}", flush=True)
 
 
 if __name__ == "__main__":
