@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import Iterable, Optional
 
@@ -120,6 +121,7 @@ class FaultToleranceCallback(Callback):
         if recovered:
             self._logged_recoveries = ctx.recoveries
         m = ft_metrics(ctx, s.last_step, s.redone_steps, s.adopted_steps, recovered)
+        m.update({"ft/eval_reruns": float(s.eval_reruns), "ft/eval_partial": float(s.eval_partial)})
         for logger in trainer.loggers:
             logger.log_metrics(m, step=trainer.global_step)
 
@@ -171,12 +173,13 @@ class FaultToleranceCallback(Callback):
         """This worker became rank 0 after a failure: continue the loggers' files.  A
         CSVLogger would delete its ``metrics.csv`` on first use; keep the rows the previous
         rank 0 wrote and append to them.  A ``TensorBoardLogger`` starts a new event file in the
-        same directory (TensorBoard reads all of them), named with this worker's id so that it
-        cannot collide with the previous rank 0's file."""
-        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "x")
+        same directory (TensorBoard reads all of them), named with this worker's id and a
+        nanosecond clock (``before_stage``), so that it cannot overwrite the previous rank 0's
+        file, nor its own of an earlier stage (event file names carry whole seconds only)."""
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and logger._experiment is None:
-                logger._kwargs.setdefault("filename_suffix", f".worker{wid}")
+                logger._cft_took_over = True
+                _unique_event_file(logger)
             if isinstance(logger, CSVLogger) and logger._experiment is None:
                 path = os.path.join(logger.log_dir, "metrics.csv")
                 kept = None
@@ -189,3 +192,15 @@ class FaultToleranceCallback(Callback):
                     with open(path, newline="") as f:
                         header = next(csv.reader(f), [])
                     writer.metrics_keys = list(header)
+
+    def before_stage(self, trainer) -> None:
+        """The strategy calls this before the loggers of a stage (fit, validate, test) start:
+        a TensorBoardLogger taken over earlier gets a fresh event file name again."""
+        for logger in trainer.loggers:
+            if getattr(logger, "_cft_took_over", False) and logger._experiment is None:
+                _unique_event_file(logger)
+
+
+def _unique_event_file(logger: TensorBoardLogger) -> None:
+    wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "x")
+    logger._kwargs["filename_suffix"] = f".worker{wid}.{time.time_ns()}"

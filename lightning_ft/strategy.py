@@ -26,19 +26,26 @@ What it changes against ``DDPStrategy`` and why:
   runtime's watchdog; ``global_rank``/``world_size``/``is_global_zero`` are the live view's.
   Evaluation loaders get a ``ShardSampler`` (every sample once, re-sharded after a change).
 
-Collectives outside a training step (evaluation metrics, checkpoint barriers) are not
-reconfigured in place: when one fails, it and the following ones return this worker's local
-values (with a warning) until the next training step recovers the job.  The same holds for
-a worker that adopted a step its peers committed, until its next step.
+* **Evaluation survives too.**  The validation/test loops are wrapped (``_run_evaluation``):
+  a failed collective inside one unwinds it, the job recovers at once and, when every member
+  was in the same evaluation, it runs again over the survivors; otherwise its metrics are
+  flagged partial (``ft/eval_complete`` = 0).
+
+Other collectives outside a training step (the epoch-end sync of training metrics, checkpoint
+barriers) are not reconfigured in place: when one fails, it and the following ones return
+this worker's local values (with a warning) until the next training step recovers the job.
+The same holds for a worker that adopted a step its peers committed, until its next step.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import logging
 import os
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import PurePath
@@ -164,6 +171,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self.redone_steps = 0
         self.adopted_steps = 0
         self.last_step: dict = {}  # phase timings of the last committed step
+        self._eval_runs = 0  # evaluations run with a training context (their activity tag)
+        self.eval_reruns = 0  # evaluations rerun over the survivors after a failure
+        self.eval_partial = 0  # evaluations whose metrics cover only this worker's shard
 
     # ---------------------------------------------------------------- ranks
     def _view(self):
@@ -229,6 +239,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             atexit.register(self.close)
         self._publish_rank()
         self._agree_logger_versions()
+        cb = self._callback()
+        if cb is not None:
+            cb.before_stage(self.lightning_module.trainer)
 
     def _callback(self):
         from lightning_ft.callback import FaultToleranceCallback
@@ -257,6 +270,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("lightning_ft supports exactly one optimizer")
         self._route_metrics()
+        self._wrap_evaluation_loops(trainer)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DistributedDataParallel: the runtime reduces the gradients
@@ -270,6 +284,91 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             if isinstance(m, Metric):
                 m.dist_sync_fn = self._metric_gather
                 m.distributed_available_fn = self._metric_sync_available
+
+    # ---------------------------------------------------------------- evaluation
+    def _wrap_evaluation_loops(self, trainer) -> None:
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+            if "_cft_run" not in vars(loop):
+                loop._cft_run = loop.run
+                loop.run = functools.partial(self._run_evaluation, loop)
+
+    def _run_evaluation(self, loop) -> Any:
+        """Run a validation/test loop so that a worker lost inside it cannot leave partial
+        metrics behind.  A failed collective (metric sync, ``sync_dist``, ``all_gather``,
+        barrier) unwinds the loop; the job recovers at once (``ElasticContext.recover``: the
+        survivors agree, form their group, re-shard the evaluation data) and, when every
+        member recovered from this same evaluation, they run it again from its start over
+        the survivors, so the metrics cover every sample once.  When a member was elsewhere
+        (it finished this evaluation before the failure reached it) the others cannot rerun
+        it with it: they finish it on their own shard, with local collectives, and flag it
+        (``ft/eval_complete`` = 0 in ``trainer.callback_metrics``, a warning).  Without a
+        training context (sanity check, validate/test before any fit) the old behaviour
+        stays: local values with a warning."""
+        trainer = self.lightning_module.trainer
+        ctx = self.ctx
+        if ctx is None or trainer.sanity_checking:
+            return loop._cft_run()
+        self._eval_runs += 1
+        tag = self._eval_runs
+        complete = not (self._coll.degraded or self._coll.catch_up)
+        try:
+            while True:
+                self._set_eval_complete(trainer, complete)
+                if not complete:
+                    ctx.activity = 0
+                    self._warn_partial(trainer)
+                    return loop._cft_run()
+                modes = {m: m.training for m in self.lightning_module.modules()}
+                updates = self._metric_updates()
+                ctx.activity, self._coll.reraise = tag, True
+                try:
+                    return loop._cft_run()
+                except CollectiveFailure as failure:
+                    ctx.activity, self._coll.reraise = tag, False
+                    ctx.recover(failure)
+                    self._after_reconfiguration()
+                    self._reset_evaluation(loop, modes, updates)
+                    if all(t == tag for t in ctx.peer_activity):
+                        self.eval_reruns += 1
+                        log.warning("lightning_ft: a worker was lost during %s; it runs again over "
+                                    "the %d survivors", trainer.state.stage.value, ctx.view.world_size)
+                    else:
+                        complete = False
+                        self._coll.catch_up = True  # local until our next training step
+        finally:
+            ctx.activity, self._coll.reraise = 0, False
+
+    def _set_eval_complete(self, trainer, complete: bool) -> None:
+        if not complete:
+            self.eval_partial += 1
+        trainer._logger_connector._callback_metrics["ft/eval_complete"] = torch.tensor(float(complete))
+
+    def _warn_partial(self, trainer) -> None:
+        warnings.warn(f"lightning_ft: this {trainer.state.stage.value} runs with worker "
+                      f"{self.ctx.worker_id}'s local collectives (a worker was lost and not every "
+                      "member can run it again): its metrics cover this worker's shard only and are "
+                      "partial (ft/eval_complete = 0)", stacklevel=2)
+
+    def _metric_updates(self) -> dict:
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return {}
+        return {m: m._update_count for m in self.lightning_module.modules() if isinstance(m, Metric)}
+
+    def _reset_evaluation(self, loop, modes: dict, updates: dict) -> None:
+        """Undo what the interrupted attempt left: module modes, the data fetcher, the logged
+        results and every torchmetrics ``Metric`` it updated (reset)."""
+        for m, training in modes.items():
+            m.training = training
+        if loop._data_fetcher is not None:
+            loop._data_fetcher.teardown()
+            loop._data_fetcher = None
+        loop._results.reset()
+        loop.trainer._logger_connector.reset_results()
+        for m, count in updates.items():
+            if m._update_count != count or m._is_synced:
+                m.reset()
 
     # ---------------------------------------------------------------- data
     def process_dataloader(self, dataloader: object) -> object:
@@ -436,7 +535,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if self.ctx is not None and self.ctx.log is not None:
             self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
                                detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
-                               collective=what, deferred=True)
+                               collective=what, deferred=not self._coll.reraise)
 
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         if not isinstance(tensor, torch.Tensor):

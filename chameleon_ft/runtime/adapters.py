@@ -16,9 +16,11 @@ collectives that follow the membership, the optimizer handle and the fault-toler
   *ghost* sample whose results must be dropped (``n_valid == 0``).
 * ``LiveCollectives``: reduce / all-gather (any shapes) / broadcast / barrier / object gather
   over the current generation's group with the runtime's watchdog.  Outside a training step a
-  failed collective cannot be redone (the framework's evaluation loop is the user's code), so
-  it and the following ones return this worker's local value, with a warning, until the next
-  training step recovers the job (``reset``).
+  failed collective cannot be redone by the runtime (the framework's evaluation loop is the
+  user's code), so it and the following ones return this worker's local value, with a
+  warning, until the next training step recovers the job (``reset``) -- unless the adapter
+  sets ``reraise`` because it can recover the job and rerun what the collective belonged to
+  (lightning_ft does for its evaluation loops, see ``ElasticContext.recover``).
 * ``UpdateHandle``: what ``ElasticContext`` sees as the optimizer, so the adapter decides how
   the update is applied once the gradients are reduced (hooks, clipping, precision plugins).
 * ``ft_metrics``: the ``ft/*`` metrics the adapters give to the framework's loggers.
@@ -237,6 +239,9 @@ class LiveCollectives:
         self.who = who
         self.degraded = False  # the generation broke outside a step: local until recovered
         self.catch_up = False  # adopted a step peers committed: local until our next step
+        # Set by an adapter that can redo what the collectives belong to (an evaluation it
+        # can rerun after recovering the job): a failure is raised instead of going local.
+        self.reraise = False
         self._warned: set = set()
 
     def reset(self) -> None:
@@ -262,10 +267,12 @@ class LiveCollectives:
         try:
             return fn(gm)
         except CollectiveFailure as failure:
-            self.degraded = True
-            self._warn_local(what, failure)
             if self.on_failure is not None:
                 self.on_failure(what, failure)
+            if self.reraise:
+                raise
+            self.degraded = True
+            self._warn_local(what, failure)
             return local()
 
     def _warn_local(self, what: str, failure: Optional[CollectiveFailure] = None) -> None:

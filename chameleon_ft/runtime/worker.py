@@ -202,6 +202,13 @@ class ElasticContext:
         self._prev_step = 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
         self._is_source = False
+        # What this member does outside a training step, as an adapter's integer tag (0:
+        # nothing in particular, e.g. an evaluation's number while inside it); every
+        # reconfiguration shares them, in the all-reduce that agrees on the step, so members
+        # recovering from a failure outside a step can tell whether all of them were in the
+        # same activity (and may redo it together) or not.
+        self.activity = 0
+        self.peer_activity: list[int] = []
 
     # ---------------------------------------------------------------- properties
     @property
@@ -402,6 +409,14 @@ class ElasticContext:
         return bool(self._done_slots) and any(p.grad is not None for p in self.params)
 
     # ---------------------------------------------------------------- recovery
+    def recover(self, failure: CollectiveFailure) -> None:
+        """Reconfigure after ``failure`` of a collective outside ``sync_and_step`` (an
+        adapter's evaluation loop): agree on the survivors, form their group, agree on the
+        state, as after a failed step.  No step is in flight, so nothing is redone; the next
+        ``microbatches()`` runs the new allocation.  ``peer_activity`` then tells what every
+        member was doing when it recovered."""
+        self._recover(failure, time.perf_counter())
+
     def _store_op(self, fn):
         """Run ``fn``; a failing coordinator store becomes a clear ``MembershipError``."""
         try:
@@ -456,10 +471,11 @@ class ElasticContext:
     def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
         n, r = view.world_size, view.rank
         batch_before = self.sampler.global_batch
-        v = torch.zeros(2 * n, dtype=torch.int64)
-        v[r], v[n + r] = self.step, int(self.fresh)
+        v = torch.zeros(3 * n, dtype=torch.int64)
+        v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
         self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
-        steps, fresh = v[:n].tolist(), v[n:].tolist()
+        steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
+        self.peer_activity = v[2 * n:].tolist()
         top = max(steps)
         if self.env.replacement and all(fresh):
             # Everyone here is new: the job finished, or every worker with state is gone.

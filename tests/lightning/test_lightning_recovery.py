@@ -9,7 +9,8 @@ accuracy; a checkpoint written after the recovery resumes on 3 workers onto the 
 trajectory; ``trainer.test()`` after the recovered fit runs on the survivors with the
 failure-free test metrics; a straggler (``--faults slow``) is flagged and rebalanced onto the
 same trajectory; TensorBoardLogger + precision="bf16-mixed" + ``trainer.test()`` survive a kill
-of rank 0 (the new rank 0 writes the ``ft/*`` metrics to the event files).
+of rank 0 (the new rank 0 writes the ``ft/*`` metrics to the event files); a kill inside the
+validation loop: the survivors rerun it and report the failure-free metrics over every sample.
 """
 
 from __future__ import annotations
@@ -284,3 +285,45 @@ def test_tensorboard_bf16_and_test_loop_survive_a_kill_of_rank_0(tmp_path):
     assert policies & {"reroute", "replan"}, sorted(scalars)
     assert any(v > 0 for _, v in scalars.get("ft/throughput_samples_per_s", [])), sorted(scalars)
     assert "test_acc" in scalars and "val_acc" in scalars
+
+
+def test_kill_during_validation_metric_recomputed_over_survivors(tmp_path, reference):
+    """A worker is SIGKILLed while every worker is inside epoch 0's validation loop (timed by
+    the marker its ``validation_step`` writes).  ``fit`` neither hangs nor crashes, and the
+    validation metrics the survivors report for that epoch are the failure-free ones, over
+    every validation sample (recomputed over the live members), or flagged incomplete."""
+    victim = random.randrange(4)
+    job = LitJob(tmp_path, "--val-sleep", "0.2")
+    marker = tmp_path / "markers" / f"val_w{victim}_e0"
+    try:
+        job.start()
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline and job.running(), job.output()[-4000:]
+            time.sleep(0.02)
+        job.kill(victim)
+        assert job.wait(90) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    evs = job.events()
+    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
+    assert failures and failures[0]["workers"] == [victim]
+    exactly_once(evs)
+    got = replicas_equal(finals)
+    assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
+    assert rel_diff(got, reference) < 1e-5
+    ref_history = {h["epoch"]: h for h in reference["val_history"]}
+    assert [h["epoch"] for h in ref_history.values()] == [0, 1]
+    assert all(h["val_n"] == 100 for h in ref_history.values())
+    for w, f in finals.items():
+        assert [h["epoch"] for h in f["val_history"]] == [0, 1], (w, f["val_history"])
+        for h in f["val_history"]:
+            if h["complete"] == 0.0:  # flagged: the metric covers only part of the samples
+                continue
+            assert h["val_n"] == 100, (w, h)
+            ref = ref_history[h["epoch"]]
+            assert h["val_acc"] == ref["val_acc"], (w, h, ref)
+            assert abs(h["val_nll"] - ref["val_nll"]) <= 1e-4 * ref["val_nll"], (w, h, ref)
+    assert any(h["complete"] == 1.0 for f in finals.values() for h in f["val_history"] if h["epoch"] == 0)

@@ -5,6 +5,7 @@ launcher stops at once with the way out instead of hanging."""
 import os
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
 from lightning_ft import FaultToleranceCallback, FaultTolerantDDPStrategy, LauncherError
@@ -49,3 +50,52 @@ def test_every_member_keeps_a_microbatch_after_a_rebalance():
     assert at_least_one_each([2, 2, 2, 2], [0, 1, 2, 3]) == [2, 2, 2, 2]
     assert at_least_one_each([2, 0, 0], [5, 6, 7]) == [2, 0, 0]  # fewer micro-batches than members
     assert sum(at_least_one_each([8, 0, 0, 0], [0, 1, 2, 3])) == 8
+
+
+def _evaluation_harness(monkeypatch, peer_activity):
+    """A strategy whose evaluation loop fails once with a CollectiveFailure, and whose
+    recovery reports ``peer_activity(tag)`` as what every member was doing (no processes:
+    this checks the decision the strategy takes, the real-process test checks the rest)."""
+    from types import SimpleNamespace
+
+    from chameleon_ft.runtime.groups import CollectiveFailure
+
+    s = FaultTolerantDDPStrategy()
+    module = torch.nn.Linear(2, 2)
+    connector = SimpleNamespace(_callback_metrics={})
+    trainer = SimpleNamespace(sanity_checking=False, _logger_connector=connector,
+                              state=SimpleNamespace(stage=SimpleNamespace(value="validate")))
+    monkeypatch.setattr(FaultTolerantDDPStrategy, "lightning_module",
+                        property(lambda self: SimpleNamespace(trainer=trainer, modules=module.modules)))
+    monkeypatch.setattr(s, "_after_reconfiguration", lambda: None)
+    monkeypatch.setattr(s, "_reset_evaluation", lambda *a: None)
+    ctx = SimpleNamespace(activity=0, peer_activity=[], worker_id=1, view=SimpleNamespace(world_size=3))
+    ctx.recover = lambda failure: setattr(ctx, "peer_activity", peer_activity(ctx.activity))
+    s.ctx = ctx
+    runs = []
+
+    def run():
+        runs.append((ctx.activity, s._coll.reraise, s._coll.catch_up,
+                     float(connector._callback_metrics["ft/eval_complete"])))
+        if len(runs) == 1:
+            raise CollectiveFailure("peer died", kind="peer_error", token="t", generation=1)
+        return ["metrics"]
+
+    return s, SimpleNamespace(_cft_run=run), runs, ctx
+
+
+def test_evaluation_reruns_when_every_member_recovered_from_it(monkeypatch):
+    s, loop, runs, ctx = _evaluation_harness(monkeypatch, lambda tag: [tag, tag, tag])
+    assert s._run_evaluation(loop) == ["metrics"]
+    # Both attempts live (failures raise), the second one complete; the tag is cleared after.
+    assert runs == [(1, True, False, 1.0), (1, True, False, 1.0)]
+    assert (s.eval_reruns, s.eval_partial, ctx.activity, s._coll.reraise) == (1, 0, 0, False)
+
+
+def test_evaluation_is_flagged_when_a_member_was_elsewhere(monkeypatch):
+    s, loop, runs, ctx = _evaluation_harness(monkeypatch, lambda tag: [tag, 0, tag])
+    with pytest.warns(UserWarning, match="partial"):
+        assert s._run_evaluation(loop) == ["metrics"]
+    # The second attempt runs with local collectives and ft/eval_complete = 0.
+    assert runs == [(1, True, False, 1.0), (0, False, True, 0.0)]
+    assert (s.eval_reruns, s.eval_partial, ctx.activity) == (0, 1, 0)

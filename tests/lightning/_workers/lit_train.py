@@ -8,6 +8,10 @@ is the callback.
 At the end each worker writes ``<out>/final_<worker id>.pt`` (parameters, optimizer moments,
 global step, epoch, validation accuracy; with ``--test`` also the ``trainer.test()`` metrics
 after the fit and the test sample ids this worker evaluated) for the tests to compare.
+Every completed validation appends what the loggers got (accuracy, per-sample loss, the number
+of samples covered, ``ft/eval_complete``) to ``val_history``, also saved.  ``--val-sleep``
+slows each validation batch and ``<out>/markers/val_w<worker>_e<epoch>`` appears when a worker
+starts a validation, so that a test can kill a worker inside it.
 ``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
 benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's compute
 (accelerator emulation).
@@ -55,13 +59,16 @@ class WithIds(Dataset):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, mb_sleep=0.0, lr=0.05):
+    def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None):
         super().__init__()
         self.save_hyperparameters()
+        self.val_history = []  # one entry per completed validation: what the loggers got
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.val_n = torchmetrics.SumMetric()  # samples the validation metrics cover
+        self.val_nll = torchmetrics.MeanMetric()  # per-sample mean: exact however sharded
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
         self.test_loss = torchmetrics.MeanMetric()  # per-sample mean: exact however sharded
         self.test_seen = []
@@ -82,10 +89,25 @@ class Classifier(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
+        if self.hparams.markers and batch_idx == 0:  # for tests that kill a worker mid-validation
+            wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "0")
+            open(os.path.join(self.hparams.markers, f"val_w{wid}_e{self.current_epoch}"), "a").close()
+        if self.hparams.val_sleep:
+            time.sleep(self.hparams.val_sleep)
         logits = self(x)
         self.val_acc(logits, y)
+        self.val_n.update(torch.tensor(float(len(y))))
+        self.val_nll.update(torch.nn.functional.cross_entropy(logits.float(), y, reduction="none"))
         self.log("val_loss", torch.nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", self.val_acc)
+        self.log("val_n", self.val_n)
+        self.log("val_nll", self.val_nll)
+
+    def on_validation_end(self):
+        m = self.trainer.callback_metrics
+        self.val_history.append({"epoch": self.current_epoch, "val_acc": float(m["val_acc"]),
+                                 "val_n": float(m["val_n"]), "val_nll": float(m["val_nll"]),
+                                 "complete": float(m.get("ft/eval_complete", -1.0))})
 
     def on_test_epoch_start(self):
         self.test_seen = []
@@ -120,10 +142,13 @@ def main():
     p.add_argument("--logger", choices=["csv", "tb"], default="csv")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--test", action="store_true", help="trainer.test() after the fit")
+    p.add_argument("--val-sleep", type=float, default=0.0, help="sleep per validation batch")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(7, workers=True, verbose=False)
-    model = Classifier(mb_sleep=a.mb_sleep)
+    markers = os.path.join(a.out, "markers")
+    os.makedirs(markers, exist_ok=True)
+    model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
                                  filename="{epoch}-{step}")]
     if not a.plain:
@@ -148,7 +173,7 @@ def main():
              "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
-             "world_size": trainer.world_size, "fit_s": fit_s}
+             "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history}
     if a.test:
         test = DataLoader(WithIds(Blobs(120, seed=77, centers_seed=1234)), batch_size=8)
         metrics = trainer.test(model, test, verbose=False)[0]
