@@ -16,75 +16,45 @@ validation loop: the survivors rerun it and report the failure-free metrics over
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import signal
 import struct
+import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from chameleon_ft.localjob import LocalJob
 from chameleon_ft.runtime.eventlog import committed_attempts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
+                               kill_at_random_step, rel_diff, stop_and_survive)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_workers") / "lit_train.py"
 DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS, TEST = 256, 32, 8, 2, 120
 TB_BACKEND = next((m for m in ("tensorboard", "tensorboardX") if importlib.util.find_spec(m)), None)
 
 
-class LitJob(LocalJob):
-    def __init__(self, run_dir: Path, *args: str, nproc: int = 4, hang_timeout: float = 5.0,
-                 launch_args=()):
-        env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        super().__init__(run_dir, SCRIPT, ["--out", str(run_dir), *args], nproc=nproc,
-                         hang_timeout=hang_timeout, launch_args=launch_args, env=env)
-
-    def final(self) -> dict[int, dict]:
-        return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
-                for p in self.run_dir.glob("final_*.pt")}
-
-
-def run_to_end(job: LitJob, timeout: float = 90.0) -> dict[int, dict]:
-    job.start()
-    assert job.wait(timeout) == [0], job.output()[-4000:]
-    return job.final()
+class LitJob(ScriptJob):
+    def __init__(self, run_dir: Path, *args: str, **kwargs):
+        super().__init__(SCRIPT, run_dir, *args, **kwargs)
 
 
 def exactly_once(events: list[dict], first_step: int = 0) -> None:
-    ids = {s: [i for r in recs for i in r["ids"]] for s, recs in committed_attempts(events).items()}
-    assert sorted(ids) == list(range(first_step, EPOCHS * STEPS_PER_EPOCH)), sorted(ids)
-    for e in range(first_step // STEPS_PER_EPOCH, EPOCHS):
-        seen = [i for s in range(e * STEPS_PER_EPOCH, (e + 1) * STEPS_PER_EPOCH) for i in ids[s]]
-        assert sorted(seen) == list(range(DATASET)), f"epoch {e}: {len(seen)} ids, {len(set(seen))} distinct"
+    assert_exactly_once(events, dataset=DATASET, steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS,
+                        first_step=first_step, global_batch=GLOBAL_BATCH)
 
 
 def replicas_equal(finals: dict[int, dict]) -> dict:
-    ws = sorted(finals)
-    ref = finals[ws[0]]
-    for w in ws[1:]:
-        for a, b in zip(finals[w]["params"] + finals[w]["momentum"], ref["params"] + ref["momentum"]):
-            assert torch.equal(a, b), f"worker {w} differs from worker {ws[0]}"
-        assert finals[w]["global_step"] == ref["global_step"]
-        assert finals[w]["val_acc"] == ref["val_acc"]
-    return ref
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    return max(float((x - y).norm() / y.norm()) for x, y in zip(a["params"], b["params"]))
+    return assert_replicas_equal(finals, same=("global_step", "val_acc"))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     job = LitJob(tmp_path_factory.mktemp("reference"), "--test")
-    try:
-        finals = run_to_end(job)
-    finally:
-        job.cleanup()
+    finals = job.run_to_end()
     assert sorted(finals) == [0, 1, 2, 3]
     exactly_once(job.events())
     ref = replicas_equal(finals)
@@ -126,18 +96,9 @@ def tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
     """A run with one worker SIGKILLed from outside in the middle of epoch 0."""
-    rng = random.Random()
-    victim, step = rng.randrange(4), rng.randrange(2, 7)
     job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test")
-    try:
-        job.start()
-        job.wait_step(step)
-        time.sleep(rng.uniform(0.0, 0.03))
-        job.kill(victim)
-        assert job.wait(90) == [0], job.output()[-4000:]
-        return job, victim, job.final()
-    finally:
-        job.cleanup()
+    victim, finals = kill_at_random_step(job)
+    return job, victim, finals
 
 
 def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, reference):
@@ -173,10 +134,7 @@ def test_checkpoint_after_recovery_resumes_on_three_workers(killed_run, referenc
     assert ckpts, "no checkpoint at the end of epoch 0"
     assert recovered_at <= STEPS_PER_EPOCH  # the checkpoint was written after the recovery
     resumed = LitJob(tmp_path, "--ckpt", str(ckpts[0]), nproc=3)
-    try:
-        finals = run_to_end(resumed)
-    finally:
-        resumed.cleanup()
+    finals = resumed.run_to_end()
     exactly_once(resumed.events(), first_step=STEPS_PER_EPOCH)
     got = replicas_equal(finals)
     assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
@@ -187,19 +145,7 @@ def test_checkpoint_after_recovery_resumes_on_three_workers(killed_run, referenc
 def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     hang_timeout = 2.0
     job = LitJob(tmp_path, "--mb-sleep", "0.01", hang_timeout=hang_timeout)
-    try:
-        job.start()
-        job.wait_step(4)
-        t_stop = job.kill(2, signal.SIGSTOP)
-        evs = job.wait_for(lambda evs: any(e["event"] == "failure" and e.get("kind") == "hang"
-                                           for e in evs), 30, "the hang to be detected")
-        failure = next(e for e in evs if e["event"] == "failure" and e.get("kind") == "hang")
-        assert failure["workers"] == [2]
-        assert failure["ts"] - t_stop < hang_timeout + 1.5
-        assert job.wait(90) == [0], job.output()[-4000:]
-        finals = job.final()
-    finally:
-        job.cleanup()
+    finals = stop_and_survive(job, 2, hang_timeout)
     assert sorted(finals) == [0, 1, 3]
     exactly_once(job.events())
     got = replicas_equal(finals)
@@ -213,10 +159,7 @@ def test_straggler_flagged_and_rebalanced_same_trajectory(tmp_path, reference):
     4x; the detector flags it from the step timings, the engine rebalances, and the fit ends
     with the failure-free steps, samples and weights."""
     job = LitJob(tmp_path, "--mb-sleep", "0.02", launch_args=["--faults", "slow:rank=1:factor=4"])
-    try:
-        finals = run_to_end(job)
-    finally:
-        job.cleanup()
+    finals = job.run_to_end()
     evs = job.events()
     assert sorted(finals) == [0, 1, 2, 3]
     stragglers = [e for e in evs if e["event"] == "decision"

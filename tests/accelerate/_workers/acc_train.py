@@ -12,26 +12,22 @@ gathered in each epoch, accuracy) for the tests to compare.
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
+import _helpers.data  # noqa: E402
 
 from accelerate_ft import FaultTolerantAccelerator, wrap
 
 
-class Blobs(Dataset):
-    def __init__(self, n=256, dim=16, classes=4, seed=1234):
-        g = torch.Generator().manual_seed(seed)
-        centers = torch.randn(classes, dim, generator=g) * 2
-        self.y = torch.randint(0, classes, (n,), generator=g)
-        self.x = centers[self.y] + torch.randn(n, dim, generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
+class Blobs(_helpers.data.Blobs):
     def __getitem__(self, i):
         return {"x": self.x[i], "y": self.y[i], "id": torch.tensor(i)}
 

@@ -19,7 +19,9 @@ benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's co
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -28,21 +30,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 
-
-class Blobs(Dataset):
-    def __init__(self, n=256, dim=16, classes=4, seed=1234, centers_seed=None):
-        g = torch.Generator().manual_seed(seed)
-        centers = torch.randn(classes, dim, generator=g) * 2
-        if centers_seed is not None:  # samples of seed ``seed`` around the centers of ``centers_seed``
-            centers = torch.randn(classes, dim, generator=torch.Generator().manual_seed(centers_seed)) * 2
-        self.y = torch.randint(0, classes, (n,), generator=g)
-        self.x = centers[self.y] + torch.randn(n, dim, generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
+from _helpers.data import Blobs  # noqa: E402
 
 
 class WithIds(Dataset):

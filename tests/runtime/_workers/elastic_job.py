@@ -7,13 +7,16 @@ leaves nothing behind even when it fails half-way.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from chameleon_ft.localjob import LocalJob
-from chameleon_ft.runtime.eventlog import committed_attempts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
+from _helpers import recovery as _recovery  # noqa: E402
 
 WORKER = Path(__file__).with_name("mlp_worker.py")
 DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH = 256, 32, 8
@@ -36,34 +39,16 @@ class Job(LocalJob):
 
 
 # -------------------------------------------------------------------- checks
-def committed_ids(events: list[dict]) -> dict[int, list[int]]:
-    """Sample ids of each committed global step (its last attempt's records)."""
-    return {step: [i for r in recs for i in r["ids"]] for step, recs in committed_attempts(events).items()}
-
-
 def assert_exactly_once(events: list[dict], epochs: int) -> None:
-    ids = committed_ids(events)
-    assert sorted(ids) == list(range(epochs * STEPS_PER_EPOCH)), f"steps committed: {sorted(ids)}"
-    for e in range(epochs):
-        seen = [i for s in range(e * STEPS_PER_EPOCH, (e + 1) * STEPS_PER_EPOCH) for i in ids[s]]
-        assert sorted(seen) == list(range(DATASET)), (
-            f"epoch {e}: {len(seen)} ids, {len(set(seen))} distinct, "
-            f"missing {sorted(set(range(DATASET)) - set(seen))[:10]}")
-    for s, got in ids.items():
-        assert len(got) == GLOBAL_BATCH, f"step {s} processed {len(got)} samples"
+    _recovery.assert_exactly_once(events, dataset=DATASET, steps_per_epoch=STEPS_PER_EPOCH,
+                                  epochs=epochs, global_batch=GLOBAL_BATCH)
 
 
 def assert_replicas_equal(finals: dict[int, dict], members) -> None:
-    ref = finals[members[0]]
-    for w in members:
-        f = finals[w]
-        assert f["step"] == ref["step"] and f["members"] == ref["members"]
-        for a, b in zip(f["params"] + f["momentum"], ref["params"] + ref["momentum"]):
-            assert torch.equal(a, b), f"worker {w} differs from worker {members[0]}"
+    _recovery.assert_replicas_equal({w: finals[w] for w in members}, same=("step", "members"))
 
 
-def max_relative_diff(a: dict, b: dict) -> float:
-    return max(float((x - y).norm() / y.norm()) for x, y in zip(a["params"], b["params"]))
+max_relative_diff = _recovery.rel_diff
 
 
 _REFERENCE: dict = {}
