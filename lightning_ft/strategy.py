@@ -80,6 +80,10 @@ _NOT_LAUNCHED = (
     "`trainer.fit(model, ckpt_path='last')` (checkpoint-restart).")
 
 
+_UNEVEN = ("inside training_step while the members run different numbers of micro-batches in "
+           "this step (after a failure or a rebalance), so their collectives cannot pair up")
+
+
 class LauncherError(RuntimeError):
     """The process was not started by ``chameleon-ft run``."""
 
@@ -451,6 +455,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         compute = data_wait = 0.0
         while True:
             step = ctx.step
+            self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
             for mb in ctx.microbatches():
                 self._mb = mb
                 tc = time.perf_counter()
@@ -472,6 +477,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 data_wait += wait
                 compute += time.perf_counter() - tc
             self._mb = None
+            self._coll.local_reason = None
             self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)
             ts = time.perf_counter()
             if ctx.sync_and_step():
@@ -490,6 +496,20 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         self.last_step = {"step_s": end - t0, "compute_s": compute - data_wait, "data_wait_s": data_wait,
                           "sync_s": end - ts}
         return result
+
+    def _step_collectives_line_up(self) -> bool:
+        """Whether collectives inside ``training_step`` (``self.log(..., sync_dist=True)`` on
+        step, ``self.all_gather``) pair up across members in this pass: they run once per
+        micro-batch, so only when every member runs as many micro-batches as the others -- an
+        even allocation and no reconfiguration since the last commit (a redone step gives each
+        member a different share).  Every member decides this from agreed state alone.
+        Otherwise gloo would pair different collectives, and a size mismatch aborts the
+        process."""
+        ctx = self.ctx
+        if ctx.reconfigured:
+            return False
+        counts = {len(mbs) for mbs in ctx.sampler.step_plan().values()}
+        return len(counts) == 1
 
     def _extra_microbatch(self, trainer, batch: Any, batch_idx: int, optimizer) -> None:
         """One more micro-batch of this step: ``training_step`` and ``backward`` through

@@ -242,6 +242,8 @@ class LiveCollectives:
         # Set by an adapter that can redo what the collectives belong to (an evaluation it
         # can rerun after recovering the job): a failure is raised instead of going local.
         self.reraise = False
+        # Set by an adapter while its members' collectives cannot line up (why, for the warning).
+        self.local_reason: Optional[str] = None
         self._warned: set = set()
 
     def reset(self) -> None:
@@ -260,8 +262,10 @@ class LiveCollectives:
 
     def run(self, what: str, fn: Callable, local: Callable) -> Any:
         gm = self.gm_fn()
-        if gm is None or self.world_size <= 1 or self.degraded or self.catch_up:
-            if self.degraded or self.catch_up:
+        if gm is None or self.world_size <= 1 or self.degraded or self.catch_up or self.local_reason:
+            if self.local_reason:
+                self._warn_local(what, reason=self.local_reason)
+            elif self.degraded or self.catch_up:
                 self._warn_local(what)
             return local()
         try:
@@ -275,10 +279,14 @@ class LiveCollectives:
             self._warn_local(what, failure)
             return local()
 
-    def _warn_local(self, what: str, failure: Optional[CollectiveFailure] = None) -> None:
-        if what in self._warned:
+    def _warn_local(self, what: str, failure: Optional[CollectiveFailure] = None,
+                    reason: Optional[str] = None) -> None:
+        if (what, reason) in self._warned:
             return
-        self._warned.add(what)
+        self._warned.add((what, reason))
+        if reason:
+            log.warning("%s: %s returns this worker's local value %s", self.who, what, reason)
+            return
         why = f"failed ({failure.kind}: {str(failure)[:300]})" if failure else "skipped while the job reconfigures"
         log.warning("%s: %s %s outside a training step; it returns this worker's local value "
                     "until the job recovers at the next training step", self.who, what, why)

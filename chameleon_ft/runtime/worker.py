@@ -223,6 +223,12 @@ class ElasticContext:
     def members(self) -> tuple[int, ...]:
         return self.view.members if self.view else ()
 
+    @property
+    def reconfigured(self) -> bool:
+        """A reconfiguration happened since the last committed step (every member of the
+        current view agrees on this: they all took part in it and commit together)."""
+        return self._pending is not None
+
     # ---------------------------------------------------------------- lifecycle
     def start(self, joined: Optional["Joined"] = None) -> MembershipView:
         """Join the job, form the group, and receive the agreed state from a peer.

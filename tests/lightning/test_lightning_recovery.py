@@ -11,6 +11,7 @@ failure-free test metrics; a straggler (``--faults slow``) is flagged and rebala
 same trajectory; TensorBoardLogger + precision="bf16-mixed" + ``trainer.test()`` survive a kill
 of rank 0 (the new rank 0 writes the ``ft/*`` metrics to the event files); a kill inside the
 validation loop: the survivors rerun it and report the failure-free metrics over every sample.
+The reference and the killed runs log ``train_loss`` with ``sync_dist=True`` on step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def replicas_equal(finals: dict[int, dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = LitJob(tmp_path_factory.mktemp("reference"), "--test")
+    job = LitJob(tmp_path_factory.mktemp("reference"), "--test", "--sync-train-loss")
     finals = job.run_to_end()
     assert sorted(finals) == [0, 1, 2, 3]
     exactly_once(job.events())
@@ -96,7 +97,7 @@ def tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
     """A run with one worker SIGKILLed from outside in the middle of epoch 0."""
-    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test")
+    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test", "--sync-train-loss")
     victim, finals = kill_at_random_step(job)
     return job, victim, finals
 
@@ -104,7 +105,10 @@ def killed_run(tmp_path_factory):
 def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, reference):
     job, victim, finals = killed_run
     evs = job.events()
+    # Every survivor finished (train_loss is logged with sync_dist=True on step: once the
+    # survivors run 3, 3 and 2 micro-batches a step, those collectives must not pair up).
     assert sorted(finals) == sorted(set(range(4)) - {victim})
+    assert "local value inside training_step" in job.output()
     failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
     assert failures and failures[0]["workers"] == [victim]
     chosen = [d["decision"]["chosen"] for d in evs if d["event"] == "decision"
@@ -198,7 +202,7 @@ def test_tensorboard_bf16_and_test_loop_survive_a_kill_of_rank_0(tmp_path):
     the test loop runs on the 3 survivors."""
     logger = "tb" if TB_BACKEND else "csv"
     job = LitJob(tmp_path, "--logger", logger, "--precision", "bf16-mixed", "--test",
-                 "--mb-sleep", "0.01")
+                 "--mb-sleep", "0.01", "--sync-train-loss")
     try:
         job.start()
         job.wait_step(random.randrange(2, 6))

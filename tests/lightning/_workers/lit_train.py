@@ -11,7 +11,8 @@ after the fit and the test sample ids this worker evaluated) for the tests to co
 Every completed validation appends what the loggers got (accuracy, per-sample loss, the number
 of samples covered, ``ft/eval_complete``) to ``val_history``, also saved.  ``--val-sleep``
 slows each validation batch and ``<out>/markers/val_w<worker>_e<epoch>`` appears when a worker
-starts a validation, so that a test can kill a worker inside it.
+starts a validation, so that a test can kill a worker inside it.  ``--sync-train-loss`` logs
+``train_loss`` with ``sync_dist=True`` (a collective per micro-batch).
 ``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
 benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's compute
 (accelerator emulation).
@@ -48,7 +49,7 @@ class WithIds(Dataset):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None):
+    def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None, sync_train_loss=False):
         super().__init__()
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
@@ -72,7 +73,7 @@ class Classifier(pl.LightningModule):
         logits = self(x)
         loss = torch.nn.functional.cross_entropy(logits, y)
         self.train_acc(logits, y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.hparams.sync_train_loss)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
@@ -132,12 +133,14 @@ def main():
     p.add_argument("--precision", default="32-true")
     p.add_argument("--test", action="store_true", help="trainer.test() after the fit")
     p.add_argument("--val-sleep", type=float, default=0.0, help="sleep per validation batch")
+    p.add_argument("--sync-train-loss", action="store_true", help="log train_loss with sync_dist=True")
     a = p.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(7, workers=True, verbose=False)
     markers = os.path.join(a.out, "markers")
     os.makedirs(markers, exist_ok=True)
-    model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers)
+    model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers,
+                       sync_train_loss=a.sync_train_loss)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
                                  filename="{epoch}-{step}")]
     if not a.plain:
