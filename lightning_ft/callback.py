@@ -195,9 +195,14 @@ class FaultToleranceCallback(Callback):
 
     def before_stage(self, trainer) -> None:
         """The strategy calls this before the loggers of a stage (fit, validate, test) start:
-        a TensorBoardLogger taken over earlier gets a fresh event file name again."""
+        a TensorBoardLogger taken over earlier gets a new writer with a fresh event file name
+        (its writer, closed at the end of the previous stage, would reopen its file under a
+        name of whole seconds -- the same name within a second -- and truncate it)."""
         for logger in trainer.loggers:
-            if getattr(logger, "_cft_took_over", False) and logger._experiment is None:
+            if getattr(logger, "_cft_took_over", False):
+                if logger._experiment is not None:
+                    logger._experiment.close()
+                    logger._experiment = None
                 _unique_event_file(logger)
 
 

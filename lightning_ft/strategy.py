@@ -371,7 +371,9 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         loop._results.reset()
         loop.trainer._logger_connector.reset_results()
         for m, count in updates.items():
-            if m._update_count != count or m._is_synced:
+            if m._is_synced and m._cache is not None:
+                m.unsync()  # synced when the failure unwound its compute: back to local state
+            if m._update_count != count:
                 m.reset()
 
     # ---------------------------------------------------------------- data
