@@ -35,4 +35,4 @@ def test_matrix_short(tmp_path):
     assert kill["mttr_s"] is not None and kill["survivors"] == 3
     assert kill["samples_lost"] == 0 and kill["samples_duplicated"] == 0
     text = doc.read_text()
-    assert "accelerator emulation" in text and res["date"] in text and "Scenario: kill" in text
+    assert "accelerator emulation" in text and res["date"] in text and "### kill:" in text
