@@ -224,7 +224,7 @@ def bench_main(argv=None) -> int:
     res.update({"command": "python benchmarks/matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
                 "steps": a.steps, "global_batch": GLOBAL_BATCH,
-                "modes": {str(m): mode_of(m) for m in sorted({c.mb_sleep for c in plan}, reverse=True)},
+                "modes": {str(m): mode_of(m) for m in dict.fromkeys(c.mb_sleep for c in plan)},
                 "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant, "note": SYSTEMS[s].note}
                             for s in dict.fromkeys(c.system for c in plan)},
                 "scenarios": {s: SCENARIOS[s].description for s in dict.fromkeys(c.scenario for c in plan)},

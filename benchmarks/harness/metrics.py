@@ -53,7 +53,9 @@ def recovered_at(ex: list[dict], t_fault: float) -> Optional[dict]:
     """The first step committed after ``t_fault`` by a smaller membership than the one before
     it, or by a later restart round (torchrun / checkpoint-restart)."""
     prior = [e for e in ex if e["ts"] < t_fault]
-    world0 = prior[-1]["world"] if prior else None
+    # The world before the fault: the largest of the last few steps (a TorchFT replica late
+    # for one quorum sits that step out, so a single step's world can be one short).
+    world0 = max(e["world"] for e in prior[-5:]) if prior else None
     restart0 = max((e.get("restart", 0) for e in prior), default=0)
     for e in ex:
         if e["ts"] > t_fault and ((world0 is not None and e["world"] < world0) or e.get("restart", 0) > restart0):

@@ -86,17 +86,57 @@ def _groups(res):
     for r in res["runs"]:
         out.setdefault((r["mb_sleep"], r["nproc"]), {}).setdefault(r["scenario"], {}).setdefault(
             r["system"], []).append(r)
-    return dict(sorted(out.items(), key=lambda kv: (-kv[0][0], kv[0][1])))
+    # emulation before plain CPU, fewer workers first
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0] == 0, kv[0][1])))
 
 
-def _why(key, system, family, scenario, mine, other):
-    for k in ((key, system), (key, scenario), (key, family), (key, "*")):
+RESTART_WHY = ("after its restart every one of the N workers trains again with its failure-free share (this "
+               "harness relaunches the dead slot on the same machine; a lost machine would need a spare), while "
+               "chameleon-ft goes on with the survivors")
+SHRINK_WHY = ("shrink drops the dead worker's share from the global batch (64 -> 48 with 3 survivors, LR x0.75): "
+              "every survivor keeps its 2 micro-batches, so the step time stays, but the training trajectory "
+              "changes; the adaptive policy keeps the batch unless allowed to change it")
+SYSTEM_WHY = {
+    "chameleon-ft[restart]": {k: RESTART_WHY for k in ("throughput_after", "efficiency", "step_time_after_s")},
+    "chameleon-ft[shrink]": {k: SHRINK_WHY for k in ("throughput", "throughput_after", "efficiency",
+                                                     "step_time_after_s", "final_loss", "wall_s")},
+}
+WHY.update({
+    ("efficiency", "torchrun-restart"): RESTART_WHY,
+    ("final_loss", "lightning-ddp"): "Lightning's DistributedSampler deals the samples to ranks strided "
+    "(rank r gets r, r+N, ...), so its steps hold other samples than the contiguous global batches every other "
+    "system trains on: the same data per epoch in another order, another trajectory",
+})
+
+
+def _granularity(rows, global_batch=64, micro_batch=8) -> str:
+    w = _median(rows, "survivors")
+    m = global_batch // micro_batch
+    if not w or m % int(w) == 0:
+        return ""
+    w = int(w)
+    return (f"; micro-batches are indivisible: {m} over chameleon-ft's {w} survivors leaves the slowest "
+            f"{-(-m // w)} where {m / w:.2f} would be even (at most {m / w / -(-m // w):.0%} of ideal)")
+
+
+def _why(key, system, family, scenario, mine, other, ours=()):
+    gran = _granularity(ours) if key in ("efficiency", "throughput_after", "step_time_after_s") else ""
+    if key in SYSTEM_WHY.get(system, {}):
+        return SYSTEM_WHY[system][key] + gran
+    if family == "chameleon-ft" and key in ("peak_rss_mb", "wall_s", "throughput_before", "final_loss"):
+        return "the same runtime and script as the adaptive run up to the failure: run-to-run noise"
+    chosen = {d["chosen"] for r in ours[:1] for d in (r.get("chameleon") or {}).get("decisions", [])}
+    fixed = system[len("chameleon-ft["):-1] if system.startswith("chameleon-ft[") else None
+    if fixed and fixed in chosen | ({"reroute", "replan"} if chosen & {"reroute", "replan"} else set()):
+        return (f"the adaptive run chose {', '.join(sorted(chosen))}: the same recovery path (on a data-parallel "
+                "plan reroute and replan give the same allocation), so the difference is run-to-run noise")
+    for k in ((key, scenario), (key, family), (key, "*")):
         if k in WHY:
-            return WHY[k]
+            return WHY[k] + gran
     if key.startswith("throughput") or key in ("wall_s", "step_time_after_s", "efficiency"):
         if mine and abs(other - mine) / abs(mine) < 0.05:
             return "within 5 %: noise on a shared 2-core machine"
-    return "not explained yet"
+    return "not explained yet" + gran
 
 
 def _plot_setup():
@@ -199,7 +239,8 @@ def plot_timelines(scen: dict, title: str, path: Path) -> Path | None:
 
 
 def _scenario_table(L, res, sc, systems):
-    figs = [f for f in FIGURES if any(_median(rows, f[0]) is not None for rows in systems.values())]
+    figs = [f for f in FIGURES if any(_median(rows, f[0]) is not None for rows in systems.values())
+            and (f[0] != "step_time_s" or sc == "failure-free")]   # with faults: "step after"
     L += [f"### {sc}: {res['scenarios'].get(sc, '')}", "",
           "| system | crashed | " + " | ".join(f[1] for f in figs) + " | note |",
           "| --- | --- | " + " | ".join("---:" for _ in figs) + " | --- |"]
@@ -244,7 +285,7 @@ def _scenario_table(L, res, sc, systems):
                     or (other < mine) != (better == "low")):
                 continue
             fam = res["systems"][s]["family"]
-            why = _why(key, s, fam, sc, mine, other)
+            why = _why(key, s, fam, sc, mine, other, ours)
             L.append(f"* {label}: {s} {_fmt(other, f, key)} vs chameleon-ft {_fmt(mine, f, key)} — {why}.")
             found = True
     if not found:
