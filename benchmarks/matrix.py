@@ -206,7 +206,13 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--keep", help="keep every run's directory (logs, event logs) under this folder")
+    ap.add_argument("--from-json", help="only regenerate the report from this results file")
     a = ap.parse_args(argv)
+    if a.from_json:
+        from harness.report import write_report
+
+        print(f"report: {write_report(json.loads(Path(a.from_json).read_text()), Path(a.doc))}")
+        return 0
     for name, table in ((a.systems, SYSTEMS), (a.scenarios, SCENARIOS)):
         bad = [n for n in (name.split(",") if name else []) if n not in table]
         if bad:

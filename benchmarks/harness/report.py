@@ -54,6 +54,18 @@ WHY = {
 }
 
 
+# What a scenario's figures need to be read right (known mechanisms, with where to look).
+SCENARIO_NOTES = {
+    "node-loss": "chameleon-ft's MTTR here is about 1 s, not the 0.2 s of one kill: with exactly half of the "
+    "workers gone at once, the Lighthouse's split-brain guard (a quorum needs more than half of the heartbeating "
+    "workers) waits until the dead workers' heartbeats expire (`heartbeat_timeout_ms` = 1000; "
+    "`chameleon_ft/runtime/membership.py`); the breakdown shows it in the membership phase.",
+    "hang": "A hang is only visible through a timeout: chameleon-ft's `--hang-timeout` is 5 s in this harness "
+    "(TorchFT's process-group timeout is 5 s too, as in its example); torchrun has no hang detection and waits "
+    "for gloo's 30-minute default.",
+}
+
+
 def _fmt(v, f, key=""):
     if v is None:
         return "-"
@@ -125,6 +137,9 @@ def _why(key, system, family, scenario, mine, other, ours=()):
         return SYSTEM_WHY[system][key] + gran
     if family == "chameleon-ft" and key in ("peak_rss_mb", "wall_s", "throughput_before", "final_loss"):
         return "the same runtime and script as the adaptive run up to the failure: run-to-run noise"
+    if family == "chameleon-ft" and key == "mttr_s" and mine and abs(other - mine) / mine < 0.1:
+        return ("the same detection and membership path (the policy only changes what follows the agreement); "
+                "within 10 %: run-to-run noise")
     chosen = {d["chosen"] for r in ours[:1] for d in (r.get("chameleon") or {}).get("decisions", [])}
     fixed = system[len("chameleon-ft["):-1] if system.startswith("chameleon-ft[") else None
     if fixed and fixed in chosen | ({"reroute", "replan"} if chosen & {"reroute", "replan"} else set()):
@@ -241,7 +256,10 @@ def plot_timelines(scen: dict, title: str, path: Path) -> Path | None:
 def _scenario_table(L, res, sc, systems):
     figs = [f for f in FIGURES if any(_median(rows, f[0]) is not None for rows in systems.values())
             and (f[0] != "step_time_s" or sc == "failure-free")]   # with faults: "step after"
-    L += [f"### {sc}: {res['scenarios'].get(sc, '')}", "",
+    L += [f"### {sc}: {res['scenarios'].get(sc, '')}", ""]
+    if sc in SCENARIO_NOTES:
+        L += [SCENARIO_NOTES[sc], ""]
+    L += [
           "| system | crashed | " + " | ".join(f[1] for f in figs) + " | note |",
           "| --- | --- | " + " | ".join("---:" for _ in figs) + " | --- |"]
     for s, rows in systems.items():
