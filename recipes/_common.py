@@ -77,3 +77,40 @@ def recovery_line(ctx) -> str:
     mttr = rec.get("mttr", {}).get("total")
     return (f"recovered at step {rec.get('step')}: members {rec.get('members')}, policy {chosen}, "
             f"MTTR {mttr * 1000:.0f} ms" if mttr is not None else "recovered")
+
+
+def train_epoch(acc, model, opt, train, *, t0: float, seen: int, sched=None, log_every: int = 4) -> int:
+    """One epoch of the Accelerate training loop both Accelerate recipes share (one line of
+    fault tolerance: ``FaultTolerantAccelerator``); prints each recovery once and the loss
+    every ``log_every`` steps.  Returns the number of recoveries seen so far."""
+    import time
+
+    model.train()
+    for batch in train:
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            opt.zero_grad()
+        ctx = acc.ft_context
+        if acc.sync_gradients:
+            if ctx.recoveries != seen:
+                seen = ctx.recoveries
+                acc.print(f"recipe: {recovery_line(ctx)}")
+            if ctx.step % log_every == 0:
+                acc.print(f"recipe: step {ctx.step} loss {loss.item():.4f} workers {acc.num_processes} "
+                          f"({time.perf_counter() - t0:.1f} s)")
+    return seen
+
+
+def write_result(acc, out: str, **figures) -> None:
+    """``result.json`` (the main process only): the figures plus steps, workers, recoveries."""
+    import json
+    import os
+
+    if acc.is_main_process:
+        with open(os.path.join(out or ".", "result.json"), "w") as f:
+            json.dump({**figures, "steps": acc.ft_context.step, "workers": acc.num_processes,
+                       "recoveries": acc.ft_context.recoveries}, f)

@@ -12,7 +12,6 @@ for this project, Apache-2.0) as local text; ``--dataset`` takes any text file o
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -79,21 +78,7 @@ def main():
     seen = 0
     t0 = time.perf_counter()
     for epoch in range(a.epochs):
-        model.train()
-        for batch in train:
-            with acc.accumulate(model):
-                loss = model(**batch).loss
-                acc.backward(loss)
-                opt.step()
-                opt.zero_grad()
-            ctx = acc.ft_context
-            if acc.sync_gradients:
-                if ctx.recoveries != seen:
-                    seen = ctx.recoveries
-                    acc.print(f"recipe: {_common.recovery_line(ctx)}")
-                if ctx.step % 8 == 0:
-                    acc.print(f"recipe: step {ctx.step} loss {loss.item():.4f} workers {acc.num_processes} "
-                              f"({time.perf_counter() - t0:.1f} s)")
+        seen = _common.train_epoch(acc, model, opt, train, t0=t0, seen=seen, log_every=8)
         model.eval()
         total_loss, total = 0.0, 0
         for batch in evl:
@@ -108,10 +93,7 @@ def main():
             total += len(losses)
         ppl = math.exp(total_loss / total)
         acc.print(f"recipe: epoch {epoch} eval perplexity {ppl:.4f} ({total} blocks)")
-    if acc.is_main_process:
-        with open(os.path.join(a.out or ".", "result.json"), "w") as f:
-            json.dump({"eval_perplexity": ppl, "eval_samples": total, "steps": acc.ft_context.step,
-                       "workers": acc.num_processes, "recoveries": acc.ft_context.recoveries}, f)
+    _common.write_result(acc, a.out, eval_perplexity=ppl, eval_samples=total)
     acc.print(f"recipe: done, eval perplexity {ppl:.4f}")
 
 

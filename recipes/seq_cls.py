@@ -10,7 +10,6 @@ sentiment set in ``recipes/data/`` (template sentences written for this project,
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -80,22 +79,7 @@ def main():
     seen = 0
     t0 = time.perf_counter()
     for epoch in range(a.epochs):
-        model.train()
-        for batch in train:
-            with acc.accumulate(model):
-                loss = model(**batch).loss
-                acc.backward(loss)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-            ctx = acc.ft_context
-            if acc.sync_gradients:
-                if ctx.recoveries != seen:
-                    seen = ctx.recoveries
-                    acc.print(f"recipe: {_common.recovery_line(ctx)}")
-                if ctx.step % 4 == 0:
-                    acc.print(f"recipe: step {ctx.step} loss {loss.item():.4f} workers {acc.num_processes} "
-                              f"({time.perf_counter() - t0:.1f} s)")
+        seen = _common.train_epoch(acc, model, opt, train, t0=t0, seen=seen, sched=sched, log_every=4)
         model.eval()
         correct = total = 0
         for batch in evl:
@@ -105,10 +89,7 @@ def main():
             correct += int((p == y).sum())
             total += len(y)
         acc.print(f"recipe: epoch {epoch} eval accuracy {correct / total:.4f} ({total} samples)")
-    if acc.is_main_process:
-        with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"eval_accuracy": correct / total, "eval_samples": total, "steps": acc.ft_context.step,
-                       "workers": acc.num_processes, "recoveries": acc.ft_context.recoveries}, f)
+    _common.write_result(acc, out, eval_accuracy=correct / total, eval_samples=total)
     acc.print(f"recipe: done, eval accuracy {correct / total:.4f}")
 
 
