@@ -22,6 +22,23 @@ from typing import Callable, Optional, Sequence
 from .runtime.eventlog import read_events
 
 
+def kill_processes(pids, popens=(), wait_s: float = 10.0) -> None:
+    """SIGCONT then SIGKILL each PID's process group and the PID itself (a stopped process
+    would not die until continued), then reap ``popens``.  Gone processes are skipped."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+    for p in popens:
+        try:
+            p.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class LocalJob:
     def __init__(self, run_dir: str | Path, script: str | Path, script_args: Sequence[str] = (), *,
                  nproc: int = 4, hang_timeout: float = 5.0, max_replacements: int = 0,
@@ -61,18 +78,7 @@ class LocalJob:
     def cleanup(self) -> None:
         """Kill the launchers' and every worker's process group (SIGCONT first: a stopped
         process would not die until continued)."""
-        pids = {p.pid for p in self.launchers} | set(self.worker_pids().values())
-        for pid in pids:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for p in self.launchers:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_processes({p.pid for p in self.launchers} | set(self.worker_pids().values()), self.launchers)
 
     def __enter__(self) -> "LocalJob":
         return self

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from chameleon_ft.localjob import kill_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "benchmarks" / "baselines"
 
@@ -100,19 +102,7 @@ class Job:
         and a hung restarted round never logs its PIDs)."""
         self.records()
         pids = {p.pid for p in self.procs} | self.seen_pids
-        pids |= _descendants({p.pid for p in self.procs})
-        for pid in pids:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                for kill in (os.killpg, os.kill):
-                    try:
-                        kill(pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_processes(pids | _descendants({p.pid for p in self.procs}), self.procs)
 
     def output(self) -> str:
         return "".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:]
