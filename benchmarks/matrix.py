@@ -1,7 +1,7 @@
 """Benchmark matrix: chameleon-ft against the baselines users would otherwise pick (issue 6).
 
     python benchmarks/matrix.py                         # the full matrix (FULL_PLAN, <= 20 min on 2 cores)
-    python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems
+    python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems (-> docs/benchmarks-short.md)
     python benchmarks/matrix.py --systems chameleon-ft,torchft+fix --scenarios kill --repeats 3
 
 Every system trains the same script shape (``benchmarks/baselines/common.py``: the MLP, data,
@@ -203,11 +203,13 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120, help="seconds per run before it counts as hung")
     ap.add_argument("--json", help="results file")
-    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--doc", help="report file (default docs/benchmarks.md; with --short docs/benchmarks-short.md, "
+                    "so that the CI subset does not replace the full matrix's report)")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--keep", help="keep every run's directory (logs, event logs) under this folder")
     ap.add_argument("--from-json", help="only regenerate the report from this results file")
     a = ap.parse_args(argv)
+    a.doc = a.doc or str(ROOT / "docs" / ("benchmarks-short.md" if a.short else "benchmarks.md"))
     if a.from_json:
         from harness.report import write_report
 
