@@ -88,12 +88,13 @@ def chameleon_events(run_dir: Path, t0: float) -> dict:
 
     evs = read_events(ev)
     out: dict = {"breakdowns": [], "decisions": []}
+    # Every member logs the same decision: keep the lowest worker's copy.
+    first = min((x.get("worker", 0) for x in evs if x["event"] == "decision"), default=0)
     for e in evs:
         if e["event"] == "recovery" and e.get("mttr"):
             m = e["mttr"]
             out["breakdowns"].append({"where": "inside" if m.get("detect", 0) > 0.002 else "between", **m})
-        elif e["event"] == "decision" and e.get("worker") == min(
-                (x.get("worker", 0) for x in evs if x["event"] == "decision"), default=0):
+        elif e["event"] == "decision" and e.get("worker") == first:
             d = e["decision"]
             chosen = next((c for c in d.get("candidates", []) if c["policy"] == d.get("chosen")), {})
             out["decisions"].append({"t": round(e["ts"] - t0, 4), "chosen": d.get("chosen"),
@@ -131,14 +132,12 @@ def run_one(system: str, scenario: str, run_dir: Path, *, nproc: int, steps: int
         m = metrics.run_metrics(job.records(), nproc=nproc, steps=steps, global_batch=GLOBAL_BATCH,
                                 t_faults=t_faults, exit_codes=codes, wall_s=wall,
                                 split_step=sc.slow[2] if sc.slow else None)
+        m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
         if sysdef.family == "chameleon-ft":
             m["chameleon"] = chameleon_events(run_dir, m["t0"])
-            m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
             dec = [d for d in m["chameleon"].get("decisions", []) if d["predicted_step_s"]]
             if dec and m["step_time_after_s"]:
                 m["predicted_step_s"] = dec[0]["predicted_step_s"]
-        else:
-            m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
         if m["crashed"]:
             tail = job.output()
             m["error_tail"] = tail[-1500:]
