@@ -125,6 +125,21 @@ def _trim(data: Any, n: int) -> Any:
     return data
 
 
+def _refuse_accelerators(cpu: bool) -> None:
+    """The runtime reduces CPU tensors over gloo; GPUs (NCCL) are not supported yet.  Say so
+    instead of silently training on the CPU of a machine that has an accelerator."""
+    if cpu:
+        return
+    found = [name for name, ok in (("CUDA", torch.cuda.is_available()),
+                                   ("XPU", hasattr(torch, "xpu") and torch.xpu.is_available()),
+                                   ("MPS", torch.backends.mps.is_available())) if ok]
+    if found:
+        raise LauncherError(
+            f"accelerate_ft runs on the CPU over gloo only; this machine has a {found[0]} device, "
+            "which is not supported yet. Build FaultTolerantAccelerator(cpu=True) to train on the "
+            "CPU, or use a plain Accelerator (no in-place fault tolerance) for the GPU.")
+
+
 class FaultTolerantAccelerator(Accelerator):
     """Drop-in ``Accelerator`` whose workers survive failures in place (see module doc).
 
@@ -152,8 +167,7 @@ class FaultTolerantAccelerator(Accelerator):
                 warnings.warn(NOT_LAUNCHED, stacklevel=2)
             super().__init__(*args, **kwargs)
             return
-        if len(args) < 5:  # the runtime reduces CPU tensors over gloo
-            kwargs["cpu"] = True
+        _refuse_accelerators(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)))
         super().__init__(*args, **kwargs)
         self._ft = AccelerateRuntime(self, env, cfg, event_log)
 
@@ -411,8 +425,8 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
             f"wrap(): this Accelerator already set up {accelerator.distributed_type} with a fixed-world "
             "process group; import accelerate_ft before building it, or build FaultTolerantAccelerator")
     if accelerator.device.type != "cpu":
-        raise LauncherError("wrap(): accelerate_ft reduces CPU tensors over gloo; build the Accelerator "
-                            "with cpu=True (or use FaultTolerantAccelerator)")
+        raise LauncherError(f"wrap(): accelerate_ft runs on the CPU over gloo only ({accelerator.device.type} "
+                            "is not supported yet); build the Accelerator with cpu=True")
     if accelerator._models or accelerator._optimizers or accelerator._dataloaders or accelerator._schedulers:
         raise ValueError("wrap() must come before accelerator.prepare(...)")
     accelerator.__class__ = FaultTolerantAccelerator

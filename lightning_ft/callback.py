@@ -41,6 +41,7 @@ from chameleon_ft.runtime.membership import MembershipError
 from chameleon_ft.runtime.policy import RestartRequested
 from chameleon_ft.runtime.state import CheckpointError
 from chameleon_ft.runtime.worker import ElasticConfig, NothingToHeal, WorldTooSmall
+from lightning_ft.hooks import StrategyHooks
 from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
 
 __all__ = ["FaultToleranceCallback"]
@@ -55,7 +56,7 @@ def install_as_ddp() -> None:
                                   description="fault-tolerant DDP (chameleon-ft)")
 
 
-class FaultToleranceCallback(Callback):
+class FaultToleranceCallback(Callback, StrategyHooks):
     """Keep training in place when a data-parallel worker dies, hangs or slows down.
 
     Args:

@@ -66,6 +66,7 @@ from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, Joined, join_job
 from lightning_ft.data import ShardSampler, StepLoader
+from lightning_ft.hooks import StrategyHooks
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +248,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if cb is not None:
             cb.before_stage(self.lightning_module.trainer)
 
-    def _callback(self):
-        from lightning_ft.callback import FaultToleranceCallback
+    def _callback(self) -> Optional[StrategyHooks]:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         for cb in (trainer.callbacks if trainer is not None else []):
-            if isinstance(cb, FaultToleranceCallback):
+            if isinstance(cb, StrategyHooks):
                 return cb
         return None
 

@@ -43,3 +43,13 @@ def test_eval_batches_every_sample_once_in_order_same_count(n, b, world):
     assert gathered == list(range(n))
     assert all(len(idx) <= b for p in per_rank for idx, _ in p)
     assert sorted(i for r in range(world) for i in shard_indices(n, r, world)) == list(range(n))
+
+
+def test_a_gpu_is_refused_clearly_not_silently_replaced_by_the_cpu(monkeypatch):
+    import accelerate_ft.accelerator as acc_mod
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())  # as if under chameleon-ft run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(LauncherError, match="CPU over gloo only.*CUDA.*cpu=True"):
+        FaultTolerantAccelerator()
+    with pytest.raises(LauncherError, match="CUDA"):
+        FaultTolerantAccelerator(None, False, None, 1, False)  # cpu given positionally

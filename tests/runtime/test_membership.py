@@ -1,6 +1,6 @@
 """Membership + per-generation gloo groups, with real processes and real signals.
 
-A coordinator (Lighthouse + TCPStore) runs in the test process; 4 ``_proto_worker``
+A coordinator (Lighthouse + TCPStore) runs in the test process; 4 ``proto_worker``
 processes all-reduce a known tensor every step and log JSON lines.  The test kills or stops
 workers from outside.  Timings are printed, and only asserted against generous bounds.
 """
@@ -12,10 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from chameleon_ft.runtime._proto_harness import ProtoCluster, recovered, recovery_breakdown
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _helpers.proto_harness import PROTO_WORKER, ProtoCluster, recovered, recovery_breakdown  # noqa: E402
 from chameleon_ft.runtime.membership import CoordinatorServer, Membership, MembershipError
 
 pytestmark = pytest.mark.timeout(90)
@@ -139,7 +141,7 @@ def test_coordinator_unreachable_fails_fast(tmp_path):
     log = tmp_path / "w.jsonl"
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "chameleon_ft.runtime._proto_worker", "--worker-id", "0",
+        [sys.executable, str(PROTO_WORKER), "--worker-id", "0",
          "--store", f"127.0.0.1:{port}", "--lighthouse", f"http://127.0.0.1:{port}",
          "--log", str(log), "--connect-timeout", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

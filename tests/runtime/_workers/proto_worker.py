@@ -7,7 +7,7 @@ the survivors agree on the step to redo (MIN of their counters over the new grou
 that some members finished and others did not is redone by all.  That is the prototype's
 stand-in for the runtime's commit protocol, nothing more.
 
-Run: ``python -m chameleon_ft.runtime._proto_worker --worker-id 0 --store 127.0.0.1:PORT
+Run: ``python tests/runtime/_workers/proto_worker.py --worker-id 0 --store 127.0.0.1:PORT
 --lighthouse http://127.0.0.1:PORT --log w0.jsonl --steps 100``
 """
 

@@ -1,9 +1,10 @@
-"""Process harness for the membership prototype: a coordinator plus N ``_proto_worker``s.
+"""Process harness for the membership prototype: a coordinator plus N ``proto_worker``s
+(tests/runtime/_workers/proto_worker.py), test-only.
 
 Used by tests/runtime/test_membership.py and by the MTTR measurement::
 
-    python -m chameleon_ft.runtime._proto_harness --kills 5 --where inside
-    python -m chameleon_ft.runtime._proto_harness --kills 5 --where between
+    python tests/_helpers/proto_harness.py --kills 5 --where inside
+    python tests/_helpers/proto_harness.py --kills 5 --where between
 
 Workers run in their own sessions so cleanup can kill each process group by its id; the
 harness never kills anything it did not start.  Timings are wall-clock on a shared machine.
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from chameleon_ft.runtime.membership import CoordinatorServer
+
+PROTO_WORKER = Path(__file__).resolve().parents[1] / "runtime" / "_workers" / "proto_worker.py"
 
 
 class ProtoCluster:
@@ -63,7 +66,7 @@ class ProtoCluster:
     def spawn(self, wid: int, store: Optional[str] = None,
               lighthouse: Optional[str] = None, extra: tuple = ()) -> subprocess.Popen:
         out = open(self.workdir / f"w{wid}.out", "ab")
-        cmd = [sys.executable, "-m", "chameleon_ft.runtime._proto_worker",
+        cmd = [sys.executable, str(PROTO_WORKER),
                "--worker-id", str(wid), "--log", str(self.log_path(wid)),
                "--store", store or self.coordinator.store_addr,
                "--lighthouse", lighthouse or self.coordinator.lighthouse_addr,
