@@ -34,6 +34,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
+from chameleon_ft.runtime.errors import ConfigError
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader
 from accelerate_ft.runtime import AccelerateRuntime
@@ -51,7 +52,7 @@ NOT_LAUNCHED = (
     "`chameleon-ft run --nproc-per-node N train.py`.")
 
 
-class LauncherError(RuntimeError):
+class LauncherError(ConfigError, RuntimeError):
     """Fault tolerance was required but the process was not started by ``chameleon-ft run``,
     or an existing Accelerator cannot be wrapped."""
 
@@ -69,7 +70,7 @@ class _FTOptimizer(AcceleratedOptimizer):
 
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("accelerate_ft: optimizer closures (LBFGS) are not supported")
+            raise ConfigError("accelerate_ft: optimizer closures (LBFGS) are not supported")
         self._ft_rt.optimizer_step()
 
     def zero_grad(self, set_to_none=None):
@@ -203,7 +204,7 @@ class FaultTolerantAccelerator(Accelerator):
             training = not getattr(rt, "_train_prepared", False)
         if training:
             if getattr(rt, "_train_prepared", False):
-                raise ValueError("accelerate_ft: one training DataLoader per Accelerator; prepare the "
+                raise ConfigError("accelerate_ft: one training DataLoader per Accelerator; prepare the "
                                  "others with prepare_data_loader(dl, training=False)")
             rt._train_prepared = True
             return ElasticTrainLoader(rt, data_loader, placement)
@@ -219,7 +220,7 @@ class FaultTolerantAccelerator(Accelerator):
         opt = super().prepare_optimizer(optimizer, device_placement=device_placement)
         if self._ft is not None and not isinstance(opt, _FTOptimizer):
             if self._ft.optimizer is not None:
-                raise ValueError("accelerate_ft supports one optimizer per Accelerator")
+                raise ConfigError("accelerate_ft supports one optimizer per Accelerator")
             opt.__class__ = _FTOptimizer
             opt._ft_rt = self._ft
             self._ft.optimizer = opt
@@ -428,7 +429,7 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
         raise LauncherError(f"wrap(): accelerate_ft runs on the CPU over gloo only ({accelerator.device.type} "
                             "is not supported yet); build the Accelerator with cpu=True")
     if accelerator._models or accelerator._optimizers or accelerator._dataloaders or accelerator._schedulers:
-        raise ValueError("wrap() must come before accelerator.prepare(...)")
+        raise ConfigError("wrap() must come before accelerator.prepare(...)")
     accelerator.__class__ = FaultTolerantAccelerator
     accelerator._ft = AccelerateRuntime(accelerator, env, cfg, event_log)
     return accelerator

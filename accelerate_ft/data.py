@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.adapters import MicroBatchSource, eval_batches
 from chameleon_ft.runtime.sampler import MicroBatch
 
@@ -104,7 +105,7 @@ class ElasticEvalLoader:
 
     def __init__(self, runtime, dataloader: DataLoader, device_placement: bool) -> None:
         if dataloader.batch_size is None:
-            raise ValueError("accelerate_ft: an evaluation DataLoader must use batch_size "
+            raise ConfigError("accelerate_ft: an evaluation DataLoader must use batch_size "
                              "(its samples are re-split over the current members)")
         self.rt = runtime
         self.dataloader = dataloader

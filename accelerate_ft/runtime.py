@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -33,17 +32,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 
+from chameleon_ft.runtime.errors import ConfigError, install_excepthook
 from chameleon_ft.runtime import state as run_state
 from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, ft_metrics, training_order
-from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE, WorkerEnv
+from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.membership import MembershipError
-from chameleon_ft.runtime.policy import RestartRequested
 from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
 from chameleon_ft.runtime.state import CheckpointError
-from chameleon_ft.runtime.worker import (ElasticConfig, ElasticContext, NothingToHeal, WorldTooSmall,
-                                         join_job)
+from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, join_job
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +81,6 @@ class _SchedulerSteps:
             s.scheduler.load_state_dict(st)
 
 
-def exit_code(exc: BaseException) -> Optional[int]:
-    if isinstance(exc, (RestartRequested, NothingToHeal)):
-        return RESTART_EXIT_CODE
-    if isinstance(exc, MembershipError):
-        return MEMBERSHIP_EXIT_CODE
-    if isinstance(exc, (WorldTooSmall, CheckpointError)):
-        return 1
-    return None
-
-
 class AccelerateRuntime:
     """See module doc.  Created by ``FaultTolerantAccelerator`` / ``wrap``; joins the job at once
     so that collectives (``wait_for_everyone``, ``gather``) work before training starts."""
@@ -132,7 +119,7 @@ class AccelerateRuntime:
         self._warned: set = set()
         self.publish()
         atexit.register(self.close)
-        _install_excepthook()
+        install_excepthook(restart_hint="resume with accelerator.load_state(<last save_state dir>)")
 
     # ---------------------------------------------------------------- membership
     def view(self):
@@ -173,7 +160,7 @@ class AccelerateRuntime:
         if not any(p.requires_grad for p in model.parameters()):
             return  # a frozen model (teacher, reference) needs no reduction
         if self.model is not None and self.model is not model:
-            raise ValueError("accelerate_ft supports one trained model per Accelerator")
+            raise ConfigError("accelerate_ft supports one trained model per Accelerator")
         self.model = model
 
     def batch_sizes(self, dl) -> tuple[int, int]:
@@ -181,7 +168,7 @@ class AccelerateRuntime:
         ga, world, bs = int(self.acc.gradient_accumulation_steps), self.env.world_size, int(dl.batch_size)
         if self.acc.split_batches:
             if bs % world:
-                raise ValueError(f"accelerate_ft: split_batches needs batch_size ({bs}) divisible by "
+                raise ConfigError(f"accelerate_ft: split_batches needs batch_size ({bs}) divisible by "
                                  f"the number of workers ({world})")
             return bs * ga, bs // world
         return world * bs * ga, bs
@@ -209,7 +196,7 @@ class AccelerateRuntime:
         resume = self.resume
         if resume:
             if int(resume["micro_batch"]) != micro:
-                raise ValueError(f"accelerate_ft: the checkpoint was trained with micro-batches of "
+                raise ConfigError(f"accelerate_ft: the checkpoint was trained with micro-batches of "
                                  f"{resume['micro_batch']}, this run uses {micro}")
             glob = int(resume["global_batch"])
         handle = UpdateHandle(self.optimizer.optimizer)
@@ -389,31 +376,3 @@ class AccelerateRuntime:
             self.joined.membership.close()
             self.joined.gm.close()
         self.joined = None
-
-
-_hook_installed = False
-
-
-def _install_excepthook() -> None:
-    """Uncaught runtime outcomes end the worker with the codes ``chameleon-ft run`` acts on (75:
-    checkpoint-restart, 3: coordinator lost); ``os._exit`` because a gloo op abandoned by a
-    failure may still hold a thread until its timeout."""
-    global _hook_installed
-    if _hook_installed:
-        return
-    _hook_installed = True
-    previous = sys.excepthook
-
-    def hook(tp, exc, tb):
-        code = exit_code(exc)
-        if code is None:
-            return previous(tp, exc, tb)
-        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
-        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr, flush=True)
-        if code == RESTART_EXIT_CODE:
-            print(f"chameleon-ft worker {wid}: resume with accelerator.load_state(<last save_state dir>)",
-                  file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(code)
-
-    sys.excepthook = hook

@@ -42,6 +42,7 @@ from typing import Optional
 
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
+from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors
 from chameleon_ft.runtime.faults import parse_faults
 from chameleon_ft.runtime.membership import (CoordinatorServer, MembershipError, connect_store,
                                              read_latest, report_dead)
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; an empty host is loopback) or a clear error."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise LaunchError(f"--rdzv-endpoint {text!r}: expected host:port (e.g. 127.0.0.1:29500)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def _nnodes(text: str) -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")
@@ -125,10 +134,20 @@ class Launcher:
             raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
         if not os.path.isfile(args.script):
             raise LaunchError(f"script {args.script!r} not found")
+        if args.rdzv_endpoint:
+            self.endpoint = _endpoint(args.rdzv_endpoint)
         try:
-            parse_faults(args.faults)
+            specs = parse_faults(args.faults)
         except ValueError as exc:
             raise LaunchError(f"--faults: {exc}") from None
+        world = self.max_nodes * args.nproc_per_node
+        for spec in specs:
+            if spec.node is not None and spec.node >= self.max_nodes:
+                raise LaunchError(f"--faults: node={spec.node} does not exist (nodes 0..{self.max_nodes - 1})")
+            far = [r for r in spec.ranks if r >= world]
+            if far:
+                raise LaunchError(f"--faults: rank={','.join(map(str, far))} does not exist "
+                                  f"(ranks 0..{world - 1} with {world} workers)")
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="chameleon-ft-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.coordinator: Optional[CoordinatorServer] = None
@@ -143,8 +162,7 @@ class Launcher:
         if a.node_rank == 0:
             host, port = "127.0.0.1", 0
             if a.rdzv_endpoint:
-                host, _, p = a.rdzv_endpoint.rpartition(":")
-                host, port = host.strip("[]") or "127.0.0.1", int(p)
+                host, port = self.endpoint
             try:
                 self.coordinator = CoordinatorServer(host, store_port=port,
                                                      join_timeout_ms=a.join_timeout_ms)
@@ -215,7 +233,11 @@ class Launcher:
                 if rc == 0:
                     finished_at = finished_at or time.monotonic()
                     continue
-                _say(f"worker {c.wid} (pid {c.proc.pid}) {_describe(rc)}; survivors carry on")
+                if rc == CONFIG_EXIT_CODE:
+                    return self._config_error(log)
+                others = any(o.rc is None for o in self.children.values())
+                _say(f"worker {c.wid} (pid {c.proc.pid}) {_describe(rc)}"
+                     + ("; survivors carry on" if others else "; no worker of this node is left"))
                 self._report(c.wid, _describe(rc))
                 if (rc != E.RESTART_EXIT_CODE and finished_at is None and self.replacements_left > 0):
                     self.replacements_left -= 1
@@ -237,6 +259,22 @@ class Launcher:
         log.run_end(status=status, exits=[[w, rc] for w, rc in exits])
         log.close()
         return status
+
+    def _config_error(self, log: EventLog) -> int:
+        """A worker stopped on a configuration error (``runtime/errors.py``): every worker would
+        meet it, so the job stops; each distinct message is said once."""
+        time.sleep(0.5)  # the others usually hit the same error at once: name them all
+        self.terminate_all()
+        by_msg: dict[str, list[int]] = {}
+        for wid, msg in read_config_errors(self.run_dir).items():
+            by_msg.setdefault(msg, []).append(wid)
+        for msg, wids in by_msg.items():
+            _say(f"error: worker{'s' if len(wids) > 1 else ''} {','.join(map(str, sorted(wids)))}: {msg}")
+        if not by_msg:
+            _say("error: a worker stopped on a configuration error")
+        log.run_end(status="config_error", errors={str(w): m for m, ws in by_msg.items() for w in ws})
+        log.close()
+        return 2
 
     def _status(self, exits: list[tuple[int, int]]) -> int:
         codes = [rc for _, rc in exits]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import csv
 import os
-import sys
 import time
 from dataclasses import replace
 from typing import Iterable, Optional
@@ -36,11 +35,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 from chameleon_ft.runtime.adapters import adapter_config, ft_metrics
-from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE
-from chameleon_ft.runtime.membership import MembershipError
-from chameleon_ft.runtime.policy import RestartRequested
-from chameleon_ft.runtime.state import CheckpointError
-from chameleon_ft.runtime.worker import ElasticConfig, NothingToHeal, WorldTooSmall
+from chameleon_ft.runtime.env import RESTART_EXIT_CODE
+from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
+from chameleon_ft.runtime.worker import ElasticConfig
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
 
@@ -104,10 +101,10 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                 "Trainer(strategy='ddp', callbacks=[FaultToleranceCallback()])")
         self._strategy = trainer.strategy
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise ValueError("FaultToleranceCallback: GradientAccumulationScheduler changes the global "
+            raise ConfigError("FaultToleranceCallback: GradientAccumulationScheduler changes the global "
                              "batch mid-run; use a fixed accumulate_grad_batches")
         if stage == "fit" and trainer.limit_train_batches not in (1.0, None):
-            raise ValueError("FaultToleranceCallback: limit_train_batches must be 1.0 (an epoch is "
+            raise ConfigError("FaultToleranceCallback: limit_train_batches must be 1.0 (an epoch is "
                              "every sample exactly once)")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -140,34 +137,23 @@ class FaultToleranceCallback(Callback, StrategyHooks):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict and state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(f"FaultToleranceCallback: checkpoint state version "
+            raise ConfigError(f"FaultToleranceCallback: checkpoint state version "
                              f"{state_dict.get('version')!r} is not {_STATE_VERSION}")
         self.resume_state = dict(state_dict) or None
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """End the worker with the code ``chameleon-ft run`` acts on (75: checkpoint-restart,
-        3: coordinator lost); ``os._exit`` because a gloo op abandoned by a failure may still
-        hold a thread until its timeout."""
-        if isinstance(exception, (RestartRequested, NothingToHeal)):
-            code = RESTART_EXIT_CODE
-        elif isinstance(exception, MembershipError):
-            code = MEMBERSHIP_EXIT_CODE
-        elif isinstance(exception, (WorldTooSmall, CheckpointError, LauncherError)):
-            code = 1
-        else:
+        3: coordinator lost, 78: configuration error; ``chameleon_ft.runtime.errors``)."""
+        code = exit_code_for(exception)
+        if code is None:
             return
-        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
-        print(f"chameleon-ft worker {wid}: {exception}", file=sys.stderr, flush=True)
-        if code == RESTART_EXIT_CODE:
-            print(f"chameleon-ft worker {wid}: resume with trainer.fit(model, ckpt_path=...) "
-                  "from the last checkpoint", file=sys.stderr, flush=True)
         for logger in trainer.loggers:
             try:
                 logger.finalize("failed")
             except Exception:  # exiting anyway
                 pass
-        sys.stdout.flush()
-        os._exit(code)
+        exit_worker(exception, code, "resume with trainer.fit(model, ckpt_path=...) from the last checkpoint"
+                    if code == RESTART_EXIT_CODE else "")
 
     # ---------------------------------------------------------------- logging take-over
     def take_over_logging(self, trainer) -> None:

@@ -60,6 +60,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
@@ -85,7 +86,7 @@ _UNEVEN = ("inside training_step while the members run different numbers of micr
            "this step (after a failure or a rebalance), so their collectives cannot pair up")
 
 
-class LauncherError(RuntimeError):
+class LauncherError(ConfigError, RuntimeError):
     """The process was not started by ``chameleon-ft run``."""
 
 
@@ -269,10 +270,10 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         Strategy.setup(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.lightning_module.automatic_optimization:
-                raise ValueError("lightning_ft supports automatic optimization only "
+                raise ConfigError("lightning_ft supports automatic optimization only "
                                  "(manual_backward/optimizer.step in training_step is not redone)")
             if len(self.optimizers) != 1:
-                raise ValueError("lightning_ft supports exactly one optimizer")
+                raise ConfigError("lightning_ft supports exactly one optimizer")
         self._route_metrics()
         self._wrap_evaluation_loops(trainer)
 
@@ -404,7 +405,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         global_batch = (int(resume["global_batch"]) if resume
                         else self.env.world_size * mb * self.user_accumulate)
         if resume and int(resume["micro_batch"]) != mb:
-            raise ValueError(f"lightning_ft: the checkpoint was trained with batch_size "
+            raise ConfigError(f"lightning_ft: the checkpoint was trained with batch_size "
                              f"{resume['micro_batch']}, this run uses {mb}")
         self._handle = UpdateHandle(self.optimizers[0])
         ctx = _LightningContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.plan import even_split
 from chameleon_ft.runtime import state as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure
@@ -144,11 +145,11 @@ def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_chang
         allowed_policies = frozenset(allowed_policies)
         unknown = allowed_policies - offered
         if unknown:
-            raise ValueError(f"allowed_policies: {sorted(unknown)} cannot be carried out by {who}; "
+            raise ConfigError(f"allowed_policies: {sorted(unknown)} cannot be carried out by {who}; "
                              f"choose among {sorted(offered)} ({who} keeps the global batch fixed: "
                              "shrink is not offered)")
     if hang_timeout_s is not None and hang_timeout_s <= 0:
-        raise ValueError("hang_timeout_s must be > 0")
+        raise ConfigError("hang_timeout_s must be > 0")
     if allow_batch_change:
         warnings.warn(f"allow_batch_change=True: {who} keeps the global batch fixed (one framework "
                       "batch is a fixed share of one global step); the option has no effect", stacklevel=3)
@@ -161,7 +162,7 @@ def training_order(dl: DataLoader, default_seed: int, who: str) -> tuple[bool, i
     if not isinstance(dl, DataLoader):
         raise TypeError(f"{who} needs a torch DataLoader for training, got {type(dl).__name__}")
     if dl.batch_size is None:
-        raise ValueError(f"{who}: the training DataLoader must use batch_size "
+        raise ConfigError(f"{who}: the training DataLoader must use batch_size "
                          "(a custom batch_sampler cannot be re-planned exactly once)")
     sampler = dl.sampler
     if type(sampler) is DistributedSampler:
@@ -172,7 +173,7 @@ def training_order(dl: DataLoader, default_seed: int, who: str) -> tuple[bool, i
         if gen is not None:
             seed = int(gen.initial_seed()) % (2 ** 31)
         return isinstance(sampler, RandomSampler), seed
-    raise ValueError(f"{who}: the training sampler {type(sampler).__name__} is not supported: use "
+    raise ConfigError(f"{who}: the training sampler {type(sampler).__name__} is not supported: use "
                      "shuffle=True/False (the elastic sampler keeps a seeded global order and hands "
                      "out every sample exactly once per epoch)")
 
@@ -294,7 +295,7 @@ class LiveCollectives:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         op = str(getattr(op, "name", op) or "sum").lower()
         if op not in _OPS:
-            raise ValueError(f"{self.who}: unsupported reduce op {op!r}; use one of {sorted(_OPS)}")
+            raise ConfigError(f"{self.who}: unsupported reduce op {op!r}; use one of {sorted(_OPS)}")
 
         def fn(gm):
             buf = tensor.detach().to("cpu", copy=True)

@@ -28,11 +28,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import default_collate
 
-from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE, RESTART_EXIT_CODE, EnvError
-from chameleon_ft.runtime.membership import MembershipError
-from chameleon_ft.runtime.policy import RestartRequested
-from chameleon_ft.runtime.state import CheckpointError
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, NothingToHeal, WorldTooSmall
+from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
+from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext
 
 __all__ = ["ElasticTrainer", "elastic_main"]
 
@@ -65,7 +62,7 @@ class ElasticTrainer:
     def fit(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> dict:
         """Train until ``max_steps`` committed steps or ``epochs`` epochs, whichever first."""
         if max_steps is None and epochs is None:
-            raise ValueError("give max_steps or epochs")
+            raise ConfigError("give max_steps or epochs")
         ctx = self.ctx
         if self.checkpoint and os.path.exists(self.checkpoint):
             ctx.load_checkpoint(self.checkpoint)
@@ -99,25 +96,17 @@ class ElasticTrainer:
 
 def elastic_main(fn: Callable[[], object]) -> None:
     """Run a worker's ``fn`` and end the process with a code the launcher understands:
-    0 done, ``RESTART_EXIT_CODE`` for a checkpoint-restart, ``MEMBERSHIP_EXIT_CODE`` when the
-    coordinator is gone, 1 otherwise.  Ends with ``os._exit`` so that a gloo op abandoned after
+    0 done, else ``errors.exit_code_for``'s code (checkpoint-restart, coordinator gone,
+    configuration error), 1 for anything else.  Ends with ``os._exit`` so that a gloo op abandoned after
     a failure cannot hold the interpreter's teardown."""
-    wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "?")
-    code = 0
     try:
         fn()
-    except (RestartRequested, NothingToHeal) as exc:
-        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
-        code = RESTART_EXIT_CODE
-    except MembershipError as exc:
-        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
-        code = MEMBERSHIP_EXIT_CODE
-    except (EnvError, WorldTooSmall, CheckpointError) as exc:
-        print(f"chameleon-ft worker {wid}: {exc}", file=sys.stderr)
-        code = 1
-    except BaseException:  # the traceback is the clearest report of a bug in the script
-        traceback.print_exc()
-        code = 1
+    except BaseException as exc:
+        code = exit_code_for(exc)
+        if code is None:  # the traceback is the clearest report of a bug in the script
+            traceback.print_exc()
+            code = 1
+        exit_worker(exc, code)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)

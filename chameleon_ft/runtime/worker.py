@@ -44,6 +44,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
@@ -160,12 +161,15 @@ class ElasticContext:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.seed = seed
         self.worker_id = self.env.worker_id
-        self.sampler = ElasticSampler(dataset_len, global_batch, micro_batch, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last)
+        try:
+            self.sampler = ElasticSampler(dataset_len, global_batch, micro_batch, seed=seed,
+                                          shuffle=shuffle, drop_last=drop_last)
+        except ValueError as exc:  # the user's sizes: a configuration error in every worker
+            raise ConfigError(str(exc)) from None
         self.params = [p for p in model.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
-            raise ValueError(f"trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
+            raise ConfigError(f"trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         self.policy = EnginePolicy(
             layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,

@@ -157,6 +157,29 @@ def test_bad_launcher_input(tmp_path):
     assert "started worker" not in r.stderr
     r = run("no_such_script.py")
     assert r.returncode == 2 and "not found" in r.stderr
+    # A fault aimed at a rank or node the job does not have would never fire.
+    r = run("--nproc-per-node", "2", "--faults", "kill:rank=9:step=3", worker)
+    assert r.returncode == 2 and "rank=9 does not exist (ranks 0..1 with 2 workers)" in r.stderr, r.stderr
+    r = run("--nproc-per-node", "2", "--faults", "hang:node=1:step=3", worker)
+    assert r.returncode == 2 and "node=1 does not exist" in r.stderr, r.stderr
+    for bad in ("nohostport", "host:", "host:http", "127.0.0.1:70000"):
+        r = run("--rdzv-endpoint", bad, worker)
+        assert r.returncode == 2 and f"--rdzv-endpoint {bad!r}: expected host:port" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "invalid literal" not in r.stderr
+    # A configuration error that every worker meets: one line naming them, no traceback, no
+    # "survivors carry on", a non-zero exit and no worker left.
+    job = Job(tmp_path / "config", nproc=2, worker_args=["--global-batch", "30", "--micro-batch", "4"])
+    try:
+        job.start()
+        assert job.wait(60) == [2]
+        out = job.output()
+        lines = [ln for ln in out.splitlines() if "must be a multiple of" in ln]
+        assert lines == ["chameleon-ft run: error: workers 0,1: ConfigError: global_batch (30) must "
+                         "be a multiple of micro_batch (4)"], out[-3000:]
+        assert "Traceback" not in out and "survivors carry on" not in out, out[-3000:]
+        assert not any(_alive(p) for p in job.worker_pids().values())
+    finally:
+        job.cleanup()
     # A world too small for what the script requires: every worker says so and exits; the
     # launcher exits non-zero and leaves no worker behind.
     job = Job(tmp_path / "small", nproc=2, worker_args=["--min-world", "3"])

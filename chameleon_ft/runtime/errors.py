@@ -1,0 +1,114 @@
+"""How a worker under ``chameleon-ft run`` ends on an error, and what the launcher says of it.
+
+A failure the job survives is another worker's death; an error *in* a worker is either one the
+launcher acts on (checkpoint-restart, coordinator lost) or a configuration error that every
+worker meets the same way (a bad option, a DataLoader the adapters cannot shard, a GPU they do
+not support).  A configuration error is not a failure to survive: the worker writes one line
+to ``RUN_DIR/worker-errors/<worker id>.txt`` and exits with ``CONFIG_EXIT_CODE`` without a
+traceback; the launcher prints each distinct message once, names the workers that hit it,
+stops the others and exits non-zero (``CHAMELEON_FT_TRACEBACK=1`` prints the traceback too).
+torchrun's error files (``TORCHELASTIC_ERROR_FILE``) serve the same purpose for its launcher.
+
+``exit_code_for`` is the one mapping from exceptions to exit codes and ``exit_worker`` the one
+way out, used by ``elastic_main``, the Lightning callback's ``on_exception`` and the hook for
+uncaught exceptions (installed when ``chameleon_ft.runtime`` is imported in a launched worker;
+the Accelerate adapter adds its resume hint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from chameleon_ft.runtime import env as E
+
+__all__ = ["ConfigError", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker", "install_excepthook",
+           "read_config_errors"]
+
+CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG
+_ERROR_DIR = "worker-errors"
+
+
+class ConfigError(ValueError):
+    """A worker's configuration cannot run (every worker meets it the same way)."""
+
+
+def exit_code_for(exc: BaseException) -> Optional[int]:
+    """The exit code that tells the launcher what ``exc`` means, or None for a bug in the
+    script (its traceback is the clearest report)."""
+    # Imported here: these modules import torch.distributed; this one is imported early.
+    from chameleon_ft.runtime.membership import MembershipError
+    from chameleon_ft.runtime.policy import RestartRequested
+    from chameleon_ft.runtime.state import CheckpointError
+    from chameleon_ft.runtime.worker import NothingToHeal, WorldTooSmall
+    if isinstance(exc, ConfigError):
+        return CONFIG_EXIT_CODE
+    if isinstance(exc, (RestartRequested, NothingToHeal)):
+        return E.RESTART_EXIT_CODE
+    if isinstance(exc, MembershipError):
+        return E.MEMBERSHIP_EXIT_CODE
+    if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError)):
+        return 1
+    return None
+
+
+def _wid() -> str:
+    return os.environ.get(E.WORKER_ID, "?")
+
+
+def exit_worker(exc: BaseException, code: int, hint: str = "") -> None:
+    """Say what ended this worker and leave with ``code`` (``os._exit``: a gloo op abandoned by
+    a failure may still hold a thread until its timeout)."""
+    msg = f"{type(exc).__name__}: {exc}" if code == CONFIG_EXIT_CODE else str(exc)
+    run_dir = os.environ.get(E.RUN_DIR)
+    if code == CONFIG_EXIT_CODE and run_dir and os.environ.get(E.WORKER_ID):
+        d = Path(run_dir) / _ERROR_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{_wid()}.txt").write_text(msg.replace("\n", " ") + "\n")
+        if os.environ.get("CHAMELEON_FT_TRACEBACK") == "1":
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+    else:
+        print(f"chameleon-ft worker {_wid()}: {msg}", file=sys.stderr, flush=True)
+        if hint:
+            print(f"chameleon-ft worker {_wid()}: {hint}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+_restart_hint = ""
+
+
+def install_excepthook(restart_hint: Optional[str] = None) -> None:
+    """Under ``chameleon-ft run`` only: an uncaught runtime outcome or configuration error ends
+    the worker with its exit code (see ``exit_code_for``); anything else keeps Python's
+    traceback.  ``restart_hint``: what to tell the user after a checkpoint-restart."""
+    global _restart_hint
+    if restart_hint is not None:
+        _restart_hint = restart_hint
+    if not os.environ.get(E.WORKER_ID) or getattr(sys.excepthook, "_chameleon_ft", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        code = exit_code_for(exc)
+        if code is None:
+            return previous(exc_type, exc, tb)
+        exit_worker(exc, code, _restart_hint if code == E.RESTART_EXIT_CODE else "")
+
+    hook._chameleon_ft = True
+    sys.excepthook = hook
+
+
+def read_config_errors(run_dir: str) -> dict[int, str]:
+    """Messages the workers left (worker id -> one line); the launcher's side."""
+    out = {}
+    for p in sorted((Path(run_dir) / _ERROR_DIR).glob("*.txt")):
+        try:
+            out[int(p.stem)] = p.read_text().strip()
+        except (ValueError, OSError):
+            continue
+    return out
