@@ -32,6 +32,7 @@ def decide(plan, w, c, event, alive=None, **cfg):
 def without_timing(d) -> dict:
     out = d.to_json()
     out.pop("decide_s")
+    out.pop("search_s")
     return out
 
 

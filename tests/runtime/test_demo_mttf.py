@@ -1,0 +1,33 @@
+"""``chameleon-ft demo --mttf``: a short D changes the engine's decision in a real run (local
+CPU workers, one SIGKILLed from outside).  The default D comes from the failure-rate estimate
+(days): ``wait`` for the replacement wins; with ``--mttf 5`` the next failure is expected before
+the replacement (configured eta 5 s) could help, so waiting scores as rerouting and the engine
+reroutes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+
+
+def _decision(run_dir):
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    return next(e["decision"] for e in events if e["event"] == "decision"
+                and e["decision"]["event"]["kind"] == "fail_stop")
+
+
+def test_demo_with_a_short_mttf_reroutes_instead_of_waiting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "chameleon_ft.cli", "demo", "--mttf", "5", "--epochs", "1",
+                          "--at-step", "4", "--run-dir", str(tmp_path), "--timeout", "120"],
+                         capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    d = _decision(tmp_path)
+    assert d["mttf_s"] == 5.0 and d["chosen"] == "reroute"
+    cand = {c["policy"]: c for c in d["candidates"]}
+    assert cand["wait"]["feasible"] and cand["wait"]["score"] == pytest.approx(cand["reroute"]["score"])
+    assert "D = 5" in out.stdout and "reroute" in out.stdout
