@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _decision(run_dir):
@@ -23,8 +23,8 @@ def _decision(run_dir):
 
 def test_demo_with_a_short_mttf_reroutes_instead_of_waiting(tmp_path):
     out = subprocess.run([sys.executable, "-m", "chameleon_ft.cli", "demo", "--mttf", "5", "--epochs", "1",
-                          "--at-step", "4", "--run-dir", str(tmp_path), "--timeout", "120"],
-                         capture_output=True, text=True, timeout=140)
+                          "--at-step", "4", "--run-dir", str(tmp_path), "--timeout", "240"],
+                         capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     d = _decision(tmp_path)
     assert d["mttf_s"] == 5.0 and d["chosen"] == "reroute"
