@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chameleon_ft.failures import LLAMA3_RATE_PER_DEVICE_S, PRIOR_JOB_S, Event, EventKind, FailureRateEstimator
+from chameleon_ft.failures import LLAMA3_RATE_PER_DEVICE_S, PRIOR_JOB_S, FailureRateEstimator
 from chameleon_ft.plan import Pipeline, Plan
 from chameleon_ft.runtime.policy import EnginePolicy
 from chameleon_ft.selector import heal_seconds, phased_score, reroute_load, score
@@ -17,7 +17,6 @@ from chameleon_ft.selector import heal_seconds, phased_score, reroute_load, scor
 from .conftest import ENGINE, cluster
 from .test_selector import CROSS_PLAN, CROSS_W, cross_decide
 
-FAIL = EventKind.FAIL_STOP
 
 
 # -- 2. wait: rerouted until the replacement arrives, then healed ----------------------
