@@ -168,3 +168,4 @@ def test_a_short_d_changes_the_demo_decision():
     assert short.option("wait").score == pytest.approx(short.option("reroute").score)
     assert d.option("wait").score > d.option("reroute").score
     assert short.option("restart").score == 0.0 < d.option("restart").score
+
