@@ -7,6 +7,16 @@ online with a Gamma-Poisson model: a prior (per-device rate and how many device-
 evidence it is worth) updated by failures and exposure seen in this run, so ``D`` starts from
 public fleet figures and follows the job.  ``D = 1 / (rate · devices)``.
 
+Prior strength: the fleet rate counts as much as ``PRIOR_JOB_S`` (one day) of *this* job's own
+exposure, i.e. ``devices × 1 day`` device-seconds (:meth:`FailureRateEstimator.for_job`).  A
+fleet average says little about one job (a flaky node, preemptible instances or injected faults
+change the rate by orders of magnitude), so the job's record should take over within its first
+day.  Counting the prior as a day of a 16k-GPU fleet instead would make it worth ~1.4e9
+device-seconds: a 4-worker job would need ~10 years to move it, and ``D`` would stay at ~4e7 s
+whatever it saw.  With one day of this job, the first failure after an hour of a 4-worker job
+brings ``D`` from ~4.6e7 s to ~1e5 s (``(α₀ + 1) / (β₀ + exposure)``, α₀ = rate · β₀ ≈ 0.002);
+for 16,384 GPUs the prior is worth ~7.8 expected failures, so one failure moves it ~13 %.
+
 Limits: failures are taken as independent and memoryless (exponential inter-arrival times);
 correlated bursts (a switch taking out a rack) show up only as node-level events.
 """
@@ -18,6 +28,8 @@ from enum import Enum
 
 # Llama 3 pre-training: 419 unexpected interruptions in 54 days on 16,384 GPUs.
 LLAMA3_RATE_PER_DEVICE_S = 419 / (54 * 86400 * 16384)
+# The prior counts as this many seconds of the job's own exposure (see the module docstring).
+PRIOR_JOB_S = 86400.0
 
 
 class EventKind(str, Enum):
@@ -59,10 +71,13 @@ class Event:
 
 @dataclass
 class FailureRateEstimator:
-    """Gamma-Poisson estimate of the per-device failure rate (failures per device-second)."""
+    """Gamma-Poisson estimate of the per-device failure rate (failures per device-second).
+
+    The default prior is worth one device-day: right for a one-device job; use
+    :meth:`for_job` to weigh it as a day of a job of any size."""
 
     prior_rate: float = LLAMA3_RATE_PER_DEVICE_S
-    prior_device_s: float = 16384 * 86400.0  # the prior counts as a day of a 16k-device fleet
+    prior_device_s: float = PRIOR_JOB_S  # device-seconds of evidence the prior is worth
     failures: int = 0
     device_s: float = 0.0
     _history: list[float] = field(default_factory=list, repr=False)
@@ -70,6 +85,19 @@ class FailureRateEstimator:
     def __post_init__(self) -> None:
         if self.prior_rate <= 0 or self.prior_device_s <= 0:
             raise ValueError("prior rate and prior strength must be positive")
+
+    @classmethod
+    def for_job(cls, devices: int, prior_rate: float = LLAMA3_RATE_PER_DEVICE_S,
+                prior_job_s: float = PRIOR_JOB_S) -> "FailureRateEstimator":
+        """The prior for a job of ``devices`` devices, worth ``prior_job_s`` of its exposure."""
+        if devices <= 0:
+            raise ValueError("need at least one device")
+        return cls(prior_rate, devices * prior_job_s)
+
+    @property
+    def evidence(self) -> bool:
+        """Whether anything of this run was observed yet."""
+        return bool(self.failures or self.device_s)
 
     def observe(self, devices: int, seconds: float, failures: int = 0) -> None:
         """``devices`` ran for ``seconds`` and ``failures`` of them failed meanwhile."""

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="watchdog on every collective, seconds (default 10)")
     p.add_argument("--run-dir", default=None, help="event log directory (default: a new temp dir)")
     p.add_argument("--faults", default="", help="fault-injection spec (see runtime/faults.py)")
+    p.add_argument("--mttf", type=float, default=None, metavar="SECONDS",
+                   help="expected time to the next failure (D) the engine scores its choices "
+                        "over (default: estimated from a per-device failure rate and this run)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -130,6 +133,8 @@ class Launcher:
             raise LaunchError(f"--node-rank {args.node_rank} outside 0..{self.max_nodes - 1}")
         if self.max_nodes > 1 and not args.rdzv_endpoint:
             raise LaunchError("more than one node needs --rdzv-endpoint host:port")
+        if args.mttf is not None and not args.mttf > 0:
+            raise LaunchError(f"--mttf must be a positive number of seconds, got {args.mttf}")
         if args.max_replacements < 0 or args.hang_timeout <= 0:
             raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
         if not os.path.isfile(args.script):
@@ -195,6 +200,7 @@ class Launcher:
             E.HANG_TIMEOUT: str(a.hang_timeout),
             E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
             E.MAX_REPLACEMENTS: str(self.replacements_left),
+            E.MTTF: "" if a.mttf is None else repr(a.mttf),
             # torchrun's name for "how many times the whole job was relaunched".
             "TORCHELASTIC_RESTART_COUNT": str(getattr(a, "restart_count", 0)),
         })

@@ -10,7 +10,8 @@ the reason it is ruled out):
   migration.  Transition: search + migration + rebuild.
 * ``shrink`` — drop the broken replicas and their micro-batches (smaller global batch; learning
   rate scaled linearly, ``lr · B'/B``).  Only when the user allows the global batch to change.
-* ``wait`` — a replacement is expected within ``replacement_eta_s``: pause, heal it from a peer.
+* ``wait`` — a replacement is expected within ``replacement_eta_s``: reroute until it arrives,
+  then pause to heal it from a peer, then run the full plan (scored over both phases).
 * ``restart`` — checkpoint-restart over the survivors: restart cost plus the steps since the
   checkpoint, redone.  The fallback when nothing in place is feasible.
 * ``recompute`` / ``rehabilitate`` — only when some state has no surviving replica (see
@@ -21,13 +22,17 @@ the reason it is ruled out):
   over everyone.
 
 Score = ``(B / t_step) · (D − t_transition) / D``: samples per second over the expected time to
-the next failure ``D``, discounted by the time spent getting there.  Ties go to the candidate
+the next failure ``D``, discounted by the time spent getting there.  An option that goes through
+phases (``wait``: rerouted, a pause to heal, the full plan) scores the samples of every phase
+that falls within ``D``, divided by ``D`` (:func:`phased_score`).  Ties go to the candidate
 listed first (the order above).  Decisions are deterministic for the same inputs and serialise
 to JSON.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable
@@ -35,7 +40,7 @@ from typing import Iterable
 from .cluster import Cluster
 from .failures import Event, EventKind
 from .perf import Coefficients, estimate
-from .plan import Pipeline, Plan, PlanError, even_split
+from .plan import Pipeline, Plan, PlanError
 from .planner import SearchSpace, plan_search
 from .rehab import LossTrend, rehab_cost
 from .restorer import MigrationPlan, migrate
@@ -103,6 +108,9 @@ class Option:
     extra: dict[int, float] = field(default_factory=dict)
     migration: MigrationPlan | None = None
     breakdown: dict[str, float] = field(default_factory=dict)
+    # Piecewise throughput over the horizon: (from s, until s, step time, global batch) per
+    # phase, nothing processed between phases.  None: one phase, from transition_s on.
+    phases: tuple[tuple[float, float, float, int], ...] | None = None
 
     @property
     def throughput(self) -> float | None:
@@ -125,6 +133,9 @@ class Option:
         }
         if self.breakdown:
             out["breakdown"] = self.breakdown
+        if self.phases:
+            out["phases"] = [{"from_s": a, "until_s": None if math.isinf(b) else b, "step_time_s": t,
+                              "global_batch": n} for a, b, t, n in self.phases]
         if self.plan is not None:
             out["plan"] = self.plan.to_json() if with_plan else self.plan.describe()
         if self.extra and with_plan:
@@ -141,6 +152,7 @@ class Decision:
     options: list[Option]
     chosen: str | None
     decide_s: float = 0.0
+    search_s: float = 0.0  # measured: plan search and migration pricing within decide_s
 
     @property
     def choice(self) -> Option | None:
@@ -156,15 +168,28 @@ class Decision:
             "mttf_s": self.mttf_s,
             "chosen": self.chosen,
             "decide_s": self.decide_s,
+            "search_s": self.search_s,
             "candidates": [o.to_json(with_plan=small) for o in self.options],
         }
 
 
 def score(global_batch: int, step_time: float, transition_s: float, mttf_s: float) -> float:
     """Samples per second, discounted by the share of ``D`` spent in transition."""
-    if step_time <= 0 or mttf_s <= 0:
+    return phased_score(((transition_s, math.inf, step_time, global_batch),), mttf_s)
+
+
+def phased_score(phases, mttf_s: float) -> float:
+    """Samples processed within ``D`` divided by ``D``, for a run that goes through
+    ``phases`` = (from s, until s, step time, global batch); with one phase from
+    ``t_transition`` on this is ``(B / t_step) · (D − t_transition) / D``."""
+    if mttf_s <= 0:
         return 0.0
-    return global_batch / step_time * max(0.0, mttf_s - transition_s) / mttf_s
+    samples = 0.0
+    for start, stop, step_time, batch in phases:
+        if step_time <= 0:
+            return 0.0
+        samples += batch / step_time * max(0.0, min(stop, mttf_s) - start)
+    return samples / mttf_s
 
 
 def crossover_mttf(t_reroute: float, t_replan: float, trans_reroute: float, trans_replan: float) -> float:
@@ -213,26 +238,37 @@ def reroute_load(plan: Plan, dead: set[int], alive: set[int]) -> tuple[dict[int,
     """Extra micro-batches per same-stage peer, or ({}, why rerouting is impossible).
 
     Peers of a dead device are the alive devices of other pipelines that hold exactly its
-    layers (same split, same stage, same shard)."""
+    layers (same split, same stage, same shard).  The dead devices' micro-batches of one such
+    peer group are pooled and handed out one at a time to the peer with the lowest load (its
+    pipeline's micro-batches plus what it already took; ties to the lower device id), which
+    makes the most loaded peer as light as possible -- per dead device, one peer could end up
+    with a whole remainder (8 workers losing 4: ``{5,1,1,1}`` instead of ``{2,2,2,2}``)."""
     k = plan.shard_degree
     by_template: dict[tuple, list[int]] = {}
     for j, pipe in enumerate(plan.pipelines):
         by_template.setdefault((pipe.bounds, j % k), []).append(j)
-    extra: dict[int, float] = {}
+    work: dict[tuple, int] = {}  # (template, stage) -> micro-batches to reroute
     for d in sorted(dead):
         where = plan.locate(d)
         if where is None:
             continue
         j, s = where
         pipe = plan.pipelines[j]
-        group = [plan.pipelines[i].devices[s] for i in by_template[(pipe.bounds, j % k)] if i != j]
-        group = [p for p in group if p in alive]
-        if not group:
+        key = (pipe.bounds, j % k, s)
+        if not any(plan.pipelines[i].devices[s] in alive for i in by_template[key[:2]] if i != j):
             lo, hi = pipe.layers_of_stage(s)
             return {}, f"stage with layers {lo}-{hi} lost all of its replicas"
-        for peer, share in zip(group, even_split(pipe.microbatches, len(group))):
-            if share:
-                extra[peer] = extra.get(peer, 0.0) + share
+        work[key] = work.get(key, 0) + pipe.microbatches
+    extra: dict[int, float] = {}
+    for key, total in sorted(work.items()):
+        s = key[2]
+        heap = [(plan.pipelines[i].microbatches, plan.pipelines[i].devices[s]) for i in by_template[key[:2]]
+                if plan.pipelines[i].devices[s] in alive]
+        heapq.heapify(heap)
+        for _ in range(total):
+            load, peer = heapq.heappop(heap)
+            extra[peer] = extra.get(peer, 0.0) + 1
+            heapq.heappush(heap, (load + 1, peer))
     return extra, ""
 
 
@@ -248,23 +284,24 @@ def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfi
         raise ValueError(f"event names unknown devices {sorted(unknown)}")
     B = state.workload.global_batch
     if event.removes_devices:
-        options = _failure_options(event, state, config, mttf_s)
+        options, search_s = _failure_options(event, state, config, mttf_s)
     elif event.kind == EventKind.STRAGGLER:
-        options = _straggler_options(event, state, config)
+        options, search_s = _straggler_options(event, state, config)
     else:
-        options = _join_options(event, state, config)
+        options, search_s = _join_options(event, state, config)
     for o in options:
         if o.feasible and o.policy not in config.allowed:
             o.feasible, o.reason = False, "not in the allowed policies"
         if o.feasible and o.policy in BATCH_CHANGING and not config.allow_batch_change:
             o.feasible, o.reason = False, "changes the global batch (allow_batch_change is off)"
         if o.feasible:
-            o.score = score(o.global_batch or B, o.step_time, o.transition_s, mttf_s)
+            o.score = (phased_score(o.phases, mttf_s) if o.phases
+                       else score(o.global_batch or B, o.step_time, o.transition_s, mttf_s))
     best = None
     for o in options:
         if o.feasible and (best is None or o.score > best.score):
             best = o
-    return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0)
+    return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0, search_s)
 
 
 def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3):
@@ -289,7 +326,7 @@ def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster
                   plan=plan, breakdown=est.breakdown(), **kw)
 
 
-def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s: float) -> list[Option]:
+def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s: float) -> tuple[list[Option], float]:
     w, plan = state.workload, state.plan
     alive = set(state.alive) - set(event.devices)
     dead = set(plan.devices) - alive  # earlier reroutes may have left dead devices in the plan
@@ -318,12 +355,14 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
     best = mig = None
     search_s = cfg.search_s
     replan_why = "not in the allowed policies"
+    t0 = time.perf_counter()
     if wanted & {"replan", "restart", "recompute", "rehabilitate"}:
         try:
             result = plan_search(w, survivors, state.coeffs, cfg.space, survivors=alive, base=plan)
             best, mig = _best_by_score(result, plan, w, survivors, alive, cfg, mttf_s)
         except PlanError as e:
             replan_why = str(e)
+    measured = time.perf_counter() - t0
     if best is None:
         options.append(Option("replan", False, replan_why))
     elif lost:
@@ -358,18 +397,13 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
                 o.reason += f"; {len(formed)} idle devices re-form replicas"
         options.append(o)
 
-    # wait for a replacement, then heal it from a peer
+    # wait for a replacement: carried out as reroute until it arrives, then healed from a peer
     if cfg.replacement_eta_s is None:
         options.append(Option("wait", False, "no replacement is expected (replacement_eta_s not set)"))
-    elif lost:
-        options.append(Option("wait", False, lost_msg))
+    elif lost or why:
+        options.append(Option("wait", False, lost_msg or why))
     else:
-        o = _option_from_plan("wait", plan, state, state.cluster)
-        if o.feasible:
-            heal = heal_seconds(plan, dead, w, state.cluster)
-            o.transition_s, o.global_batch = cfg.replacement_eta_s + heal + cfg.rebuild_s, _plan_batch(state)
-            o.reason = f"replacement in {cfg.replacement_eta_s:g} s, heal {heal:.3g} s"
-        options.append(o)
+        options.append(_wait_option(plan, dead, extra, state, cfg, mttf_s))
 
     # checkpoint-restart over the survivors
     if "restart" not in wanted:
@@ -410,7 +444,7 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
         for name in ("recompute", "rehabilitate"):
             why = "not in the allowed policies" if name not in wanted else f"no plan over the survivors ({replan_why})"
             options.append(Option(name, False, why))
-    return options
+    return options, measured
 
 
 def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: int) -> tuple[list[Pipeline], set[int]]:
@@ -493,7 +527,33 @@ def heal_seconds(plan: Plan, dead: set[int], w: Workload, cluster: Cluster) -> f
     return worst
 
 
-def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> list[Option]:
+def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: JobState,
+                 cfg: SelectorConfig, mttf_s: float) -> Option:
+    """Reroute until the replacement arrives (``replacement_eta_s``), then pause to heal it from
+    a peer and re-form the groups, then run the healed plan.  Scored by the samples both phases
+    process within ``D``, divided by ``D``."""
+    w = state.workload
+    rerouted = _option_from_plan("wait", plan, state, state.cluster, dead=frozenset(dead), extra=extra)
+    healed = estimate(plan, w, state.cluster, state.coeffs)
+    if not rerouted.feasible or not healed.fits:
+        return rerouted if not rerouted.feasible else Option("wait", False, "the healed plan does not fit in memory")
+    eta, rebuild = cfg.replacement_eta_s, cfg.rebuild_s
+    heal = heal_seconds(plan, dead, w, state.cluster)
+    resume = max(eta, rebuild) + heal + rebuild
+    B = _plan_batch(state)
+    rerouted.transition_s, rerouted.global_batch = rebuild, B
+    rerouted.dead, rerouted.extra = frozenset(dead), extra
+    rerouted.phases = ((rebuild, eta, rerouted.step_time, B), (resume, math.inf, healed.step_time, B))
+    rerouted.reason = (f"reroute {rerouted.step_time:.4g} s/step until the replacement arrives "
+                       f"(in {eta:g} s), pause {heal + rebuild:.3g} s to heal it, then "
+                       f"{healed.step_time:.4g} s/step" + (f"; D = {mttf_s:.3g} s ends before that"
+                                                           if resume >= mttf_s else ""))
+    rerouted.breakdown = {**rerouted.breakdown, "healed_step_s": healed.step_time,
+                          "arrival_s": eta, "heal_s": heal}
+    return rerouted
+
+
+def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
     w, plan = state.workload, state.plan
     speeds = {d: state.cluster[d].speed / event.slowdown for d in event.devices}
     slowed = state.cluster.with_speeds(speeds)
@@ -503,6 +563,7 @@ def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> li
     keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
     options = [keep]
     alive = set(state.alive)
+    t0 = time.perf_counter()
     try:
         result = plan_search(w, slowed.without(set(slowed.ids) - alive), state.coeffs,
                              cfg.space, survivors=alive, base=plan)
@@ -516,10 +577,10 @@ def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> li
         ))
     except PlanError as e:
         options.append(Option("rebalance", False, str(e)))
-    return options
+    return options, time.perf_counter() - t0
 
 
-def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> list[Option]:
+def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
     w, plan = state.workload, state.plan
     B = w.global_batch
     before = frozenset(state.alive) - set(event.devices)  # the joiners hold nothing yet
@@ -531,6 +592,7 @@ def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> list[Op
     alive = set(state.alive) | set(event.devices)
     grown = state.cluster.without(set(state.cluster.ids) - alive)
     options.append(_heal_option(event, state, cfg, grown, alive))
+    t0 = time.perf_counter()
     try:
         result = plan_search(w, grown, state.coeffs, cfg.space, survivors=alive, base=plan)
         best = result.best
@@ -542,4 +604,4 @@ def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> list[Op
         ))
     except PlanError as e:
         options.append(Option("grow", False, str(e)))
-    return options
+    return options, time.perf_counter() - t0

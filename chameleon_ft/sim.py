@@ -7,6 +7,7 @@ the fixed policies model the systems people use today:
 
 ==============  ==============================================================================
 ``adaptive``    the selector, global batch kept (the default a user gets)
+``oracle``      the same selector deciding with the *true* cost model (only with model error)
 ``adaptive+shrink``  the selector with shrinking allowed (the user lets the global batch change)
 ``reroute``     always reroute (ReCycle), heal repaired devices back in; restart when a stage
                 lost every replica
@@ -16,7 +17,15 @@ the fixed policies model the systems people use today:
 ==============  ==============================================================================
 
 Goodput = useful samples / (failure-free throughput · wall time).  Samples processed with a
-shrunk global batch count as useful.  A "device" is a tensor-parallel group (``tp`` GPUs); a
+shrunk global batch count as useful.
+
+Model error: the simulated cluster runs on a *true* cost model (:class:`TrueModel`) whose
+compute and communication scales, per-step overhead, and restart, rebuild and data-movement
+costs are the selector's believed ones times seeded log-normal factors (``exp(spread · Z)``,
+default spread 0.2), while every policy decides with the believed model.  Each result reports
+goodput under the true model (what happened) and under the believed one (what the decisions
+expected); ``oracle`` decides with the true model, so ``oracle − adaptive`` is what model error
+cost the adaptive policy.  ``model_error=0`` is the perfect model (true = believed).  A "device" is a tensor-parallel group (``tp`` GPUs); a
 GPU failure takes its group out.
 
 Limits: failures are independent (exponential); repair times are exponential around a stated
@@ -41,8 +50,10 @@ from .selector import JobState, SelectorConfig, select
 from .workload import Workload, transformer
 
 FIXED = ("reroute", "replan", "shrink", "restart")
-POLICY_NAMES = ("adaptive", "adaptive+shrink") + FIXED
+POLICY_NAMES = ("adaptive", "adaptive+shrink") + FIXED + ("oracle",)
+ADAPTIVE = ("adaptive", "adaptive+shrink", "oracle")
 BATCH_CHANGING = ("adaptive+shrink", "shrink")
+_REBUILD_S = 1.0  # believed: re-forming the process groups in place
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,48 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+@dataclass(frozen=True)
+class TrueModel:
+    """The cost model the simulated cluster really follows: the believed one with each
+    coefficient multiplied by its own factor.  ``link`` multiplies every transfer time (link
+    bandwidth divided by it: migration, heal and, with ``comm``, the all-reduce), ``overhead_s``
+    is a per-step overhead the believed model does not have."""
+
+    compute: float = 1.0
+    comm: float = 1.0
+    overhead_s: float = 0.0
+    link: float = 1.0
+    rebuild: float = 1.0
+    restart: float = 1.0
+
+    @classmethod
+    def perturbed(cls, spread: float, seed: int, step_s: float) -> "TrueModel":
+        """Log-normal factors ``exp(spread · Z)`` (median 1), seeded; the missing overhead is
+        ``max(0, f − 1)`` of the failure-free step ``step_s``."""
+        if spread < 0:
+            raise ValueError("model error (spread) must be >= 0")
+        if spread == 0:
+            return cls()
+        rng = random.Random(f"true-model-{seed}")
+        f = [math.exp(spread * rng.gauss(0.0, 1.0)) for _ in range(6)]
+        return cls(f[0], f[1], max(0.0, f[2] - 1) * step_s, f[3], f[4], f[5])
+
+    @property
+    def exact(self) -> bool:
+        return self == TrueModel()
+
+    def coefficients(self, believed: Coefficients) -> Coefficients:
+        return Coefficients(believed.compute_scale * self.compute, believed.comm_scale * self.comm,
+                            believed.step_overhead_s + self.overhead_s)
+
+    def cluster(self, believed: Cluster) -> Cluster:
+        slow = lambda link: Link(link.latency_s, link.bandwidth_Bps / self.link)  # noqa: E731
+        return replace(believed, intra=slow(believed.intra), inter=slow(believed.inter))
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
 @dataclass
 class PolicyResult:
     policy: str
@@ -119,13 +172,22 @@ class PolicyResult:
     downtime_s: float
     timeline: list[tuple[float, float]] = field(repr=False)  # (time_s, throughput)
     decide_s: list[float] = field(repr=False, default_factory=list)
+    believed_samples: float = 0.0  # the same decisions as the believed model predicted them
+    believed_ideal: float = 0.0
 
     @property
     def goodput(self) -> float:
+        """Under the true model: what happened."""
         return self.samples / self.ideal if self.ideal else 0.0
 
+    @property
+    def believed_goodput(self) -> float:
+        """Under the believed model: what the decisions expected."""
+        return self.believed_samples / self.believed_ideal if self.believed_ideal else 0.0
+
     def to_json(self) -> dict:
-        return {"policy": self.policy, "goodput": self.goodput, "samples": self.samples,
+        return {"policy": self.policy, "goodput": self.goodput, "believed_goodput": self.believed_goodput,
+                "samples": self.samples,
                 "failures": self.failures, "decisions": self.decisions, "downtime_s": self.downtime_s,
                 "median_decide_s": sorted(self.decide_s)[len(self.decide_s) // 2] if self.decide_s else None}
 
@@ -152,34 +214,52 @@ def draw_events(preset: Preset, seed: int) -> list[tuple[float, tuple[int, ...],
 
 
 class _Job:
-    """One policy's view of the job during the simulation."""
+    """One policy's view of the job during the simulation.  It decides with the believed model
+    (``oracle``: the true one) and runs on the true one; ``step_time``/``busy_until`` are what
+    really happens, ``b_step_time``/``b_busy_until`` what the decision model predicted."""
 
-    def __init__(self, preset: Preset, policy: str, base: Plan, coeffs: Coefficients):
-        self.p, self.policy, self.coeffs = preset, policy, coeffs
+    def __init__(self, preset: Preset, policy: str, base: Plan, coeffs: Coefficients, truth: TrueModel):
+        self.p, self.policy, self.truth = preset, policy, truth
         self.cluster = preset.cluster()
+        self.true_cluster = truth.cluster(self.cluster)
+        self.true_coeffs = truth.coefficients(coeffs)
+        oracle = policy == "oracle"
+        self.coeffs = self.true_coeffs if oracle else coeffs  # what the decisions use
+        self.decide_cluster = self.true_cluster if oracle else self.cluster
         self.workload = preset.workload
         self.full_plan = base
         self.plan = base
         self.alive = set(self.cluster.ids)
         self.batch = preset.workload.global_batch
-        self.step_time = estimate(base, self.workload, self.cluster, coeffs).step_time
-        self.busy_until = 0.0
+        self.b_step_time = estimate(base, self.workload, self.decide_cluster, self.coeffs).step_time
+        self.step_time = self._true_step(base)
+        self.busy_until = self.b_busy_until = 0.0
         self.decisions: dict[str, int] = {}
         self.decide_s: list[float] = []
         allowed = {"adaptive": frozenset({"reroute", "replan", "restart", "keep", "heal", "grow"}),
+                   "oracle": frozenset({"reroute", "replan", "restart", "keep", "heal", "grow"}),
                    "adaptive+shrink": frozenset({"reroute", "replan", "shrink", "restart", "keep", "heal", "grow"}),
                    "reroute": frozenset({"reroute", "restart", "keep", "heal"}),
                    "replan": frozenset({"replan", "restart", "keep", "grow"}),
                    "shrink": frozenset({"shrink", "restart", "keep", "heal"}),
                    "restart": frozenset({"restart"})}[policy]
+        self.rebuild_d = _REBUILD_S * (truth.rebuild if oracle else 1.0)
+        self.restart_d = preset.restart_s * (truth.restart if oracle else 1.0)
+        self.link_d = truth.link if oracle else 1.0
         self.cfg = SelectorConfig(allowed=allowed, allow_batch_change="shrink" in allowed,
-                                  restart_s=preset.restart_s, space=preset.space, rebuild_s=1.0)
+                                  restart_s=self.restart_d, space=preset.space, rebuild_s=self.rebuild_d)
+
+    def _true_step(self, plan: Plan, dead=frozenset(), extra=None, predicted: float | None = None) -> float:
+        """The plan's step time under the true model (the prediction itself when it is exact)."""
+        if predicted is not None and self.truth.exact:
+            return predicted
+        return estimate(plan, self.workload, self.true_cluster, self.true_coeffs, dead, extra).step_time
 
     def throughput(self, now: float) -> float:
         return 0.0 if now < self.busy_until else self.batch / self.step_time
 
     def _state(self) -> JobState:
-        return JobState(self.workload, self.cluster, self.plan, frozenset(self.alive), self.coeffs)
+        return JobState(self.workload, self.decide_cluster, self.plan, frozenset(self.alive), self.coeffs)
 
     def _mttf(self, down: int = 0) -> float:
         """Expected time to the next membership change: a failure among the live GPUs, or one of
@@ -188,18 +268,31 @@ class _Job:
         return 1.0 / (fail + down / self.p.repair_mean_s)
 
     def _apply(self, now: float, option) -> None:
+        """Carry ``option`` out: the decision model's figures for the prediction, the true
+        model's for what happens (the transition's rebuild, data movement, restart and redone
+        steps re-priced)."""
         self.decisions[option.policy] = self.decisions.get(option.policy, 0) + 1
         if option.plan is not None:
             self.plan = option.plan
         self.batch = option.global_batch or self.batch
-        self.step_time = option.step_time
-        self.busy_until = max(self.busy_until, now) + option.transition_s
+        true_step = self._true_step(self.plan, option.dead, option.extra, option.step_time)
+        t = self.truth
+        if option.policy == "restart":
+            extra_s = (self.p.restart_s * t.restart - self.restart_d) + self._redo * (true_step - option.step_time)
+        else:  # rebuild + data movement (migration, heal)
+            move = max(0.0, option.transition_s - self.rebuild_d - self.cfg.search_s)
+            extra_s = (_REBUILD_S * t.rebuild - self.rebuild_d) + move * (t.link / self.link_d - 1)
+        self.b_step_time = option.step_time
+        self.b_busy_until = max(self.b_busy_until, now) + option.transition_s
+        self.step_time = true_step
+        self.busy_until = max(self.busy_until, now) + option.transition_s + extra_s
 
     def fail(self, now: float, devices: tuple[int, ...]) -> None:
         devs = tuple(d for d in devices if d in self.alive)
         if not devs:
             return
-        cfg = replace(self.cfg, steps_since_checkpoint=int((now % self.p.checkpoint_every_s) / self.step_time))
+        self._redo = int((now % self.p.checkpoint_every_s) / self.step_time)
+        cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
         t0 = time.perf_counter()
         down = self.p.devices - len(self.alive) + len(devs)
         decision = select(Event(EventKind.FAIL_STOP, devs, now), self._state(), cfg, self._mttf(down))
@@ -207,7 +300,7 @@ class _Job:
         self.alive -= set(devs)
         option = self._pick(decision, (self.policy, "restart"))
         if option is None:
-            self.busy_until = math.inf  # nothing can run: wait for a repair
+            self.busy_until = self.b_busy_until = math.inf  # nothing can run: wait for a repair
             return
         self._apply(now, option)
 
@@ -224,6 +317,7 @@ class _Job:
         else:
             t0 = time.perf_counter()
             down = self.p.devices - len(self.alive)
+            self._redo = 0
             decision = select(Event(EventKind.JOIN, back, now), self._state(), self.cfg, self._mttf(down))
             self.decide_s.append(time.perf_counter() - t0)
             option = self._pick(decision, {"reroute": ("heal",), "shrink": ("heal",), "replan": ("grow",)}.get(self.policy, ()))
@@ -233,7 +327,7 @@ class _Job:
     def _pick(self, decision, preferred: tuple[str, ...]):
         """The adaptive policies take the selector's choice; a fixed one takes the first of its
         preferred responses that is feasible."""
-        if self.policy.startswith("adaptive"):
+        if self.policy in ADAPTIVE:
             return decision.choice
         for name in preferred:
             option = next((o for o in decision.options if o.policy == name), None)
@@ -242,52 +336,78 @@ class _Job:
         return None
 
     def _restart_over_alive(self, now: float) -> None:
-        survivors = self.cluster.without(set(self.cluster.ids) - self.alive)
+        survivors = self.decide_cluster.without(set(self.cluster.ids) - self.alive)
         best = plan_search(self.workload, survivors, self.coeffs, self.p.space, base=self.full_plan).best
-        self.plan, self.step_time = best.plan, best.estimate.step_time
+        self.plan, self.b_step_time = best.plan, best.estimate.step_time
+        self.step_time = self._true_step(best.plan, predicted=best.estimate.step_time)
         self.batch = self.workload.global_batch
         lost = (now % self.p.checkpoint_every_s)
-        self.busy_until = max(self.busy_until if self.busy_until != math.inf else now, now) + self.p.restart_s + lost
+        for attr, cost in (("busy_until", self.p.restart_s * self.truth.restart), ("b_busy_until", self.restart_d)):
+            busy = getattr(self, attr)
+            setattr(self, attr, max(busy if busy != math.inf else now, now) + cost + lost)
         self.decisions["restart"] = self.decisions.get("restart", 0) + 1
 
 
-def simulate(preset: Preset, policies=POLICY_NAMES, seed: int = 0, days: float | None = None) -> dict[str, PolicyResult]:
-    """Run every policy against the same failure schedule."""
+def deployed(preset: Preset, seed: int = 0, model_error: float = 0.2) -> tuple[Plan, TrueModel]:
+    """The plan every policy starts from (the believed model's best) and the true model."""
+    coeffs = Coefficients()
+    base = plan_search(preset.workload, preset.cluster(), coeffs, replace(preset.space, global_limit=1 << 30)).best.plan
+    step = estimate(base, preset.workload, preset.cluster(), coeffs).step_time
+    return base, TrueModel.perturbed(model_error, seed, step)
+
+
+def simulate(preset: Preset, policies=None, seed: int = 0, days: float | None = None,
+             model_error: float = 0.2) -> dict[str, PolicyResult]:
+    """Run every policy against the same failure schedule, on a true cost model perturbed by
+    ``model_error`` from the believed one (0: the believed model is exact).  ``policies``
+    defaults to every policy (``oracle`` only when there is a model error)."""
     if days is not None:
         preset = replace(preset, days=days)
     coeffs = Coefficients()
-    base = plan_search(preset.workload, preset.cluster(), coeffs, replace(preset.space, global_limit=1 << 30)).best.plan
+    base, truth = deployed(preset, seed, model_error)
+    if policies is None:
+        policies = [p for p in POLICY_NAMES if p != "oracle" or not truth.exact]
     events = draw_events(preset, seed)
     horizon = preset.days * 86400
     results = {}
     for policy in policies:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
-        job = _Job(preset, policy, base, coeffs)
-        ideal_tp = job.batch / job.step_time
+        job = _Job(preset, policy, base, coeffs, truth)
+        ideal_tp = job.batch / job._true_step(base)
+        b_ideal_tp = job.batch / estimate(base, preset.workload, job.decide_cluster, job.coeffs).step_time
         queue: list[tuple[float, int, str, tuple[int, ...]]] = []
         for i, (t, devs, repair) in enumerate(events):
             heapq.heappush(queue, (t, 2 * i, "fail", devs))
             heapq.heappush(queue, (t + repair, 2 * i + 1, "repair", devs))
-        now, samples, downtime = 0.0, 0.0, 0.0
+        now, samples, b_samples, downtime = 0.0, 0.0, 0.0, 0.0
         timeline = [(0.0, ideal_tp)]
         while queue and queue[0][0] < horizon:
             t, _, kind, devs = heapq.heappop(queue)
-            samples += _progress(job, now, t)
+            samples += _progress(job.busy_until, job.batch, job.step_time, now, t)
+            b_samples += _progress(job.b_busy_until, job.batch, job.b_step_time, now, t)
             downtime += _downtime(job, now, t)
             now = t
             (job.fail if kind == "fail" else job.repair)(now, devs)
             timeline.append((now, job.batch / job.step_time if job.busy_until != math.inf else 0.0))
-        samples += _progress(job, now, horizon)
+        samples += _progress(job.busy_until, job.batch, job.step_time, now, horizon)
+        b_samples += _progress(job.b_busy_until, job.batch, job.b_step_time, now, horizon)
         downtime += _downtime(job, now, horizon)
         results[policy] = PolicyResult(policy, samples, ideal_tp * horizon, len(events), job.decisions,
-                                       downtime, timeline, job.decide_s)
+                                       downtime, timeline, job.decide_s, b_samples, b_ideal_tp * horizon)
     return results
 
 
-def _progress(job: _Job, start: float, stop: float) -> float:
-    productive = max(0.0, stop - max(start, min(job.busy_until, stop)))
-    return productive * job.batch / job.step_time
+def model_error_cost(results: dict[str, PolicyResult]) -> float | None:
+    """Goodput the adaptive policy lost to model error: the oracle's minus its own (true model)."""
+    if "oracle" not in results or "adaptive" not in results:
+        return None
+    return results["oracle"].goodput - results["adaptive"].goodput
+
+
+def _progress(busy_until: float, batch: int, step_time: float, start: float, stop: float) -> float:
+    productive = max(0.0, stop - max(start, min(busy_until, stop)))
+    return productive * batch / step_time
 
 
 def _downtime(job: _Job, start: float, stop: float) -> float:

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 __all__ = ["WorkerEnv", "EnvError", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
-           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS"]
+           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF"]
 
 STORE = "CHAMELEON_FT_STORE"                # host:port of the coordinator's TCPStore
 LIGHTHOUSE = "CHAMELEON_FT_LIGHTHOUSE"      # http://host:port of the coordinator's Lighthouse
@@ -25,6 +25,7 @@ REPLACEMENT = "CHAMELEON_FT_REPLACEMENT"     # 0 for an original worker, n for i
 HANG_TIMEOUT = "CHAMELEON_FT_HANG_TIMEOUT"   # watchdog on every collective, seconds
 MIN_WORLD = "CHAMELEON_FT_MIN_WORLD"        # members needed before the first step
 MAX_REPLACEMENTS = "CHAMELEON_FT_MAX_REPLACEMENTS"  # replacement budget of this worker's launcher
+MTTF = "CHAMELEON_FT_MTTF"                  # fixed D for the engine, seconds (--mttf); unset: estimated
 
 # A worker exits with this code when the engine chose checkpoint-restart (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
@@ -52,6 +53,7 @@ class WorkerEnv:
     hang_timeout_s: float = 10.0
     min_world_size: int = 1
     max_replacements: int = 0
+    mttf_s: Optional[float] = None
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerEnv":
@@ -71,6 +73,9 @@ class WorkerEnv:
                 raise EnvError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
         wid = num(WORKER_ID, 0)
+        mttf = num(MTTF, None, float)
+        if mttf is not None and not mttf > 0:
+            raise EnvError(f"{MTTF}={mttf!r} must be a positive number of seconds")
         world = num("WORLD_SIZE", 1)
         local_world = num("LOCAL_WORLD_SIZE", world)
         return cls(
@@ -80,4 +85,5 @@ class WorkerEnv:
             node_rank=num("NODE_RANK", wid // max(local_world, 1)),
             run_dir=env.get(RUN_DIR) or None, faults=env.get(FAULTS, ""),
             replacement=num(REPLACEMENT, 0), hang_timeout_s=num(HANG_TIMEOUT, 10.0, float),
-            min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0))
+            min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0),
+            mttf_s=mttf)

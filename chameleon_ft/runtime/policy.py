@@ -11,7 +11,12 @@ into micro-batch allocations.  The engine decides; this module only translates.
 * a ``Calibrator`` fed with every step's phase timings (predicted by ``perf.estimate`` for the
   running plan, observed by the members), so Decisions use this job's coefficients;
 * a ``StragglerDetector`` fed with every member's compute seconds per micro-batch;
-* a ``FailureRateEstimator`` for ``D`` (the expected time to the next failure).
+* a ``FailureRateEstimator`` for ``D`` (the expected time to the next failure): its prior scaled
+  to this job's worker count at ``start``, fed with every committed step's exposure and every
+  lost worker; ``mttf_s`` (``chameleon-ft run --mttf``) overrides it;
+* the plan-search seconds the last failure or join Decision measured, charged to the next
+  Decision's re-planning candidates (``SelectorConfig.search_s``; it travels with the state, so
+  every member uses the same figure).
 
 Every input comes from values all members share (all-reduced timings, the agreed view), so
 straggler decisions are taken by every member independently and agree.  Failure and join
@@ -67,7 +72,7 @@ class EnginePolicy:
         per_node: workers per node (``LOCAL_WORLD_SIZE``), for the cluster and node losses.
         replacement_eta_s: when the launcher can still start replacements, how soon one is
             expected (enables ``wait``/``heal``); None otherwise.
-        mttf_s: fixed ``D``; default: the failure-rate estimator's.
+        mttf_s: fixed ``D`` (seconds); default: the failure-rate estimator's.
     """
 
     def __init__(self, layer_params: Sequence[int], global_batch: int, micro_batch: int, *,
@@ -95,6 +100,7 @@ class EnginePolicy:
         self.calibrator = Calibrator()
         self.detector = StragglerDetector()
         self.estimator = FailureRateEstimator()
+        self.search_s = 0.0  # measured by the last failure/join Decision
         self._predicted: Optional[tuple[str, float, float]] = None
 
     # ---------------------------------------------------------------- engine inputs
@@ -115,11 +121,12 @@ class EnginePolicy:
         return SelectorConfig(
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
             replacement_eta_s=self.replacement_eta_s,
-            rebuild_s=self.rebuild_s, restart_s=self.restart_s,
+            rebuild_s=self.rebuild_s, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1))
 
-    def mttf(self) -> float:
-        return self.mttf_s or self.estimator.mttf(max(1, len(self.alive)))
+    def mttf(self, devices: Optional[int] = None) -> float:
+        """``D`` for ``devices`` workers (default: the alive ones)."""
+        return self.mttf_s or self.estimator.mttf(max(1, len(self.alive) if devices is None else devices))
 
     def job_state(self, alive, extra_ids=()) -> JobState:
         return JobState(workload=self.workload(), cluster=self.cluster(extra_ids), plan=self.plan,
@@ -130,6 +137,8 @@ class EnginePolicy:
         """The initial data-parallel plan over ``members``; returns the allocation."""
         self.plan = Plan.data_parallel(sorted(members), self.workload())
         self.alive = frozenset(members)
+        if not self.estimator.evidence:
+            self.estimator = FailureRateEstimator.for_job(len(self.alive))
         self.current_batch = self.global_batch
         self._set_allocation(self.plan, {})
         return self.allocation
@@ -153,13 +162,15 @@ class EnginePolicy:
                 self.detector.forget(dead)
                 event = Event(kind, tuple(sorted(dead)), float(step))
                 d = select(event, self.job_state(self.alive), self.selector_config(steps_since_checkpoint),
-                           self.mttf())
+                           self.mttf(len(self.alive - dead)))
+                self.search_s = d.search_s
                 decisions.append(d)
                 self._apply(d, self.alive - dead)
         if joined:
             event = Event(EventKind.JOIN, tuple(sorted(joined)), float(step))
             d = select(event, self.job_state(self.alive | joined, joined),
-                       self.selector_config(steps_since_checkpoint), self.mttf())
+                       self.selector_config(steps_since_checkpoint), self.mttf(len(self.alive | joined)))
+            self.search_s = d.search_s
             decisions.append(d)
             self._apply(d, self.alive | joined)
         return decisions
@@ -232,8 +243,7 @@ class EnginePolicy:
         o = d.choice
         if o is None or o.policy == "restart":
             raise RestartRequested(d)
-        if o.policy == "wait":  # carry on rerouted until the replacement joins
-            o = d.option("reroute")
+        # "wait" carries the rerouted plan and load until the replacement joins
         plan = o.plan if o.plan is not None else self.plan
         batch = o.global_batch or self.current_batch
         alloc = self._allocation_of(plan, alive, o.extra, batch)
@@ -277,7 +287,7 @@ class EnginePolicy:
             "allocation": [[w, n] for w, n in sorted(self.allocation.items())],
             "current_batch": self.current_batch,
             "mb_seconds": self.mb_seconds, "warm": list(self._warm),
-            "rebuild_s": self.rebuild_s,
+            "rebuild_s": self.rebuild_s, "search_s": self.search_s,
             "calibrator": [list(vars(s).values()) for s in self.calibrator.samples],
             "detector": self.detector.state_dict(),
             "estimator": self.estimator.state_dict(),
@@ -290,6 +300,7 @@ class EnginePolicy:
         self.current_batch = int(s.get("current_batch", self.global_batch))
         self.mb_seconds, self._warm = s["mb_seconds"], list(s["warm"])
         self.rebuild_s = float(s["rebuild_s"])
+        self.search_s = float(s.get("search_s", 0.0))
         self.calibrator.samples.clear()
         for v in s["calibrator"]:
             self.calibrator.observe(StepSample(*v))

@@ -83,6 +83,8 @@ class ElasticConfig:
     allowed_policies: restrict the engine's choices (intersected with what the runtime can
         carry out); None: all of them.
     allow_batch_change: let the engine consider policies that change the global batch.
+    mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
+        --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -173,7 +175,7 @@ class ElasticContext:
         self.dtype = dtypes.pop()
         self.policy = EnginePolicy(
             layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
-            warmup_steps=self.cfg.warmup_steps, mttf_s=self.cfg.mttf_s,
+            warmup_steps=self.cfg.warmup_steps, mttf_s=self.env.mttf_s or self.cfg.mttf_s,
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
             allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change)

@@ -32,6 +32,7 @@ def decide(plan, w, c, event, alive=None, **cfg):
 def without_timing(d) -> dict:
     out = d.to_json()
     out.pop("decide_s")
+    out.pop("search_s")
     return out
 
 
@@ -207,9 +208,10 @@ def test_wait_needs_replacement_eta():
     assert not d.option("wait").feasible and "replacement_eta_s" in d.option("wait").reason
     d = cross_decide(1e9, replacement_eta_s=30.0)
     wt = d.option("wait")
-    assert wt.feasible and wt.transition_s >= 30.0
-    # after the wait the full layout runs again
-    assert wt.step_time == pytest.approx(5 * 0 + (8 + 3) * 3)
+    # carried out as reroute until the replacement arrives: reroute's step time and transition
+    assert wt.feasible and wt.transition_s == d.option("reroute").transition_s
+    assert wt.step_time == pytest.approx((8 + 3) * 3 + 8 * 3)
+    assert wt.phases[1][0] >= 30.0 and wt.phases[1][2] == pytest.approx((8 + 4 - 1) * 3)
     assert wt.global_batch == 16
 
 

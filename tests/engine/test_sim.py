@@ -1,22 +1,23 @@
-"""The simulator: goodput is a fraction, and the adaptive policy is at least as good as the
-fixed ones on the same failure schedule."""
+"""The simulator: goodput is a fraction, and -- with the selector's model exact -- the adaptive
+policy is at least as good as the fixed ones on the same failure schedule.  With model error the
+cluster follows a perturbed true model: what that costs is measured, not assumed away."""
 
 from __future__ import annotations
 
 import pytest
 
-from chameleon_ft.sim import FIXED, POLICY_NAMES, PRESETS, draw_events, simulate
+from chameleon_ft.sim import FIXED, POLICY_NAMES, PRESETS, TrueModel, draw_events, model_error_cost, simulate
 
 TOL = 1e-9  # float noise only: "at least as high"
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2])
 def small(request):
-    return simulate(PRESETS["small"], seed=request.param)
+    return simulate(PRESETS["small"], seed=request.param, model_error=0.0)
 
 
 def test_small_goodputs_are_fractions(small):
-    assert set(small) == set(POLICY_NAMES)
+    assert set(small) == set(POLICY_NAMES) - {"oracle"}
     for name, res in small.items():
         assert 0.0 < res.goodput <= 1.01, (name, res.goodput)
         assert res.failures > 0, "the small preset's 200x failure rate must produce failures"
@@ -44,7 +45,7 @@ def test_policies_face_the_same_failures():
 
 
 def test_llama3_16k_two_days():
-    res = simulate(PRESETS["llama3-16k"], days=2)
+    res = simulate(PRESETS["llama3-16k"], days=2, model_error=0.0)
     g = {k: v.goodput for k, v in res.items()}
     assert all(0.0 < v <= 1.01 for v in g.values()), g
     for fixed in ("reroute", "replan", "restart"):
@@ -55,3 +56,30 @@ def test_llama3_16k_two_days():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError):
         simulate(PRESETS["small"], policies=("adaptive", "pray"), days=0.01)
+
+
+# -- model error ------------------------------------------------------------------------
+def test_exact_model_true_goodput_is_the_believed_one(small):
+    for name, res in small.items():
+        assert res.samples == res.believed_samples and res.goodput == res.believed_goodput, name
+    assert model_error_cost(small) is None  # no oracle without model error
+
+
+def test_true_model_is_seeded_and_log_normal():
+    assert TrueModel.perturbed(0.0, 5, 1.0).exact
+    a, b = TrueModel.perturbed(0.2, 5, 1.0), TrueModel.perturbed(0.2, 5, 1.0)
+    assert a == b and not a.exact and a != TrueModel.perturbed(0.2, 6, 1.0)
+    with pytest.raises(ValueError):
+        TrueModel.perturbed(-0.1, 0, 1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_model_error_costs_the_adaptive_policy_and_the_oracle_does_not_pay_it(seed):
+    res = simulate(PRESETS["small"], seed=seed, days=1, model_error=0.2,
+                   policies=("adaptive", "reroute", "restart", "oracle"))
+    for name in ("adaptive", "reroute", "restart"):
+        assert res[name].goodput != pytest.approx(res[name].believed_goodput, rel=1e-9), name
+    # the oracle decides with the model the cluster follows: its prediction is what happens
+    assert res["oracle"].goodput == pytest.approx(res["oracle"].believed_goodput, rel=1e-12)
+    assert res["oracle"].goodput >= res["adaptive"].goodput - TOL
+    assert model_error_cost(res) == res["oracle"].goodput - res["adaptive"].goodput
