@@ -81,8 +81,8 @@ def main(argv=None) -> int:
         every = {p: r.goodput for p, r in res.items() if p not in ADAPTIVE}
         above = [p for p, g in every.items() if g > res["adaptive"].goodput]
         if above and all(p in BATCH_CHANGING for p in above):
-            lines += ["", f"Above the default adaptive policy: {', '.join(above)}, which change(s) the global "
-                      "batch (shrink): the default keeps the batch because users expect the same training."]
+            lines += ["", f"Above the default adaptive policy: {', '.join(above)} (changes the global batch): "
+                      "the default keeps the batch because users expect the same training."]
         elif above:
             kept = [p for p in above if p not in BATCH_CHANGING]
             believed_ok = all(res["adaptive"].believed_goodput >= res[p].believed_goodput for p in kept)
