@@ -297,10 +297,10 @@ def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfi
         if o.feasible:
             o.score = (phased_score(o.phases, mttf_s) if o.phases
                        else score(o.global_batch or B, o.step_time, o.transition_s, mttf_s))
-    best = None
-    for o in options:
-        if o.feasible and (best is None or o.score > best.score):
-            best = o
+    # Equal scores (e.g. a replacement that would arrive after D makes wait = reroute): the
+    # shorter transition wins, as less can go wrong during it; then the listed order.
+    feasible = [o for o in options if o.feasible]
+    best = max(feasible, key=lambda o: (o.score, -o.transition_s), default=None)
     return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0, search_s)
 
 
