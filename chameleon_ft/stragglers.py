@@ -10,6 +10,9 @@ A flag needs evidence that survives CPU time-sharing noise:
 * the score stays above ``enter`` for ``windows`` disjoint windows in a row (``(windows - 1) ·
   window + 1`` consecutive full-window scores), so a burst shorter than a window's majority
   never counts, and one lucky window is not enough;
+* and for at least ``min_evidence_s`` seconds of steps: on a loaded machine the OS starves one
+  process or two for episodes of a few hundred milliseconds (measured: ~10 steps of 40 ms on 2
+  shared cores), which two windows of millisecond steps cannot tell from a straggler;
 * the slowdown costs real time: its extra seconds per step, at the rank's even share of the
   micro-batches (``share``), exceed ``max(min_cost_s, min_cost_frac · step_s)``.  A 4x spike on
   a 1 ms micro-batch costs 3 ms: not worth moving work for.
@@ -45,11 +48,13 @@ class StragglerDetector:
     windows: int = 2
     min_cost_s: float = 0.005
     min_cost_frac: float = 0.2
+    min_evidence_s: float = 2.0
     _samples: dict[int, deque] = field(default_factory=dict, repr=False)
     _above: dict[int, int] = field(default_factory=dict, repr=False)
     _below: dict[int, int] = field(default_factory=dict, repr=False)
     _idle: dict[int, int] = field(default_factory=dict, repr=False)
     _hold: dict[int, int] = field(default_factory=dict, repr=False)
+    _above_s: dict[int, float] = field(default_factory=dict, repr=False)
     flagged: dict[int, float] = field(default_factory=dict)
     cleared: list[int] = field(default_factory=list)
 
@@ -58,8 +63,8 @@ class StragglerDetector:
             raise ValueError("need 1 < leave < enter for hysteresis")
         if self.window < 1 or self.windows < 1:
             raise ValueError("window and windows must be >= 1")
-        if self.min_cost_s < 0 or not 0 <= self.min_cost_frac < 1:
-            raise ValueError("need min_cost_s >= 0 and 0 <= min_cost_frac < 1")
+        if self.min_cost_s < 0 or not 0 <= self.min_cost_frac < 1 or self.min_evidence_s < 0:
+            raise ValueError("need min_cost_s >= 0, 0 <= min_cost_frac < 1 and min_evidence_s >= 0")
 
     @property
     def evidence_steps(self) -> int:
@@ -73,7 +78,8 @@ class StragglerDetector:
     def observe(self, timings: dict[int, float], time_s: float = 0.0, *, share: float = 1.0,
                 step_s: float = 0.0) -> list[Event]:
         """Feed one step's per-rank seconds per micro-batch (ranks that ran none are left out);
-        ``share``: micro-batches per rank in an even split; ``step_s``: the step's seconds.
+        ``share``: micro-batches per rank in an even split; ``step_s``: the step's seconds
+        (default: the slowest rank's timing times ``share``).
         Returns newly flagged stragglers, worst first; ``cleared`` lists the ranks cleared."""
         for rank, t in timings.items():
             if not t > 0:  # also rejects NaN
@@ -93,6 +99,8 @@ class StragglerDetector:
                 if self._idle[rank] >= self.window:
                     self._drop(rank)
                     self.cleared.append(rank)
+        if not step_s > 0:
+            step_s = max(timings.values(), default=0.0) * share
         floor = self.floor_s(step_s)
         events = []
         for rank, (s, ref) in self._scored().items():
@@ -108,15 +116,19 @@ class StragglerDetector:
                 continue
             costly = (median(self._samples[rank]) - ref) * share > floor
             full = len(self._samples[rank]) == self.window
-            self._above[rank] = self._above.get(rank, 0) + 1 if (full and s > self.enter and costly) else 0
-            if self._above[rank] >= self.evidence_steps:
+            above = full and s > self.enter and costly
+            self._above[rank] = self._above.get(rank, 0) + 1 if above else 0
+            self._above_s[rank] = self._above_s.get(rank, 0.0) + step_s if above else 0.0
+            if self._above[rank] >= self.evidence_steps and self._above_s[rank] >= self.min_evidence_s:
                 self.flagged[rank] = s
-                self._above[rank] = self._below[rank] = 0
                 events.append(Event(EventKind.STRAGGLER, (rank,), time_s, slowdown=s,
-                                    detail=f"median step {s:.2f}x the job's median for "
-                                           f"{self.windows} windows of {self.window} steps, "
+                                    detail=f"median step {s:.2f}x the job's median, above "
+                                           f"{self.enter}x for {self._above[rank]} steps in a row "
+                                           f"({self._above_s[rank]:.1f} s), "
                                            f"costing {(median(self._samples[rank]) - ref) * share * 1e3:.1f} ms"
                                            f" a step (floor {floor * 1e3:.1f} ms)"))
+                self._above[rank] = self._below[rank] = 0
+                self._above_s[rank] = 0.0
         return sorted(events, key=lambda e: -e.slowdown)
 
     def _scored(self) -> dict[int, tuple[float, float]]:
@@ -136,7 +148,7 @@ class StragglerDetector:
         return {r: s for r, (s, _) in self._scored().items()}
 
     def _drop(self, rank: int) -> None:
-        for d in (self._samples, self._above, self._below, self._idle, self.flagged):
+        for d in (self._samples, self._above, self._above_s, self._below, self._idle, self.flagged):
             d.pop(rank, None)
 
     def clear(self, rank: int, hold: int = 0) -> None:
@@ -155,7 +167,8 @@ class StragglerDetector:
         def ints(d):
             return {str(k): v for k, v in d.items()}
         return {"flagged": ints(self.flagged), "samples": {str(k): list(v) for k, v in self._samples.items()},
-                "above": ints(self._above), "below": ints(self._below), "idle": ints(self._idle),
+                "above": ints(self._above), "above_s": ints(self._above_s), "below": ints(self._below),
+                "idle": ints(self._idle),
                 "hold": ints(self._hold)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -164,5 +177,6 @@ class StragglerDetector:
         self.flagged = back("flagged", float)
         self._samples = {int(k): deque(v, maxlen=self.window) for k, v in state.get("samples", {}).items()}
         self._above, self._below = back("above", int), back("below", int)
+        self._above_s = back("above_s", float)
         self._idle, self._hold = back("idle", int), back("hold", int)
         self.cleared = []

@@ -83,7 +83,7 @@ class EnginePolicy:
             expected (enables ``wait``/``heal``); None otherwise.
         mttf_s: fixed ``D``; default: the failure-rate estimator's.
         straggler_options: ``StragglerDetector`` fields (``window``, ``windows``, ``enter``,
-            ``leave``, ``min_cost_s``, ``min_cost_frac``) and the rebalance check's
+            ``leave``, ``min_cost_s``, ``min_cost_frac``, ``min_evidence_s``) and the rebalance check's
             ``verify_steps`` (steps measured after a rebalance) and ``min_gain`` (the share of
             the compute path it must save, else it is undone).
     """
@@ -119,7 +119,8 @@ class EnginePolicy:
             self.detector = StragglerDetector(**opts)
         except TypeError:
             raise ValueError(f"unknown straggler options {sorted(opts)}; known: window, windows, enter, "
-                             "leave, min_cost_s, min_cost_frac, verify_steps, min_gain") from None
+                             "leave, min_cost_s, min_cost_frac, min_evidence_s, verify_steps, "
+                             "min_gain") from None
         self._detector_opts = opts
         self._recent: deque = deque(maxlen=self.verify_steps)  # compute path of the last steps
         self._check: Optional[dict] = None  # the last rebalance, until its gain is measured

@@ -53,7 +53,7 @@ def jitter(det, steps, rng, *, spike_p, share=None, ranks=4, unit=1e-3, noise=0.
 
 def test_flags_a_sustained_3x_slow_rank_after_two_full_windows():
     det = StragglerDetector(window=5, windows=2)
-    events = feed(det, 20, slow=2, unit=0.01)  # 3x of 10 ms: 20 ms a step
+    events = feed(det, 20, slow=2, unit=1.0)  # 3x of 1 s: the 2 s of evidence come at once
     assert len(events) == 1, "flagged once, not every step"
     step, ev = events[0]
     assert step == 2 * 5 - 1  # first full window at step 4, then above for 6 scores in a row
@@ -63,9 +63,12 @@ def test_flags_a_sustained_3x_slow_rank_after_two_full_windows():
 
 
 def test_a_sustained_3x_slowdown_at_1ms_is_flagged_when_it_costs_enough():
-    # 3x of 1 ms with 4 micro-batches per rank: 8 ms a step, above the 5 ms floor.
+    # 3x of 1 ms with 4 micro-batches per rank: 8 ms a step, above the 5 ms floor; flagged once
+    # the 12 ms steps add up to 2 s of evidence.
     det = StragglerDetector()
-    assert [e.devices for _, e in feed(det, 15, slow=1, unit=1e-3, share=4.0)] == [(1,)]
+    got = feed(det, 250, slow=1, unit=1e-3, share=4.0)
+    assert [e.devices for _, e in got] == [(1,)]
+    assert got[0][0] == 4 + 166  # the first full window's step, then 166 more of 12 ms
     # The same slowdown with one micro-batch per rank costs 2 ms a step: not worth acting on.
     det = StragglerDetector()
     assert feed(det, 50, slow=1, unit=1e-3, share=1.0) == []
@@ -75,8 +78,20 @@ def test_floor_follows_the_step_time():
     det = StragglerDetector(min_cost_s=0.005, min_cost_frac=0.2)
     assert det.floor_s(0.001) == 0.005 and det.floor_s(1.0) == pytest.approx(0.2)
     # 3x of 10 ms costs 20 ms a step; a 200 ms step needs 40 ms.
-    assert feed(det, 50, slow=0, unit=0.01, step_s=0.2) == []
-    assert len(feed(StragglerDetector(), 50, slow=0, unit=0.01, step_s=0.05)) == 1
+    assert feed(det, 100, slow=0, unit=0.01, step_s=0.2) == []
+    assert len(feed(StragglerDetector(), 100, slow=0, unit=0.01, step_s=0.05)) == 1
+
+
+def test_evidence_must_span_min_evidence_s():
+    """A 10-step episode of 40 ms steps (what a loaded 2-core machine does to a process) is
+    0.4 s of evidence: not a straggler; the same slowdown held for 2 s is."""
+    det = StragglerDetector()
+    assert feed(det, 14, slow=1, unit=0.01, step_s=0.04) == []
+    assert feed(det, 20, unit=0.01, step_s=0.04, start=14) == []
+    got = feed(det, 80, slow=1, unit=0.01, step_s=0.04, start=34)
+    # the window turns at its 3rd slow step (36), then 50 steps of 40 ms in a row
+    assert [s for s, _ in got] == [36 + 49]
+    assert len(feed(StragglerDetector(min_evidence_s=0), 10, slow=1, unit=0.01, step_s=0.04)) == 1
 
 
 def test_injected_jitter_never_flags():
@@ -106,7 +121,7 @@ def test_a_sustained_slowdown_among_jitter_is_flagged(seed, ranks, factor):
     det = StragglerDetector()
     slow = rng.randrange(ranks)
     flagged = []
-    for i in range(40):
+    for i in range(300):  # 8 micro-batches of 2-6 ms: 2 s of evidence within ~125 steps
         t = {r: 1e-3 * (1 + rng.uniform(-0.2, 0.2)) for r in range(ranks)}
         t[slow] *= factor
         flagged += [e.devices for e in det.observe(t, float(i), share=8.0)]
@@ -220,7 +235,7 @@ def test_allocate_min_one_keeps_a_slow_device_measurable():
 class SimJob:
     """Timings a data-parallel job reports for the policy's allocation."""
 
-    def __init__(self, workers=4, global_batch=32, micro_batch=4, mb_s=0.01, **kw):
+    def __init__(self, workers=4, global_batch=32, micro_batch=4, mb_s=0.1, **kw):
         self.policy = EnginePolicy([1000, 1000], global_batch, micro_batch, mttf_s=86400.0, **kw)
         self.policy.start(list(range(workers)))
         self.mb_s = mb_s
@@ -233,8 +248,8 @@ class SimJob:
             alloc = self.policy.allocation
             comp = {w: n * self.mb_s * (slow or {}).get(w, 1.0) + (fixed or {}).get(w, 0.0)
                     for w, n in alloc.items()}
-            timings = {w: (comp[w], n, 0.002, self.prev) for w, n in alloc.items()}
-            self.prev = max(comp.values()) + 0.002
+            timings = {w: (comp[w], n, 0.02, self.prev) for w, n in alloc.items()}
+            self.prev = max(comp.values()) + 0.02
             self.step += 1
             d = self.policy.observe_step(timings, self.step)
             if d is not None:
@@ -294,11 +309,11 @@ def test_a_cleared_flag_restores_the_even_split():
 
 
 def test_a_rebalance_without_measured_gain_is_undone():
-    """Worker 1 stalls 300 ms every step whatever its share (a per-step delay that micro-batches
+    """Worker 1 stalls 3 s every step whatever its share (a per-step delay that micro-batches
     cannot move): its per-micro-batch time looks 16x slow, the rebalance gives it fewer, and the
     measured step gets 3 % shorter (under the 5 % a rebalance must save) -- so the rebalance is undone and the even split is back."""
     job = SimJob()
-    job.run(80, fixed={1: 0.3}, check=no_idle_worker)
+    job.run(80, fixed={1: 3.0}, check=no_idle_worker)
     chosen = [(s, d.chosen, d.event.slowdown > 1, d.event.detail) for s, d in job.decisions]
     rebalances = [c for c in chosen if c[2]]
     undos = [c for c in chosen if "undone" in c[3]]
@@ -312,7 +327,7 @@ def test_a_rebalance_without_measured_gain_is_undone():
     assert len(gaps) >= 2 and all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
     # right after an undo, the even split
     job2 = SimJob()
-    job2.run(step_undo, fixed={1: 0.3})
+    job2.run(step_undo, fixed={1: 3.0})
     assert list(job2.policy.allocation.values()) == [2, 2, 2, 2]
 
 
@@ -340,7 +355,7 @@ def test_fewer_microbatches_than_workers():
 
 def test_policy_state_round_trip_keeps_the_check():
     job = SimJob(straggler_options={"verify_steps": 3, "window": 4})
-    job.run(9, fixed={1: 0.3})
+    job.run(9, fixed={1: 3.0})
     assert job.policy._check is not None
     other = EnginePolicy([1000, 1000], 32, 4, mttf_s=86400.0,
                          straggler_options={"verify_steps": 3, "window": 4})
