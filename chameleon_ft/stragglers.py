@@ -12,7 +12,7 @@ A flag needs evidence that survives CPU time-sharing noise:
   never counts, and one lucky window is not enough;
 * and for at least ``min_evidence_s`` seconds of steps: on a loaded machine the OS starves one
   process or two for episodes of a few hundred milliseconds (measured: ~10 steps of 40 ms on 2
-  shared cores), which two windows of millisecond steps cannot tell from a straggler;
+  shared cores, 0.4 s), which two windows of millisecond steps cannot tell from a straggler;
 * the slowdown costs real time: its extra seconds per step, at the rank's even share of the
   micro-batches (``share``), exceed ``max(min_cost_s, min_cost_frac · step_s)``.  A 4x spike on
   a 1 ms micro-batch costs 3 ms: not worth moving work for.
@@ -48,7 +48,7 @@ class StragglerDetector:
     windows: int = 2
     min_cost_s: float = 0.005
     min_cost_frac: float = 0.2
-    min_evidence_s: float = 2.0
+    min_evidence_s: float = 1.0
     _samples: dict[int, deque] = field(default_factory=dict, repr=False)
     _above: dict[int, int] = field(default_factory=dict, repr=False)
     _below: dict[int, int] = field(default_factory=dict, repr=False)
