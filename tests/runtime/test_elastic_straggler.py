@@ -86,7 +86,7 @@ def test_jitter_on_1ms_microbatches_never_rebalances(tmp_path):
               launch_args=["--faults", "jitter:rank=0,1,2,3:factor=4:prob=0.2"])
     try:
         job.start()
-        assert job.wait(90) == [0], job.output()
+        assert job.wait(120) == [0], job.output()
         evs = job.events()
     finally:
         job.cleanup()
