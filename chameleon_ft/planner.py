@@ -8,7 +8,8 @@ Three pieces, usable on their own:
   exact for an ordered chain.
 * :func:`allocate_microbatches` gives each pipeline micro-batches so that the slowest pipeline
   finishes first: water-filling on ``(m_j + p_j - 1) · u_j`` (``u_j`` = one micro-batch's
-  bottleneck time), i.e. micro-batches in proportion to throughput; a slow pipeline gets fewer.
+  bottleneck time), i.e. micro-batches in proportion to throughput; a slow pipeline gets fewer,
+  but no fewer than ``min_each`` when the batch has that many per pipeline.
 * :func:`plan_search` enumerates layouts over the survivors — pipelines of depth ``p`` and
   ``p + 1`` (unequal lengths use every device) for every depth in the allowed range, and within
   the allowed data-parallel range — and keeps those that fit memory, fastest first.  The global
@@ -49,6 +50,10 @@ class SearchSpace:
     # moves most of the model (rarely worth it within D) and its search alone would cost more
     # than the decision budget.  Raise it to search globally anyway.
     global_limit: int = 256
+    # Micro-batches every pipeline keeps (when the batch has enough): a runtime that measures
+    # speeds needs each device to keep running something, or a slow device can never be seen
+    # to recover.  0: a pipeline too slow to help gets none.
+    min_microbatches: int = 0
 
     def depths(self, workload: Workload, n: int) -> range:
         hi = min(self.pp_max or workload.num_layers, workload.num_layers, n)
@@ -163,21 +168,28 @@ def _balanced(workload, speeds, coeffs, memory, shard_degree):
 
 
 # -- micro-batch allocation -------------------------------------------------------------
-def allocate_microbatches(unit_s: Sequence[float], depths: Sequence[int], total: int) -> list[int]:
-    """Micro-batches per pipeline minimising max_j (m_j + p_j - 1)·u_j, summing to ``total``.
+def allocate_microbatches(unit_s: Sequence[float], depths: Sequence[int], total: int,
+                          min_each: int = 0) -> list[int]:
+    """Micro-batches per pipeline minimising max_j (m_j + p_j - 1)·u_j, summing to ``total``,
+    each pipeline getting at least ``min_each``.
 
-    A pipeline that would finish later than the optimum with even one micro-batch gets none."""
+    Without ``min_each`` (or when ``total`` is below ``min_each`` per pipeline, which cannot be
+    met), a pipeline that would finish later than the optimum with even one micro-batch gets
+    none."""
     u = np.asarray(unit_s, dtype=float)
     d = np.asarray(depths, dtype=float)
     if len(u) == 0:
         raise PlanError("no pipelines to allocate micro-batches to")
+    if min_each < 0:
+        raise PlanError("min_each must be >= 0")
     if total == 0:
         return [0] * len(u)
     if np.any(u <= 0):
         raise PlanError("pipeline micro-batch times must be positive")
+    floor_m = min_each if total >= min_each * len(u) else 0
 
     def count(t: float) -> np.ndarray:
-        return np.maximum(0, np.floor(t / u - d + 1 + 1e-9)).astype(np.int64)
+        return np.maximum(floor_m, np.floor(t / u - d + 1 + 1e-9)).astype(np.int64)
 
     lo, hi = 0.0, float(((total + d - 1) * u).min())  # one pipeline alone can always do it
     for _ in range(200):
@@ -192,7 +204,7 @@ def allocate_microbatches(unit_s: Sequence[float], depths: Sequence[int], total:
     surplus = int(m.sum() - total)
     if surplus > 0:
         # Take the surplus from the pipelines that finish last (ties: lowest index first).
-        t = np.where(m > 0, (m + d - 1) * u, -np.inf)
+        t = np.where(m > floor_m, (m + d - 1) * u, -np.inf)
         order = np.lexsort((np.arange(len(u)), -t))
         for j in order[:surplus]:
             m[j] -= 1
@@ -207,8 +219,10 @@ def _ordered(cluster: Cluster, devices: Iterable[int]) -> list[int]:
 class _Builder:
     """Builds pipelines for chunks of devices, caching layer splits by the chunk's speeds."""
 
-    def __init__(self, workload: Workload, cluster: Cluster, coeffs: Coefficients, shard_degree: int):
+    def __init__(self, workload: Workload, cluster: Cluster, coeffs: Coefficients, shard_degree: int,
+                 min_each: int = 0):
         self.w, self.c, self.k, self.shard = workload, cluster, coeffs, shard_degree
+        self.min_each = min_each
         self._unit: dict[tuple, float] = {}
 
     def pipeline(self, devs: Sequence[int]) -> tuple[tuple[int, ...], float] | None:
@@ -243,7 +257,7 @@ class _Builder:
                 bounds = pipes[g][1]
                 if any(pipes[g + i][1] != bounds for i in range(self.shard)):
                     return None
-        alloc = allocate_microbatches(units, [len(d) for d, _ in pipes], total)
+        alloc = allocate_microbatches(units, [len(d) for d, _ in pipes], total, self.min_each)
         kept = [Pipeline(d, b, m) for (d, b), m in zip(pipes, alloc)]
         if self.shard == 1:
             kept = [p for p in kept if p.microbatches > 0]
@@ -290,7 +304,7 @@ def plan_search(
     alive = _ordered(cluster, cluster.ids if survivors is None else survivors)
     alive_set = set(alive)
     total = workload.num_microbatches if num_microbatches is None else num_microbatches
-    builder = _Builder(workload, cluster, coeffs, space.shard_degree)
+    builder = _Builder(workload, cluster, coeffs, space.shard_degree, space.min_microbatches)
     found: dict[tuple, Candidate] = {}
     rejected: dict[str, str] = {}
 

@@ -554,10 +554,14 @@ def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: Job
 
 
 def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
+    """``keep`` the running plan with the measured speeds, or ``rebalance``: the best plan for
+    them.  The event's slowdown applies to its devices on top of ``state.cluster``'s speeds; a
+    slowdown of 1 (a flag cleared, a rebalance undone) re-plans for the speeds as they are.
+    The plan's batch is conserved (also after a shrink); ``cfg.space.min_microbatches`` keeps a
+    slow device measurable."""
     w, plan = state.workload, state.plan
     speeds = {d: state.cluster[d].speed / event.slowdown for d in event.devices}
     slowed = state.cluster.with_speeds(speeds)
-    B = w.global_batch
     dead, extra = _rerouted(state)
     keep = _option_from_plan("keep", plan, state, slowed, dead=dead, extra=extra)
     keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
@@ -566,14 +570,15 @@ def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tu
     t0 = time.perf_counter()
     try:
         result = plan_search(w, slowed.without(set(slowed.ids) - alive), state.coeffs,
-                             cfg.space, survivors=alive, base=plan)
+                             cfg.space, survivors=alive, base=plan,
+                             num_microbatches=plan.num_microbatches)
         best = result.best
         mig = migrate(plan, best.plan, w, slowed, alive)
         options.append(Option(
             "rebalance", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
-            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=B,
+            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=_plan_batch(state),
             plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown(),
-            reason=f"devices {list(event.devices)} measured {event.slowdown:.2f}x slower",
+            reason=event.detail or f"devices {list(event.devices)} measured {event.slowdown:.2f}x slower",
         ))
     except PlanError as e:
         options.append(Option("rebalance", False, str(e)))

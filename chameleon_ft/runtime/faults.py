@@ -2,17 +2,23 @@
 
 A ``FaultSpec`` says what goes wrong, where and when: ``kill`` (SIGKILL to itself: a fail-stop
 crash), ``hang`` (SIGSTOP to itself: alive but silent), ``slow`` (sleep after a phase so that it
-takes ``factor`` times as long: a straggler) or ``exit`` (a clean ``sys.exit`` with a nonzero
-code), aimed at ranks or at every local rank of a node, at a global step and a step phase.
+takes ``factor`` times as long: a straggler), ``jitter`` (the same padding, but only for a random
+``prob`` share of the phases: scheduling noise, not a straggler) or ``exit`` (a clean
+``sys.exit`` with a nonzero code), aimed at ranks or at every local rank of a node, at a global
+step and a step phase.
 
 Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` variable::
 
     kill:rank=2:step=10:phase=backward;slow:rank=1:factor=3:from=5:to=20;hang:node=1:step=4
+    jitter:rank=0,1,2,3:factor=4:prob=0.1
 
 Fields: ``rank=R[,R...]`` or ``node=K`` (one is required), ``step=S`` (exactly that step;
-without it a kill/hang/exit fires at the first matching phase and a slow fault at every one),
-``from=S``/``to=S`` (slow only; inclusive range, either end open), ``phase=P`` (default ``any``), ``once`` (fire at most once), ``factor=F`` (slow only,
->= 1, default 2) and ``code=C`` (exit only, nonzero, default 1).
+without it a kill/hang/exit fires at the first matching phase and a slow/jitter fault at every
+one), ``from=S``/``to=S`` (slow and jitter; inclusive range, either end open: a ``slow`` with
+``to=`` is a straggler that recovers), ``phase=P`` (default ``any``), ``once`` (fire at most
+once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``prob=P``
+(jitter only, in (0, 1], default 0.1; drawn from a generator seeded by the rank, so a run is
+reproducible) and ``code=C`` (exit only, nonzero, default 1).
 
 Workers call ``FaultInjector.at(step, phase)`` at phase boundaries, or wrap a phase in
 ``with injector.phase(step, "forward"):`` so that ``slow`` can measure it.  ``kill_process`` is
@@ -20,7 +26,7 @@ the outside view: send SIGKILL / SIGSTOP / SIGCONT to a PID.
 
 Limits, honestly: faults fire only where the worker calls the injector, so "killed during the
 all-reduce" means "killed when entering the all-reduce phase", not at an arbitrary instruction;
-``slow`` pads a phase after it ran (wall time, not a slower device); the signals are POSIX-only
+``slow``/``jitter`` pad a phase after it ran (wall time, not a slower device); the signals are POSIX-only
 and ``process_state`` reads Linux ``/proc``.  ``kill``/``hang``/``exit`` fire at most once per
 process, so a hung worker that is continued (SIGCONT) and redoes the step does not hang again.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -51,11 +58,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "slow", "exit")
+ACTIONS = ("kill", "hang", "slow", "jitter", "exit")
+_PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
 PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
-_KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code")
+_KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class FaultSpec:
     from_step: int | None = None
     to_step: int | None = None
     code: int | None = None
+    prob: float | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -89,19 +98,26 @@ class FaultSpec:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name.replace('_step', '')} must be >= 0, got {v}")
-        if self.action == "slow":
-            object.__setattr__(self, "factor", 2.0 if self.factor is None else float(self.factor))
+        if self.action in _PADDING:
+            default = 2.0 if self.action == "slow" else 4.0
+            object.__setattr__(self, "factor", default if self.factor is None else float(self.factor))
             if not self.factor >= 1:  # also rejects NaN
-                raise ValueError(f"slow factor must be >= 1, got {self.factor}")
+                raise ValueError(f"{self.action} factor must be >= 1, got {self.factor}")
             if self.step is not None and (self.from_step is not None or self.to_step is not None):
-                raise ValueError("slow takes step= or a from=/to= range, not both")
+                raise ValueError(f"{self.action} takes step= or a from=/to= range, not both")
             if self.from_step is not None and self.to_step is not None and self.to_step < self.from_step:
                 raise ValueError(f"empty step range from={self.from_step} to={self.to_step}")
         else:
             if self.factor is not None:
-                raise ValueError("factor= applies to slow faults only")
+                raise ValueError("factor= applies to jitter and slow faults only")
             if self.from_step is not None or self.to_step is not None:
-                raise ValueError("from=/to= apply to slow faults only; use step=")
+                raise ValueError("from=/to= apply to jitter and slow faults only; use step=")
+        if self.action == "jitter":
+            object.__setattr__(self, "prob", 0.1 if self.prob is None else float(self.prob))
+            if not 0 < self.prob <= 1:
+                raise ValueError(f"jitter prob must be in (0, 1], got {self.prob}")
+        elif self.prob is not None:
+            raise ValueError("prob= applies to jitter faults only")
         if self.action == "exit":
             if self.code is None:
                 object.__setattr__(self, "code", 1)
@@ -160,8 +176,9 @@ class FaultSpec:
                               ("to", "to_step"), ("code", "code")):
                 if key in fields:
                     kw[name] = int(fields[key])
-            if "factor" in fields:
-                kw["factor"] = float(fields["factor"])
+            for key in ("factor", "prob"):
+                if key in fields:
+                    kw[key] = float(fields[key])
         except ValueError:
             raise ValueError(f"bad number in fault spec {text!r}") from None
         if "phase" in fields:
@@ -186,6 +203,8 @@ class FaultSpec:
             out.append(f"phase={self.phase}")
         if self.factor is not None:
             out.append(f"factor={self.factor!r}")  # repr round-trips a float exactly
+        if self.prob is not None:
+            out.append(f"prob={self.prob!r}")
         if self.code is not None:
             out.append(f"code={self.code}")
         if self.once:
@@ -239,6 +258,7 @@ class FaultInjector:
         self._fired: set[int] = set()
         self._on_fire = on_fire
         self._sleep = sleep
+        self._rng = random.Random(rank)  # jitter draws: reproducible per rank
         self.slept = 0.0  # total injected delay, for benchmarks to report
 
     @classmethod
@@ -254,7 +274,7 @@ class FaultInjector:
         for i, spec in enumerate(self.specs):
             if spec.action not in actions or not spec.matches(step, phase):
                 continue
-            if i in self._fired and (spec.once or spec.action != "slow"):
+            if i in self._fired and (spec.once or spec.action not in _PADDING):
                 continue
             self._fired.add(i)
             yield spec
@@ -276,7 +296,9 @@ class FaultInjector:
         self._slow(step, phase, time.perf_counter() - t0)
 
     def _slow(self, step: int, phase: str, phase_time: float) -> None:
-        for spec in self._due(step, phase, ("slow",)):
+        for spec in self._due(step, phase, _PADDING):
+            if spec.action == "jitter" and self._rng.random() >= spec.prob:
+                continue
             delay = (spec.factor - 1.0) * max(phase_time, 0.0)
             self._announce(spec, step, phase, f" delay={delay:.4f}s")
             self.slept += delay
@@ -286,7 +308,7 @@ class FaultInjector:
         msg = (f"chameleon-ft fault: {spec.action} rank={self.rank} pid={os.getpid()} "
                f"step={step} phase={phase}{extra}")
         log.warning(msg)
-        if spec.action != "slow":
+        if spec.action not in _PADDING:
             # The process may not get another chance to flush.
             print(msg, file=sys.stderr, flush=True)
         if self._on_fire is not None:

@@ -10,13 +10,23 @@ into micro-batch allocations.  The engine decides; this module only translates.
   (1/3 forward, 2/3 backward, in proportion to parameters), frozen after ``warmup_steps``;
 * a ``Calibrator`` fed with every step's phase timings (predicted by ``perf.estimate`` for the
   running plan, observed by the members), so Decisions use this job's coefficients;
-* a ``StragglerDetector`` fed with every member's compute seconds per micro-batch;
+* a ``StragglerDetector`` fed with every member's compute seconds per micro-batch; each flag,
+  clear and undone rebalance is a straggler Decision (see *Stragglers* below);
 * a ``FailureRateEstimator`` for ``D`` (the expected time to the next failure): its prior scaled
   to this job's worker count at ``start``, fed with every committed step's exposure and every
   lost worker; ``mttf_s`` (``chameleon-ft run --mttf``) overrides it;
 * the plan-search seconds the last failure or join Decision measured, charged to the next
   Decision's re-planning candidates (``SelectorConfig.search_s``; it travels with the state, so
   every member uses the same figure).
+
+Stragglers: the engine's plans keep at least one micro-batch on every live worker
+(``SearchSpace.min_microbatches``) when the batch has that many, so a flagged worker keeps
+yielding timings and can be cleared.  A rebalance is checked: after ``verify_steps`` steps the
+median measured compute path (the slowest member's compute seconds) must be ``min_gain`` below
+the median of the steps before; otherwise it is undone -- the flag is dropped, the rank's
+timings are ignored for a while (doubling with every undo) and the plan is re-derived from the
+remaining flags (the even split when none).  A cleared flag re-derives the plan the same way.
+These re-derivations are straggler Decisions with slowdown 1 whose reason says why.
 
 Every input comes from values all members share (all-reduced timings, the agreed view), so
 straggler decisions are taken by every member independently and agree.  Failure and join
@@ -33,6 +43,8 @@ measured per layer.
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
 from typing import Optional, Sequence
 
 from chameleon_ft.calibrate import Calibrator, StepSample
@@ -50,6 +62,8 @@ __all__ = ["EnginePolicy", "RestartRequested", "RUNTIME_POLICIES"]
 RUNTIME_POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
                               "heal", "grow"})
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
+# Knobs of the rebalance check, next to the StragglerDetector's own fields.
+_CHECK_DEFAULTS = {"verify_steps": 4, "min_gain": 0.05}
 
 
 class RestartRequested(RuntimeError):
@@ -73,12 +87,17 @@ class EnginePolicy:
         replacement_eta_s: when the launcher can still start replacements, how soon one is
             expected (enables ``wait``/``heal``); None otherwise.
         mttf_s: fixed ``D`` (seconds); default: the failure-rate estimator's.
+        straggler_options: ``StragglerDetector`` fields (``window``, ``windows``, ``enter``,
+            ``leave``, ``min_cost_s``, ``min_cost_frac``, ``min_evidence_s``) and the rebalance check's
+            ``verify_steps`` (steps measured after a rebalance) and ``min_gain`` (the share of
+            the compute path it must save, else it is undone).
     """
 
     def __init__(self, layer_params: Sequence[int], global_batch: int, micro_batch: int, *,
                  per_node: int = 1, warmup_steps: int = 3, replacement_eta_s: Optional[float] = None,
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
-                 stragglers: bool = True, allowed=None, allow_batch_change: bool = False):
+                 stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
+                 straggler_options: Optional[dict] = None):
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -98,7 +117,19 @@ class EnginePolicy:
         self.mb_seconds: Optional[float] = None  # frozen per-micro-batch compute, after warm-up
         self._warm: list[float] = []
         self.calibrator = Calibrator()
-        self.detector = StragglerDetector()
+        opts = dict(straggler_options or {})
+        check = {k: opts.pop(k, v) for k, v in _CHECK_DEFAULTS.items()}
+        self.verify_steps, self.min_gain = max(1, int(check["verify_steps"])), float(check["min_gain"])
+        try:
+            self.detector = StragglerDetector(**opts)
+        except TypeError:
+            raise ValueError(f"unknown straggler options {sorted(opts)}; known: window, windows, enter, "
+                             "leave, min_cost_s, min_cost_frac, min_evidence_s, verify_steps, "
+                             "min_gain") from None
+        self._detector_opts = opts
+        self._recent: deque = deque(maxlen=self.verify_steps)  # compute path of the last steps
+        self._check: Optional[dict] = None  # the last rebalance, until its gain is measured
+        self._undos: dict[int, int] = {}  # rebalances undone, per rank
         self.estimator = FailureRateEstimator()
         self.search_s = 0.0  # measured by the last failure/join Decision
         self._predicted: Optional[tuple[str, float, float]] = None
@@ -111,10 +142,11 @@ class EnginePolicy:
                              act_bytes=0) for p in self.layer_params)
         return Workload(layers, self.global_batch, self.micro_batch, name="elastic-dp")
 
-    def cluster(self, extra_ids=()):
+    def cluster(self, extra_ids=(), unflag=()):
         ids = set(self.plan.devices if self.plan else ()) | set(self.alive) | set(extra_ids)
         n = max(ids) + 1 if ids else 1
-        speeds = {d: 1.0 / s for d, s in self.detector.flagged.items() if s > 0}
+        # ``unflag``: devices whose slowdown the event itself carries (not to count it twice).
+        speeds = {d: 1.0 / max(s, 1.0) for d, s in self.detector.flagged.items() if d not in unflag}
         return homogeneous(n, per_node=self.per_node).with_speeds(speeds)
 
     def selector_config(self, steps_since_checkpoint: int) -> SelectorConfig:
@@ -122,14 +154,14 @@ class EnginePolicy:
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
             replacement_eta_s=self.replacement_eta_s,
             rebuild_s=self.rebuild_s, restart_s=self.restart_s, search_s=self.search_s,
-            steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1))
+            steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1, min_microbatches=1))
 
     def mttf(self, devices: Optional[int] = None) -> float:
         """``D`` for ``devices`` workers (default: the alive ones)."""
         return self.mttf_s or self.estimator.mttf(max(1, len(self.alive) if devices is None else devices))
 
-    def job_state(self, alive, extra_ids=()) -> JobState:
-        return JobState(workload=self.workload(), cluster=self.cluster(extra_ids), plan=self.plan,
+    def job_state(self, alive, extra_ids=(), unflag=()) -> JobState:
+        return JobState(workload=self.workload(), cluster=self.cluster(extra_ids, unflag), plan=self.plan,
                         alive=frozenset(alive), coeffs=self.calibrator.coefficients())
 
     # ---------------------------------------------------------------- lifecycle
@@ -152,6 +184,9 @@ class EnginePolicy:
         dead = self.alive - members
         joined = members - self.alive
         decisions = []
+        if dead or joined:  # a rebalance's gain can no longer be told from the change
+            self._check = None
+            self._recent.clear()
         if dead:
             if self.plan is None or not set(self.plan.devices) & members:
                 self.start(sorted(members))  # nothing of the old plan survives: start over
@@ -179,7 +214,7 @@ class EnginePolicy:
                      steps_since_checkpoint: int = 0) -> Optional[Decision]:
         """Feed one committed step's shared timings, per member: (compute seconds,
         micro-batches, previous step's all-reduce seconds, previous step's seconds).  Returns a
-        straggler Decision when the detector flags someone new."""
+        straggler Decision when the detector flags or clears someone or a rebalance is undone."""
         per_mb = {w: c / n for w, (c, n, _, _) in timings.items() if n > 0 and c > 0}
         step_prev = max((s for *_, s in timings.values()), default=0.0)
         if step_prev > 0:
@@ -192,14 +227,67 @@ class EnginePolicy:
         self._calibrate(timings)
         if not (self.stragglers and len(per_mb) >= 2):
             return None
-        events = self.detector.observe(per_mb, float(step))
-        events = [e for e in events if e.devices[0] in self.alive]
-        if not events:
+        share = sum(self.allocation.values()) / max(1, len(self.alive))
+        events = [e for e in self.detector.observe(per_mb, float(step), share=share, step_s=step_prev)
+                  if e.devices[0] in self.alive]
+        path = max(c for c, n, _, _ in timings.values() if n > 0 and c > 0)
+        changed, notes = set(), []
+        undo = self._verify(path)
+        self._recent.append(path)
+        if undo:  # drop the flags the rebalance acted on; re-derive for the remaining ones
+            undone, self._check = self._check["devices"], None
+            for r in undone:
+                self._undos[r] = self._undos.get(r, 0) + 1
+                self.detector.clear(r, hold=self._hold_steps(r))
+            changed |= set(undone)
+            notes.append(f"rebalance for {undone} undone: {undo}")
+        cleared = [r for r in self.detector.cleared if r in self.alive]
+        if cleared:
+            if self._check and set(cleared) & set(self._check["devices"]):
+                self._check = None
+            changed |= set(cleared)
+            notes.append(f"flag of {cleared} cleared ({self.detector.window} steps below "
+                         f"{self.detector.leave}x, or no timing for as long)")
+        if len(events) > 1:
+            notes.append("also flagged: " + ", ".join(f"{e.devices[0]} ({e.slowdown:.2f}x)" for e in events[1:]))
+        if events:
+            first = events[0]
+            event = Event(first.kind, first.devices, first.time_s, first.slowdown,
+                          "; ".join([first.detail] + notes))
+        elif notes:
+            event = Event(EventKind.STRAGGLER, tuple(sorted(changed)), float(step), 1.0, "; ".join(notes))
+        else:
             return None
-        d = select(events[0], self.job_state(self.alive), self.selector_config(steps_since_checkpoint),
-                   self.mttf())
+        d = select(event, self.job_state(self.alive, unflag=event.devices if events else ()),
+                   self.selector_config(steps_since_checkpoint), self.mttf())
         self._apply(d, self.alive)
+        if events and d.chosen == "rebalance" and self._recent:
+            self._check = {"devices": list(event.devices), "before": median(self._recent),
+                           "predicted": d.option("rebalance").step_time / d.option("keep").step_time,
+                           "after": []}
         return d
+
+    def _hold_steps(self, rank: int) -> int:
+        """Steps a rank's timings are ignored after its rebalance was undone: two windows of
+        evidence, doubling with every undo, so a slowdown a rebalance cannot help does not
+        flap."""
+        return self.detector.window * self.detector.windows * 2 ** (self._undos.get(rank, 1) - 1)
+
+    def _verify(self, path: float) -> str:
+        """After ``verify_steps`` steps of a rebalance, why it is to be undone ('' to keep it)."""
+        if self._check is None:
+            return ""
+        after = self._check["after"]
+        after.append(path)
+        if len(after) < self.verify_steps:
+            return ""
+        before, now, pred = self._check["before"], median(after), self._check["predicted"]
+        if now < before * (1 - self.min_gain):
+            self._check = None  # it paid
+            return ""
+        return (f"measured compute path {now * 1e3:.2f} ms over {len(after)} steps vs "
+                f"{before * 1e3:.2f} ms before (predicted {before * pred * 1e3:.2f} ms; a rebalance "
+                f"must save {self.min_gain:.0%})")
 
     # ---------------------------------------------------------------- helpers
     def _whole_nodes(self, dead: frozenset[int]) -> bool:
@@ -290,6 +378,8 @@ class EnginePolicy:
             "rebuild_s": self.rebuild_s, "search_s": self.search_s,
             "calibrator": [list(vars(s).values()) for s in self.calibrator.samples],
             "detector": self.detector.state_dict(),
+            "straggler_check": {"recent": list(self._recent), "check": self._check,
+                                "undos": [[r, n] for r, n in sorted(self._undos.items())]},
             "estimator": self.estimator.state_dict(),
         }
 
@@ -304,7 +394,11 @@ class EnginePolicy:
         self.calibrator.samples.clear()
         for v in s["calibrator"]:
             self.calibrator.observe(StepSample(*v))
-        self.detector = StragglerDetector()
+        self.detector = StragglerDetector(**self._detector_opts)
         self.detector.load_state_dict(s["detector"])
+        check = s.get("straggler_check", {})
+        self._recent = deque(check.get("recent", []), maxlen=self.verify_steps)
+        self._check = check.get("check")
+        self._undos = {int(r): int(n) for r, n in check.get("undos", [])}
         self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
         self._predicted = None

@@ -85,6 +85,8 @@ class ElasticConfig:
     allow_batch_change: let the engine consider policies that change the global batch.
     mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
         --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
+    straggler_options: the straggler detector's and rebalance check's knobs (see
+        ``EnginePolicy``); None: the defaults.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -102,6 +104,7 @@ class ElasticConfig:
     restart_s: float = 60.0
     allowed_policies: Optional[frozenset] = None
     allow_batch_change: bool = False
+    straggler_options: Optional[dict] = None
 
 
 class Joined(NamedTuple):
@@ -178,7 +181,8 @@ class ElasticContext:
             warmup_steps=self.cfg.warmup_steps, mttf_s=self.env.mttf_s or self.cfg.mttf_s,
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
-            allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change)
+            allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
+            straggler_options=self.cfg.straggler_options)
         self.recoveries = 0
         self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
         self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received

@@ -1,15 +1,12 @@
-"""Failure-rate estimate (D), the rehabilitation cost model, straggler detection."""
+"""Failure-rate estimate (D) and the rehabilitation cost model (stragglers: test_stragglers.py)."""
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 import pytest
 
 from chameleon_ft.failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind, FailureRateEstimator
 from chameleon_ft.rehab import LossTrend, extrapolate, rehab_cost
-from chameleon_ft.stragglers import StragglerDetector
 
 
 # -- D ---------------------------------------------------------------------------------
@@ -116,85 +113,3 @@ def test_extrapolate():
     assert np.allclose(extrapolate([c]), 2.0)
     with pytest.raises(ValueError):
         extrapolate([])
-
-
-# -- stragglers ------------------------------------------------------------------------
-def feed(det, steps, slow=None, factor=3.0, ranks=4, noise=0.0, rng=None, start=0):
-    events = []
-    for i in range(steps):
-        t = {r: 1.0 * (1 + (rng.uniform(-noise, noise) if rng else 0.0)) for r in range(ranks)}
-        if slow is not None:
-            t[slow] *= factor
-        events.extend((start + i, e) for e in det.observe(t, time_s=float(start + i)))
-    return events
-
-
-def test_flags_a_3x_slow_rank_after_patience_steps():
-    det = StragglerDetector(patience=3)
-    events = feed(det, 10, slow=2)
-    assert len(events) == 1, "flagged once, not every step"
-    step, ev = events[0]
-    assert step == 2  # the third consecutive step above `enter`
-    assert ev.kind is EventKind.STRAGGLER and ev.devices == (2,)
-    assert ev.slowdown == pytest.approx(3.0)
-    assert set(det.flagged) == {2}
-
-
-@pytest.mark.parametrize("patience", [1, 2, 5])
-def test_patience_is_respected(patience):
-    det = StragglerDetector(patience=patience)
-    events = feed(det, 10, slow=0)
-    assert [s for s, _ in events] == [patience - 1]
-
-
-def test_noise_does_not_flap():
-    det = StragglerDetector()
-    rng = random.Random(0)
-    assert feed(det, 500, noise=0.10, rng=rng) == []
-    assert det.flagged == {}
-
-
-def test_hysteresis_holds_then_clears():
-    det = StragglerDetector(window=4, enter=1.5, leave=1.2, patience=3)
-    assert len(feed(det, 6, slow=1, factor=3.0)) == 1
-    # 1.35x: below enter, above leave -> stays flagged, no new event
-    assert feed(det, 20, slow=1, factor=1.35, start=6) == []
-    assert 1 in det.flagged
-    # back to normal: cleared only after `patience` scores below `leave`
-    det2 = StragglerDetector(window=1, enter=1.5, leave=1.2, patience=3)
-    feed(det2, 3, slow=1)
-    assert 1 in det2.flagged
-    feed(det2, 2, start=3)
-    assert 1 in det2.flagged, "cleared before `patience` calm steps"
-    feed(det2, 1, start=5)
-    assert 1 not in det2.flagged
-    # and it can be flagged again
-    assert len(feed(det2, 3, slow=1, start=6)) == 1
-
-
-def test_a_rank_between_leave_and_enter_is_never_flagged():
-    det = StragglerDetector()
-    assert feed(det, 50, slow=3, factor=1.4) == []
-
-
-def test_flags_a_3x_slow_rank_among_two():
-    det = StragglerDetector()
-    assert len(feed(det, 10, slow=1, ranks=2)) == 1
-
-
-def test_detector_validation_forget_and_state():
-    with pytest.raises(ValueError):
-        StragglerDetector(enter=1.2, leave=1.5)
-    with pytest.raises(ValueError):
-        StragglerDetector(patience=0)
-    det = StragglerDetector()
-    with pytest.raises(ValueError):
-        det.observe({0: float("nan")})
-    with pytest.raises(ValueError):
-        det.observe({0: -1.0})
-    feed(det, 5, slow=3)
-    other = StragglerDetector()
-    other.load_state_dict(det.state_dict())
-    assert other.flagged == det.flagged and other.scores() == pytest.approx(det.scores())
-    det.forget([3])
-    assert 3 not in det.flagged and 3 not in det.scores()
