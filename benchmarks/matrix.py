@@ -3,6 +3,7 @@
     python benchmarks/matrix.py                         # the full matrix (FULL_PLAN, <= 20 min on 2 cores)
     python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems (-> docs/benchmarks-short.md)
     python benchmarks/matrix.py --systems chameleon-ft,torchft+fix --scenarios kill --repeats 3
+    python benchmarks/matrix.py --setup-torchft         # the newest torchft into benchmarks/.venv-torchft
 
 Every system trains the same script shape (``benchmarks/baselines/common.py``: the MLP, data,
 batch and optimizer of ``benchmarks/_train_bench.py``).  Accelerator-emulation mode (default):
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from harness import metrics  # noqa: E402
 from harness.scenarios import SCENARIOS, SHORT, victim_ranks  # noqa: E402
-from harness.systems import ROOT, SYSTEMS, Job  # noqa: E402
+from harness.systems import ROOT, SYSTEMS, TORCHFT_VENV, Job, torchft_version  # noqa: E402
 
 SHORT_SYSTEMS = ("chameleon-ft", "torchrun-restart", "torchrun-restart+fix", "torchft", "torchft+fix",
-                 "lightning-ddp")
+                 "torchft-tuned", "lightning-ddp")
 GLOBAL_BATCH = 64
 EMULATION = 0.025
 
@@ -53,18 +54,20 @@ def _cells(systems, scenario, **kw) -> list[Cell]:
 
 
 FIXED = ("chameleon-ft[reroute]", "chameleon-ft[replan]", "chameleon-ft[shrink]", "chameleon-ft[restart]")
-FIXED_BASELINES = ("torchrun-restart+fix", "torchft+fix")
+FIXED_BASELINES = ("torchrun-restart+fix", "torchft+fix", "torchft-tuned")
 # The full matrix.  Baselines as shipped run where they are known to differ from their
 # workaround (a kill); plain Lightning where it can finish (it has no hang detection: with
 # gloo's 30-minute default timeout a hang would take the whole budget).
 FULL_PLAN: list[Cell] = [
     *_cells(SHORT_SYSTEMS, "failure-free"),
     Cell("chameleon-ft", "kill", repeats=3), *_cells(FIXED, "kill"),
-    Cell("torchrun-restart", "kill", timeout=45), *_cells(FIXED_BASELINES, "kill"),
+    Cell("torchrun-restart", "kill", timeout=45), *_cells(FIXED_BASELINES[:2], "kill"),
+    Cell("torchft-tuned", "kill", repeats=3),
     Cell("torchft", "kill", repeats=2), Cell("lightning-ddp", "kill"),
     *_cells(("chameleon-ft", "chameleon-ft[shrink]", "chameleon-ft[restart]", *FIXED_BASELINES), "two-kills"),
     *_cells(("chameleon-ft", *FIXED, *FIXED_BASELINES), "node-loss"),
     Cell("chameleon-ft", "hang"), Cell("torchrun-restart+fix", "hang", timeout=45), Cell("torchft+fix", "hang"),
+    Cell("torchft-tuned", "hang"),
     *_cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), "straggler"),
     *_cells(("chameleon-ft", *FIXED_BASELINES), "replacement"),
     *[c for sc in ("failure-free", "kill", "node-loss")
@@ -129,7 +132,12 @@ def run_one(system: str, scenario: str, run_dir: Path, *, nproc: int, steps: int
         if codes is None:
             note = (note + "; " if note else "") + f"timed out after {timeout:.0f} s (hung)"
         wall = time.time() - t0
-        m = metrics.run_metrics(job.records(), nproc=nproc, steps=steps, global_batch=GLOBAL_BATCH,
+        records = job.records()
+        if sysdef.family == "chameleon-ft" and (run_dir / "events.jsonl").exists():
+            from chameleon_ft.runtime.eventlog import read_events
+
+            records += metrics.attempts_from_events(read_events(run_dir / "events.jsonl"))
+        m = metrics.run_metrics(records, nproc=nproc, steps=steps, global_batch=GLOBAL_BATCH,
                                 t_faults=t_faults, exit_codes=codes, wall_s=wall,
                                 split_step=sc.slow[2] if sc.slow else None)
         m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
@@ -190,6 +198,18 @@ def machine() -> str:
             f"Linux {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}")
 
 
+def setup_torchft() -> int:
+    """Create ``benchmarks/.venv-torchft`` (system site-packages, so it shares torch) with the newest
+    ``torchft-nightly``; the package's own torchft 0.2.x (its Lighthouse) stays untouched."""
+    import subprocess
+
+    if not (TORCHFT_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(TORCHFT_VENV)], check=True)
+    rc = subprocess.run([str(TORCHFT_VENV / "bin" / "pip"), "install", "-U", "torchft-nightly"]).returncode
+    print(torchft_version())
+    return rc
+
+
 def bench_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="chameleon-ft bench", description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="the CI subset: 4 workers, failure-free + one kill")
@@ -207,7 +227,11 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--keep", help="keep every run's directory (logs, event logs) under this folder")
     ap.add_argument("--from-json", help="only regenerate the report from this results file")
+    ap.add_argument("--setup-torchft", action="store_true",
+                    help=f"install the newest torchft-nightly into {TORCHFT_VENV.relative_to(ROOT)} (TorchFT baselines run from it)")
     a = ap.parse_args(argv)
+    if a.setup_torchft:
+        return setup_torchft()
     a.doc = a.doc or str(ROOT / "docs" / ("benchmarks-short.md" if a.short else "benchmarks.md"))
     if a.from_json:
         from harness.report import write_report
@@ -226,13 +250,16 @@ def bench_main(argv=None) -> int:
         plan = [Cell(c.system, c.scenario, c.nproc, c.mb_sleep, c.repeats * a.repeats, c.timeout) for c in FULL_PLAN]
     out = Path(a.json or ROOT / "benchmarks" / "results" / f"matrix{'-short' if a.short else ''}.json")
     started = time.time()
+    tf = torchft_version() if any(SYSTEMS[c.system].family == "torchft" for c in plan) else ""
     with tempfile.TemporaryDirectory(prefix="chameleon-bench-") as tmp:
         res = run_matrix(plan, steps=a.steps, seed=a.seed, work=Path(a.keep or tmp))
     res.update({"command": "python benchmarks/matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
                 "steps": a.steps, "global_batch": GLOBAL_BATCH,
                 "modes": {str(m): mode_of(m) for m in dict.fromkeys(c.mb_sleep for c in plan)},
-                "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant, "note": SYSTEMS[s].note}
+                "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant,
+                                "note": ("; ".join(x for x in (SYSTEMS[s].note, tf) if x)
+                                         if SYSTEMS[s].family == "torchft" else SYSTEMS[s].note)}
                             for s in dict.fromkeys(c.system for c in plan)},
                 "scenarios": {s: SCENARIOS[s].description for s in dict.fromkeys(c.scenario for c in plan)},
                 "duration_s": time.time() - started})
