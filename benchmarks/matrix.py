@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -141,6 +142,7 @@ def run_one(system: str, scenario: str, run_dir: Path, *, nproc: int, steps: int
                                 t_faults=t_faults, exit_codes=codes, wall_s=wall,
                                 split_step=sc.slow[2] if sc.slow else None)
         m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
+        m["startup_s"] = m["t0"] - t0 if m["t0"] else None   # start of the processes to the first step
         if sysdef.family == "chameleon-ft":
             m["chameleon"] = chameleon_events(run_dir, m["t0"])
             dec = [d for d in m["chameleon"].get("decisions", []) if d["predicted_step_s"]]
@@ -189,7 +191,6 @@ def run_matrix(plan: list[Cell], *, steps: int, seed: int, work: Path, log=print
 
 
 def machine() -> str:
-    import os
     import platform
 
     import torch
@@ -255,7 +256,7 @@ def bench_main(argv=None) -> int:
         res = run_matrix(plan, steps=a.steps, seed=a.seed, work=Path(a.keep or tmp))
     res.update({"command": "python benchmarks/matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
-                "steps": a.steps, "global_batch": GLOBAL_BATCH,
+                "steps": a.steps, "global_batch": GLOBAL_BATCH, "micro_batch": 8, "cpu_count": os.cpu_count(),
                 "modes": {str(m): mode_of(m) for m in dict.fromkeys(c.mb_sleep for c in plan)},
                 "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant,
                                 "note": ("; ".join(x for x in (SYSTEMS[s].note, tf) if x)

@@ -154,6 +154,8 @@ def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: in
     counted = sample_accounting(records, dataset)
     if completed and counted:
         m["samples_lost"], m["samples_duplicated"] = counted
+    # The step's global batch as the commit records give it (shrink lowers it after a failure).
+    m["batch_first"], m["batch_last"] = (ex[0].get("batch"), ex[-1].get("batch")) if ex else (None, None)
     t0 = ex[0]["ts"] if ex else 0.0
     m["timeline"] = [[round(e["ts"] - t0, 4), e["step"], e["samples"], e["world"]] for e in ex]
     m["t0"] = t0
