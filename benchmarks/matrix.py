@@ -47,7 +47,7 @@ class Cell:
     nproc: int = 4
     mb_sleep: float = EMULATION
     repeats: int = 1
-    timeout: float = 120.0
+    timeout: float = 240.0   # a hung run costs this much; a loaded 2-core machine needs the margin
 
 
 def _cells(systems, scenario, **kw) -> list[Cell]:

@@ -3,9 +3,8 @@
     BENCH_OUT=D torchrun --standalone --nproc-per-node 4 benchmarks/baselines/lightning_ddp.py
 
 Same model, data, optimizer and emulated compute; ``accumulate_grad_batches=2`` of micro-batches
-of 8 on 4 workers makes the global batch of 64 (Lightning's ``DistributedSampler`` without
-shuffling strides the samples over ranks, so global step t still covers samples
-[64 t, 64 t + 64)).  Expected on a worker's death: the survivors' next all-reduce fails and
+of 8 on 4 workers makes the global batch of 64 (an unshuffled ``DistributedSampler`` strides the
+samples over ranks, so global step t covers samples [64 t, 64 t + 64), as for every system).  Expected on a worker's death: the survivors' next all-reduce fails and
 the job crashes (torchrun without ``--max-restarts``); the harness records that.
 """
 
@@ -60,8 +59,12 @@ def main() -> None:
     # The sample's index rides along, so each rank logs the ids its sampler really dealt it.
     data = tb.dataset()
     data = torch.utils.data.TensorDataset(*data.tensors, torch.arange(len(data)))
-    loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH, shuffle=False)
+    # Our own unshuffled DistributedSampler: the one Lightning injects shuffled the samples here
+    # (the logged ids showed it), so its steps held other samples than every other system's.
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=log.rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH, sampler=sampler)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=a.steps,
+                        use_distributed_sampler=False,
                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
