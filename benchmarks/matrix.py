@@ -2,6 +2,7 @@
 
     python benchmarks/matrix.py                         # the full matrix (FULL_PLAN, <= 20 min on 2 cores)
     python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems (-> docs/benchmarks-short.md)
+    python benchmarks/matrix.py --reduced               # REDUCED_PLAN: the core of the full plan, ~30 min on a loaded machine
     python benchmarks/matrix.py --systems chameleon-ft,torchft+fix --scenarios kill --repeats 3
     python benchmarks/matrix.py --setup-torchft         # the newest torchft into benchmarks/.venv-torchft
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -75,6 +77,21 @@ FULL_PLAN: list[Cell] = [
       for c in _cells(("chameleon-ft", *FIXED_BASELINES), sc, nproc=8, mb_sleep=2 * EMULATION)],
     *[c for sc in ("failure-free", "kill")
       for c in _cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), sc, mb_sleep=0.0)],
+]
+
+
+# What fits ~30 minutes when the 2 cores are shared (runs take ~5x their idle time): the kill with
+# repeats for chameleon-ft and tuned TorchFT (MTTR against MTTR), the shrink and restart policies,
+# node loss, a hang, and the plain-CPU kill.
+REDUCED_PLAN: list[Cell] = [
+    *_cells(SHORT_SYSTEMS, "failure-free"),
+    Cell("chameleon-ft", "kill", repeats=3), Cell("torchft-tuned", "kill", repeats=3),
+    *_cells(("torchft+fix", "torchft", "torchrun-restart+fix", "lightning-ddp", "chameleon-ft[shrink]",
+             "chameleon-ft[restart]"), "kill"),
+    Cell("torchrun-restart", "kill", timeout=45),
+    *_cells(("chameleon-ft", "torchft-tuned", "torchft+fix", "torchrun-restart+fix"), "node-loss"),
+    *_cells(("chameleon-ft", "torchft-tuned"), "hang"),
+    *[Cell("chameleon-ft", sc, mb_sleep=0.0) for sc in ("failure-free", "kill")],
 ]
 
 
@@ -214,6 +231,8 @@ def setup_torchft() -> int:
 def bench_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="chameleon-ft bench", description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="the CI subset: 4 workers, failure-free + one kill")
+    ap.add_argument("--reduced", action="store_true", help="REDUCED_PLAN: the full matrix's core (~30 min on a "
+                    "shared 2-core machine) -> docs/benchmarks.md")
     ap.add_argument("--systems", help=f"comma-separated, of {', '.join(SYSTEMS)} (with --scenarios: a cross product)")
     ap.add_argument("--scenarios", help=f"comma-separated, of {', '.join(SCENARIOS)}")
     ap.add_argument("--nproc", type=int, default=4)
@@ -233,6 +252,8 @@ def bench_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.setup_torchft:
         return setup_torchft()
+    # SIGTERM -> SystemExit, so that the running cell's ``finally`` kills its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.doc = a.doc or str(ROOT / "docs" / ("benchmarks-short.md" if a.short else "benchmarks.md"))
     if a.from_json:
         from harness.report import write_report
@@ -248,7 +269,8 @@ def bench_main(argv=None) -> int:
         scenarios = a.scenarios.split(",") if a.scenarios else list(SHORT if a.short else SCENARIOS)
         plan = [Cell(s, sc, a.nproc, a.mb_sleep, a.repeats, a.timeout) for sc in scenarios for s in systems]
     else:
-        plan = [Cell(c.system, c.scenario, c.nproc, c.mb_sleep, c.repeats * a.repeats, c.timeout) for c in FULL_PLAN]
+        plan = [Cell(c.system, c.scenario, c.nproc, c.mb_sleep, c.repeats * a.repeats, c.timeout)
+                for c in (REDUCED_PLAN if a.reduced else FULL_PLAN)]
     out = Path(a.json or ROOT / "benchmarks" / "results" / f"matrix{'-short' if a.short else ''}.json")
     started = time.time()
     tf = torchft_version() if any(SYSTEMS[c.system].family == "torchft" for c in plan) else ""
