@@ -208,6 +208,14 @@ def _scenario_table(L, res, sc, systems, spread):
         L += ["", "chameleon-ft decisions (first run): " + ", ".join(
             f"{d['kind']} -> **{d['chosen']}**" + (f" (predicted step {d['predicted_step_s'] * 1e3:.0f} ms)"
                                                    if d.get("predicted_step_s") else "") for d in dec)]
+    tuned, ours_rows = systems.get("torchft-tuned", []), systems.get("chameleon-ft", [])
+    if (t := _median(tuned, "mttr_s")) and (o := _median(ours_rows, "mttr_s")):
+        L += ["", f"MTTR against TorchFT tuned for fast recovery: chameleon-ft {_spread(ours_rows, 'mttr_s', '{:.3f}')} s "
+              f"over {len(ours_rows)} run(s), TorchFT tuned {_spread(tuned, 'mttr_s', '{:.3f}')} s over {len(tuned)} "
+              f"run(s): chameleon-ft's median is {o / t:.2f}x TorchFT tuned's"
+              + (f" (TorchFT tuned lost {_median(tuned, 'samples_lost'):.0f} samples, chameleon-ft "
+                 f"{_median(ours_rows, 'samples_lost'):.0f})" if _median(tuned, "samples_lost") is not None
+                 and _median(ours_rows, "samples_lost") is not None else "") + "."]
     if sc == "failure-free" and (mine := _median(systems.get("chameleon-ft", []), "step_time_s")):
         ov = [f"{s} {(mine / o - 1) * 100:+.1f} %" for s, rows in systems.items()
               if s != "chameleon-ft" and not any(r["crashed"] for r in rows) and (o := _median(rows, "step_time_s"))]
@@ -270,6 +278,10 @@ def write_report(res: dict, doc: Path) -> Path:
          f"{res['global_batch']}", f"* matrix wall time: {res['duration_s']:.0f} s", "",
          "Mostly single runs on a shared 2-core machine: read ratios, crashes and lost/duplicated samples, "
          "not digits.", "",
+         *(["The reduced plan (`--reduced`, `REDUCED_PLAN` in `benchmarks/matrix.py`): the full plan's other "
+            "cells (two kills, straggler, replacement, 8 workers, most fixed policies, CPU baselines) were not "
+            "run for this report; `python benchmarks/matrix.py` runs them all.", ""]
+           if "--reduced" in res.get("command", "") else []),
          "## Systems", "", "| system | variant | note |", "| --- | --- | --- |"]
     L += [f"| {s} | {d['variant']} | {d['note']} |" for s, d in res["systems"].items()]
     L += ["", "Metrics: see `benchmarks/harness/metrics.py`.  MTTR = fault -> first step committed without "

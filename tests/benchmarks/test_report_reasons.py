@@ -51,6 +51,7 @@ def test_reasons_quote_the_runs_data_and_say_not_explained(tmp_path):
         # 3 % faster before the fault than chameleon-ft's median: three times the measured spread
         row("torchrun-restart+fix", "kill", throughput_before=1035.0, survivors=4, samples_duplicated=448,
             throughput_after=1040.0, step_time_after_s=0.061, efficiency=1.0),
+        row("torchft-tuned", "kill", mttr_s=0.4, samples_lost=448),
         # plain CPU: efficiency 2.14 with 4 -> 3 processes on 2 cores
         row("chameleon-ft", "failure-free", mb=0.0, throughput=5309.0, step_time_s=0.012),
         row("chameleon-ft", "kill", mb=0.0, throughput_before=6483.0, throughput_after=8531.0, efficiency=2.14,
@@ -65,6 +66,7 @@ def test_reasons_quote_the_runs_data_and_say_not_explained(tmp_path):
     assert "noise" not in before
     restart = next(line for line in text.splitlines() if line.startswith("* samples/s after: torchrun-restart+fix"))
     assert "all 4 workers again" in restart and "redid 448 samples" in restart
+    assert "chameleon-ft's median is 0.50x TorchFT tuned's (TorchFT tuned lost 448 samples, chameleon-ft 0)" in text
     cpu = next(line for line in text.splitlines() if line.startswith("* chameleon-ft 2.14:"))
     assert "4 processes shared 2 cores" in cpu and "3 after" in cpu and "1.33x" in cpu
     assert "not explained" in cpu and "1.75" in cpu   # against its own before: 8531 / (6483 x 3/4)
