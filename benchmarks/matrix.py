@@ -248,7 +248,8 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--keep", help="keep every run's directory (logs, event logs) under this folder")
     ap.add_argument("--from-json", help="only regenerate the report from this results file")
     ap.add_argument("--setup-torchft", action="store_true",
-                    help=f"install the newest torchft-nightly into {TORCHFT_VENV.relative_to(ROOT)} (TorchFT baselines run from it)")
+                    help=f"install the newest torchft-nightly into {TORCHFT_VENV.relative_to(ROOT)} "
+                    "(the TorchFT baselines run from it)")
     a = ap.parse_args(argv)
     if a.setup_torchft:
         return setup_torchft()

@@ -141,7 +141,8 @@ def efficiency_reason(res, r, spread: Spread) -> str:
     if e <= bound * (1 + rel) + 1e-9:
         parts.append("explained" + (f" within the measured spread ({rel:.0%})" if e > bound else ""))
     else:
-        parts.append(f"the remaining {e / bound:.2f}x is not explained ({spread.describe('efficiency', r['mb_sleep'])})")
+        spread_text = spread.describe("efficiency", r["mb_sleep"])
+        parts.append(f"the remaining {e / bound:.2f}x is not explained ({spread_text})")
     return "; ".join(parts)
 
 

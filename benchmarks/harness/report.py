@@ -210,7 +210,8 @@ def _scenario_table(L, res, sc, systems, spread):
                                                    if d.get("predicted_step_s") else "") for d in dec)]
     tuned, ours_rows = systems.get("torchft-tuned", []), systems.get("chameleon-ft", [])
     if (t := _median(tuned, "mttr_s")) and (o := _median(ours_rows, "mttr_s")):
-        L += ["", f"MTTR against TorchFT tuned for fast recovery: chameleon-ft {_spread(ours_rows, 'mttr_s', '{:.3f}')} s "
+        L += ["", "MTTR against TorchFT tuned for fast recovery: chameleon-ft "
+              f"{_spread(ours_rows, 'mttr_s', '{:.3f}')} s "
               f"over {len(ours_rows)} run(s), TorchFT tuned {_spread(tuned, 'mttr_s', '{:.3f}')} s over {len(tuned)} "
               f"run(s): chameleon-ft's median is {o / t:.2f}x TorchFT tuned's"
               + (f" (TorchFT tuned lost {_median(tuned, 'samples_lost'):.0f} samples, chameleon-ft "
