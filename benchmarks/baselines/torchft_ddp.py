@@ -14,8 +14,9 @@ would start, without the extra agent process).  A dead group is not relaunched h
 survivors go on, as in chameleon-ft's kill scenario.
 
 ``--variant shipped``: ``torchft.DistributedDataParallel`` and the defaults (``ProcessGroupGloo()``
-and Manager timeouts of 60 s).  Known pitfall: when an all-reduce fails mid-step the DDP
-communication hook hits ``assert fut._fut`` and the surviving replicas crash.
+and Manager timeouts of 60 s).  Known pitfall of 0.2.0: when an all-reduce fails mid-step the DDP
+communication hook hits ``assert fut._fut`` and the surviving replicas crash (the results say
+whether the torchft that ran has it).
 ``--variant workaround``: the smallest change we found — no DDP wrapper; gradients are
 all-reduced with ``manager.allreduce`` after the backward (errors are reported to the Manager,
 ``should_commit`` returns False, the step is retried in the next quorum), and the example's

@@ -72,6 +72,20 @@ class Spread:
         return f"measured run-to-run spread {got[0]:.1%} ({got[1]})" if got else "no repeated cell in this mode"
 
 
+def representative(rows, key) -> dict:
+    """The run whose ``key`` is the median of ``rows`` (the lower middle one of an even count)."""
+    have = sorted((r for r in rows if _value(r, key) is not None), key=lambda r: _value(r, key))
+    return have[(len(have) - 1) // 2] if have else rows[0]
+
+
+def hang_note(systems) -> str:
+    """The hang detection timeouts the harness sets for the systems in the table."""
+    known = [f"{s} {HANG_TIMEOUT_S[s]:g} s" for s in systems if s in HANG_TIMEOUT_S]
+    return ("A hang is only visible through a timeout; this harness sets " + ", ".join(known)
+            + " (chameleon-ft: `--hang-timeout`; TorchFT: its process-group timeout); torchrun and plain "
+            "Lightning have none but gloo's 30-minute default.") if known else ""
+
+
 def samples_per_step(r) -> Optional[float]:
     """Samples of the run's last committed step (the trained ids; the timeline's third column)."""
     tl = r.get("timeline") or []
@@ -147,8 +161,9 @@ def efficiency_reason(res, r, spread: Spread) -> str:
 
 
 def reason(res, key, other_rows, our_rows, scenario, spread: Spread) -> str:
-    """Why ``other_rows``' median ``key`` beats chameleon-ft's (``our_rows``)."""
-    o, me = other_rows[0], our_rows[0]
+    """Why ``other_rows``' median ``key`` beats chameleon-ft's (``our_rows``); the figures quoted
+    come from each side's run that holds the median."""
+    o, me = representative(other_rows, key), representative(our_rows, key)
     system, mb = o["system"], o["mb_sleep"]
     mine, other = median(our_rows, key), median(other_rows, key)
     noise = spread.noise(key, mb, mine, other)

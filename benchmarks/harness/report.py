@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .reasons import Spread, efficiency_reason, reason
+from .reasons import Spread, efficiency_reason, hang_note, reason, representative
 
 # (figure key, label, better: "low" | "high", format)
 FIGURES = [
@@ -33,14 +33,6 @@ FIGURES = [
     ("wall_s", "wall (s)", "low", "{:.1f}"),
 ]
 MS = {"step_time_s", "step_time_after_s", "predicted_step_s"}
-
-# What a scenario's figures need to be read right (known mechanisms, with where to look).
-SCENARIO_NOTES = {
-    "hang": "A hang is only visible through a timeout: chameleon-ft's `--hang-timeout` is 5 s in this harness "
-    "(TorchFT's process-group timeout is 5 s too, as in its example); torchrun has no hang detection and waits "
-    "for gloo's 30-minute default.",
-}
-
 
 def _fmt(v, f, key=""):
     if v is None:
@@ -181,9 +173,9 @@ def _scenario_table(L, res, sc, systems, spread):
     figs = [f for f in FIGURES if any(_median(rows, f[0]) is not None for rows in systems.values())
             and (f[0] != "step_time_s" or sc == "failure-free")]   # with faults: "step after"
     L += [f"### {sc}: {res['scenarios'].get(sc, '')}", ""]
-    if sc in SCENARIO_NOTES:
-        L += [SCENARIO_NOTES[sc], ""]
     if sc == "node-loss" and (note := _node_loss_note(res, systems)):
+        L += [note, ""]
+    if sc == "hang" and (note := hang_note(systems)):
         L += [note, ""]
     L += [
           "| system | crashed | " + " | ".join(f[1] for f in figs) + " | note |",
@@ -242,7 +234,8 @@ def _scenario_table(L, res, sc, systems, spread):
             found = True
     if not found:
         L.append("* nowhere among the systems that did not crash.")
-    above = [(s, r) for s, rows in systems.items() for r in rows[:1] if round(r.get("efficiency") or 0, 2) > 1]
+    above = [(s, r) for s, rows in systems.items() for r in [representative(rows, "efficiency")]
+             if round(r.get("efficiency") or 0, 2) > 1]
     if above:
         L += ["", "Post-recovery efficiency above 1 (more samples/s per surviving worker than failure-free):", ""]
         L += [f"* {s} {r['efficiency']:.2f}: {efficiency_reason(res, r, spread)}." for s, r in above]
