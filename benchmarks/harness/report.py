@@ -34,6 +34,7 @@ FIGURES = [
 ]
 MS = {"step_time_s", "step_time_after_s", "predicted_step_s"}
 
+
 def _fmt(v, f, key=""):
     if v is None:
         return "-"
