@@ -2,7 +2,9 @@
 
     python benchmarks/matrix.py                         # the full matrix (FULL_PLAN, <= 20 min on 2 cores)
     python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems (-> docs/benchmarks-short.md)
+    python benchmarks/matrix.py --reduced               # REDUCED_PLAN: the core of the full plan, ~30 min on a loaded machine
     python benchmarks/matrix.py --systems chameleon-ft,torchft+fix --scenarios kill --repeats 3
+    python benchmarks/matrix.py --setup-torchft         # the newest torchft into benchmarks/.venv-torchft
 
 Every system trains the same script shape (``benchmarks/baselines/common.py``: the MLP, data,
 batch and optimizer of ``benchmarks/_train_bench.py``).  Accelerator-emulation mode (default):
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -30,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from harness import metrics  # noqa: E402
 from harness.scenarios import SCENARIOS, SHORT, victim_ranks  # noqa: E402
-from harness.systems import ROOT, SYSTEMS, Job  # noqa: E402
+from harness.systems import ROOT, SYSTEMS, TORCHFT_VENV, Job, torchft_version  # noqa: E402
 
 SHORT_SYSTEMS = ("chameleon-ft", "torchrun-restart", "torchrun-restart+fix", "torchft", "torchft+fix",
-                 "lightning-ddp")
+                 "torchft-tuned", "lightning-ddp")
 GLOBAL_BATCH = 64
 EMULATION = 0.025
 
@@ -45,7 +49,7 @@ class Cell:
     nproc: int = 4
     mb_sleep: float = EMULATION
     repeats: int = 1
-    timeout: float = 120.0
+    timeout: float = 240.0   # a hung run costs this much; a loaded 2-core machine needs the margin
 
 
 def _cells(systems, scenario, **kw) -> list[Cell]:
@@ -53,24 +57,41 @@ def _cells(systems, scenario, **kw) -> list[Cell]:
 
 
 FIXED = ("chameleon-ft[reroute]", "chameleon-ft[replan]", "chameleon-ft[shrink]", "chameleon-ft[restart]")
-FIXED_BASELINES = ("torchrun-restart+fix", "torchft+fix")
+FIXED_BASELINES = ("torchrun-restart+fix", "torchft+fix", "torchft-tuned")
 # The full matrix.  Baselines as shipped run where they are known to differ from their
 # workaround (a kill); plain Lightning where it can finish (it has no hang detection: with
 # gloo's 30-minute default timeout a hang would take the whole budget).
 FULL_PLAN: list[Cell] = [
     *_cells(SHORT_SYSTEMS, "failure-free"),
     Cell("chameleon-ft", "kill", repeats=3), *_cells(FIXED, "kill"),
-    Cell("torchrun-restart", "kill", timeout=45), *_cells(FIXED_BASELINES, "kill"),
+    Cell("torchrun-restart", "kill", timeout=45), *_cells(FIXED_BASELINES[:2], "kill"),
+    Cell("torchft-tuned", "kill", repeats=3),
     Cell("torchft", "kill", repeats=2), Cell("lightning-ddp", "kill"),
     *_cells(("chameleon-ft", "chameleon-ft[shrink]", "chameleon-ft[restart]", *FIXED_BASELINES), "two-kills"),
     *_cells(("chameleon-ft", *FIXED, *FIXED_BASELINES), "node-loss"),
     Cell("chameleon-ft", "hang"), Cell("torchrun-restart+fix", "hang", timeout=45), Cell("torchft+fix", "hang"),
+    Cell("torchft-tuned", "hang"),
     *_cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), "straggler"),
     *_cells(("chameleon-ft", *FIXED_BASELINES), "replacement"),
     *[c for sc in ("failure-free", "kill", "node-loss")
       for c in _cells(("chameleon-ft", *FIXED_BASELINES), sc, nproc=8, mb_sleep=2 * EMULATION)],
     *[c for sc in ("failure-free", "kill")
       for c in _cells(("chameleon-ft", *FIXED_BASELINES, "lightning-ddp"), sc, mb_sleep=0.0)],
+]
+
+
+# What fits ~30 minutes when the 2 cores are shared (runs take ~5x their idle time): the kill with
+# repeats for chameleon-ft and tuned TorchFT (MTTR against MTTR), the shrink and restart policies,
+# node loss, a hang, and the plain-CPU kill.
+REDUCED_PLAN: list[Cell] = [
+    *_cells(SHORT_SYSTEMS, "failure-free"),
+    Cell("chameleon-ft", "kill", repeats=3), Cell("torchft-tuned", "kill", repeats=3),
+    *_cells(("torchft+fix", "torchft", "torchrun-restart+fix", "lightning-ddp", "chameleon-ft[shrink]",
+             "chameleon-ft[restart]"), "kill"),
+    Cell("torchrun-restart", "kill", timeout=45),
+    *_cells(("chameleon-ft", "torchft-tuned", "torchft+fix", "torchrun-restart+fix"), "node-loss"),
+    *_cells(("chameleon-ft", "torchft-tuned"), "hang"),
+    *[Cell("chameleon-ft", sc, mb_sleep=0.0) for sc in ("failure-free", "kill")],
 ]
 
 
@@ -129,10 +150,16 @@ def run_one(system: str, scenario: str, run_dir: Path, *, nproc: int, steps: int
         if codes is None:
             note = (note + "; " if note else "") + f"timed out after {timeout:.0f} s (hung)"
         wall = time.time() - t0
-        m = metrics.run_metrics(job.records(), nproc=nproc, steps=steps, global_batch=GLOBAL_BATCH,
+        records = job.records()
+        if sysdef.family == "chameleon-ft" and (run_dir / "events.jsonl").exists():
+            from chameleon_ft.runtime.eventlog import read_events
+
+            records += metrics.attempts_from_events(read_events(run_dir / "events.jsonl"))
+        m = metrics.run_metrics(records, nproc=nproc, steps=steps, global_batch=GLOBAL_BATCH,
                                 t_faults=t_faults, exit_codes=codes, wall_s=wall,
                                 split_step=sc.slow[2] if sc.slow else None)
         m["fault_times"] = [round(t - m["t0"], 4) for t in t_faults]
+        m["startup_s"] = m["t0"] - t0 if m["t0"] else None   # start of the processes to the first step
         if sysdef.family == "chameleon-ft":
             m["chameleon"] = chameleon_events(run_dir, m["t0"])
             dec = [d for d in m["chameleon"].get("decisions", []) if d["predicted_step_s"]]
@@ -181,7 +208,6 @@ def run_matrix(plan: list[Cell], *, steps: int, seed: int, work: Path, log=print
 
 
 def machine() -> str:
-    import os
     import platform
 
     import torch
@@ -190,9 +216,23 @@ def machine() -> str:
             f"Linux {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}")
 
 
+def setup_torchft() -> int:
+    """Create ``benchmarks/.venv-torchft`` (system site-packages, so it shares torch) with the newest
+    ``torchft-nightly``; the package's own torchft 0.2.x (its Lighthouse) stays untouched."""
+    import subprocess
+
+    if not (TORCHFT_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(TORCHFT_VENV)], check=True)
+    rc = subprocess.run([str(TORCHFT_VENV / "bin" / "pip"), "install", "-U", "torchft-nightly"]).returncode
+    print(torchft_version())
+    return rc
+
+
 def bench_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="chameleon-ft bench", description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="the CI subset: 4 workers, failure-free + one kill")
+    ap.add_argument("--reduced", action="store_true", help="REDUCED_PLAN: the full matrix's core (~30 min on a "
+                    "shared 2-core machine) -> docs/benchmarks.md")
     ap.add_argument("--systems", help=f"comma-separated, of {', '.join(SYSTEMS)} (with --scenarios: a cross product)")
     ap.add_argument("--scenarios", help=f"comma-separated, of {', '.join(SCENARIOS)}")
     ap.add_argument("--nproc", type=int, default=4)
@@ -207,7 +247,14 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--keep", help="keep every run's directory (logs, event logs) under this folder")
     ap.add_argument("--from-json", help="only regenerate the report from this results file")
+    ap.add_argument("--setup-torchft", action="store_true",
+                    help=f"install the newest torchft-nightly into {TORCHFT_VENV.relative_to(ROOT)} "
+                    "(the TorchFT baselines run from it)")
     a = ap.parse_args(argv)
+    if a.setup_torchft:
+        return setup_torchft()
+    # SIGTERM -> SystemExit, so that the running cell's ``finally`` kills its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.doc = a.doc or str(ROOT / "docs" / ("benchmarks-short.md" if a.short else "benchmarks.md"))
     if a.from_json:
         from harness.report import write_report
@@ -223,16 +270,20 @@ def bench_main(argv=None) -> int:
         scenarios = a.scenarios.split(",") if a.scenarios else list(SHORT if a.short else SCENARIOS)
         plan = [Cell(s, sc, a.nproc, a.mb_sleep, a.repeats, a.timeout) for sc in scenarios for s in systems]
     else:
-        plan = [Cell(c.system, c.scenario, c.nproc, c.mb_sleep, c.repeats * a.repeats, c.timeout) for c in FULL_PLAN]
+        plan = [Cell(c.system, c.scenario, c.nproc, c.mb_sleep, c.repeats * a.repeats, c.timeout)
+                for c in (REDUCED_PLAN if a.reduced else FULL_PLAN)]
     out = Path(a.json or ROOT / "benchmarks" / "results" / f"matrix{'-short' if a.short else ''}.json")
     started = time.time()
+    tf = torchft_version() if any(SYSTEMS[c.system].family == "torchft" for c in plan) else ""
     with tempfile.TemporaryDirectory(prefix="chameleon-bench-") as tmp:
         res = run_matrix(plan, steps=a.steps, seed=a.seed, work=Path(a.keep or tmp))
     res.update({"command": "python benchmarks/matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
-                "steps": a.steps, "global_batch": GLOBAL_BATCH,
+                "steps": a.steps, "global_batch": GLOBAL_BATCH, "micro_batch": 8, "cpu_count": os.cpu_count(),
                 "modes": {str(m): mode_of(m) for m in dict.fromkeys(c.mb_sleep for c in plan)},
-                "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant, "note": SYSTEMS[s].note}
+                "systems": {s: {"family": SYSTEMS[s].family, "variant": SYSTEMS[s].variant,
+                                "note": ("; ".join(x for x in (SYSTEMS[s].note, tf) if x)
+                                         if SYSTEMS[s].family == "torchft" else SYSTEMS[s].note)}
                             for s in dict.fromkeys(c.system for c in plan)},
                 "scenarios": {s: SCENARIOS[s].description for s in dict.fromkeys(c.scenario for c in plan)},
                 "duration_s": time.time() - started})

@@ -7,6 +7,13 @@ benchmark harness use the same functions.
 
 Step records: each worker logs its own micro-batch samples per step attempt; an attempt that a
 failure interrupted is logged too, so per step only the committed (last) attempt counts.
+
+Throughput is global samples committed per wall-clock second: a step's samples are those of
+all members' records of its committed attempt, its time the latest of them (each member logs
+just before the step's all-reduce, so consecutive steps are one step time apart).  Before the
+first failure: the committed steps logged before it, from the first to the last; after: the
+steps logged after it, from the first (the step the recovery redid) to the end, so the
+recovery's downtime is in the MTTR, not in either figure.
 """
 
 from __future__ import annotations
@@ -40,6 +47,23 @@ def committed_steps(events: Iterable[Mapping]) -> list[dict]:
              "samples": sum(int(r.get("samples", 0)) for r in recs),
              "world_size": max(int(r.get("world_size", 0)) for r in recs)}
             for step, recs in sorted(committed_attempts(events).items())]
+
+
+def _rate(steps: list[dict]) -> float | None:
+    """Samples of ``steps[1:]`` over the wall time from ``steps[0]`` to ``steps[-1]``."""
+    if len(steps) < 2 or steps[-1]["ts"] <= steps[0]["ts"]:
+        return None
+    return sum(s["samples"] for s in steps[1:]) / (steps[-1]["ts"] - steps[0]["ts"])
+
+
+def wall_throughput(events: list[Mapping]) -> dict:
+    """Global samples per wall-clock second: over the run, before and after the first failure."""
+    steps = committed_steps(events)
+    fails = [e["ts"] for e in events if e["event"] == "failure"]
+    t_fail = min(fails) if fails else None
+    return {"throughput": _rate(steps),
+            "throughput_before_failure": _rate([s for s in steps if t_fail is None or s["ts"] < t_fail]),
+            "throughput_after_failure": _rate([s for s in steps if s["ts"] >= t_fail]) if fails else None}
 
 
 def throughput_series(events: list[Mapping], window: int = 5) -> tuple[list[float], list[float]]:
@@ -96,7 +120,7 @@ def plot_timeline(events: list[Mapping], path: str | Path, title: str = "through
     xs, ys = throughput_series(events)
     t0 = min(e["ts"] for e in events)
     fig, ax = plt.subplots(figsize=(9, 3.6))
-    ax.plot(xs, ys, lw=1.5, label="samples/s (5-step window)")
+    ax.plot(xs, ys, lw=1.5, label="global samples/s, wall clock (5-step window)")
     for e in events:
         if e["event"] == "failure":
             ax.axvline(e["ts"] - t0, color="tab:red", ls="--", lw=1)
@@ -124,7 +148,7 @@ def render(run: str | Path, console: Console | None = None, plot: str | Path | N
     events = read_events(log)
     if not events:
         raise ValueError(f"{log} holds no events")
-    summary = summarize(events)
+    summary = {**summarize(events), **wall_throughput(events)}
     steps = committed_steps(events)
     summary["committed_steps"] = len(steps)
     summary["committed_samples"] = sum(s["samples"] for s in steps)
@@ -144,7 +168,8 @@ def render(run: str | Path, console: Console | None = None, plot: str | Path | N
     for k in ("failures", "recoveries", "mttr_median", "final_world_size", "committed_steps",
               "committed_samples", "throughput_before_failure", "throughput_after_failure", "wall_time"):
         v = summary.get(k)
-        table.add_row(k, "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
+        label = k + (" (global samples/s, wall clock)" if k.startswith("throughput") else "")
+        table.add_row(label, "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
     console.print(table)
     if plot is not False:
         out = plot_timeline(events, plot or log.with_name("throughput.png"), title=f"throughput ({log.parent.name})")
@@ -162,7 +187,7 @@ def main(argv=None) -> int:
     try:
         if args.json:
             events = read_events(find_log(args.run))
-            print(json.dumps(summarize(events), indent=2))
+            print(json.dumps({**summarize(events), **wall_throughput(events)}, indent=2))
             return 0
         render(args.run, plot=args.plot)
     except (FileNotFoundError, ValueError) as e:

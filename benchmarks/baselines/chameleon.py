@@ -16,6 +16,11 @@ import torch
 from common import GLOBAL_BATCH, MICRO_BATCH, StepLog, add_args, compute_s, tb
 
 
+def step_epoch(ctx) -> int:
+    """The epoch of the step just committed (a commit that ends an epoch has started the next)."""
+    return ctx.epoch - 1 if ctx.sampler.cursor == 0 else ctx.epoch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_args(ap)
@@ -39,14 +44,18 @@ def main() -> None:
             time.sleep(pad)
             return loss
 
-        cfg = ElasticConfig(log_samples=False, allow_batch_change=a.policy == "shrink",
+        # log_samples: the runtime's event log holds each member's sample ids before every
+        # all-reduce attempt, tagged with the generation's token; on_step logs the token it
+        # committed under, so the harness knows which attempt's ids went into the update.
+        cfg = ElasticConfig(log_samples=True, allow_batch_change=a.policy == "shrink",
                             allowed_policies=frozenset([a.policy]) if a.policy else None)
         trainer = ElasticTrainer(net, opt, tb.dataset(), loss_fn, GLOBAL_BATCH, MICRO_BATCH, shuffle=False,
                                  config=cfg,
                                  checkpoint=a.ckpt, checkpoint_every=a.ckpt_every if a.ckpt else 0,
                                  # shrink lowers the global batch: the step covers all of its batch
                                  on_step=lambda ctx: log.step(ctx.step - 1, len(ctx.members),
-                                                              ctx.sampler.global_batch, ctx.sampler.global_batch))
+                                                              ctx.sampler.global_batch, ctx.sampler.global_batch,
+                                                              key=ctx.view.token, epoch=step_epoch(ctx)))
         trainer.fit(max_steps=a.steps)
         if trainer.ctx.rank == 0:
             log.final(net, a.steps)

@@ -11,13 +11,24 @@ Progress log: every worker appends one JSON line per event to ``$BENCH_OUT/steps
 (``O_APPEND``, one ``os.write`` a line, as ``chameleon_ft.runtime.eventlog`` does):
 
   ``{"kind": "start", "pid", "rank", "restart", "ts"}``                     at start
-  ``{"kind": "step", "step", "world", "samples", "batch", "restart", "rss_kb", "pid", "ts"}`` per committed step
+  ``{"kind": "attempt", "step", "key", "ids", ...}``  before each all-reduce of a step
+  ``{"kind": "step", "step", "key", "world", "samples", "batch", "epoch", "trained", "restart", "rss_kb", "pid", "ts"}``
+                                                                            per committed step
   ``{"kind": "final", "loss", "step", "pid", "ts"}``                        lowest live rank at the end
 
 ``world`` is the number of workers whose gradients went into the step, ``samples`` the
-samples the step's update covered, ``batch`` the step's global batch (64, or less after
-chameleon-ft's shrink: ``batch - samples`` samples of the step were dropped), ``restart`` the
-launcher's restart count (``TORCHELASTIC_RESTART_COUNT``).
+samples the step's update covered (as the script sees it; the harness counts ids instead),
+``batch`` the step's global batch (64, or less after chameleon-ft's shrink), ``restart`` the
+launcher's restart count (``TORCHELASTIC_RESTART_COUNT``), ``epoch`` the pass over the dataset.
+
+Sample ids: before its gradients go into an all-reduce, a worker logs the dataset indices it
+trained for the step (``attempt``), tagged with a ``key`` that all members of that all-reduce
+share (``restart.try``: the how-many-th try of the step in this process; chameleon-ft: the
+generation's token, from its own event log).  An attempt counts when some worker committed the
+step under the same key: a worker killed after the all-reduce but before logging its commit
+still trained its samples.  ``trained: false`` (a TorchFT replica sitting the quorum out, its
+gradients zeroed) drops the worker's own attempt.  ``harness/metrics.py`` counts lost and
+duplicated samples from these.
 
 Straggler knob: ``BENCH_SLOW=rank:factor:from_step`` pads that rank's emulated compute per
 micro-batch to ``factor x --mb-sleep`` from that step on (``compute_s``): a slower
@@ -51,14 +62,24 @@ class StepLog:
         os.makedirs(out, exist_ok=True)
         self.fd = os.open(os.path.join(out, "steps.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.rank, self.restart = rank, restart
+        self.tries: dict[int, int] = {}
         self.write("start", rank=rank)
 
     def write(self, kind: str, **fields) -> None:
         rec = {"kind": kind, "ts": time.time(), "pid": os.getpid(), "restart": self.restart, **fields}
         os.write(self.fd, (json.dumps(rec) + "\n").encode())
 
-    def step(self, step: int, world: int, samples: int, batch: int = GLOBAL_BATCH) -> None:
-        self.write("step", step=step, world=world, samples=samples, batch=batch, rank=self.rank,
+    def attempt(self, step: int, ids) -> str:
+        """Log the sample ids this worker is about to all-reduce the gradients of; the key."""
+        self.tries[step] = self.tries.get(step, 0) + 1
+        key = f"{self.restart}.{self.tries[step]}"
+        self.write("attempt", step=step, key=key, ids=[int(i) for i in ids], rank=self.rank)
+        return key
+
+    def step(self, step: int, world: int, samples: int, batch: int = GLOBAL_BATCH, *, key,
+             epoch: int | None = None, trained: bool = True) -> None:
+        self.write("step", step=step, key=key, world=world, samples=samples, batch=batch, rank=self.rank,
+                   epoch=step * GLOBAL_BATCH // tb.N if epoch is None else epoch, trained=trained,
                    rss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
     def final(self, net, step: int) -> None:

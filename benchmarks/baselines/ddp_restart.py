@@ -51,11 +51,13 @@ def main() -> None:
     for step in range(start, a.steps):
         mbs = microbatch_indices(step, range(rank * per, (rank + 1) * per))
         for k, idx in enumerate(mbs):
+            if k == per - 1:   # DDP all-reduces in this micro-batch's backward
+                key = log.attempt(step, [i for idx in mbs for i in idx])
             with (net.no_sync() if k < per - 1 else torch.enable_grad()):
                 train_microbatch(net, data, idx, a.mb_sleep, 1.0 / per, rank, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        log.step(step, world, GLOBAL_BATCH)
+        log.step(step, world, GLOBAL_BATCH, key=key)
         if a.ckpt and rank == 0 and (step + 1) % a.ckpt_every == 0:
             torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, a.ckpt + ".tmp")
             os.replace(a.ckpt + ".tmp", a.ckpt)

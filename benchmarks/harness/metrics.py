@@ -1,15 +1,24 @@
 """Per-run figures from the common progress log (``steps.jsonl``, see ``baselines/common.py``).
 
-A step *execution* is one (step, restart) pair; its time is when its first worker logged it.
-Only committed steps are logged, so a step counted twice was executed twice (checkpoint
-restart): its samples are *duplicated*.  Samples of the run's steps that no committed update
-covered (TorchFT's dead replica's shard) are *lost*.
+A step *execution* is one (step, restart) pair; its time is when its first worker logged it,
+its samples the ids trained for it (below).
+
+Samples lost and duplicated are counted from the sample ids the workers trained, per epoch, the
+way the runtime tests check exactly-once (``sample_accounting``).  Each worker logs its ids
+before an all-reduce (``attempt``, with a ``key`` the members of that all-reduce share) and its
+commit after it (``step``, same key; ``baselines/common.py``).  The ids of a step's committed
+execution are those of every attempt under a committed (step, key): a worker killed after the
+all-reduce but before logging its commit did train them.  An epoch's expected ids are the whole
+dataset for an epoch the run finished, and for the last one the samples its committed steps
+span (unshuffled data: sample ``i`` of an epoch is id ``i``; a step spans its global batch).
+*lost* = expected ids no committed update trained; *duplicated* = trainings of an id beyond its
+first in its epoch (a checkpoint restart redoes steps).
 
 * MTTR: fault -> first step committed by a membership without the victim (smaller ``world``,
   or a later torchrun restart); one per fault in ``mttrs_s``.
 * full strength (replacement): fault -> first step committed by N workers again.
 * fault offset: how long after the last committed step the fault was sent (where it landed).
-* samples lost: per step, its global batch minus the samples its update covered.
+* samples lost / duplicated: from the trained ids (above).
 * throughput before: samples/s over the steps from ``WARMUP`` to the first fault; after: from
   the first step after the recovery from the last fault to the end (straggler: before / from
   the step the slowdown starts); failure-free: the system's own failure-free run.
@@ -20,16 +29,70 @@ covered (TorchFT's dead replica's shard) are *lost*.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 WARMUP = 3
 
 
+def trained_ids(records: list[dict]) -> dict[tuple, list[int]]:
+    """(step, key) of each committed execution -> the ids its workers trained (see above)."""
+    dropped = {(r["step"], r["key"], r["pid"]) for r in records
+               if r["kind"] == "step" and "key" in r and r.get("trained") is False}
+    out: dict[tuple, list[int]] = {(r["step"], r["key"]): [] for r in records if r["kind"] == "step" and "key" in r}
+    for r in records:
+        k = (r.get("step"), r.get("key"))
+        if r["kind"] == "attempt" and k in out and (*k, r.get("pid")) not in dropped:
+            out[k] += r["ids"]
+    return out
+
+
 def executions(records: list[dict]) -> list[dict]:
+    """One record per (step, restart): the first worker's, with ``samples`` the number of ids
+    trained in it (the logged count where the log has no ids)."""
+    ids = trained_ids(records)
     first: dict[tuple, dict] = {}
+    keys: dict[tuple, set] = {}
     for r in sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["ts"]):
-        first.setdefault((r["step"], r.get("restart", 0)), r)
-    return sorted(first.values(), key=lambda r: r["ts"])
+        k = (r["step"], r.get("restart", 0))
+        first.setdefault(k, r)
+        if "key" in r:
+            keys.setdefault(k, set()).add(r["key"])
+    return sorted(({**r, "samples": sum(len(ids[(k[0], key)]) for key in keys[k]) if k in keys else r["samples"]}
+                   for k, r in first.items()), key=lambda r: r["ts"])
+
+
+def sample_accounting(records: list[dict], dataset: int) -> Optional[tuple[int, int]]:
+    """(lost, duplicated) samples from the ids trained in committed steps; None without ids."""
+    ids = trained_ids(records)
+    if not ids:
+        return None
+    epoch = {}
+    batch = {}
+    for r in records:
+        if r["kind"] == "step" and "key" in r:
+            epoch[(r["step"], r["key"])] = r.get("epoch", 0)
+            batch[r["step"]] = r.get("batch", 0)
+    seen: dict[int, Counter] = {}
+    span: dict[int, dict[int, int]] = {}   # epoch -> step -> its global batch
+    for k, got in ids.items():
+        e = epoch[k]
+        seen.setdefault(e, Counter()).update(got)
+        span.setdefault(e, {})[k[0]] = batch[k[0]]
+    last = max(span)
+    lost = dup = 0
+    for e, counts in seen.items():
+        expected = dataset if e < last else min(dataset, sum(span[e].values()))
+        lost += sum(1 for i in range(expected) if i not in counts)
+        dup += sum(c - 1 for c in counts.values())
+    return lost, dup
+
+
+def attempts_from_events(events: list[dict]) -> list[dict]:
+    """chameleon-ft's runtime event log -> ``attempt`` records: each member's sample ids before
+    every all-reduce attempt, keyed by the generation's token."""
+    return [{"kind": "attempt", "step": e["step"], "key": e.get("token"), "ids": e["ids"], "pid": e.get("pid"),
+             "ts": e["ts"]} for e in events if e["event"] == "step" and e.get("ids") is not None]
 
 
 def throughput(execs: list[dict]) -> Optional[float]:
@@ -65,7 +128,7 @@ def recovered_at(ex: list[dict], t_fault: float) -> Optional[dict]:
 
 def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: int,
                 t_faults: list[float], exit_codes: Optional[list[int]], wall_s: float,
-                split_step: Optional[int] = None) -> dict:
+                split_step: Optional[int] = None, dataset: int = 4096) -> dict:
     """``t_faults``: when each fault was sent; ``split_step`` (straggler): the step from which the
     fault acts (throughput before/after is split there instead of at a fault time)."""
     ex = executions(records)
@@ -88,12 +151,11 @@ def run_metrics(records: list[dict], *, nproc: int, steps: int, global_batch: in
         "step_time_after_s": None, "survivors": None, "full_strength_s": None,
         "fault_offset_s": None, "samples_lost": None, "samples_duplicated": None,
     }
-    last = {}
-    for e in ex:
-        last[e["step"]] = e
-    if completed:
-        m["samples_lost"] = sum(e.get("batch", global_batch) - e["samples"] for e in last.values())
-        m["samples_duplicated"] = sum(e["samples"] for e in ex) - sum(e["samples"] for e in last.values())
+    counted = sample_accounting(records, dataset)
+    if completed and counted:
+        m["samples_lost"], m["samples_duplicated"] = counted
+    # The step's global batch as the commit records give it (shrink lowers it after a failure).
+    m["batch_first"], m["batch_last"] = (ex[0].get("batch"), ex[-1].get("batch")) if ex else (None, None)
     t0 = ex[0]["ts"] if ex else 0.0
     m["timeline"] = [[round(e["ts"] - t0, 4), e["step"], e["samples"], e["world"]] for e in ex]
     m["t0"] = t0

@@ -2,15 +2,17 @@
 Generated; the document is never edited by hand: change this file or the harness and rerun it.
 
 For each scenario every system's figures sit side by side; for each figure where another
-system that did not crash beats chameleon-ft (adaptive), a sentence says so, with the reason
-when one is known (``WHY``, or a computed one: within 5 % on a shared machine is noise) and
-"not explained yet" otherwise.
+system that did not crash beats chameleon-ft (adaptive), a sentence says so, with a reason
+computed from the runs' data (``reasons.py``: noise only within the measured run-to-run spread)
+or "not explained"; every efficiency above 1 gets the same treatment.
 """
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+
+from .reasons import Spread, efficiency_reason, hang_note, reason, representative
 
 # (figure key, label, better: "low" | "high", format)
 FIGURES = [
@@ -31,39 +33,6 @@ FIGURES = [
     ("wall_s", "wall (s)", "low", "{:.1f}"),
 ]
 MS = {"step_time_s", "step_time_after_s", "predicted_step_s"}
-
-WHY = {
-    ("throughput_after", "torchrun-restart"): "torchrun relaunches all N workers, so after the restart it trains "
-    "with the full world while chameleon-ft continues with the survivors (efficiency normalises for this)",
-    ("throughput_after", "torchft"): "TorchFT's survivors keep their own shard only: fewer samples per step at the "
-    "same step time; the dead replica's samples are dropped (see samples lost), chameleon-ft reroutes them",
-    ("efficiency", "torchft"): "TorchFT's step covers survivors x per-replica samples, so its per-step time does not "
-    "grow; it drops the dead shard's samples instead of redistributing them (see samples lost)",
-    ("step_time_after_s", "torchft"): "TorchFT's survivors each still compute only their own shard (the dead "
-    "shard is dropped, see samples lost); chameleon-ft's survivors also compute the dead worker's share",
-    ("step_time_after_s", "torchrun-restart"): "after its restart torchrun trains with all N workers again",
-    ("peak_rss_mb", "*"): "chameleon-ft's worker also holds the runtime (membership client, engine, state buffer "
-    "for transfers); Lightning and TorchFT hold their own frameworks",
-    ("final_loss", "torchft"): "not comparable: TorchFT trained on fewer samples after the kill (lost shard)",
-    ("wall_s", "*"): "wall time includes process start and imports, which differ per framework",
-    ("mttr_s", "hang"): "a hang is detected by a timeout: chameleon-ft's --hang-timeout is 5 s here, TorchFT's "
-    "process-group timeout 5 s (its example's); both MTTRs are that timeout plus the recovery",
-    ("full_strength_s", "torchft"): "TorchFT's replacement is a new replica group that only loads its shard's "
-    "state from a peer; chameleon-ft's replacement starts a whole worker (process, imports, rendezvous)",
-    ("samples_lost", "chameleon-ft[shrink]"): "shrink trains the remaining steps with a smaller global batch",
-}
-
-
-# What a scenario's figures need to be read right (known mechanisms, with where to look).
-SCENARIO_NOTES = {
-    "node-loss": "chameleon-ft's MTTR here is about 1 s, not the 0.2 s of one kill: with exactly half of the "
-    "workers gone at once, the Lighthouse's split-brain guard (a quorum needs more than half of the heartbeating "
-    "workers) waits until the dead workers' heartbeats expire (`heartbeat_timeout_ms` = 1000; "
-    "`chameleon_ft/runtime/membership.py`); the breakdown shows it in the membership phase.",
-    "hang": "A hang is only visible through a timeout: chameleon-ft's `--hang-timeout` is 5 s in this harness "
-    "(TorchFT's process-group timeout is 5 s too, as in its example); torchrun has no hang detection and waits "
-    "for gloo's 30-minute default.",
-}
 
 
 def _fmt(v, f, key=""):
@@ -100,58 +69,6 @@ def _groups(res):
             r["system"], []).append(r)
     # emulation before plain CPU, fewer workers first
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0] == 0, kv[0][1])))
-
-
-RESTART_WHY = ("after its restart every one of the N workers trains again with its failure-free share (this "
-               "harness relaunches the dead slot on the same machine; a lost machine would need a spare), while "
-               "chameleon-ft goes on with the survivors")
-SHRINK_WHY = ("shrink drops the dead worker's share from the global batch (64 -> 48 with 3 survivors, LR x0.75): "
-              "every survivor keeps its 2 micro-batches, so the step time stays, but the training trajectory "
-              "changes; the adaptive policy keeps the batch unless allowed to change it")
-SYSTEM_WHY = {
-    "chameleon-ft[restart]": {k: RESTART_WHY for k in ("throughput_after", "efficiency", "step_time_after_s")},
-    "chameleon-ft[shrink]": {k: SHRINK_WHY for k in ("throughput", "throughput_after", "efficiency",
-                                                     "step_time_after_s", "final_loss", "wall_s")},
-}
-WHY.update({
-    ("efficiency", "torchrun-restart"): RESTART_WHY,
-    ("final_loss", "lightning-ddp"): "Lightning's DistributedSampler deals the samples to ranks strided "
-    "(rank r gets r, r+N, ...), so its steps hold other samples than the contiguous global batches every other "
-    "system trains on: the same data per epoch in another order, another trajectory",
-})
-
-
-def _granularity(rows, global_batch=64, micro_batch=8) -> str:
-    w = _median(rows, "survivors")
-    m = global_batch // micro_batch
-    if not w or m % int(w) == 0:
-        return ""
-    w = int(w)
-    return (f"; micro-batches are indivisible: {m} over chameleon-ft's {w} survivors leaves the slowest "
-            f"{-(-m // w)} where {m / w:.2f} would be even (at most {m / w / -(-m // w):.0%} of ideal)")
-
-
-def _why(key, system, family, scenario, mine, other, ours=()):
-    gran = _granularity(ours) if key in ("efficiency", "throughput_after", "step_time_after_s") else ""
-    if key in SYSTEM_WHY.get(system, {}):
-        return SYSTEM_WHY[system][key] + gran
-    if family == "chameleon-ft" and key in ("peak_rss_mb", "wall_s", "throughput_before", "final_loss"):
-        return "the same runtime and script as the adaptive run up to the failure: run-to-run noise"
-    if family == "chameleon-ft" and key == "mttr_s" and mine and abs(other - mine) / mine < 0.1:
-        return ("the same detection and membership path (the policy only changes what follows the agreement); "
-                "within 10 %: run-to-run noise")
-    chosen = {d["chosen"] for r in ours[:1] for d in (r.get("chameleon") or {}).get("decisions", [])}
-    fixed = system[len("chameleon-ft["):-1] if system.startswith("chameleon-ft[") else None
-    if fixed and fixed in chosen | ({"reroute", "replan"} if chosen & {"reroute", "replan"} else set()):
-        return (f"the adaptive run chose {', '.join(sorted(chosen))}: the same recovery path (on a data-parallel "
-                "plan reroute and replan give the same allocation), so the difference is run-to-run noise")
-    for k in ((key, scenario), (key, family), (key, "*")):
-        if k in WHY:
-            return WHY[k] + gran
-    if key.startswith("throughput") or key in ("wall_s", "step_time_after_s", "efficiency"):
-        if mine and abs(other - mine) / abs(mine) < 0.05:
-            return "within 5 %: noise on a shared 2-core machine"
-    return "not explained yet" + gran
 
 
 def _plot_setup():
@@ -253,12 +170,14 @@ def plot_timelines(scen: dict, title: str, path: Path) -> Path | None:
     return path
 
 
-def _scenario_table(L, res, sc, systems):
+def _scenario_table(L, res, sc, systems, spread):
     figs = [f for f in FIGURES if any(_median(rows, f[0]) is not None for rows in systems.values())
             and (f[0] != "step_time_s" or sc == "failure-free")]   # with faults: "step after"
     L += [f"### {sc}: {res['scenarios'].get(sc, '')}", ""]
-    if sc in SCENARIO_NOTES:
-        L += [SCENARIO_NOTES[sc], ""]
+    if sc == "node-loss" and (note := _node_loss_note(res, systems)):
+        L += [note, ""]
+    if sc == "hang" and (note := hang_note(systems)):
+        L += [note, ""]
     L += [
           "| system | crashed | " + " | ".join(f[1] for f in figs) + " | note |",
           "| --- | --- | " + " | ".join("---:" for _ in figs) + " | --- |"]
@@ -282,6 +201,15 @@ def _scenario_table(L, res, sc, systems):
         L += ["", "chameleon-ft decisions (first run): " + ", ".join(
             f"{d['kind']} -> **{d['chosen']}**" + (f" (predicted step {d['predicted_step_s'] * 1e3:.0f} ms)"
                                                    if d.get("predicted_step_s") else "") for d in dec)]
+    tuned, ours_rows = systems.get("torchft-tuned", []), systems.get("chameleon-ft", [])
+    if (t := _median(tuned, "mttr_s")) and (o := _median(ours_rows, "mttr_s")):
+        L += ["", "MTTR against TorchFT tuned for fast recovery: chameleon-ft "
+              f"{_spread(ours_rows, 'mttr_s', '{:.3f}')} s "
+              f"over {len(ours_rows)} run(s), TorchFT tuned {_spread(tuned, 'mttr_s', '{:.3f}')} s over {len(tuned)} "
+              f"run(s): chameleon-ft's median is {o / t:.2f}x TorchFT tuned's"
+              + (f" (TorchFT tuned lost {_median(tuned, 'samples_lost'):.0f} samples, chameleon-ft "
+                 f"{_median(ours_rows, 'samples_lost'):.0f})" if _median(tuned, "samples_lost") is not None
+                 and _median(ours_rows, "samples_lost") is not None else "") + "."]
     if sc == "failure-free" and (mine := _median(systems.get("chameleon-ft", []), "step_time_s")):
         ov = [f"{s} {(mine / o - 1) * 100:+.1f} %" for s, rows in systems.items()
               if s != "chameleon-ft" and not any(r["crashed"] for r in rows) and (o := _median(rows, "step_time_s"))]
@@ -302,13 +230,36 @@ def _scenario_table(L, res, sc, systems):
             if (other is None or _fmt(other, f, key) == _fmt(mine, f, key)
                     or (other < mine) != (better == "low")):
                 continue
-            fam = res["systems"][s]["family"]
-            why = _why(key, s, fam, sc, mine, other, ours)
+            why = reason(res, key, rows, ours, sc, spread)
             L.append(f"* {label}: {s} {_fmt(other, f, key)} vs chameleon-ft {_fmt(mine, f, key)} — {why}.")
             found = True
     if not found:
         L.append("* nowhere among the systems that did not crash.")
+    above = [(s, r) for s, rows in systems.items() for r in [representative(rows, "efficiency")]
+             if round(r.get("efficiency") or 0, 2) > 1]
+    if above:
+        L += ["", "Post-recovery efficiency above 1 (more samples/s per surviving worker than failure-free):", ""]
+        L += [f"* {s} {r['efficiency']:.2f}: {efficiency_reason(res, r, spread)}." for s, r in above]
     L.append("")
+
+
+def _node_loss_note(res, systems) -> str:
+    """chameleon-ft's node-loss MTTR against its single kill's, with the phase it went to."""
+    ours = systems.get("chameleon-ft", [])
+    bd = [b for r in ours for b in (r.get("chameleon") or {}).get("breakdowns", [])[:1]]
+    mttr = _median(ours, "mttr_s")
+    kill = [r for r in res["runs"] if r["system"] == "chameleon-ft" and r["scenario"] == "kill"
+            and ours and r["nproc"] == ours[0]["nproc"] and r["mb_sleep"] == ours[0]["mb_sleep"]]
+    if not bd or mttr is None:
+        return ""
+    k = _median(kill, "mttr_s")
+    phase = max((p for p in bd[0] if p not in ("where", "total")), key=lambda p: bd[0][p])
+    return (f"chameleon-ft's MTTR here is {mttr:.2f} s" + (f", against {k:.2f} s for one kill" if k else "")
+            + f"; its largest phase is {phase} ({bd[0][phase] * 1e3:.0f} ms of {bd[0].get('total', 0) * 1e3:.0f} ms)"
+            + (": with exactly half of the workers gone at once, the Lighthouse's split-brain guard (a quorum "
+               "needs more than half of the heartbeating workers) waits until the dead workers' heartbeats expire "
+               "(`heartbeat_timeout_ms` = 1000; `chameleon_ft/runtime/membership.py`)." if phase == "membership"
+               else "."))
 
 
 def write_report(res: dict, doc: Path) -> Path:
@@ -322,32 +273,39 @@ def write_report(res: dict, doc: Path) -> Path:
          f"{res['global_batch']}", f"* matrix wall time: {res['duration_s']:.0f} s", "",
          "Mostly single runs on a shared 2-core machine: read ratios, crashes and lost/duplicated samples, "
          "not digits.", "",
+         *(["The reduced plan (`--reduced`, `REDUCED_PLAN` in `benchmarks/matrix.py`): the full plan's other "
+            "cells (two kills, straggler, replacement, 8 workers, most fixed policies, CPU baselines) were not "
+            "run for this report; `python benchmarks/matrix.py` runs them all.", ""]
+           if "--reduced" in res.get("command", "") else []),
          "## Systems", "", "| system | variant | note |", "| --- | --- | --- |"]
     L += [f"| {s} | {d['variant']} | {d['note']} |" for s, d in res["systems"].items()]
     L += ["", "Metrics: see `benchmarks/harness/metrics.py`.  MTTR = fault -> first step committed without "
           "the victim (or after a torchrun / checkpoint restart); efficiency = throughput after the last "
-          "recovery / (failure-free throughput x W / N), W = the world at the end; samples lost = per "
-          "step, its global batch minus the samples its update covered; duplicated = samples of steps "
-          "executed twice.", ""]
+          "recovery / (failure-free throughput x W / N), W = the world at the end; samples lost and "
+          "duplicated are counted from the sample ids every worker logged for the steps it trained (lost: ids "
+          "of the epochs' committed steps no update trained; duplicated: ids trained more than once in an "
+          "epoch).  Reasons are computed from each run's data; a difference is called noise only within the "
+          "run-to-run spread measured on the repeated cells of the same mode, else it is \"not explained\".", ""]
     plots = []
+    spread = Spread(res, [f[0] for f in FIGURES])
     for (mb, nproc), scen in _groups(res).items():
         mode = res["modes"].get(str(mb)) or f"mb_sleep {mb}"
         title = f"{nproc} workers, {mode}"
         L += [f"## {title}", ""]
         for sc, systems in scen.items():
-            _scenario_table(L, res, sc, systems)
+            _scenario_table(L, res, sc, systems, spread)
         tag = f"{stem}-{nproc}w-{'emu' if mb > 0 else 'cpu'}"
         for kind, fn in (("mttr", plot_mttr), ("timeline", plot_timelines)):
             p = fn(scen, title, doc.parent / "benchmarks" / f"{tag}-{kind}.png")
             if p:
                 L += [f"![{kind}: {title}]({p.relative_to(doc.parent)})", ""]
                 plots.append(p)
-    _fixed_policies(L, res)
+    _fixed_policies(L, res, spread)
     doc.write_text("\n".join(L) + "\n")
     return doc
 
 
-def _fixed_policies(L, res):
+def _fixed_policies(L, res, spread):
     """Adaptive against each fixed policy, per scenario (4-worker emulation cells)."""
     rows: dict = {}
     for r in res["runs"]:
@@ -358,14 +316,14 @@ def _fixed_policies(L, res):
         return
     L += ["## chameleon-ft: adaptive against each fixed policy", "",
           "Score the engine maximises: samples/s x remaining useful time; here measured as the run's "
-          "samples/s and wall time (same steps).  A fixed policy that wins by noise is reported as such.", ""]
+          "samples/s and wall time (same steps).  Batch after: the global batch of the last committed step.", ""]
     for (sc, nproc, mb), systems in tables.items():
         L += [f"### {sc}, {nproc} workers, {'emulation' if mb > 0 else 'CPU'}", "",
               "| system | crashed | chosen | MTTR (s) | samples/s after | samples/s (run) | batch after | wall (s) |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for s, rs in systems.items():
             chosen = ", ".join(d["chosen"] or "nothing feasible" for d in (rs[0].get("chameleon") or {}).get("decisions", []))
-            batch = (rs[0].get("timeline") or [[0, 0, None, 0]])[-1][2]
+            batch = rs[0].get("batch_last")
             L.append(f"| {s} | {'yes' if any(r['crashed'] for r in rs) else 'no'} | {chosen or '-'} | "
                      f"{_spread(rs, 'mttr_s', '{:.3f}')} | {_spread(rs, 'throughput_after', '{:.0f}')} | "
                      f"{_spread(rs, 'throughput', '{:.0f}')} | {batch if batch is not None else '-'} | "
@@ -375,13 +333,7 @@ def _fixed_policies(L, res):
                   and (v := _median(rs, "throughput")) and ad and v > ad]
         L.append("")
         for s, v in better:
+            why = reason(res, "throughput", systems[s], systems["chameleon-ft"], sc, spread)
             L.append(f"* {s} trained faster over the run ({v:.0f} vs {ad:.0f} samples/s, "
-                     f"{(v / ad - 1) * 100:+.1f} %)" + (": within 5 %, noise on a shared machine."
-                                                        if v / ad < 1.05 else
-                                                        (": shrink trains with a smaller global batch after the "
-                                                         "failure, so every survivor keeps its micro-batches per "
-                                                         "step and the step time stays; it changes the training "
-                                                         "trajectory, which the adaptive policy only does when "
-                                                         "allowed to change the batch."
-                                                         if "shrink" in s else ": not explained yet.")))
+                     f"{(v / ad - 1) * 100:+.1f} %): {why}.")
         L.append("")

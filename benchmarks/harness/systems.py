@@ -188,12 +188,40 @@ def start_lightning(job: Job) -> None:
     _torchrun(job, "lightning_ddp.py", [], [], job.env())
 
 
+TORCHFT_VENV = ROOT / "benchmarks" / ".venv-torchft"
+
+
+def torchft_bin(name: str = "python") -> str:
+    """``name`` from ``benchmarks/.venv-torchft`` (the newest torchft, ``matrix.py --setup-torchft``)
+    when it exists, else this interpreter / the installed ``torchft_lighthouse`` (0.2.x, which the
+    package itself uses)."""
+    venv = TORCHFT_VENV / "bin" / name
+    if venv.exists():
+        return str(venv)
+    return sys.executable if name == "python" else name
+
+
+def torchft_version() -> str:
+    out = subprocess.run([torchft_bin(), "-c", "import importlib.metadata as m\nfor d in ('torchft-nightly', "
+                          "'torchft'):\n  try: print(d, m.version(d)); break\n  except m.PackageNotFoundError: pass"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or "torchft: not installed"
+
+
+# Lighthouse options per variant: torchft's README / train_ddp.py example (min_replicas 1, join
+# timeout 10 s, default 5 s heartbeat timeout) and tight ones for fast recovery (tuned).
+LIGHTHOUSE = {
+    "shipped": ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
+    "workaround": ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
+    "tuned": ["--quorum_tick_ms", "10", "--join_timeout_ms", "300", "--heartbeat_timeout_ms", "300"],
+}
+
+
 def start_torchft(variant: str) -> Callable[[Job], None]:
     def start(job: Job) -> None:
         port = free_port()
-        # As torchft's README / train_ddp.py example: min_replicas 1, join timeout 10 s.
-        job.spawn(["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
-                   "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"], job.env(), "lighthouse", main=False)
+        job.spawn([torchft_bin("torchft_lighthouse"), "--min_replicas", "1", *LIGHTHOUSE[variant],
+                   "--bind", f"[::]:{port}"], job.env(), "lighthouse", main=False)
         time.sleep(0.5)
         for g in range(job.nproc):
             def spawn(g=g, n=[0]):
@@ -201,7 +229,7 @@ def start_torchft(variant: str) -> Callable[[Job], None]:
                               NUM_REPLICA_GROUPS=job.nproc, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
                               MASTER_ADDR="localhost", MASTER_PORT=free_port())
                 n[0] += 1
-                return job.spawn([sys.executable, str(BASE / "torchft_ddp.py"), *job.script_args(),
+                return job.spawn([torchft_bin(), str(BASE / "torchft_ddp.py"), *job.script_args(),
                                   "--variant", variant], env, f"group{g}" + (f"-{n[0] - 1}" if n[0] > 1 else ""))
             job.spawners[g] = spawn
             spawn()
@@ -227,6 +255,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            replace=replace_torchft),
     System("torchft+fix", "torchft", "workaround: manager.allreduce of grads, example timeouts (5 s / 30 s)",
            start_torchft("workaround"), replace=replace_torchft),
+    System("torchft-tuned", "torchft", "workaround + tight timeouts: Lighthouse heartbeat 300 ms, join 300 ms, "
+           "quorum tick 10 ms; Manager heartbeat 50 ms; process group / Manager 2 s", start_torchft("tuned"),
+           replace=replace_torchft),
     System("lightning-ddp", "lightning-ddp", "as shipped (no fault tolerance)", start_lightning),
 ]}
 
