@@ -61,6 +61,7 @@ FRAMEWORKS = tuple(SCRIPTS)
 WORKERS = 4
 EPOCHS = 2
 TOLERANCE = 1e-5  # relative distance of the final weights to the failure-free twin
+STRAGGLER_P = 0.25
 PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_boundary")
 
 
@@ -103,6 +104,19 @@ class Trial:
     phase: str
     force: Optional[str]
     delay_s: float
+    straggler: Optional[int] = None  # a worker 4x slow from the first step
+
+    def launch_args(self) -> list[str]:
+        faults = [f"slow:rank={self.straggler}:factor=4"] if self.straggler is not None else []
+        fault = self.fault()
+        if fault:
+            faults.append(fault[0])
+        return ["--faults", ";".join(faults)] if faults else []
+
+    def worker_args(self) -> list[str]:
+        extra = ["--force-alloc", self.force] if self.force else []
+        # emulated compute, so that the straggler's slowness is measurable (math unchanged)
+        return extra + (["--mb-sleep", "0.01"] if self.straggler is not None else [])
 
     def fault(self) -> Optional[tuple[str, int, str]]:
         """(spec, step, phase) of an injected kill, or None for an outside SIGKILL."""
@@ -132,8 +146,15 @@ def draw(rng: random.Random, index: int, setup: Setup) -> Trial:
     kinds = [None, "uneven", "zero"] if setup.framework != "lightning" else [None, "uneven"]
     kind = rng.choice(kinds)
     force = f"{kind}:{rng.randrange(WORKERS)}" if kind else None
-    return Trial(index, setup, rng.randrange(WORKERS), rng.randint(2, total - 2), rng.choice(PHASES),
-                 force, rng.uniform(0.0, 0.03))
+    victim = rng.randrange(WORKERS)
+    step = rng.randint(2, total - 2)
+    straggler = None
+    if rng.random() < STRAGGLER_P:
+        # A failure while the detector is flagging a straggler (3 slow steps in a row: steps
+        # 0-2), so the recovery lands between two of its scores.
+        straggler = rng.choice([w for w in range(WORKERS) if w != victim])
+        step = rng.randint(1, 2)
+    return Trial(index, setup, victim, step, rng.choice(PHASES), force, rng.uniform(0.0, 0.03), straggler)
 
 
 class FidelityJob(ScriptJob):
@@ -165,14 +186,12 @@ def run_trial(trial: Trial, root: Path) -> dict:
     """Run ``trial`` and its twin; a JSON-able record of what was checked."""
     setup = trial.setup
     rec = {"trial": trial.index, **asdict(setup), "victim": trial.victim, "kill_step": trial.step,
-           "phase": trial.phase, "force": trial.force, "ok": False, "problems": []}
+           "phase": trial.phase, "force": trial.force, "straggler": trial.straggler, "ok": False, "problems": []}
     t0 = time.monotonic()
     try:
         ref = twin(setup, root)
         fault = trial.fault()
-        launch = ["--faults", fault[0]] if fault else []
-        extra = ["--force-alloc", trial.force] if trial.force else []
-        job = FidelityJob(root / f"trial-{trial.index}", setup, extra, launch)
+        job = FidelityJob(root / f"trial-{trial.index}", setup, trial.worker_args(), trial.launch_args())
         try:
             job.start()
             if fault is None:
@@ -278,7 +297,7 @@ def main(argv=None) -> int:
         status = "ok  " if rec["ok"] else "FAIL"
         print(f"{status} #{rec['trial']:3d} {rec['framework']:10s} {rec['optimizer']:5s} mb={rec['micro_batch']} "
               f"ga={rec['accum']} n={rec['dataset']} kill w{rec['victim']}@{rec['kill_step']}:{rec['phase']} "
-              f"force={rec['force']} fired={rec.get('fired')} rel={rec.get('rel_diff', float('nan')):.2e} "
+              f"force={rec['force']} slow={rec['straggler']} fired={rec.get('fired')} rel={rec.get('rel_diff', float('nan')):.2e} "
               f"{rec['seconds']}s {'; '.join(p[:300] for p in rec['problems'])}", flush=True)
 
     try:
