@@ -25,7 +25,7 @@ from tests.fidelity import trials  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
-SEED = int(os.environ.get("FIDELITY_SEED", "32"))
+SEED = int(os.environ.get("FIDELITY_SEED", "70"))
 N = 9
 
 
@@ -33,7 +33,7 @@ def test_drawn_trials_cover_the_dimensions():
     rng = random.Random(0)
     drawn = [trials.draw(rng, i, trials.draw_setup(rng, fw)) for i in range(300) for fw in trials.FRAMEWORKS]
     for t in drawn:
-        assert 2 <= t.step <= 2 * t.setup.steps_per_epoch - 2 or (t.straggler is not None and t.step >= 1)
+        assert 1 <= t.step <= 2 * t.setup.steps_per_epoch - 2
         assert t.setup.dataset % t.setup.global_batch, "the last global batch must be uneven"
         if t.setup.framework == "lightning":
             assert not (t.force or "").startswith("zero")  # Lightning never leaves a member idle
@@ -42,6 +42,7 @@ def test_drawn_trials_cover_the_dimensions():
     assert {t.setup.optimizer for t in drawn} == {"sgd", "adamw"}
     assert {(t.force or "none").split(":")[0] for t in drawn} == {"none", "zero", "uneven"}
     assert any(t.straggler is not None for t in drawn)
+    assert not any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
 
 
 def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
@@ -53,4 +54,9 @@ def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
         f"trial {r['trial']} ({r['framework']}, kill w{r['victim']}@{r['kill_step']}:{r['phase']}, "
         f"force={r['force']}, straggler={r['straggler']}): {r['problems']}" for r in bad)
     assert all(r["rel_diff"] < trials.TOLERANCE for r in records)
+    # Lightning workers sometimes finish (final state written) but do not exit: an open teardown
+    # hang (docs/reliability.md), reported here, not a fidelity failure.
+    hangs = [r for r in records if r["exit_hang"]]
+    print("exit hangs:", [(r["trial"], r["framework"]) for r in hangs])
+    assert all(r["framework"] == "lightning" for r in hangs), hangs
     assert sum(r["fired"] for r in records) >= N - 2, "most drawn kills must actually fire"
