@@ -8,8 +8,10 @@ straggler that was one or two slow steps from being flagged when a worker died w
 the source a step or two before the others: for those steps the source ran one allocation and
 the others another, some micro-batches were computed twice and some never, and the run left the
 failure-free trajectory while its replicas stayed bitwise equal (they all-reduce the same sum).
-This is the cause of the off-trajectory Accelerate runs of issue 10 (item 10); it sits in the
-shared runtime, so the ElasticTrainer reproduces it (fastest to start).
+This is the cause found for the off-trajectory Accelerate runs of issue 10 (item 10): it fits
+what was seen there (replicas equal, weights 1e-2 off, a survivor idle for the rest of the run,
+in a few runs where noise flags were in progress at the kill).  It sits in the shared runtime,
+so the ElasticTrainer reproduces it (fastest to start).
 
 Set-up, deterministic: worker 1 is 4x slow from the first step (``slow`` fault, 20 ms emulated
 compute per micro-batch) -- the detector needs 3 slow scores in a row to flag it; worker 3 kills
