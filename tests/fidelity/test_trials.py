@@ -56,7 +56,7 @@ def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
     assert all(r["rel_diff"] < trials.TOLERANCE for r in records)
     # Lightning workers sometimes finish (final state written) but do not exit: an open teardown
     # hang (docs/reliability.md), reported here, not a fidelity failure.
-    hangs = [r for r in records if r["exit_hang"]]
+    hangs = [r for r in records if r.get("exit_hang")]
     print("exit hangs:", [(r["trial"], r["framework"]) for r in hangs])
     assert all(r["framework"] == "lightning" for r in hangs), hangs
     assert sum(r["fired"] for r in records) >= N - 2, "most drawn kills must actually fire"
