@@ -511,8 +511,12 @@ class ElasticContext:
         if not self._is_source:
             if payload["state"] is not None and (self.fresh or self.step < top):
                 self.load_state_dict(payload["state"])
-            self.policy.load_state_dict(payload["engine"])
             self.sampler.load_state_dict(payload["sampler"])
+        # The source too: straggler Decisions are taken by every member on its own, so the
+        # engine state must be identical everywhere, including what its state_dict leaves out
+        # (the detector's hysteresis counters, cached predictions); a source that kept its own
+        # flagged a straggler steps before the others, and they ran different allocations.
+        self.policy.load_state_dict(payload["engine"])
         if was_behind or self.sampler.global_batch != batch_before:
             # Nothing of ours belongs to the step everyone is at now (or the step's samples
             # and weights changed with the global batch).

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
 import _helpers.data  # noqa: E402
+from _helpers.allocation import force_allocations  # noqa: E402
 
 from accelerate_ft import FaultTolerantAccelerator, wrap
 
@@ -62,21 +63,32 @@ def main():
     p.add_argument("--wrap", action="store_true", help="use wrap(Accelerator(...))")
     p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
     p.add_argument("--resume", default=None)
+    # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--accum", type=int, default=2, help="gradient_accumulation_steps")
+    p.add_argument("--dataset", type=int, default=256)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr-step", type=int, default=20, help="StepLR step_size (stepped every step)")
+    p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
     torch.set_num_threads(1)
+    force_allocations(a.force_alloc)
     set_seed(7)
     tracker = JsonlTracker(os.path.join(a.out, "tracker.jsonl"))
     if a.wrap:
         from accelerate import Accelerator
-        acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=2, log_with=[tracker]))
+        acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=a.accum, log_with=[tracker]))
     else:
-        acc = FaultTolerantAccelerator(gradient_accumulation_steps=2, log_with=[tracker])
+        acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker])
     acc.init_trackers("acc")
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.7)
-    train = DataLoader(Blobs(), batch_size=4, shuffle=True)
+    if a.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=a.lr_step, gamma=0.7)
+    train = DataLoader(Blobs(a.dataset), batch_size=a.batch_size, shuffle=True)
     val = DataLoader(Blobs(100, seed=99), batch_size=8)
     model, opt, train, val, sched = acc.prepare(model, opt, train, val, sched)
     if a.resume:
@@ -119,7 +131,8 @@ def main():
     ctx = acc.ft_context
     wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", acc.process_index))
     torch.save({"params": [q.detach().clone() for q in model.parameters()],
-                "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
+                "momentum": [t.clone() for q in model.parameters() for t in opt.state[q].values()
+                             if torch.is_tensor(t) and t.ndim > 0],
                 "step": ctx.step, "epoch": ctx.epoch, "completed": completed,
                 "lr": sched.get_last_lr(), "eval_ids": eval_ids, "val_acc": accs,
                 "num_processes": acc.num_processes, "process_index": acc.process_index,

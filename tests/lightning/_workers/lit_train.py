@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
+from _helpers.allocation import force_allocations  # noqa: E402
 from _helpers.data import Blobs  # noqa: E402
 
 
@@ -49,7 +50,8 @@ class WithIds(Dataset):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None, sync_train_loss=False):
+    def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None, sync_train_loss=False,
+                 optimizer="sgd", lr_step=5):
         super().__init__()
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
@@ -112,8 +114,11 @@ class Classifier(pl.LightningModule):
         self.log("test_loss", self.test_loss)
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        if self.hparams.optimizer == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=self.hparams.lr_step, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -134,13 +139,18 @@ def main():
     p.add_argument("--test", action="store_true", help="trainer.test() after the fit")
     p.add_argument("--val-sleep", type=float, default=0.0, help="sleep per validation batch")
     p.add_argument("--sync-train-loss", action="store_true", help="log train_loss with sync_dist=True")
+    # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr-step", type=int, default=5, help="StepLR step_size (stepped every step)")
+    p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
     torch.set_num_threads(1)
+    force_allocations(a.force_alloc)
     pl.seed_everything(7, workers=True, verbose=False)
     markers = os.path.join(a.out, "markers")
     os.makedirs(markers, exist_ok=True)
     model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers,
-                       sync_train_loss=a.sync_train_loss)
+                       sync_train_loss=a.sync_train_loss, optimizer=a.optimizer, lr_step=a.lr_step)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
                                  filename="{epoch}-{step}")]
     if not a.plain:
@@ -162,7 +172,8 @@ def main():
     opt = trainer.optimizers[0]
     val_acc = float(trainer.callback_metrics["val_acc"])
     final = {"params": [q.detach().clone() for q in model.parameters()],
-             "momentum": [opt.state[q]["momentum_buffer"].clone() for q in model.parameters()],
+             "momentum": [t.clone() for q in model.parameters() for t in opt.state[q].values()
+                          if torch.is_tensor(t) and t.ndim > 0],
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
              "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history}

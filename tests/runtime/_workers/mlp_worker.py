@@ -7,12 +7,17 @@ parameters and optimizer state to ``<out>/final_<worker id>.pt`` for the tests t
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
 from chameleon_ft.runtime.worker import ElasticConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
+from _helpers.allocation import force_allocations  # noqa: E402
 
 
 class Synthetic(torch.utils.data.Dataset):
@@ -41,13 +46,22 @@ def main():
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--allowed", default=None, help="comma-separated policies the engine may choose")
     p.add_argument("--allow-batch-change", action="store_true")
+    # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
+    p.add_argument("--dataset", type=int, default=256)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr-step", type=int, default=5, help="StepLR step_size (stepped every step)")
+    p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
     torch.set_num_threads(1)
+    force_allocations(a.force_alloc)
     # A different init per worker: the start-up broadcast must make the replicas equal.
     torch.manual_seed(int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0")) + 7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+    if a.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=a.lr_step, gamma=0.7)
     ce = torch.nn.CrossEntropyLoss()
 
     def loss_fn(m, batch):
@@ -56,7 +70,7 @@ def main():
         x, y = batch
         return ce(m(x), y)
 
-    trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch, sched,
+    trainer = ElasticTrainer(model, opt, Synthetic(a.dataset), loss_fn, a.global_batch, a.micro_batch, sched,
                              seed=3, config=ElasticConfig(
                                  stragglers=not a.no_stragglers, min_world_size=a.min_world,
                                  allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
@@ -65,7 +79,8 @@ def main():
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+                "momentum": [t.clone() for p in model.parameters() for t in opt.state[p].values()
+                             if torch.is_tensor(t) and t.ndim > 0],
                 "step": ctx.step, "members": list(ctx.members), "lr": sched.get_last_lr(),
                 "base_lr": list(sched.base_lrs)},
                os.path.join(a.out, f"final_{ctx.worker_id}.pt"))

@@ -1,0 +1,62 @@
+"""A bounded set of the randomised fidelity trials (``tests/fidelity/trials.py``) for CI: 9
+trials, 3 per framework (ElasticTrainer, Lightning, Accelerate), one set-up per framework so
+the failure-free twins are shared.  Every trial must keep each sample exactly once, leave
+bitwise-equal survivors with the twin's step count and learning rate, and end within
+``TOLERANCE`` (1e-5 relative) of the twin's weights -- only the floating-point summation order
+may differ.  The seed is fixed so a failure reproduces (``FIDELITY_SEED`` overrides it); it is
+chosen so the draw covers every kill moment, rank 0, forced zero and uneven allocations, SGD
+and AdamW, and a failure while a straggler is being flagged (the cause fixed for issue 10,
+which makes this set fail on b79230b).  The large run: ``python -m tests.fidelity.trials
+--trials 100`` (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.fidelity import trials  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
+
+SEED = int(os.environ.get("FIDELITY_SEED", "70"))
+N = 9
+
+
+def test_drawn_trials_cover_the_dimensions():
+    rng = random.Random(0)
+    drawn = [trials.draw(rng, i, trials.draw_setup(rng, fw)) for i in range(300) for fw in trials.FRAMEWORKS]
+    for t in drawn:
+        assert 1 <= t.step <= 2 * t.setup.steps_per_epoch - 2
+        assert t.setup.dataset % t.setup.global_batch, "the last global batch must be uneven"
+        if t.setup.framework == "lightning":
+            assert not (t.force or "").startswith("zero")  # Lightning never leaves a member idle
+    assert {t.phase for t in drawn} == set(trials.PHASES)
+    assert {t.victim for t in drawn} == set(range(trials.WORKERS))
+    assert {t.setup.optimizer for t in drawn} == {"sgd", "adamw"}
+    assert {(t.force or "none").split(":")[0] for t in drawn} == {"none", "zero", "uneven"}
+    assert any(t.straggler is not None for t in drawn)
+    assert not any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
+
+
+def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
+    records = trials.run_trials(N, list(trials.FRAMEWORKS), SEED, tmp_path, setups_per_framework=1)
+    summary = trials.summarise(records)
+    print(json.dumps(summary, indent=1))
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, f"seed {SEED}: " + "\n".join(
+        f"trial {r['trial']} ({r['framework']}, kill w{r['victim']}@{r['kill_step']}:{r['phase']}, "
+        f"force={r['force']}, straggler={r['straggler']}): {r['problems']}" for r in bad)
+    assert all(r["rel_diff"] < trials.TOLERANCE for r in records)
+    # Lightning workers sometimes finish (final state written) but do not exit: an open teardown
+    # hang (docs/reliability.md), reported here, not a fidelity failure.
+    hangs = [r for r in records if r.get("exit_hang")]
+    print("exit hangs:", [(r["trial"], r["framework"]) for r in hangs])
+    assert all(r["framework"] == "lightning" for r in hangs), hangs
+    assert sum(r["fired"] for r in records) >= N - 2, "most drawn kills must actually fire"
