@@ -12,8 +12,8 @@ runtime's configured ``replacement_eta_s`` (5 s), so the engine weighs ``wait`` 
 the replacement arrives, then heal it) against carrying on rerouted for good, over ``D``, the
 expected time to the next failure (estimated from a per-device failure rate and this run, or
 fixed with ``--mttf``).  With the estimate (days) waiting wins; with ``--mttf 5`` the next failure
-is expected before the replacement can help, so ``wait`` scores no better than ``reroute`` and
-the engine reroutes.
+is expected before the replacement can help, so ``wait`` scores the same as ``reroute`` and the
+engine reroutes (equal scores go to the shorter transition).
 """
 
 from __future__ import annotations

@@ -269,7 +269,11 @@ class Launcher:
     def _config_error(self, log: EventLog) -> int:
         """A worker stopped on a configuration error (``runtime/errors.py``): every worker would
         meet it, so the job stops; each distinct message is said once."""
-        time.sleep(0.5)  # the others usually hit the same error at once: name them all
+        # The others usually hit the same error within a second or two: let them say so (a
+        # worker that does not stops waiting on the coordinator once the job is torn down).
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children.values()):
+            time.sleep(_POLL_S)
         self.terminate_all()
         by_msg: dict[str, list[int]] = {}
         for wid, msg in read_config_errors(self.run_dir).items():

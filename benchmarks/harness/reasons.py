@@ -164,7 +164,7 @@ def reason(res, key, other_rows, our_rows, scenario, spread: Spread) -> str:
     """Why ``other_rows``' median ``key`` beats chameleon-ft's (``our_rows``); the figures quoted
     come from each side's run that holds the median."""
     o, me = representative(other_rows, key), representative(our_rows, key)
-    system, mb = o["system"], o["mb_sleep"]
+    mb = o["mb_sleep"]
     mine, other = median(our_rows, key), median(other_rows, key)
     noise = spread.noise(key, mb, mine, other)
     mech = _mechanism(res, key, o, me, scenario, spread)

@@ -14,7 +14,7 @@ would; torchrun: its restart relaunches every worker anyway; plain Lightning: no
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 Victims = Union[tuple[int, ...], str]
