@@ -30,16 +30,20 @@ def samples_per_worker(evs, step):
     return {r["worker"]: len(r["ids"]) for r in committed_attempts(evs)[step]}
 
 
-def test_slow_worker_is_flagged_and_gets_fewer_microbatches(tmp_path, tmp_path_factory):
-    job = Job(tmp_path, mb_sleep=0.02, epochs=2, launch_args=["--faults", "slow:rank=1:factor=4"])
+def run_with_faults(tmp_path, faults: str, epochs: int, mb_sleep: float = 0.02):
+    """Run the job to its end under ``--faults``; the job (for its final states) and its events."""
+    job = Job(tmp_path, mb_sleep=mb_sleep, epochs=epochs, launch_args=["--faults", faults])
     try:
         job.start()
         assert job.wait(120) == [0], job.output()
-        evs = job.events()
+        return job, job.events()
     finally:
         job.cleanup()
-    stragglers = [e["decision"] for e in evs if e["event"] == "decision"
-                  and e["decision"]["event"]["kind"] == "straggler"]
+
+
+def test_slow_worker_is_flagged_and_gets_fewer_microbatches(tmp_path, tmp_path_factory):
+    job, evs = run_with_faults(tmp_path, "slow:rank=1:factor=4", epochs=2)
+    stragglers = [e["decision"] for e in straggler_decisions(evs)]
     assert stragglers, "the slow worker was never flagged"
     first = stragglers[0]
     assert first["event"]["devices"] == [1] and first["event"]["slowdown"] > 2
@@ -57,13 +61,7 @@ def test_slow_worker_is_flagged_and_gets_fewer_microbatches(tmp_path, tmp_path_f
 def test_a_recovered_straggler_gets_the_even_split_back(tmp_path):
     """Worker 1 is 4x slow for steps 0-16 only: rebalanced while slow, then its flag clears and
     every worker runs two micro-batches again (and a rebalance that pays is not undone)."""
-    job = Job(tmp_path, mb_sleep=0.02, epochs=5, launch_args=["--faults", "slow:rank=1:factor=4:to=16"])
-    try:
-        job.start()
-        assert job.wait(120) == [0], job.output()
-        evs = job.events()
-    finally:
-        job.cleanup()
+    job, evs = run_with_faults(tmp_path, "slow:rank=1:factor=4:to=16", epochs=5)
     decisions = [(e["step"], e["decision"]) for e in straggler_decisions(evs)]
     flags = [(s, d) for s, d in decisions if d["event"]["slowdown"] > 1]
     assert flags and flags[0][1]["event"]["devices"] == [1] and flags[0][1]["chosen"] == "rebalance", decisions
@@ -82,14 +80,7 @@ def test_a_recovered_straggler_gets_the_even_split_back(tmp_path):
 def test_jitter_on_1ms_microbatches_never_rebalances(tmp_path):
     """Every worker's ~1 ms micro-batches get random 4x spikes (a fifth of them) on top of the
     machine's own noise: no worker is flagged, every step splits the batch evenly."""
-    job = Job(tmp_path, mb_sleep=0.001, epochs=5,
-              launch_args=["--faults", "jitter:rank=0,1,2,3:factor=4:prob=0.2"])
-    try:
-        job.start()
-        assert job.wait(120) == [0], job.output()
-        evs = job.events()
-    finally:
-        job.cleanup()
+    job, evs = run_with_faults(tmp_path, "jitter:rank=0,1,2,3:factor=4:prob=0.2", epochs=5, mb_sleep=0.001)
     attempts = committed_attempts(evs)
     compute = sorted(r["step_time"] for recs in attempts.values() for r in recs)
     assert compute[-len(compute) // 20] > 2 * compute[len(compute) // 2], "no spikes were injected"
