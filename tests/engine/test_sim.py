@@ -66,7 +66,8 @@ def test_exact_model_true_goodput_is_the_believed_one(small):
 
 
 def test_true_model_is_seeded_and_log_normal():
-    assert TrueModel.perturbed(0.0, 5, 1.0).exact
+    exact = TrueModel.perturbed(0.0, 5, 1.0)
+    assert exact.exact
     a, b = TrueModel.perturbed(0.2, 5, 1.0), TrueModel.perturbed(0.2, 5, 1.0)
     assert a == b and not a.exact and a != TrueModel.perturbed(0.2, 6, 1.0)
     with pytest.raises(ValueError):
