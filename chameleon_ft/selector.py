@@ -24,8 +24,8 @@ the reason it is ruled out):
 Score = ``(B / t_step) · (D − t_transition) / D``: samples per second over the expected time to
 the next failure ``D``, discounted by the time spent getting there.  An option that goes through
 phases (``wait``: rerouted, a pause to heal, the full plan) scores the samples of every phase
-that falls within ``D``, divided by ``D`` (:func:`phased_score`).  Ties go to the candidate
-listed first (the order above).  Decisions are deterministic for the same inputs and serialise
+that falls within ``D``, divided by ``D`` (:func:`phased_score`).  Ties go to the shorter
+transition, then to the candidate listed first (the order above).  Decisions are deterministic for the same inputs and serialise
 to JSON.
 """
 

@@ -54,6 +54,7 @@ from chameleon_ft.perf import Coefficients, estimate
 from chameleon_ft.plan import Plan
 from chameleon_ft.planner import SearchSpace
 from chameleon_ft.selector import Decision, JobState, SelectorConfig, select
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.stragglers import StragglerDetector
 from chameleon_ft.workload import Layer, Workload
 
@@ -123,7 +124,7 @@ class EnginePolicy:
         try:
             self.detector = StragglerDetector(**opts)
         except TypeError:
-            raise ValueError(f"unknown straggler options {sorted(opts)}; known: window, windows, enter, "
+            raise ConfigError(f"unknown straggler options {sorted(opts)}; known: window, windows, enter, "
                              "leave, min_cost_s, min_cost_frac, min_evidence_s, verify_steps, "
                              "min_gain") from None
         self._detector_opts = opts
