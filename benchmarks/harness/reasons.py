@@ -21,7 +21,8 @@ HANG_TIMEOUT_S = {"chameleon-ft": 5.0, "torchft+fix": 5.0, "torchft-tuned": 2.0,
 HEARTBEAT_TIMEOUT_MS = {"chameleon-ft": 1000, "torchft-tuned": 300, "torchft+fix": 5000, "torchft": 5000}
 
 
-def _value(r, key):
+def value(r, key):
+    """A run's figure ``key`` (``mttr2_s``: the second recovery's MTTR)."""
     if key == "mttr2_s":
         m = r.get("mttrs_s") or []
         return m[1] if len(m) > 1 else None
@@ -29,7 +30,7 @@ def _value(r, key):
 
 
 def median(rows, key):
-    vals = [v for r in rows if (v := _value(r, key)) is not None]
+    vals = [v for r in rows if (v := value(r, key)) is not None]
     return statistics.median(vals) if vals else None
 
 
@@ -48,7 +49,7 @@ class Spread:
             if len(rows) < 2:
                 continue
             for key in keys:
-                vals = [v for r in rows if (v := _value(r, key)) is not None]
+                vals = [v for r in rows if (v := value(r, key)) is not None]
                 if len(vals) < 2 or not statistics.median(vals):
                     continue
                 rel = (max(vals) - min(vals)) / abs(statistics.median(vals))
@@ -74,7 +75,7 @@ class Spread:
 
 def representative(rows, key) -> dict:
     """The run whose ``key`` is the median of ``rows`` (the lower middle one of an even count)."""
-    have = sorted((r for r in rows if _value(r, key) is not None), key=lambda r: _value(r, key))
+    have = sorted((r for r in rows if value(r, key) is not None), key=lambda r: value(r, key))
     return have[(len(have) - 1) // 2] if have else rows[0]
 
 

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from .reasons import Spread, efficiency_reason, hang_note, reason, representative
+from .reasons import median as _median, value
 
 # (figure key, label, better: "low" | "high", format)
 FIGURES = [
@@ -41,20 +42,8 @@ def _fmt(v, f, key=""):
     return f.format(v * 1e3 if key in MS else v)
 
 
-def _value(r, key):
-    if key == "mttr2_s":
-        m = r.get("mttrs_s") or []
-        return m[1] if len(m) > 1 else None
-    return r.get(key)
-
-
-def _median(rows, key):
-    vals = [v for r in rows if (v := _value(r, key)) is not None]
-    return statistics.median(vals) if vals else None
-
-
 def _spread(rows, key, f):
-    vals = sorted(v for r in rows if (v := _value(r, key)) is not None)
+    vals = sorted(v for r in rows if (v := value(r, key)) is not None)
     med = _fmt(statistics.median(vals), f, key) if vals else "-"
     if len(vals) > 1:
         return f"{med} ({_fmt(vals[0], f, key)}-{_fmt(vals[-1], f, key)})"
