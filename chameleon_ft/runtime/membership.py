@@ -127,17 +127,20 @@ class Membership:
         connect_timeout_s: limit for reaching the coordinator.
         retry_s: how long one quorum request may wait before this worker re-checks whether
             the others moved on without it.
+        watch_aborts: run the abort watcher (``_watch_loop``): ask for the next quorum as soon
+            as the generation ends, even while the main thread is busy.
     """
 
     def __init__(self, worker_id: int, store_addr: str, lighthouse_addr: str, *,
                  heartbeat_interval_s: float = 0.1, connect_timeout_s: float = 5.0,
-                 retry_s: float = 1.0):
+                 retry_s: float = 1.0, watch_aborts: bool = True):
         self.worker_id = int(worker_id)
         self.store_addr = store_addr
         self.lighthouse_addr = lighthouse_addr
         self.heartbeat_interval_s = heartbeat_interval_s
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
+        self.watch_aborts = watch_aborts
         self.store = connect_store(store_addr, connect_timeout_s)
         try:
             self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
@@ -149,6 +152,11 @@ class Membership:
         self._stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
         self.heartbeat_errors = 0
+        # One quorum request at a time: the main thread's, or the abort watcher's on its behalf.
+        self._agree_lock = threading.Lock()
+        self._watch_thread: Optional[threading.Thread] = None
+        self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
+        self.early_joins = 0
 
     def connect_store(self) -> dist.TCPStore:
         """A fresh client to the coordinator store (for a process group's set-up)."""
@@ -171,42 +179,103 @@ class Membership:
         self._hb_thread.start()
         deadline = time.monotonic() + timeout_s
         while True:
-            view = self._agree(deadline, previous_token=self._view.token if self._view else None)
+            with self._agree_lock:
+                view = self._agree(deadline, previous_token=self._view.token if self._view else None)
             if view.world_size >= min_world_size:
-                return view
+                break
             # Everyone in this quorum sees the same size and asks again; pace the retries.
             time.sleep(0.01)
+        if self.watch_aborts:
+            self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                                  name=f"cft-abort-watch-{self.worker_id}")
+            self._watch_thread.start()
+        return view
 
     def view(self) -> Optional[MembershipView]:
         return self._view
 
-    def report_failure(self, worker_ids=(), reason: str = "") -> None:
-        """End the current generation for every member, recording who is suspected.
+    def report_failure(self, worker_ids=(), reason: str = "", token: Optional[str] = None) -> None:
+        """End generation ``token`` (default: the current one) for every member, recording who
+        is suspected.
 
         Idempotent: the first report of a generation wins the abort key; every report is
-        appended to the coordinator's failure log (JSON lines).
+        appended to the coordinator's failure log (JSON lines).  Pass the token of the
+        generation whose collective failed: the abort watcher may already have agreed on the
+        next one, which must not be ended by a report about its predecessor.
         """
         record = {"by": self.worker_id, "reason": reason,
                   "suspects": sorted(set(int(w) for w in worker_ids)), "time": time.time()}
-        if self._view is not None:
-            record["generation"] = self._view.generation
-            self.store.compare_set(abort_key(self._view.token), "", json.dumps(record))
+        if token is None and self._view is not None:
+            token = self._view.token
+        if token is not None:
+            if self._view is not None and self._view.token == token:
+                record["generation"] = self._view.generation
+            self.store.compare_set(abort_key(token), "", json.dumps(record))
         self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
 
-    def next_view(self, timeout_s: float = 30.0) -> MembershipView:
-        """Block until the survivors agree on the next generation, and return it.
+    def next_view(self, timeout_s: float = 30.0, after: Optional[str] = None) -> MembershipView:
+        """Block until the survivors agree on the generation after ``after`` (a token; default:
+        the current one), and return it.
 
         Every worker that receives a view from the same quorum round gets the same members
-        and generation.  Raises MembershipError after ``timeout_s``.
+        and generation.  When the abort watcher already agreed on it (this worker was busy
+        when the generation ended), that view is returned at once.  Raises MembershipError
+        after ``timeout_s``.
         """
-        previous = self._view.token if self._view else None
-        return self._agree(time.monotonic() + timeout_s, previous_token=previous)
+        with self._agree_lock:
+            current = self._view.token if self._view else None
+            if after is not None and current is not None and current != after:
+                self._early = None
+                return self._view  # agreed by the watcher while this worker was busy
+            self._early = None
+            return self._agree(time.monotonic() + timeout_s, previous_token=current)
 
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
         self._stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=2 * self.heartbeat_interval_s + 1.0)
+        for t in (self._hb_thread, self._watch_thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=2 * self.heartbeat_interval_s + 1.0)
+
+    # ---------------------------------------------------------------- abort watcher
+    def _watch_loop(self) -> None:
+        """Ask for the next quorum as soon as the current generation is ended, even while the
+        main thread computes (see ``watch_aborts``).
+
+        Without it a member busy in a long forward, an evaluation batch or a checkpoint write
+        asks only at its next collective; if that is more than ``join_timeout_ms`` after the
+        first survivor asked, the quorum forms without it: a healthy worker evicted, then
+        re-admitted one round later.  The watcher waits on the generation's abort key with its
+        own store client (a client serialises its requests) and asks once per generation; it
+        does not ask again for a generation that it agreed on and the main thread has not
+        taken yet (a main thread busy for longer than a group set-up gets excluded, as before,
+        instead of holding every peer in a loop of failed set-ups)."""
+        try:
+            store = connect_store(self.store_addr, self.connect_timeout_s)
+        except MembershipError:
+            return
+        watched: Optional[str] = None
+        while not self._stop.is_set():
+            view = self._view
+            if view is None or view.token == watched or self._early is not None:
+                self._stop.wait(0.02)
+                continue
+            try:
+                store.wait([abort_key(view.token)], timedelta(seconds=0.25))
+            except Exception:  # not aborted yet (wait timed out), or the coordinator is gone
+                continue
+            watched = view.token
+            if self._stop.is_set() or not self._agree_lock.acquire(blocking=False):
+                continue  # the main thread is asking itself
+            try:
+                if self._view is view:
+                    new = self._agree(time.monotonic() + self.retry_s * 10, previous_token=view.token)
+                    self._early = new.token
+                    self.early_joins += 1
+            except Exception as exc:  # closed, or no quorum: the main thread will ask itself
+                log.debug("abort watcher of worker %d: %s", self.worker_id, exc)
+            finally:
+                self._agree_lock.release()
 
     # ---------------------------------------------------------------- internals
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:

@@ -452,9 +452,10 @@ class ElasticContext:
         hang = failure.kind == "timeout" or str(record.get("reason", "")).startswith("timeout")
         info = {"kind": failure.kind, "hang": hang, "failed_generation": failure.generation,
                 "reporter": failure.reporter}
-        self._store_op(lambda: self.membership.report_failure(failure.suspects,
-                                                             f"{failure.kind}: {str(failure)[:200]}"))
-        view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s))
+        token = failure.token or None
+        self._store_op(lambda: self.membership.report_failure(
+            failure.suspects, f"{failure.kind}: {str(failure)[:200]}", token=token))
+        view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s, after=token))
         timer.mark("membership")
         self._establish(view, timer, info)
         self._pending = (timer, info)
@@ -479,9 +480,12 @@ class ElasticContext:
                 return
             except CollectiveFailure as again:
                 failure = again  # the lambda runs now, but keep the name alive past the except
+                failed = view
                 self._store_op(lambda: self.membership.report_failure(
-                    failure.suspects, f"{failure.kind} during recovery: {str(failure)[:200]}"))
-                view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s))
+                    failure.suspects, f"{failure.kind} during recovery: {str(failure)[:200]}",
+                    token=failed.token))
+                view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s,
+                                                                        after=failed.token))
                 timer.mark("membership")
 
     def _sync(self, view: MembershipView, info: Optional[dict]) -> None:

@@ -119,3 +119,23 @@ def test_sigstop_hang_detected_within_timeout(tmp_path, tmp_path_factory):
         assert "hung?" in job.output()  # the launcher killed the stopped worker
     finally:
         job.cleanup()
+
+
+def test_busy_survivor_is_not_evicted(tmp_path, tmp_path_factory):
+    """Worker 3 dies while worker 1 is still computing, ~1.2 s per micro-batch (a long forward,
+    an evaluation batch, a checkpoint write): far longer than the Lighthouse's 50 ms join
+    window.  Worker 1's abort watcher asks for the quorum on its behalf, so only the dead
+    worker leaves -- one failure, one recovery, no generation without worker 1."""
+    faults = "kill:rank=3:step=5:phase=forward;slow:rank=1:factor=120:from=5:to=6"
+    job = Job(tmp_path, launch_args=("--faults", faults))
+    try:
+        job.start()
+        assert job.wait(90) == [0], job.output()
+        evs = _check_run(job, [0, 1, 2], tmp_path_factory)
+        failures = _events(evs, "failure")
+        assert [f["workers"] for f in failures] == [[3]], failures
+        views = [tuple(e["members"]) for e in _events(evs, "membership")]
+        assert all(1 in v for v in views), views
+        assert len(_events(evs, "recovery")) == 1
+    finally:
+        job.cleanup()
