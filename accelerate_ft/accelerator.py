@@ -349,13 +349,14 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft.ensure_trackers()
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
-        """Logged by the live rank 0, with the ``ft/*`` metrics added."""
+        """Logged by the live rank 0, with the ``ft/*`` metrics added on the same ``step``
+        (after a recovery also its ``ft/mttr_s`` and ``ft/policy/<chosen>``)."""
         if self._ft is None:
             return super().log(values, step, log_kwargs)
         if not self.is_main_process:
             return
         self._ft.ensure_trackers()
-        super().log({**values, **self._ft.metrics()}, step, log_kwargs)
+        super().log(self._ft.log_values(values), step, log_kwargs)
 
     def end_training(self):
         if self._ft is None or self.is_main_process:

@@ -1,17 +1,21 @@
 """The DataLoaders that ``FaultTolerantAccelerator.prepare`` returns.
 
-``ElasticTrainLoader`` (the training loader): **one item is one micro-batch** of this member's
-share of the current global step, taken from the runtime's exactly-once ``ElasticSampler``.
-The global batch is fixed at launch (workers x ``batch_size`` x ``gradient_accumulation_steps``),
-so a member runs ``gradient_accumulation_steps`` items per step while everyone is alive and
-more after it took over a dead member's micro-batches.  The last item of the member's share is
-flagged (``accelerator.sync_gradients`` is True while it runs); the user's ``optimizer.step()``
-after it is where the gradient all-reduce and the commit happen.  When that step fails, the
-loader goes on with the items the recovery gave this member (the orphaned micro-batches), and
-the step is committed at the next ``optimizer.step()``.  A member that has nothing to compute
-in a step (nothing orphaned to redo, or an allocation that gave it no slot) gets one *ghost*
-item: a real sample whose ``backward`` is skipped, so that every member runs the user's loop
-body -- and its ``optimizer.step()`` -- the same number of times.
+``ElasticTrainLoader`` (the training loader) yields **the same items as without a failure**:
+``gradient_accumulation_steps`` items per global step on every member, whatever its share of
+the step, so ``len()``, the items of an epoch, ``sync_gradients`` and the user's
+``optimizer.step()`` calls are those of the failure-free run.  The global batch is fixed at
+launch (workers x ``batch_size`` x ``gradient_accumulation_steps``) and comes from the
+runtime's exactly-once ``ElasticSampler``; a member's share of a step is cut into the items by
+``ElasticContext.items``: while everyone is alive one item is one micro-batch; after this member
+took over a dead member's micro-batches, an item holds several of them, collated together by the
+user's ``collate_fn`` (its activations grow accordingly: the memory trade-off is in
+docs/accelerate.md); with fewer micro-batches than items (a rebalanced straggler), micro-batches
+are cut, and an item with no sample is a *ghost* (a real sample whose ``backward`` is skipped).
+The last item of a step is flagged (``accelerator.sync_gradients`` is True while it runs); the
+user's ``optimizer.step()`` after it all-reduces and commits.  When a failure interrupts that
+step, the survivors redo the missing micro-batches inside that same ``optimizer.step()``
+(``accelerate_ft/replay.py``) and commit, so the loop does not see it -- unless the loss is
+computed outside the model, in which case the redo takes one more item.
 
 ``len()`` is the launch-time count (``steps_per_epoch x gradient_accumulation_steps``), so the
 usual ``len(train_dl) / gradient_accumulation_steps`` scheduler arithmetic keeps its meaning.
@@ -34,7 +38,7 @@ from torch.utils.data import DataLoader
 
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.adapters import MicroBatchSource, eval_batches
-from chameleon_ft.runtime.sampler import MicroBatch
+from chameleon_ft.runtime.sampler import MicroBatch, StepItem
 
 __all__ = ["ElasticTrainLoader", "ElasticEvalLoader"]
 
@@ -63,8 +67,12 @@ class ElasticTrainLoader(MicroBatchSource):
             return send_to_device(batch, self.rt.acc.device)
         return batch
 
-    def _load(self, step: int, mb: MicroBatch) -> Any:
-        return self._to_device(self.fetch(step, mb))
+    def load_item(self, item: "MicroBatch | StepItem", step: Optional[int] = None, n_items: Optional[int] = None) -> Any:
+        """The data of ``item``, collated by the user's ``collate_fn`` and placed on the device
+        (prefetched when it is on this member's plan)."""
+        if step is None:
+            return self._to_device(self.load_now(item.indices))
+        return self._to_device(self.fetch(step, item, n_items))
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Any]:
@@ -78,24 +86,31 @@ class ElasticTrainLoader(MicroBatchSource):
             self.rt.leave_step()
 
     def _one_step(self, ctx) -> Iterator[Any]:
+        """The items of one global step: ``items_per_step`` of them whatever this member's
+        share (one, after a step that has to be redone through the loop)."""
         rt = self.rt
         cursor = ctx.sampler.cursor
-        plan = ctx.pending_microbatches()
-        if plan:
-            self._feed_from(cursor)
-            gen = ctx.microbatches()
-            rt.enter_step(gen, len(plan))
-            for i in range(len(plan)):
-                mb = next(gen)  # fault hooks and the per-(step, slot) seed happen here
-                rt.enter_microbatch(mb, last=i == len(plan) - 1)
-                yield self._load(cursor, mb)
-                rt.after_microbatch()
-        else:
-            ghost = ctx.sampler.microbatches(cursor)[0]
-            rt.enter_step(None, 0)
-            rt.enter_microbatch(None, last=True)
-            yield self._to_device(self.load_now(MicroBatch(ghost.step, ghost.index, ghost.indices[:1], 0.0)))
-        rt.after_microbatch()
+        n = 1 if rt.redo_items else rt.items_per_step
+        # With a loss recipe, a share larger than n is not merged: the extra micro-batches are
+        # computed inside optimizer.step() (same memory and per-slot seeds as without a failure).
+        grain = None if rt.replay.spill(0, n) else n
+        if not rt.redo_items:
+            self._feed_from(cursor, grain)
+        gen = ctx.items(n, spill=lambda i: rt.replay.spill(i, n))
+        rt.enter_step(gen, n)
+        for i in range(n):
+            item = next(gen)  # fault hooks and the per-(step, slot) seed happen here
+            if item.ghost:
+                # Nothing (left) to compute for this member: a real sample whose backward is
+                # skipped, so that its loop body -- and its optimizer.step() -- still runs.
+                ghost = ctx.sampler.microbatches(cursor)[0]
+                batch = self.load_item(MicroBatch(ghost.step, ghost.index, ghost.indices[:1], 0.0))
+                rt.enter_microbatch(None, last=i == n - 1, batch=batch)
+            else:
+                batch = self.load_item(item, cursor, grain)
+                rt.enter_microbatch(item, last=i == n - 1, batch=batch)
+            yield batch
+            rt.after_microbatch()
         if not rt.sync_attempted:
             rt.finish_step()  # the user's loop did not call optimizer.step() for this step
 

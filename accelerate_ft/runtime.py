@@ -34,13 +34,15 @@ from accelerate.state import PartialState
 
 from chameleon_ft.runtime.errors import ConfigError, install_excepthook
 from chameleon_ft.runtime import state as run_state
-from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, ft_metrics, training_order
+from chameleon_ft.runtime.adapters import (LiveCollectives, UpdateHandle, ft_metrics, recovery_line,
+                                          training_order)
 from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
+from chameleon_ft.runtime.sampler import ElasticSampler, StepItem
 from chameleon_ft.runtime.state import CheckpointError
 from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, join_job
+from accelerate_ft.replay import LossReplay
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,10 @@ class AccelerateRuntime:
         # the step in progress
         self.gen = None
         self.in_step = False
-        self.current: Optional[MicroBatch] = None  # None while a ghost item runs
+        self.current: Optional[StepItem] = None  # None while a ghost item runs
+        self.batch: Any = None  # the data of the item being run (what the loader yielded)
+        self.replay = LossReplay()
+        self.redo_items = False  # redo the interrupted step through one more loop item
         self.last = False
         self.sync_attempted = True
         self.clips: list[Callable[[], None]] = []
@@ -116,6 +121,7 @@ class AccelerateRuntime:
         self.tracker_args: Optional[tuple] = None
         self.trackers_ready = False
         self.logged_recoveries = 0
+        self.recovery_to_log = False
         self._warned: set = set()
         self.publish()
         atexit.register(self.close)
@@ -161,7 +167,13 @@ class AccelerateRuntime:
             return  # a frozen model (teacher, reference) needs no reduction
         if self.model is not None and self.model is not model:
             raise ConfigError("accelerate_ft supports one trained model per Accelerator")
+        if self.model is None:
+            model.register_forward_hook(self._on_forward, with_kwargs=True)
         self.model = model
+
+    def _on_forward(self, module, args, kwargs, output) -> None:
+        if self.in_step and self.current is not None:
+            self.replay.on_forward(args, kwargs, output, self.batch)
 
     def batch_sizes(self, dl) -> tuple[int, int]:
         """(global batch, micro-batch) for the training DataLoader ``dl``."""
@@ -173,12 +185,18 @@ class AccelerateRuntime:
             return bs * ga, bs // world
         return world * bs * ga, bs
 
+    @property
+    def items_per_step(self) -> int:
+        """Loop items per global step on every member, whatever its share: the
+        ``gradient_accumulation_steps`` of the launch (see ``ElasticContext.items``)."""
+        return max(1, int(self.acc.gradient_accumulation_steps))
+
     def launch_items_per_epoch(self, loader) -> int:
         glob, micro = self.batch_sizes(loader.dataloader)
         if self.resume:
             glob = int(self.resume["global_batch"])
         s = ElasticSampler(len(loader.dataset), glob, micro, drop_last=loader.dataloader.drop_last)
-        return s.steps_per_epoch * s.num_microbatches // self.env.world_size
+        return s.steps_per_epoch * self.items_per_step
 
     def ensure_started(self, loader) -> ElasticContext:
         """Start the runtime at the first iteration of the training loader."""
@@ -227,8 +245,8 @@ class AccelerateRuntime:
         self.coll.catch_up = False
         self._step_t0, self._compute = time.perf_counter(), 0.0
 
-    def enter_microbatch(self, mb: Optional[MicroBatch], last: bool) -> None:
-        self.current, self.last = mb, last
+    def enter_microbatch(self, item: Optional[StepItem], last: bool, batch: Any = None) -> None:
+        self.current, self.last, self.batch = item, last, batch
         self.acc.gradient_state._set_sync_gradients(last)
         self._mb_t0 = time.perf_counter()
 
@@ -252,6 +270,7 @@ class AccelerateRuntime:
             return
         if self.current is None:
             return  # a ghost item: this member has nothing of this step to compute
+        self.replay.on_backward(loss)
         self.ctx.faults.at(self.ctx.step, "backward")
         (loss * self.current.weight).backward(**kwargs)
 
@@ -271,21 +290,31 @@ class AccelerateRuntime:
             self.finish_step()
 
     def finish_step(self) -> bool:
-        """All-reduce and commit (or recover); True when a step was committed."""
+        """All-reduce and commit (or recover); True when a step was committed.
+
+        A step that a failure interrupted is redone here, inside the user's
+        ``optimizer.step()``: the micro-batches the recovery gave this member are recomputed
+        with the loss recipe learnt from the loop (``LossReplay``) and the all-reduce runs
+        again, until the step commits -- the user's loop sees one item per item and one
+        ``optimizer.step()`` per step, as without a failure.  Without a recipe the redo runs
+        through one more loop item (``redo_items``)."""
         ctx = self.ctx
         self.after_microbatch()
         if self.gen is not None:
             for _ in self.gen:
-                raise RuntimeError("accelerate_ft: the training loader handed out fewer micro-batches "
+                raise RuntimeError("accelerate_ft: the training loader handed out fewer items "
                                    "than the step has")
             self.gen = None
         self.sync_attempted = True
+        self.redo_items = False
         step = ctx.step
+        self._compute_extra(ctx.spilled(), ctx.sampler.cursor)
         ts = time.perf_counter()
-        ok = ctx.sync_and_step()
-        self.clips = []
-        committed = ctx.step > step
-        if not ok:
+        while True:
+            ok = ctx.sync_and_step()
+            committed = ctx.step > step
+            if ok:
+                break
             if committed:
                 self.adopted_steps += 1
             else:
@@ -293,14 +322,40 @@ class AccelerateRuntime:
             self.after_reconfiguration()
             if committed:
                 self.coll.catch_up = True  # peers are a step ahead until our next step
+                break
+            if not self.replay.ready:
+                self._warn_once("redo", "a failure interrupted a step whose loss is computed outside the "
+                                "model (or from transformed inputs): the step is redone through one more "
+                                "item of the training loader (return the loss from the model, e.g. "
+                                "model(**batch).loss, to keep the loop's shape)")
+                self.redo_items = True
+                break
+            self._redo_inside()
+        self.clips = []
         self.acc.gradient_state._set_sync_gradients(committed)
         if committed:
             end = time.perf_counter()
             self.last_step = {"step_s": end - self._step_t0, "compute_s": self._compute, "sync_s": end - ts}
             if ctx.recoveries != self.logged_recoveries:
                 self.logged_recoveries = ctx.recoveries
-                self.log_ft(recovered=True)
+                self.on_recovered()
         return committed
+
+    def _redo_inside(self) -> None:
+        """Compute this member's share of the interrupted step with the learnt loss recipe."""
+        self._compute_extra(self.ctx.microbatches(), None)
+
+    def _compute_extra(self, microbatches, step: Optional[int]) -> None:
+        """Forward and backward of ``microbatches`` with the loss recipe (``LossReplay``):
+        a share larger than the loop's items, or the redo of an interrupted step."""
+        ctx, loader = self.ctx, self.train_loader
+        for mb in microbatches:
+            t0 = time.perf_counter()
+            batch = loader.load_item(mb, step)
+            loss = self.replay.loss(self.model, batch)
+            ctx.faults.at(ctx.step, "backward")
+            (loss * mb.weight).backward()
+            self._compute += time.perf_counter() - t0
 
     def _apply_update(self) -> None:
         for fn in self.clips:
@@ -326,12 +381,19 @@ class AccelerateRuntime:
             return {}
         return ft_metrics(self.ctx, self.last_step, self.redone_steps, self.adopted_steps, recovered)
 
-    def log_ft(self, recovered: bool) -> None:
-        if not self.is_main():
-            return
-        self.ensure_trackers()
-        if self.acc.trackers:
-            Accelerator.log(self.acc, self.metrics(recovered), step=self.ctx.step)
+    def log_values(self, values: dict) -> dict:
+        """The user's logged ``values`` plus the ``ft/*`` metrics, on the user's own step axis;
+        a recovery's MTTR and decision ride with the first ``log()`` after it."""
+        out = {**values, **self.metrics(self.recovery_to_log)}
+        self.recovery_to_log = False
+        return out
+
+    def on_recovered(self) -> None:
+        """After the first committed step of a recovery: one console line (live rank 0) and
+        the recovery's metrics for the next ``log()``."""
+        self.recovery_to_log = True
+        if self.is_main():
+            log.warning("%s", recovery_line(self.ctx, "accelerate_ft"))
 
     # ---------------------------------------------------------------- checkpoints
     def ft_state(self) -> Optional[dict]:

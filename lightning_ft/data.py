@@ -81,7 +81,7 @@ class StepLoader(MicroBatchSource):
                 self._handed.append(_Handed(epoch, step, None, sig))
                 yield NoMicroBatch(step)
                 continue
-            data = self._feed_from(step).get(step, mbs[0])
+            data = self._feed_from(step).get(step, mbs[0].indices)
             self._handed.append(_Handed(epoch, step, mbs[0], sig))
             yield data
 
@@ -102,7 +102,7 @@ class StepLoader(MicroBatchSource):
         if not mbs:
             return None, NoMicroBatch(h.step)
         self._feed = None
-        data = self._feed_from(h.step).get(h.step, mbs[0])
+        data = self._feed_from(h.step).get(h.step, mbs[0].indices)
         return (h.step, mbs[0].index), prepare(data)
 
 

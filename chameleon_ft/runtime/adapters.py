@@ -47,46 +47,47 @@ from chameleon_ft.runtime import state as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.policy import RUNTIME_POLICIES
 from chameleon_ft.runtime.worker import ElasticConfig
-from chameleon_ft.runtime.sampler import MicroBatch
+from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MicroBatchSource", "MicroBatchFeed", "training_order", "shard_indices", "ShardSampler",
-           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics"]
+           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics", "recovery_line"]
 
 
 # ---------------------------------------------------------------------------- training data
 class MicroBatchFeed:
-    """This member's planned micro-batches from one step to the end of the epoch, loaded in
-    order by a DataLoader with the user's settings."""
+    """This member's planned items (``sampler.step_items``) from one step to the end of the
+    epoch, loaded in order by a DataLoader with the user's settings."""
 
-    def __init__(self, source: "MicroBatchSource", start: int) -> None:
+    def __init__(self, source: "MicroBatchSource", start: int, n_items: Optional[int] = None) -> None:
         s = source.sampler
-        self.signature, self.epoch = source.signature(), s.epoch
+        self.signature = source.signature(n_items)
+        self.epoch = s.epoch
         wid = source.worker_id
-        self.plan = deque((t, mb) for t in range(start, s.steps_per_epoch)
-                          for mb in s.local_microbatches(wid, t))
-        self.planned = {(t, mb.index) for t, mb in self.plan}
+        self.plan = deque((t, item.indices) for t in range(start, s.steps_per_epoch)
+                          for item in step_items(s.local_microbatches(wid, t), n_items) if not item.ghost)
+        self.planned = set(self.plan)
         self.stash: dict = {}
-        self.it = iter(source.make_dataloader([list(mb.indices) for _, mb in self.plan]))
+        self.it = iter(source.make_dataloader([list(ids) for _, ids in self.plan]))
 
-    def has(self, step: int, mb: MicroBatch) -> bool:
-        return (step, mb.index) in self.planned
+    def has(self, step: int, indices: tuple) -> bool:
+        return (step, indices) in self.planned
 
-    def get(self, step: int, mb: MicroBatch) -> Any:
-        key = (step, mb.index)
+    def get(self, step: int, indices: tuple) -> Any:
+        key = (step, indices)
         while key not in self.stash:
-            t, m = self.plan.popleft()
-            self.stash[(t, m.index)] = next(self.it)
+            self.stash[self.plan.popleft()] = next(self.it)
         self.planned.discard(key)
-        # A framework may read one step ahead, so the previous step's micro-batches may still be asked for.
+        # A framework may read one step ahead, so the previous step's items may still be asked for.
         for old in [k for k in self.stash if k[0] < step - 1]:
             del self.stash[old]
         return self.stash.pop(key)
 
 
 class MicroBatchSource:
-    """Micro-batches of the runtime's sampler, loaded like the user's ``dataloader`` would.
+    """Items of the runtime's sampler (micro-batches, or merged/cut ones: ``StepItem``), loaded
+    like the user's ``dataloader`` would load a batch of the same samples.
 
     ``ctx_fn`` returns the worker's ``ElasticContext`` (adapters create it late)."""
 
@@ -104,9 +105,9 @@ class MicroBatchSource:
     def worker_id(self) -> int:
         return self._ctx_fn().worker_id
 
-    def signature(self) -> tuple:
+    def signature(self, n_items: Optional[int] = None) -> tuple:
         s = self.sampler
-        return (s.epoch, tuple(s.members), tuple(s.allocation))
+        return (s.epoch, tuple(s.members), tuple(s.allocation), n_items)
 
     def make_dataloader(self, index_lists: list[list[int]]) -> DataLoader:
         dl = self.dataloader
@@ -119,20 +120,22 @@ class MicroBatchSource:
                           worker_init_fn=dl.worker_init_fn, timeout=dl.timeout,
                           generator=dl.generator, **kwargs)
 
-    def load_now(self, mb: MicroBatch) -> Any:
-        """Load one micro-batch in this process (a slot off this member's plan)."""
-        return self.dataloader.collate_fn([self.dataset[i] for i in mb.indices])
+    def load_now(self, indices) -> Any:
+        """Load the samples ``indices`` in this process (an item off this member's plan)."""
+        return self.dataloader.collate_fn([self.dataset[i] for i in indices])
 
-    def fetch(self, step: int, mb: MicroBatch) -> Any:
-        """The collated data of micro-batch ``mb`` of ``step`` (this epoch)."""
+    def fetch(self, step: int, item: "MicroBatch | StepItem", n_items: Optional[int] = None) -> Any:
+        """The collated data of ``item`` of ``step`` (this epoch); ``n_items``: how the plan
+        the feed prefetches is cut (as in ``_feed_from``)."""
         feed = self._feed
-        if feed is not None and feed.signature == self.signature() and feed.has(step, mb):
-            return feed.get(step, mb)
-        return self.load_now(mb)
+        indices = tuple(item.indices)
+        if feed is not None and feed.signature == self.signature(n_items) and feed.has(step, indices):
+            return feed.get(step, indices)
+        return self.load_now(indices)
 
-    def _feed_from(self, step: int) -> MicroBatchFeed:
-        if self._feed is None or self._feed.signature != self.signature():
-            self._feed = MicroBatchFeed(self, step)
+    def _feed_from(self, step: int, n_items: Optional[int] = None) -> MicroBatchFeed:
+        if self._feed is None or self._feed.signature != self.signature(n_items):
+            self._feed = MicroBatchFeed(self, step, n_items)
         return self._feed
 
 
@@ -381,3 +384,17 @@ def ft_metrics(ctx, last_step: dict, redone_steps: int, adopted_steps: int, reco
             if d.get("chosen"):
                 m[f"ft/policy/{d['chosen']}"] = 1.0
     return m
+
+
+def recovery_line(ctx, who: str) -> str:
+    """One console line about the last recovery: who was lost, what the engine chose, MTTR."""
+    rec = ctx.last_recovery or {}
+    decisions = [d for d in ctx.last_decisions if d.get("event", {}).get("kind") != "straggler"]
+    lost = sorted({int(w) for d in decisions for w in d["event"].get("devices", ())})
+    kinds = sorted({d["event"]["kind"] for d in decisions})
+    chosen = [d["chosen"] for d in decisions]
+    mttr = rec.get("mttr", {}).get("total")
+    what = f"lost worker(s) {lost} ({', '.join(kinds)})" if lost else str(rec.get("reason") or "reconfigured")
+    line = (f"{who}: recovered at step {rec.get('step', ctx.step)}: {what}; engine chose "
+            f"{' then '.join(chosen) or 'nothing new'}; {ctx.view.world_size} worker(s) train on")
+    return line + (f"; MTTR {mttr:.3f} s" if mttr is not None else "")

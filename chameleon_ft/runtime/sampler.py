@@ -45,7 +45,7 @@ from typing import Iterator, Mapping, Sequence, Sized, Union
 
 import torch
 
-__all__ = ["MicroBatch", "ElasticSampler", "ElasticBatchSampler", "equal_allocation"]
+__all__ = ["MicroBatch", "StepItem", "step_items", "ElasticSampler", "ElasticBatchSampler", "equal_allocation"]
 
 _STATE_VERSION = 2
 
@@ -66,6 +66,82 @@ class MicroBatch:
     @property
     def n_samples(self) -> int:
         return len(self.indices)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """One item of a member's share of a step as a framework loop sees it: several whole
+    micro-batches merged, one micro-batch, or a part of one (``parts``, in slot order).
+
+    ``weight`` is the item's share of the global batch's samples (the sum of its parts');
+    ``completes`` the slots whose last samples are in this item (their gradients are complete
+    once its backward ran).  An item with no parts is a *ghost*: the member has nothing left
+    to compute in this step but must still run the loop body once more."""
+
+    parts: tuple[MicroBatch, ...]
+    completes: tuple[int, ...]
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(i for mb in self.parts for i in mb.indices)
+
+    @property
+    def weight(self) -> float:
+        return sum(mb.weight for mb in self.parts)
+
+    @property
+    def ghost(self) -> bool:
+        return not self.parts
+
+    @property
+    def seed_slot(self) -> int:
+        """The slot whose per-(step, slot) seed the item runs with (its first part's)."""
+        return self.parts[0].index if self.parts else -1
+
+
+def step_items(mbs: Sequence[MicroBatch], n_items: int | None) -> list[StepItem]:
+    """``mbs`` (a member's micro-batches of one step, in slot order) as exactly ``n_items``
+    items, so that a user's loop makes the same number of iterations per step whatever the
+    member's share (``None``: one item per micro-batch).
+
+    With at least ``n_items`` micro-batches, consecutive whole micro-batches are merged
+    (counts as even as possible, larger items first): a micro-batch's samples stay together,
+    so each keeps its own per-slot seed when it is alone in its item.  With fewer, the
+    samples are cut into ``n_items`` parts as evenly as possible, and items that get no
+    sample are ghosts.  Weights are per sample, so the items' weighted gradients add up to
+    the same step whatever the cut."""
+    mbs = list(mbs)
+    if n_items is None:
+        return [StepItem((mb,), (mb.index,)) for mb in mbs]
+    if n_items < 1:
+        raise ValueError(f"n_items must be >= 1, got {n_items}")
+    out: list[StepItem] = []
+    if len(mbs) >= n_items:
+        q, r = divmod(len(mbs), n_items)
+        lo = 0
+        for k in range(n_items):
+            group = mbs[lo:lo + q + (k < r)]
+            lo += len(group)
+            out.append(StepItem(tuple(group), tuple(mb.index for mb in group)))
+        return out
+    # Fewer micro-batches than items: cut the samples.
+    flat = [(mb, i) for mb in mbs for i in mb.indices]
+    q, r = divmod(len(flat), n_items)
+    lo = 0
+    for k in range(n_items):
+        chunk = flat[lo:lo + q + (k < r)]
+        lo += len(chunk)
+        parts: list[MicroBatch] = []
+        for mb, i in chunk:
+            if parts and parts[-1].index == mb.index:
+                prev = parts[-1]
+                parts[-1] = MicroBatch(mb.step, mb.index, prev.indices + (i,),
+                                       prev.weight + mb.weight / len(mb.indices))
+            else:
+                parts.append(MicroBatch(mb.step, mb.index, (i,), mb.weight / len(mb.indices)))
+        done = tuple(mb.index for mb, i in chunk if i == mb.indices[-1])
+        out.append(StepItem(tuple(parts), done))
+    return out
 
 
 def equal_allocation(n_members: int, n_microbatches: int) -> list[int]:

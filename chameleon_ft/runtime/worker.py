@@ -39,7 +39,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
 from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
 from chameleon_ft.plan import even_split
-from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch
+from chameleon_ft.runtime.sampler import ElasticSampler, MicroBatch, StepItem, step_items
 from chameleon_ft.runtime import state as run_state
 
 __all__ = ["ElasticConfig", "ElasticContext", "WorldTooSmall", "NothingToHeal", "layer_params",
@@ -208,6 +208,7 @@ class ElasticContext:
         # all-reduce), and the slots it still has to compute when a failure interrupted it.
         self._done_slots: list[int] = []
         self._redo_slots: Optional[list[int]] = None
+        self._spilled: list[MicroBatch] = []  # see items(spill=True)
         self._prev_comm = 0.0
         self._prev_step = 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
@@ -274,6 +275,22 @@ class ElasticContext:
 
         Before each one: the fault injector's ``forward`` hook and, with
         ``seed_microbatches``, a per-(step, slot) seed."""
+        for item in self.items(None):
+            yield item.parts[0]
+
+    def items(self, n_items: Optional[int],
+              spill: Optional[Callable[[int], bool]] = None) -> Iterator[StepItem]:
+        """This member's share of the current step as ``n_items`` items (``sampler.step_items``:
+        merged micro-batches, parts of one, or ghosts), for adapters whose loop is the user's
+        and must make the same number of iterations per step whatever the share; ``None``:
+        one item per micro-batch.
+
+        ``spill(i)``, asked before item ``i`` when the share is larger than ``n_items``: True
+        makes that item one micro-batch and leaves the surplus for ``spilled()`` (an adapter
+        that can compute it itself, inside the step); False merges the rest evenly into the
+        remaining items.  Before each item: the ``forward`` fault hook and the per-(step, slot)
+        seed of its first micro-batch; after it, its completed slots count as computed (kept
+        across a failed all-reduce)."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
             if self._redo_slots is None:
@@ -281,17 +298,36 @@ class ElasticContext:
             self.faults.at(self.step, "step_start")
         todo = self.pending_microbatches()
         self._redo_slots = None
-        for mb in todo:
+        self._spilled = []
+        if spill is None or n_items is None or len(todo) <= n_items:
+            yield from self._run(step_items(todo, n_items))
+            return
+        for i in range(n_items):
+            left = n_items - i
+            take = 1 if spill(i) else (len(todo) if left == 1 else -(-len(todo) // left))
+            group, todo = todo[:take], todo[take:]
+            yield from self._run(step_items(group, 1))
+        self._spilled = todo
+
+    def spilled(self) -> Iterator[MicroBatch]:
+        """The micro-batches ``items(..., spill=True)`` left over, one at a time (seeded and
+        counted like the items)."""
+        todo, self._spilled = self._spilled, []
+        for item in self._run(step_items(todo, None)):
+            yield item.parts[0]
+
+    def _run(self, items: list[StepItem]) -> Iterator[StepItem]:
+        for item in items:
             self.faults.at(self.step, "forward")
-            if self.cfg.seed_microbatches:
-                seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + mb.index)
+            if self.cfg.seed_microbatches and not item.ghost:
+                seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
             t0 = time.perf_counter()
-            yield mb
+            yield item
             self._compute_s += time.perf_counter() - t0
-            self._n_mb += 1
-            self._done_slots.append(mb.index)
+            self._n_mb += len(item.completes)
+            self._done_slots.extend(item.completes)
             if self.cfg.log_samples:
-                self._ids.extend(mb.indices)
+                self._ids.extend(item.indices)
 
     def pending_microbatches(self) -> list[MicroBatch]:
         """What the next ``microbatches()`` yields: this member's share of the current step or,

@@ -33,6 +33,20 @@ class Blobs(_helpers.data.Blobs):
         return {"x": self.x[i], "y": self.y[i], "id": torch.tensor(i)}
 
 
+class Net(torch.nn.Module):
+    """The model; like a HuggingFace model it returns its loss when given the labels."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                                        torch.nn.Linear(32, 4))
+
+    def forward(self, x, y=None):
+        logits = self.body(x)
+        loss = torch.nn.functional.cross_entropy(logits, y) if y is not None else None
+        return {"logits": logits, "loss": loss}
+
+
 class JsonlTracker(GeneralTracker):
     """A file tracker: one JSON line per log call (appended by whichever worker is rank 0)."""
     name = "jsonl"
@@ -69,6 +83,9 @@ def main():
     p.add_argument("--dataset", type=int, default=256)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr-step", type=int, default=20, help="StepLR step_size (stepped every step)")
+    p.add_argument("--loss", choices=["model", "external"], default="model",
+                   help="model: loss = model(x, y)['loss'] (HF style); external: cross_entropy(model(x)['logits'], y)")
+    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -81,8 +98,7 @@ def main():
     else:
         acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker])
     acc.init_trackers("acc")
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(32, 4))
+    model = Net(a.dropout)
     if a.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     else:
@@ -103,7 +119,10 @@ def main():
             with acc.accumulate(model):
                 if a.mb_sleep:
                     time.sleep(a.mb_sleep)
-                loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+                if a.loss == "model":
+                    loss = model(batch["x"], batch["y"])["loss"]
+                else:
+                    loss = torch.nn.functional.cross_entropy(model(batch["x"])["logits"], batch["y"])
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), 5.0)
@@ -119,7 +138,7 @@ def main():
         ids, correct = [], 0
         for batch in val:
             with torch.no_grad():
-                pred = model(batch["x"]).argmax(-1)
+                pred = model(batch["x"])["logits"].argmax(-1)
             g_pred, g_y, g_id = acc.gather_for_metrics((pred, batch["y"], batch["id"]))
             correct += int((g_pred == g_y).sum())
             ids += g_id.tolist()

@@ -1,0 +1,120 @@
+"""``LossReplay``: recompute a micro-batch's loss inside ``optimizer.step()``, the way the
+user's loop computed it, so that a step interrupted by a failure is redone without one more
+iteration of the user's loop.
+
+When a worker dies during a step, its micro-batches of that step must be computed by the
+survivors on the step's weights before anyone moves on.  In a plain Accelerate loop the only
+code that turns a batch into a loss is the user's loop body, so the adapter learns it from the
+loop itself: a forward hook on the prepared model records each call (its arguments and output)
+during a training item, and ``accelerator.backward(loss)`` checks two things --
+
+* the loss is the model's own output, or its ``.loss`` / ``["loss"]`` / ``[0]`` (the
+  HuggingFace convention: ``loss = model(**batch).loss``), and
+* every argument of that call *is* the item's batch or one of its entries (``model(**batch)``,
+  ``model(batch)``, ``model(*batch)``, ``model(input_ids=batch["input_ids"], ...)``).
+
+Then ``loss(model, batch)`` can recompute the loss of any other batch of the same shape of
+data.  When the loss is computed outside the model (``criterion(model(x), y)``) or from a
+transformed input, the recipe is unknown and the adapter falls back to redoing the step through
+one more loop item (docs/accelerate.md says so).  Only identities are compared; nothing is
+evaluated or unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["LossReplay"]
+
+_Path = tuple  # () the whole batch, (key,) an entry
+
+
+def _entries(batch: Any):
+    yield (), batch
+    if isinstance(batch, Mapping):
+        for k, v in batch.items():
+            yield (k,), v
+    elif isinstance(batch, (list, tuple)):
+        for i, v in enumerate(batch):
+            yield (i,), v
+
+
+def _path_of(value: Any, batch: Any) -> Optional[_Path]:
+    for path, v in _entries(batch):
+        if v is value:
+            return path
+    return None
+
+
+def _get(batch: Any, path: _Path) -> Any:
+    return batch[path[0]] if path else batch
+
+
+def _picker(output: Any, loss: torch.Tensor) -> Optional[Callable[[Any], torch.Tensor]]:
+    if output is loss:
+        return lambda out: out
+    if getattr(output, "loss", None) is loss:
+        return lambda out: out.loss
+    if isinstance(output, Mapping) and output.get("loss") is loss:
+        return lambda out: out["loss"]
+    if isinstance(output, (list, tuple)) and output and output[0] is loss:
+        return lambda out: out[0]
+    return None
+
+
+class LossReplay:
+    """Learns how the user's loop computes a training loss from a batch (see module doc)."""
+
+    def __init__(self) -> None:
+        self._call: Optional[tuple] = None
+        self.recipe: Optional[tuple] = None  # (arg paths, kwarg paths, picker)
+        self.seen = False  # a backward was checked (so ``recipe is None`` means: none)
+        self.replaying = False
+
+    @property
+    def ready(self) -> bool:
+        return self.recipe is not None
+
+    def spill(self, i: int, n_items: int) -> bool:
+        """Whether item ``i`` of ``n_items`` should be one micro-batch, the surplus left for
+        ``loss()`` inside the step: yes with a recipe; before the first backward (recipe not
+        known yet), yes for the first item of several (it teaches the recipe), no otherwise."""
+        if self.recipe is not None:
+            return True
+        return not self.seen and i == 0 and n_items > 1
+
+    def on_forward(self, args: tuple, kwargs: dict, output: Any, batch: Any) -> None:
+        """A forward call of the trained model during an item whose batch is ``batch``."""
+        if not self.replaying:
+            self._call = (args, kwargs, output, batch)
+
+    def on_backward(self, loss: torch.Tensor) -> None:
+        """``accelerator.backward(loss)``: keep the recipe if ``loss`` came from the last call."""
+        call, self._call = self._call, None
+        self.seen = True
+        if call is None:
+            self.recipe = None
+            return
+        args, kwargs, output, batch = call
+        pick = _picker(output, loss)
+        arg_paths = [_path_of(a, batch) for a in args]
+        kw_paths = {k: _path_of(v, batch) for k, v in kwargs.items()}
+        if pick is None or None in arg_paths or None in kw_paths.values():
+            self.recipe = None
+            return
+        self.recipe = (arg_paths, kw_paths, pick)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` computed as the user's loop computed the last one."""
+        arg_paths, kw_paths, pick = self.recipe
+        self.replaying = True
+        try:
+            with torch.enable_grad():
+                out = model(*[_get(batch, p) for p in arg_paths],
+                            **{k: _get(batch, p) for k, p in kw_paths.items()})
+            return pick(out)
+        finally:
+            self.replaying = False
