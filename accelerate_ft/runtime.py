@@ -217,6 +217,7 @@ class AccelerateRuntime:
                 raise ConfigError(f"accelerate_ft: the checkpoint was trained with micro-batches of "
                                  f"{resume['micro_batch']}, this run uses {micro}")
             glob = int(resume["global_batch"])
+        self.cfg.items_per_step = self.items_per_step  # a share may be merged into the items
         handle = UpdateHandle(self.optimizer.optimizer)
         handle.update = self._apply_update
         ctx = ElasticContext(self.model, handle, len(dl.dataset), glob, micro,

@@ -8,7 +8,9 @@ step is the slowest pipeline plus the exposed gradient synchronisation: a ring a
 group of devices holding the same layers (``2(n-1)·α + 2(n-1)/n · bytes/β``), and under FSDP
 an all-gather of the weights for forward and backward and a reduce-scatter of the gradients
 within the shard group.  Memory per device is weights + gradients + optimizer state (divided by
-the shard degree) + in-flight activations (``min(m, p - i)`` micro-batches on stage ``i``).
+the shard degree) + in-flight activations (``min(m, p - i)`` micro-batches on stage ``i``; a
+data-parallel worker whose share is merged into ``workload.items_per_step`` loop items holds
+``ceil(m / items_per_step)``).
 
 Rerouting is modelled without changing the plan: ``dead`` devices do no work and hold no state,
 and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  That work lands
@@ -164,7 +166,10 @@ def estimate(
                 [max(layer.params for layer in workload.layers[bounds[s]:bounds[s + 1]]) for s in range(p)]
             ) * workload.weight_bytes
         acts = np.array([workload.act_bytes_in(bounds[s], bounds[s + 1]) for s in range(p)], dtype=float)
-        in_flight = np.minimum(m + e, (p - np.arange(p))[None, :])
+        if p == 1 and workload.items_per_step > 0:  # the share merged into the loop's items
+            in_flight = np.ceil((m + e) / workload.items_per_step)
+        else:
+            in_flight = np.minimum(m + e, (p - np.arange(p))[None, :])
         mem = state[None, :] + in_flight * acts[None, :]
         alive = ~dead_m
         ids, mem_alive = dev[alive], mem[alive]

@@ -40,6 +40,11 @@ class Workload:
     grad_bytes: int = 4  # bytes per parameter for gradients
     optim_bytes: int = 8  # bytes per parameter of optimizer state (Adam: 2 fp32 moments)
     name: str = "workload"
+    # 0: a data-parallel worker runs its micro-batches one at a time (one micro-batch of
+    # activations at once).  k > 0: a framework loop runs k items per step and a worker's share
+    # is merged into them (accelerate_ft without a loss recipe), so it holds
+    # ceil(micro-batches / k) micro-batches of activations at once.
+    items_per_step: int = 0
     _prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
     _params: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _acts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)

@@ -98,7 +98,8 @@ class EnginePolicy:
                  per_node: int = 1, warmup_steps: int = 3, replacement_eta_s: Optional[float] = None,
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
                  stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
-                 straggler_options: Optional[dict] = None):
+                 straggler_options: Optional[dict] = None, items_per_step: int = 0):
+        self.items_per_step = int(items_per_step)
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -141,7 +142,8 @@ class EnginePolicy:
         total = sum(self.layer_params)
         layers = tuple(Layer(params=p, fwd_s=per_mb * p / total / 3, bwd_s=2 * per_mb * p / total / 3,
                              act_bytes=0) for p in self.layer_params)
-        return Workload(layers, self.global_batch, self.micro_batch, name="elastic-dp")
+        return Workload(layers, self.global_batch, self.micro_batch, name="elastic-dp",
+                        items_per_step=self.items_per_step)
 
     def cluster(self, extra_ids=(), unflag=()):
         ids = set(self.plan.devices if self.plan else ()) | set(self.alive) | set(extra_ids)

@@ -87,6 +87,8 @@ class ElasticConfig:
         --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
     straggler_options: the straggler detector's and rebalance check's knobs (see
         ``EnginePolicy``); None: the defaults.
+    items_per_step: set by an adapter that may merge a worker's share of a step into this
+        many loop items (the engine's memory check then counts the merged activations).
     """
 
     hang_timeout_s: Optional[float] = None
@@ -105,6 +107,7 @@ class ElasticConfig:
     allowed_policies: Optional[frozenset] = None
     allow_batch_change: bool = False
     straggler_options: Optional[dict] = None
+    items_per_step: int = 0
 
 
 class Joined(NamedTuple):
@@ -182,7 +185,7 @@ class ElasticContext:
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
             allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
-            straggler_options=self.cfg.straggler_options)
+            straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step)
         self.recoveries = 0
         self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
         self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received

@@ -188,6 +188,22 @@ def test_reroute_in_data_parallel():
     assert est.memory[1] == approx(1_000_000 * 16 + 1 * 50)
 
 
+def test_reroute_merged_into_loop_items_holds_more_activations():
+    """accelerate_ft without a loss recipe merges a worker's share into its loop items: with one
+    item per step, a survivor with 2 + 1 micro-batches holds all 3 of them at once."""
+    from dataclasses import replace
+    w = replace(chain([3.0], params=[1_000_000], acts=[50], microbatches=6), items_per_step=1)
+    c = cluster(3)
+    plan = Plan.data_parallel(range(3), w)
+    est = estimate(plan, w, c, dead={0}, extra={1: 1, 2: 1})
+    assert est.memory[1] == approx(1_000_000 * 16 + 3 * 50)
+    w2 = replace(w, items_per_step=2)  # two items: ceil(3 / 2) micro-batches at once
+    assert estimate(plan, w2, c, dead={0}, extra={1: 1}).memory[1] == approx(1_000_000 * 16 + 2 * 50)
+    small = Cluster(tuple(Device(i, 0, 1.0, 1_000_000 * 16 + 2 * 50) for i in range(3)), INTRA, INTER)
+    assert estimate(plan, w, small).fits  # 2 micro-batches each, failure-free
+    assert estimate(plan, w, small, dead={0}, extra={1: 1, 2: 1}).over_memory == (1, 2)
+
+
 def test_reroute_in_pipelines_adds_max_extra_times_stage_cost():
     w = chain(COSTS, params=[1000] * 4, microbatches=8)
     c = cluster(4)
