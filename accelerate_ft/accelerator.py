@@ -35,8 +35,9 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
 from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
-from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader
+from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
 from accelerate_ft.runtime import AccelerateRuntime
 from chameleon_ft.runtime.adapters import adapter_config
 from chameleon_ft.runtime.worker import ElasticConfig
@@ -123,6 +124,29 @@ def _trim(data: Any, n: int) -> Any:
         if _tensors_only(data) or all(isinstance(v, dict) for v in data):
             return type(data)(_trim(v, n) for v in data)
         return data[:n]
+    return data
+
+
+def _rows(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return int(data.shape[0]) if data.ndim else 1
+    if isinstance(data, dict):
+        return _rows(next(iter(data.values()))) if data else 0
+    if isinstance(data, (list, tuple)):
+        return _rows(data[0]) if data and _tensors_only(data) else len(data)
+    return 1
+
+
+def _drop(data: Any, n: int) -> Any:
+    """``data`` without its first ``n`` rows (tensors, containers, lists of objects)."""
+    if isinstance(data, torch.Tensor):
+        return data[n:] if data.ndim else data
+    if isinstance(data, dict):
+        return type(data)({k: _drop(v, n) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        if _tensors_only(data):
+            return type(data)(_drop(v, n) for v in data)
+        return data[n:]
     return data
 
 
@@ -234,8 +258,12 @@ class FaultTolerantAccelerator(Accelerator):
         return sched
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
-        if self._ft is not None and isinstance(dataloader, (ElasticTrainLoader, ElasticEvalLoader)):
-            return dataloader  # the runtime's cursor (restored by load_state) says where to go on
+        """The training loader without its first ``num_batches`` items: after ``load_state``
+        those are the checkpoint's steps of the epoch, handed out again without training."""
+        if self._ft is not None and isinstance(dataloader, ElasticTrainLoader):
+            return SkipFirst(dataloader, num_batches) if num_batches else dataloader
+        if self._ft is not None and isinstance(dataloader, ElasticEvalLoader):
+            return dataloader
         return super().skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------- the step
@@ -294,34 +322,60 @@ class FaultTolerantAccelerator(Accelerator):
         the first dimension)."""
         if self._ft is None:
             return super().gather(tensor)
-        return _map(self._gather_one, tensor)
+        return self._in_eval(lambda: _map(self._gather_one, tensor), lambda: tensor)
+
+    def _in_eval(self, fn, local):
+        """Run a collective; one that fails inside an evaluation recovers the job at once and
+        returns this member's local value, and the evaluation is flagged incomplete
+        (``ft/eval_complete`` = 0) -- its result mixes values from before and after."""
+        try:
+            return fn()
+        except CollectiveFailure as failure:  # only raised inside an evaluation (coll.reraise)
+            self._ft.eval_failed(failure)
+            self._ft.eval_complete = False
+            return local()
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """Like ``gather``, over the current members; inside an evaluation loader every sample
-        comes back exactly once, in dataset order (the ghost a member may get is dropped)."""
+        comes back exactly once, in dataset order (the ghost a member may get is dropped).  When
+        a member dies during the evaluation, this call recovers the job and returns no rows
+        (zero-length tensors / an empty list); the loader then goes on over the survivors from
+        the first sample not all of them have, so the rows returned over the whole evaluation
+        still cover every sample once."""
         if self._ft is None:
             return super().gather_for_metrics(input_data, use_gather_object)
-        n_valid = self._ft.eval_valid
+        rt = self._ft
+        n_valid = rt.eval_valid
         if n_valid is not None:
             input_data = _trim(input_data, n_valid)
-        if use_gather_object or not _tensors_only(input_data):
-            items = input_data if isinstance(input_data, list) else [input_data]
-            return [x for part in self._ft.coll.gather_objects(items) for x in part]
-        return self.gather(input_data)
+        objects = use_gather_object or not _tensors_only(input_data)
+        try:
+            if objects:
+                items = input_data if isinstance(input_data, list) else [input_data]
+                out = [x for part in rt.coll.gather_objects(items) for x in part]
+            else:
+                out = _map(self._gather_one, input_data)
+        except CollectiveFailure as failure:  # only raised inside an evaluation (coll.reraise)
+            rt.eval_failed(failure)
+            return [] if objects else _trim(input_data, 0)
+        if rt.in_eval:
+            out = rt.eval_received(out, _rows, _drop)
+        return out
 
     def reduce(self, tensor, reduction="sum", scale=1.0):
         if self._ft is None:
             return super().reduce(tensor, reduction, scale)
         if reduction == "none":
             return tensor
-        return _map(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
-                    else self._ft.coll.allreduce(t, reduction), tensor)
+        return self._in_eval(lambda: _map(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
+                                          else self._ft.coll.allreduce(t, reduction), tensor),
+                             lambda: tensor)
 
     def wait_for_everyone(self):
         if self._ft is None:
             return super().wait_for_everyone()
         if not getattr(self._ft, "_barrier_off", False):
-            self._ft.coll.barrier()
+            self._in_eval(self._ft.coll.barrier, lambda: None)
 
     @contextlib.contextmanager
     def main_process_first(self):

@@ -31,6 +31,8 @@ Limits: map-style datasets; the training DataLoader must use ``batch_size`` with
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any, Iterator, Optional
 
 from accelerate.utils import send_to_device
@@ -38,7 +40,9 @@ from torch.utils.data import DataLoader
 
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.adapters import MicroBatchSource, eval_batches
-from chameleon_ft.runtime.sampler import MicroBatch, StepItem
+from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ElasticTrainLoader", "ElasticEvalLoader"]
 
@@ -80,10 +84,31 @@ class ElasticTrainLoader(MicroBatchSource):
         self._feed = None
         epoch = ctx.epoch
         try:
+            yield from self._replayed(ctx)
             while ctx.epoch == epoch:
                 yield from self._one_step(ctx)
         finally:
             self.rt.leave_step()
+
+    def _replayed(self, ctx) -> Iterator[Any]:
+        """After ``load_state``: the items of the epoch's steps the checkpoint already holds,
+        as a run without the interruption would have iterated them, training nothing
+        (``backward``/``optimizer.step`` are no-ops on them).  Accelerate's examples resume by
+        skipping that many items (``continue``, or ``skip_first_batches``); with this their
+        ``step``/``overall_step`` counters and save points stay those of the original run."""
+        rt = self.rt
+        steps, rt.replay_steps = rt.replay_steps, 0
+        n = rt.items_per_step
+        try:
+            for t in range(steps):
+                share = ctx.sampler.local_microbatches(ctx.worker_id, t) or ctx.sampler.microbatches(t)[:1]
+                for i, item in enumerate(step_items(share, n)):
+                    rt.skipping = True
+                    rt.acc.gradient_state._set_sync_gradients(i == n - 1)
+                    idx = item.indices or share[0].indices[:1]
+                    yield self._to_device(self.load_now(idx))
+        finally:
+            rt.skipping = False
 
     def _one_step(self, ctx) -> Iterator[Any]:
         """The items of one global step: ``items_per_step`` of them whatever this member's
@@ -115,8 +140,37 @@ class ElasticTrainLoader(MicroBatchSource):
             rt.finish_step()  # the user's loop did not call optimizer.step() for this step
 
 
+class SkipFirst:
+    """``accelerator.skip_first_batches(train_dl, n)``: the training loader without its first
+    ``n`` items.  After ``load_state`` those are the steps the checkpoint holds (see
+    ``ElasticTrainLoader._replayed``); skipping more than that skips untrained items, which
+    is said once."""
+
+    def __init__(self, loader: ElasticTrainLoader, n: int) -> None:
+        self.loader, self.n = loader, int(n)
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.n)
+
+    def __iter__(self) -> Iterator[Any]:
+        rt, untrained = self.loader.rt, 0
+        for k, batch in enumerate(self.loader):
+            if k >= self.n:
+                yield batch
+            elif not rt.skipping:
+                untrained += 1
+                if untrained == 1:
+                    log.warning("accelerate_ft: skip_first_batches(%d) skips items past the checkpoint's "
+                                "position: their samples are not trained this epoch", self.n)
+
+
 class ElasticEvalLoader:
-    """Evaluation batches over the current members (see module doc)."""
+    """Evaluation batches over the current members (see module doc).  When a member dies during
+    the evaluation, the survivors recover at once (in ``gather_for_metrics``) and go on from
+    the first sample that not all of them have gathered, re-split over the new members --
+    or, when not every survivor was in this evaluation, each finishes it alone -- so that
+    every member's gathered results cover every sample once (``AccelerateRuntime.eval_*``)."""
 
     def __init__(self, runtime, dataloader: DataLoader, device_placement: bool) -> None:
         if dataloader.batch_size is None:
@@ -128,9 +182,10 @@ class ElasticEvalLoader:
         self.batch_size = dataloader.batch_size
         self.device_placement = device_placement
 
-    def _batches(self) -> list[tuple[list[int], int]]:
+    def _batches(self, start: int = 0, alone: bool = False) -> list[tuple[list[int], int]]:
         view = self.rt.view()
-        return eval_batches(len(self.dataset), self.batch_size, view.rank, view.world_size)
+        rank, world = (0, 1) if alone else (view.rank, view.world_size)
+        return eval_batches(len(self.dataset), self.batch_size, rank, world, start)
 
     def __len__(self) -> int:
         return len(self._batches())
@@ -138,18 +193,33 @@ class ElasticEvalLoader:
     def set_epoch(self, epoch: int) -> None:
         """Accepted for compatibility (evaluation order is fixed)."""
 
-    def __iter__(self) -> Iterator[Any]:
-        batches = self._batches()
+    def _loader(self, batches) -> DataLoader:
         dl = self.dataloader
         kwargs = {}
         if dl.num_workers > 0:
             kwargs = {"prefetch_factor": dl.prefetch_factor, "multiprocessing_context": dl.multiprocessing_context}
-        loader = DataLoader(self.dataset, batch_sampler=[b for b, _ in batches], collate_fn=dl.collate_fn,
-                            num_workers=dl.num_workers, pin_memory=dl.pin_memory,
-                            worker_init_fn=dl.worker_init_fn, timeout=dl.timeout, **kwargs)
+        return DataLoader(self.dataset, batch_sampler=[b for b, _ in batches], collate_fn=dl.collate_fn,
+                          num_workers=dl.num_workers, pin_memory=dl.pin_memory,
+                          worker_init_fn=dl.worker_init_fn, timeout=dl.timeout, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        rt = self.rt
+        rt.begin_eval()
+        start, alone = 0, False
         try:
-            for (_, n_valid), batch in zip(batches, loader):
-                self.rt.eval_valid = n_valid
-                yield send_to_device(batch, self.rt.acc.device) if self.device_placement else batch
+            while True:
+                batches = self._batches(start, alone)
+                world = 1 if alone else rt.view().world_size
+                span = max(1, world) * self.batch_size
+                for k, ((_, n_valid), batch) in enumerate(zip(batches, self._loader(batches))):
+                    lo = start + k * span
+                    rt.eval_batch(n_valid, lo, min(lo + span, len(self.dataset)))
+                    yield send_to_device(batch, rt.acc.device) if self.device_placement else batch
+                    if rt.eval_restart is not None:
+                        break
+                if rt.eval_restart is None:
+                    return
+                start, alone = rt.eval_restart
+                rt.eval_restart = None
         finally:
-            self.rt.eval_valid = None
+            rt.end_eval()

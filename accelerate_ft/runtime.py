@@ -108,13 +108,26 @@ class AccelerateRuntime:
         self.batch: Any = None  # the data of the item being run (what the loader yielded)
         self.replay = LossReplay()
         self.redo_items = False  # redo the interrupted step through one more loop item
+        # After load_state: the epoch's steps before the checkpoint's cursor are handed out
+        # again as items that train nothing (the user's loop skips them, as in Accelerate's
+        # examples), so the loop's counters line up with the run that saved the checkpoint.
+        self.replay_steps = 0
+        self.skipping = False
         self.last = False
         self.sync_attempted = True
         self.clips: list[Callable[[], None]] = []
         self._mb_t0: Optional[float] = None
         self._step_t0 = 0.0
         self._compute = 0.0
+        # evaluation (see ElasticEvalLoader and the eval_* methods)
         self.eval_valid: Optional[int] = None
+        self.eval_runs = 0
+        self.in_eval = False
+        self.eval_span = (0, 0)  # samples [lo, hi) of the current round
+        self.eval_position = 0  # samples of this evaluation this member has gathered (a prefix)
+        self.eval_seen = 0  # rows of samples below this were gathered before a recovery: dropped
+        self.eval_restart: Optional[tuple[int, bool]] = None  # (from sample, alone) after a recovery
+        self.eval_complete: Optional[bool] = None  # of the last evaluation
         self.redone_steps = self.adopted_steps = 0
         self.last_step: dict = {}
         # trackers
@@ -227,6 +240,7 @@ class AccelerateRuntime:
             ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
         if resume:
             self._apply_resume(ctx, resume)
+            self.replay_steps = ctx.sampler.cursor
         self.train_loader = loader
         self.ctx = ctx
         ctx.start(self.joined)
@@ -264,6 +278,8 @@ class AccelerateRuntime:
         self.in_step, self.current, self.gen = False, None, None
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.skipping:
+            return  # an item of a step the checkpoint already holds
         if not self.in_step:
             self._warn_once("backward", "accelerator.backward() outside the items of the prepared "
                             "training DataLoader: plain loss.backward(), not part of a global step")
@@ -281,6 +297,8 @@ class AccelerateRuntime:
 
     def optimizer_step(self) -> None:
         """The user's ``optimizer.step()``: commits the step after the member's last item."""
+        if self.skipping:
+            return
         if not self.in_step:
             if self.ctx is None:
                 raise RuntimeError("accelerate_ft: optimizer.step() before iterating the prepared "
@@ -370,6 +388,56 @@ class AccelerateRuntime:
         if self.is_main() and not was_main:
             self.ensure_trackers()
 
+    # ---------------------------------------------------------------- evaluation
+    def begin_eval(self) -> None:
+        self.eval_runs += 1
+        self.in_eval, self.eval_position, self.eval_seen, self.eval_restart = True, 0, 0, None
+        self.eval_complete = True
+        if self.ctx is not None:
+            self.ctx.activity = self.eval_runs  # what recovering members compare
+            self.coll.reraise = True  # a failed collective recovers the job (eval_failed)
+
+    def end_eval(self) -> None:
+        self.in_eval, self.eval_valid = False, None
+        self.coll.reraise, self.coll.local_reason = False, None
+        if self.ctx is not None:
+            self.ctx.activity = 0
+
+    def eval_batch(self, n_valid: int, lo: int, hi: int) -> None:
+        self.eval_valid, self.eval_span = n_valid, (lo, hi)
+
+    def eval_received(self, out: Any, rows_of: Callable[[Any], int], drop: Callable[[Any, int], Any]) -> Any:
+        """A gather of the current round succeeded: advance this member's position and drop
+        the rows it already had before a recovery restarted the evaluation earlier."""
+        lo, hi = self.eval_span
+        self.eval_position = max(self.eval_position, hi)
+        n = min(max(0, self.eval_seen - lo), hi - lo)
+        return drop(out, n) if n else out
+
+    def eval_failed(self, failure: CollectiveFailure) -> None:
+        """A collective of an evaluation failed: recover the job now; the evaluation goes on
+        from the first sample not every survivor gathered (re-split over them), or -- when
+        some survivor was not in this evaluation -- this member finishes it alone."""
+        ctx = self.ctx
+        if ctx is None:  # evaluating before training started: no state to agree on
+            self.coll.degraded, self.eval_complete = True, False
+            self.coll.reraise = False
+            return
+        ctx.recover(failure)
+        self.after_reconfiguration()
+        self.eval_seen = max(self.eval_seen, self.eval_position)
+        same = all(a == ctx.activity for a in ctx.peer_activity)
+        start = self.eval_position
+        if same:
+            try:
+                start = int(self.coll.allreduce(torch.tensor([start], dtype=torch.int64), "min").item())
+            except CollectiveFailure as again:
+                return self.eval_failed(again)
+        else:
+            self.coll.local_reason = "while it finishes an evaluation alone (its peers were not in it when a failure hit)"
+        self.eval_restart = (start, not same)
+        self.eval_position = start
+
     # ---------------------------------------------------------------- trackers
     def ensure_trackers(self) -> None:
         """The live rank 0 runs the trackers; one that took over starts them now."""
@@ -380,7 +448,10 @@ class AccelerateRuntime:
     def metrics(self, recovered: bool = False) -> dict:
         if self.ctx is None or self.ctx.view is None:
             return {}
-        return ft_metrics(self.ctx, self.last_step, self.redone_steps, self.adopted_steps, recovered)
+        m = ft_metrics(self.ctx, self.last_step, self.redone_steps, self.adopted_steps, recovered)
+        if self.eval_complete is not None:
+            m["ft/eval_complete"] = float(self.eval_complete)
+        return m
 
     def log_values(self, values: dict) -> dict:
         """The user's logged ``values`` plus the ``ft/*`` metrics, on the user's own step axis;
@@ -421,6 +492,7 @@ class AccelerateRuntime:
             self.resume = st
         else:  # every member loads the same files at the same point of its loop
             self._apply_resume(self.ctx, st)
+            self.replay_steps = self.ctx.sampler.cursor
             self.ctx.policy.start(self.ctx.members)
             alloc = self.ctx.policy.allocation
             self.ctx.sampler.set_allocation(list(alloc), list(alloc.values()))

@@ -205,12 +205,15 @@ class ShardSampler(Sampler):
         return len(self._shard())
 
 
-def eval_batches(dataset_len: int, batch_size: int, rank: int, world_size: int) -> list[tuple[list[int], int]]:
+def eval_batches(dataset_len: int, batch_size: int, rank: int, world_size: int,
+                 start: int = 0) -> list[tuple[list[int], int]]:
     """``(indices, n_valid)`` per evaluation batch of ``rank``; every member gets the same number
-    of batches (see module doc).  ``n_valid`` is 0 for a ghost batch (one repeated sample)."""
+    of batches (see module doc).  ``n_valid`` is 0 for a ghost batch (one repeated sample).
+    ``start``: the rounds cover samples ``[start, dataset_len)`` (an evaluation resumed over
+    the survivors after a failure)."""
     n, b = max(1, world_size), max(1, batch_size)
     out = []
-    for lo in range(0, dataset_len, n * b):
+    for lo in range(start, dataset_len, n * b):
         shares = even_split(min(n * b, dataset_len - lo), n)
         start = lo + sum(shares[:rank])
         if shares[rank]:

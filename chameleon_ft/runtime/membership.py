@@ -141,6 +141,7 @@ class Membership:
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self.watch_aborts = watch_aborts
+        self.watch_poll_s = 0.02  # well inside the Lighthouse's join window (50 ms)
         self.store = connect_store(store_addr, connect_timeout_s)
         try:
             self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
@@ -245,7 +246,7 @@ class Membership:
         Without it a member busy in a long forward, an evaluation batch or a checkpoint write
         asks only at its next collective; if that is more than ``join_timeout_ms`` after the
         first survivor asked, the quorum forms without it: a healthy worker evicted, then
-        re-admitted one round later.  The watcher waits on the generation's abort key with its
+        re-admitted one round later.  The watcher polls the generation's abort key with its
         own store client (a client serialises its requests) and asks once per generation; it
         does not ask again for a generation that it agreed on and the main thread has not
         taken yet (a main thread busy for longer than a group set-up gets excluded, as before,
@@ -260,9 +261,12 @@ class Membership:
             if view is None or view.token == watched or self._early is not None:
                 self._stop.wait(0.02)
                 continue
-            try:
-                store.wait([abort_key(view.token)], timedelta(seconds=0.25))
-            except Exception:  # not aborted yet (wait timed out), or the coordinator is gone
+            try:  # polled: a blocking store.wait logs a c10d warning at every timeout
+                aborted = store.check([abort_key(view.token)])
+            except Exception:  # the coordinator is gone: the main thread will find out
+                aborted = False
+            if not aborted:
+                self._stop.wait(self.watch_poll_s)
                 continue
             watched = view.token
             if self._stop.is_set() or not self._agree_lock.acquire(blocking=False):
