@@ -418,28 +418,37 @@ class FaultTolerantAccelerator(Accelerator):
 
     # ---------------------------------------------------------------- checkpoints
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
-        """Call on every member at the same point: rank 0 writes Accelerate's folder plus the
-        runtime's state (sampler cursor, engine); returns the folder."""
+        """Call on every member at the same point: the main process writes Accelerate's folder
+        plus the runtime's state (sampler cursor, engine, loss recipe); returns the folder.
+
+        When a member dies during the save (the main process in the middle of writing, or any
+        member before the closing barrier), the barrier's failure recovers the job at once and,
+        if every survivor was in this save, the (new) main process writes the folder again, so
+        it is complete and holds the same step as without the failure."""
         if self._ft is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         rt = self._ft
-        if self.project_configuration.automatic_checkpoint_naming:
-            folder = os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
-        else:
-            folder = output_dir
-        if self.is_main_process:
-            rt._barrier_off = True  # Accelerate's own barrier would wait for members that don't save
-            try:
-                folder = super().save_state(output_dir, safe_serialization, **kwargs)
-            finally:
-                rt._barrier_off = False
-            rt.save_ft_state(folder)
-        else:
-            self.project_configuration.iteration += 1
-        if rt.ctx is not None:
-            rt.ctx.last_checkpoint_step = rt.ctx.step
-        self.wait_for_everyone()
-        return folder
+        auto = self.project_configuration.automatic_checkpoint_naming
+        folder = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+                  if auto else output_dir)
+        counted = False  # this member advanced Accelerate's checkpoint iteration already
+        while True:
+            if self.is_main_process:
+                if auto and counted:
+                    self.project_configuration.iteration -= 1  # write the same folder again
+                rt._barrier_off = True  # Accelerate's own barrier would wait for members that don't save
+                try:
+                    folder = super().save_state(output_dir, safe_serialization, **kwargs)
+                finally:
+                    rt._barrier_off = False
+                rt.save_ft_state(folder)
+            elif not counted:
+                self.project_configuration.iteration += 1
+            counted = True
+            if rt.ctx is not None:
+                rt.ctx.last_checkpoint_step = rt.ctx.step
+            if rt.barrier_or_redo():
+                return folder
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
         """Every member loads the same folder; training resumes at the saved sampler cursor, on

@@ -9,7 +9,8 @@ loop itself: a forward hook on the prepared model records each call (its argumen
 during a training item, and ``accelerator.backward(loss)`` checks two things --
 
 * the loss is the model's own output, or its ``.loss`` / ``["loss"]`` / ``[0]`` (the
-  HuggingFace convention: ``loss = model(**batch).loss``), and
+  HuggingFace convention: ``loss = model(**batch).loss``), possibly divided or multiplied by a
+  constant in one operation (``loss = outputs.loss / gradient_accumulation_steps``), and
 * every argument of that call *is* the item's batch or one of its entries (``model(**batch)``,
   ``model(batch)``, ``model(*batch)``, ``model(input_ids=batch["input_ids"], ...)``).
 
@@ -53,16 +54,38 @@ def _get(batch: Any, path: _Path) -> Any:
     return batch[path[0]] if path else batch
 
 
-def _picker(output: Any, loss: torch.Tensor) -> Optional[Callable[[Any], torch.Tensor]]:
-    if output is loss:
-        return lambda out: out
-    if getattr(output, "loss", None) is loss:
-        return lambda out: out.loss
-    if isinstance(output, Mapping) and output.get("loss") is loss:
-        return lambda out: out["loss"]
-    if isinstance(output, (list, tuple)) and output and output[0] is loss:
-        return lambda out: out[0]
+_PICKS = (lambda out: out, lambda out: getattr(out, "loss", None),
+          lambda out: out.get("loss") if isinstance(out, Mapping) else None,
+          lambda out: out[0] if isinstance(out, (list, tuple)) and out else None)
+
+
+def _picker(output: Any, loss: torch.Tensor) -> Optional[tuple[int, Optional[float]]]:
+    """How ``loss`` was taken from ``output``: (index into ``_PICKS``: the output itself,
+    ``.loss``, ``["loss"]``, ``[0]``; a constant factor when it was divided / multiplied by
+    one, ``loss = outputs.loss / ga``)."""
+    for i, pick in enumerate(_PICKS):
+        try:
+            got = pick(output)
+        except Exception:
+            continue
+        if got is loss:
+            return i, None
+        scale = _scaled(got, loss)
+        if scale is not None:
+            return i, scale
     return None
+
+
+def _scaled(base: Any, loss: torch.Tensor) -> Optional[float]:
+    """``c`` when ``loss`` is ``base * c`` or ``base / c'`` computed in one autograd step."""
+    if not isinstance(base, torch.Tensor) or base.grad_fn is None or loss.grad_fn is None:
+        return None
+    if type(loss.grad_fn).__name__ not in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1"):
+        return None
+    if not any(fn is base.grad_fn for fn, _ in loss.grad_fn.next_functions):
+        return None
+    b = float(base.detach())
+    return float(loss.detach()) / b if b != 0.0 and base.numel() == 1 else None
 
 
 class LossReplay:
@@ -109,12 +132,31 @@ class LossReplay:
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` computed as the user's loop computed the last one."""
-        arg_paths, kw_paths, pick = self.recipe
+        arg_paths, kw_paths, (i, scale) = self.recipe
         self.replaying = True
         try:
             with torch.enable_grad():
                 out = model(*[_get(batch, p) for p in arg_paths],
                             **{k: _get(batch, p) for k, p in kw_paths.items()})
-            return pick(out)
+            loss = _PICKS[i](out)
+            return loss * scale if scale is not None else loss
         finally:
             self.replaying = False
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Optional[dict]:
+        """The recipe as plain data (paths are keys or positions), for ``save_state``: a resumed
+        run then computes its first step's surplus inside the step too.  It is checked again
+        at the first backward after the resume (``seen`` stays False until then)."""
+        if self.recipe is None:
+            return None
+        arg_paths, kw_paths, (i, scale) = self.recipe
+        return {"args": [list(p) for p in arg_paths], "kwargs": {k: list(p) for k, p in kw_paths.items()},
+                "pick": i, "scale": scale}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if not state:
+            return
+        self.recipe = ([tuple(p) for p in state["args"]], {k: tuple(p) for k, p in state["kwargs"].items()},
+                       (int(state["pick"]), state["scale"]))
+        self.seen = False

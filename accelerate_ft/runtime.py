@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AccelerateRuntime", "FT_STATE_FILE"]
 
 FT_STATE_FILE = "chameleon_ft_state.pt"
+_SAVE_TAG = 1 << 40  # activity tags of save_state calls (evaluations use small numbers)
 _STATE_VERSION = 1
 
 
@@ -128,6 +129,7 @@ class AccelerateRuntime:
         self.eval_seen = 0  # rows of samples below this were gathered before a recovery: dropped
         self.eval_restart: Optional[tuple[int, bool]] = None  # (from sample, alone) after a recovery
         self.eval_complete: Optional[bool] = None  # of the last evaluation
+        self.saves = 0  # save_state calls (their activity tag, see barrier_or_redo)
         self.redone_steps = self.adopted_steps = 0
         self.last_step: dict = {}
         # trackers
@@ -327,6 +329,14 @@ class AccelerateRuntime:
         self.sync_attempted = True
         self.redo_items = False
         step = ctx.step
+        if not self.replay.ready and ctx.unspill():
+            # A recipe restored from a checkpoint did not match this loop's first backward:
+            # the surplus it was to compute takes one more item.
+            self._warn_once("redo", "the loss recipe saved in the checkpoint does not match this loop: "
+                            "this step's surplus micro-batches run as one more training item")
+            self.redo_items = True
+            self.acc.gradient_state._set_sync_gradients(False)
+            return False
         self._compute_extra(ctx.spilled(), ctx.sampler.cursor)
         ts = time.perf_counter()
         while True:
@@ -438,6 +448,32 @@ class AccelerateRuntime:
         self.eval_restart = (start, not same)
         self.eval_position = start
 
+    # ---------------------------------------------------------------- checkpoints
+    def barrier_or_redo(self) -> bool:
+        """The barrier that closes a ``save_state``.  True: every member got past it (or it ran
+        locally).  False: a member died, the job recovered at once and every survivor was in
+        this same save -- write it again."""
+        ctx = self.ctx
+        if ctx is None:
+            self.coll.barrier()
+            return True
+        self.saves += 1
+        before, ctx.activity = ctx.activity, _SAVE_TAG + self.saves
+        self.coll.reraise = True
+        try:
+            self.coll.barrier()
+            return True
+        except CollectiveFailure as failure:
+            ctx.recover(failure)
+            self.after_reconfiguration()
+            again = all(a == ctx.activity for a in ctx.peer_activity)
+            if again:
+                self.saves -= 1  # the same save, written again: peers count it once too
+            return not again
+        finally:
+            ctx.activity = before
+            self.coll.reraise = self.in_eval
+
     # ---------------------------------------------------------------- trackers
     def ensure_trackers(self) -> None:
         """The live rank 0 runs the trackers; one that took over starts them now."""
@@ -474,7 +510,8 @@ class AccelerateRuntime:
             return dict(self.resume) if self.resume else None
         return {"version": _STATE_VERSION, "global_batch": ctx.sampler.global_batch,
                 "micro_batch": ctx.sampler.micro_batch, "step": ctx.step,
-                "sampler": ctx.sampler.state_dict(), "engine": ctx.policy.state_dict()}
+                "sampler": ctx.sampler.state_dict(), "engine": ctx.policy.state_dict(),
+                "loss_recipe": self.replay.state_dict()}
 
     def save_ft_state(self, folder: str) -> None:
         st = self.ft_state()
@@ -488,6 +525,7 @@ class AccelerateRuntime:
         st = run_state.load_checkpoint(path)
         if st.get("version") != _STATE_VERSION:
             raise CheckpointError(f"{path}: state version {st.get('version')!r} is not {_STATE_VERSION}")
+        self.replay.load_state_dict(st.get("loss_recipe"))
         if self.ctx is None:
             self.resume = st
         else:  # every member loads the same files at the same point of its loop

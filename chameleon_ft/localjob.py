@@ -112,7 +112,7 @@ class LocalJob:
                 raise RuntimeError(f"the job ended while waiting for {what}:\n{self.output()[-2000:]}")
             time.sleep(0.002)
 
-    def wait_step(self, step: int, timeout: float = 40.0) -> None:
+    def wait_step(self, step: int, timeout: float = 120.0) -> None:
         """Until some worker attempts global step ``step`` (its record precedes the all-reduce)."""
         self.wait_for(lambda evs: any(e["event"] == "step" and e["step"] >= step for e in evs),
                       timeout, f"step {step}")

@@ -319,6 +319,14 @@ class ElasticContext:
         for item in self._run(step_items(todo, None)):
             yield item.parts[0]
 
+    def unspill(self) -> list[int]:
+        """Hand the surplus left by ``items(..., spill=...)`` back as slots still to compute in
+        this step (the next ``items()``/``microbatches()`` yields them); returns them."""
+        slots, self._spilled = [mb.index for mb in self._spilled], []
+        if slots:
+            self._redo_slots = slots
+        return slots
+
     def _run(self, items: list[StepItem]) -> Iterator[StepItem]:
         for item in items:
             self.faults.at(self.step, "forward")
