@@ -174,7 +174,7 @@ class AccelerateRuntime:
         if self.ctx is not None and self.ctx.log is not None:
             self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
                                detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
-                               collective=what, deferred=True)
+                               collective=what, deferred=not self.coll.reraise)
 
     # ---------------------------------------------------------------- prepared objects
     def add_model(self, model: torch.nn.Module) -> None:
