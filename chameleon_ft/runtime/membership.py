@@ -29,8 +29,11 @@ Limits, honestly:
 * ``report_failure`` is advisory: the Lighthouse has no eviction call, so a worker reported
   dead but still alive and asking joins the next quorum.  Liveness is decided by who asks
   and who heartbeats.
-* A live worker that asks more than ``join_timeout_ms`` after the first asker misses that
-  quorum; it then aborts the new generation and is re-admitted one round later.
+* A live worker asks for the next quorum as soon as its generation is aborted, even while its
+  main thread computes (the abort watcher thread, ``Membership._watch_loop``, polls the abort key
+  every 20 ms).  Only a worker whose main thread stays busy for longer than the group set-up
+  (``connect_timeout_s``) after that, or whose process is stopped, misses the quorum; it then
+  aborts the new generation and is re-admitted one round later.
 * Peer data is never unpickled: Lighthouse member data is JSON, store values are JSON text.
 """
 
