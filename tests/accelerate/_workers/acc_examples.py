@@ -17,19 +17,18 @@ and writes ``<out>/eval_start`` when an evaluation begins (for the tests to time
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
 import _helpers.data  # noqa: E402
+from _helpers.trackers import JsonlTracker  # noqa: E402
 
 from accelerate_ft import FaultTolerantAccelerator  # noqa: E402
 
@@ -55,27 +54,6 @@ class Classifier(torch.nn.Module):
         logits = self.body(input)
         loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return Output(loss=loss, logits=logits)
-
-
-class JsonlTracker(GeneralTracker):
-    name = "jsonl"
-    requires_logging_directory = False
-
-    def __init__(self, path):
-        super().__init__()
-        self.path = path
-
-    @property
-    def tracker(self):
-        return self.path
-
-    def store_init_configuration(self, values):
-        pass
-
-    def log(self, values, step=None, **kwargs):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "worker": int(os.environ.get("CHAMELEON_FT_WORKER_ID", -1)),
-                                **{k: float(v) for k, v in values.items()}}) + "\n")
 
 
 def main():

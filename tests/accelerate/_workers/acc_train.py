@@ -10,19 +10,18 @@ gathered in each epoch, accuracy) for the tests to compare.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
 import _helpers.data  # noqa: E402
+from _helpers.trackers import JsonlTracker  # noqa: E402
 from _helpers.allocation import force_allocations  # noqa: E402
 
 from accelerate_ft import FaultTolerantAccelerator, wrap
@@ -45,28 +44,6 @@ class Net(torch.nn.Module):
         logits = self.body(x)
         loss = torch.nn.functional.cross_entropy(logits, y) if y is not None else None
         return {"logits": logits, "loss": loss}
-
-
-class JsonlTracker(GeneralTracker):
-    """A file tracker: one JSON line per log call (appended by whichever worker is rank 0)."""
-    name = "jsonl"
-    requires_logging_directory = False
-
-    def __init__(self, path):
-        super().__init__()
-        self.path = path
-
-    @property
-    def tracker(self):
-        return self.path
-
-    def store_init_configuration(self, values):
-        pass
-
-    def log(self, values, step=None, **kwargs):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "worker": int(os.environ.get("CHAMELEON_FT_WORKER_ID", -1)),
-                                **{k: float(v) for k, v in values.items()}}) + "\n")
 
 
 def main():
