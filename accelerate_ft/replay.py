@@ -24,7 +24,7 @@ evaluated or unpickled.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
