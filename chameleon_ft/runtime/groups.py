@@ -99,7 +99,7 @@ def _code(text: str, remember: bool = True) -> int:
 
 for _d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
     _code(str(_d).replace("torch.", ""))
-for _o in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+for _o in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM") + tuple(_KIND_CODE):
     _code(_o)
 
 
@@ -132,7 +132,7 @@ def describe_header(h: torch.Tensor) -> str:
         return "an op without a chameleon-ft header"
     kind = _KIND_NAME.get(v[1], f"unknown kind {v[1]}")
     text = _CALL.get(kind, kind)
-    label = _NAMES.get(v[2], f"#{v[2]}") if v[2] else ""
+    label = _NAMES.get(v[2], "")  # a peer's label this process never used is left out
     if label and label != kind:
         text += f" '{label}'"
     if kind == "reduce":
