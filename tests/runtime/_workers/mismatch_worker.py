@@ -57,7 +57,7 @@ def main():
             if ctx.step == a.stray_barrier and ctx.rank == 1:
                 time.sleep(a.stray_delay)  # the peers are in the all-reduce by now
                 coll.barrier()
-                pass
+                seen["stray_barrier_realigning"] = coll.realigning
             if not ctx.sync_and_step():
                 continue
             coll.reset()
@@ -70,7 +70,7 @@ def main():
                     seen["barrier"] = "returned"
                 else:
                     seen["gather"] = [t.tolist() for t in coll.all_gather(torch.tensor([float(ctx.rank)]))]
-                pass
+                seen["realigning"] = coll.realigning
             elif k == 1:  # reduces of different shapes
                 seen["reduce_mismatch"] = coll.allreduce(torch.ones(3 if ctx.rank == 0 else 5)).tolist()
             else:  # the same reduce everywhere: live again
