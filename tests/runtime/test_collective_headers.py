@@ -90,8 +90,11 @@ def test_mismatched_collectives_resolve_without_moving_data(tmp_path):
         assert x["D_gather"]["value"] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]
         assert x["D_gather8"]["value"] == [[1] * 7 + [k] for k in (1, 2, 3)]
 
-    # E: two runtime collectives that differ end the generation (recovery realigns them).
-    assert [x["E"] for x in res] == [{"result": "failure", "kind": "mismatch", "suspects": []}] * 3
+    # E: two runtime collectives that differ end the generation (recovery realigns them); the
+    # first member to see it writes the abort key, which a slower one may read first.
+    assert all(x["E"]["result"] == "failure" and x["E"]["suspects"] == [] for x in res)
+    kinds = [x["E"]["kind"] for x in res]
+    assert "mismatch" in kinds and set(kinds) <= {"mismatch", "aborted"}, kinds
 
 
 def test_collective_mismatch_is_not_a_failure():
