@@ -20,7 +20,11 @@ collectives that follow the membership, the optimizer handle and the fault-toler
   user's code), so it and the following ones return this worker's local value, with a
   warning, until the next training step recovers the job (``reset``) -- unless the adapter
   sets ``reraise`` because it can recover the job and rerun what the collective belonged to
-  (lightning_ft does for its evaluation loops, see ``ElasticContext.recover``).
+  (lightning_ft does for its evaluation loops, see ``ElasticContext.recover``).  Every one of
+  them exchanges a fixed-size header first (``GroupManager.checked``): one that meets a
+  different collective on a peer (another control call, or the step's gradient all-reduce)
+  moves no data, returns the local value with a warning naming both calls, and the following
+  ones stay local until the next training step's sync (``realigning``).
 * ``UpdateHandle``: what ``ElasticContext`` sees as the optimizer, so the adapter decides how
   the update is applied once the gradients are reduced (hooks, clipping, precision plugins).
 * ``ft_metrics``: the ``ft/*`` metrics the adapters give to the framework's loggers.
@@ -44,7 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.plan import even_split
 from chameleon_ft.runtime import state as run_state
-from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.groups import CollectiveFailure, CollectiveMismatch
 from chameleon_ft.runtime.policy import RUNTIME_POLICIES
 from chameleon_ft.runtime.worker import ElasticConfig
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
@@ -258,6 +262,13 @@ class LiveCollectives:
         self.degraded = False
 
     @property
+    def realigning(self) -> bool:
+        """A collective met a different one on a peer: collectives stay local (no header is
+        exchanged) until this member's next training step sync."""
+        gm = self.gm_fn()
+        return gm is not None and gm.realigning is not None
+
+    @property
     def world_size(self) -> int:
         v = self.view_fn()
         return v.world_size if v is not None else 1
@@ -277,6 +288,13 @@ class LiveCollectives:
             return local()
         try:
             return fn(gm)
+        except CollectiveMismatch as mismatch:  # nothing moved and nothing failed
+            if mismatch.skipped:
+                self._warn_local(what, reason="while it realigns with its peers after a collective "
+                                 "mismatch (until the next training step)")
+            else:
+                log.warning("%s: %s", self.who, mismatch)
+            return local()
         except CollectiveFailure as failure:
             if self.on_failure is not None:
                 self.on_failure(what, failure)
@@ -307,7 +325,7 @@ class LiveCollectives:
             buf = tensor.detach().to("cpu", copy=True)
             if op in ("mean", "avg") and not buf.is_floating_point():
                 buf = buf.float()
-            gm.allreduce(buf, _OPS[op], timeout_s=self.timeout_fn())
+            gm.allreduce(buf, _OPS[op], timeout_s=self.timeout_fn(), header="reduce", label=op)
             if op in ("mean", "avg"):
                 buf = buf / self.world_size
             return buf.to(tensor.device)
@@ -316,21 +334,24 @@ class LiveCollectives:
 
     def all_gather(self, tensor: torch.Tensor, what: str = "all_gather") -> list[torch.Tensor]:
         """Every member's ``tensor`` in rank order (shapes may differ, same number of dims)."""
-        return self.run(what, lambda gm: [t.to(tensor.device) for t in gm.all_gather(tensor, self.timeout_fn())],
+        kind = "gather_object" if what == "gather_object" else "all_gather"
+        return self.run(what, lambda gm: [t.to(tensor.device) for t in
+                                          gm.all_gather(tensor, self.timeout_fn(), kind=kind, label=what)],
                         lambda: [tensor])
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` of rank ``src`` on every member (tensors, numbers, strings, lists, dicts)."""
 
         def fn(gm):
+            gm.checked("broadcast", arg=src, timeout_s=self.timeout_fn())
             return run_state.broadcast_tree(lambda f: gm.collective(f, self.timeout_fn()), src,
                                             self.rank, obj if self.rank == src else None)
 
         return self.run("broadcast", fn, lambda: obj)
 
     def barrier(self) -> None:
-        self.run("barrier", lambda gm: gm.allreduce(torch.zeros(1), timeout_s=self.timeout_fn()),
-                 lambda: None)
+        # The header exchange is an all-gather over every member: a barrier by itself.
+        self.run("barrier", lambda gm: gm.checked("barrier", timeout_s=self.timeout_fn()), lambda: None)
 
     def gather_objects(self, obj: Any) -> list:
         """Every member's JSON-able ``obj`` in rank order."""

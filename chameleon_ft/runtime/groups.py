@@ -19,6 +19,26 @@ How survivors learn about a death (measured on torch 2.13, gloo/TCP, loopback):
   members within one poll interval plus a store round trip.
 * A hung peer (SIGSTOP) produces no error anywhere; ``timeout_s`` (the watchdog) bounds it.
 
+Collective headers.  Gloo pairs the ops of a group by their order only: a barrier on one member
+meets whatever its peer runs next, and two ops of different sizes abort the process in gloo's
+size check (``EnforceNotMet``, SIGABRT, uncatchable).  So the step's gradient all-reduce and
+the adapters' control collectives run ``checked(kind, tensor)`` first: one all-gather of a
+fixed-size int64 header (``HEADER_LEN`` on every member, whatever the op) carrying the op kind
+and the facts that must agree (label, dtype, reduce op or broadcast source, size, shape).  Data
+moves only when every member's header agrees.  Otherwise every member sees the same headers
+and resolves the same way, without consensus of its own and without touching the data:
+
+* a *runtime* kind (``step``: the gradient all-reduce; ``sync``: a recovery all-reduce) whose
+  differing peers are all in control collectives exchanges its header again: those peers give
+  up their call and come to their own sync next;
+* a *control* kind (reduce, all_gather, gather_object, broadcast, barrier) gives up without
+  moving data (``CollectiveMismatch``; the caller returns its local value) and skips its
+  control collectives, without a header, until its next runtime header matches
+  (``realigning``), so that both sides meet again at the sync;
+* runtime kinds that differ from each other cannot be reconciled here: the generation is
+  aborted (``CollectiveFailure`` of kind ``"mismatch"``, no suspects) and the recovery
+  protocol realigns the members, as after any failed collective.
+
 Limits, honestly:
 
 * An abandoned op keeps one gloo worker thread blocked until the group's own op timeout
@@ -39,6 +59,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -49,7 +70,83 @@ from chameleon_ft.runtime.membership import MembershipView, abort_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CollectiveFailure", "GroupManager"]
+__all__ = ["CollectiveFailure", "CollectiveMismatch", "GroupManager", "HEADER_LEN"]
+
+# ------------------------------------------------------------------------ collective headers
+RUNTIME_KINDS = ("step", "sync")
+CONTROL_KINDS = ("reduce", "all_gather", "gather_object", "broadcast", "barrier")
+_GATHERS = ("all_gather", "gather_object")  # shapes may differ between members
+_KIND_CODE = {k: i + 1 for i, k in enumerate(RUNTIME_KINDS + CONTROL_KINDS)}
+_KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
+_CALL = {"step": "the training step's gradient all-reduce", "sync": "a recovery all-reduce"}
+_MAGIC = 0x63667468_0001  # "cfth", version 1
+# Slots [0, _AGREED) must be equal on every member: magic, kind, label, dtype, reduce op or
+# broadcast source, numel, ndim, shape code.  Slots from _AGREED on are per member (a gather's
+# numel and its first _FREE_DIMS dims).
+HEADER_LEN, _AGREED, _FREE_DIMS = 16, 8, 7
+_NAMES: dict[int, str] = {}  # code -> text, to name a peer's call in a warning
+
+
+def _code(text: str, remember: bool = True) -> int:
+    """A code for ``text`` that every process computes alike (``hash`` is salted per process)."""
+    if not text:
+        return 0
+    code = zlib.crc32(text.encode())
+    if remember:
+        _NAMES.setdefault(code, text)
+    return code
+
+
+for _d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+    _code(str(_d).replace("torch.", ""))
+for _o in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM") + tuple(_KIND_CODE):
+    _code(_o)
+
+
+def _op_name(op) -> str:
+    return getattr(getattr(op, "op", op), "name", str(op))
+
+
+def encode_header(kind: str, tensor: Optional[torch.Tensor] = None, label: str = "", arg: int = 0) -> torch.Tensor:
+    """This member's header for a ``kind`` collective over ``tensor`` (see module doc)."""
+    if kind not in _KIND_CODE:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0], h[1], h[2], h[4] = _MAGIC, _KIND_CODE[kind], _code(label), int(arg)
+    if tensor is not None:
+        shape = list(tensor.shape)
+        h[3], h[6] = _code(str(tensor.dtype).replace("torch.", "")), len(shape)
+        if kind in _GATHERS:
+            h[_AGREED] = tensor.numel()
+            dims = shape[:_FREE_DIMS]
+            h[_AGREED + 1:_AGREED + 1 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+        else:
+            h[5], h[7] = tensor.numel(), _code(str(tuple(shape)), remember=False)
+    return h
+
+
+def describe_header(h: torch.Tensor) -> str:
+    """A header as words, for warnings: the call, its label, dtype and size."""
+    v = [int(x) for x in h.tolist()]
+    if v[0] != _MAGIC:
+        return "an op without a chameleon-ft header"
+    kind = _KIND_NAME.get(v[1], f"unknown kind {v[1]}")
+    text = _CALL.get(kind, kind)
+    label = _NAMES.get(v[2], "")  # a peer's label this process never used is left out
+    if label and label != kind:
+        text += f" '{label}'"
+    if kind == "reduce":
+        text += f" ({_NAMES.get(v[4], v[4])})"
+    elif kind == "broadcast":
+        text += f" (from rank {v[4]})"
+    if v[3]:
+        size = v[_AGREED] if kind in _GATHERS else v[5]
+        text += f" of {_NAMES.get(v[3], 'dtype #%d' % v[3])}[{size}]"
+    return text
+
+
+def header_kind(h: torch.Tensor) -> Optional[str]:
+    return _KIND_NAME.get(int(h[1])) if int(h[0]) == _MAGIC else None
 
 
 class CollectiveFailure(RuntimeError):
@@ -57,7 +154,8 @@ class CollectiveFailure(RuntimeError):
 
     ``kind`` is ``"peer_error"`` (gloo reported a broken connection), ``"timeout"`` (the
     watchdog expired: a peer hangs or is very slow), ``"aborted"`` (another member, or the
-    launcher, declared the generation over) or ``"rebuild"`` (the group could not be formed).
+    launcher, declared the generation over), ``"rebuild"`` (the group could not be formed) or
+    ``"mismatch"`` (runtime collectives of different kinds or sizes met; see ``checked``).
     ``suspects`` are worker ids believed to have failed, empty when unknown.
     """
 
@@ -69,6 +167,19 @@ class CollectiveFailure(RuntimeError):
         self.generation = generation
         self.suspects = tuple(sorted(set(suspects)))
         self.reporter = reporter
+
+
+class CollectiveMismatch(RuntimeError):
+    """A control collective gave up without moving any data: its peers were in a different
+    collective (``peers``: (rank, worker id, their call) of each one that differed), or this
+    member is still realigning after such a mismatch (``skipped``).  Nothing failed: the
+    caller returns its local value and carries on."""
+
+    def __init__(self, message: str, *, call: str, peers: tuple = (), skipped: bool = False):
+        super().__init__(message)
+        self.call = call
+        self.peers = tuple(peers)
+        self.skipped = skipped
 
 
 class GroupManager:
@@ -99,6 +210,8 @@ class GroupManager:
         # (group, work or None) pairs whose op may still be blocked; see module docstring.
         self._parked: list[tuple[object, object]] = []
         self._parked_lock = threading.Lock()
+        # Why control collectives are skipped until the next runtime header matches (module doc).
+        self.realigning: Optional[str] = None
 
     # ------------------------------------------------------------------ groups
     @property
@@ -125,6 +238,7 @@ class GroupManager:
         """
         self._retire(None)
         self._view = view
+        self.realigning = None  # a new generation's members all start in the recovery protocol
         result: dict = {}
 
         def build() -> None:
@@ -205,9 +319,61 @@ class GroupManager:
         # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
         # their tensors anyway.
 
+    def checked(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
+                arg: int = 0, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """Exchange headers for a ``kind`` collective over ``tensor``; return every member's
+        header (rows in rank order) once they all agree, so the data may move.
+
+        Resolution when they differ (module doc): a runtime kind whose differing peers are all
+        in control collectives exchanges again; a control kind raises ``CollectiveMismatch``
+        and skips further control collectives until the next runtime header matches;
+        differing runtime kinds abort the generation (``CollectiveFailure``, ``"mismatch"``).
+        """
+        runtime = kind in RUNTIME_KINDS
+        mine = encode_header(kind, tensor, label, arg)
+        call = describe_header(mine)
+        if not runtime and self.realigning is not None:
+            raise CollectiveMismatch(f"{call} skipped: {self.realigning}", call=call, skipped=True)
+        n = self._view.world_size if self._view else 1
+        me = self._view.rank if self._view else 0
+        members = self._view.members if self._view else (self.worker_id,)
+        # Each member gives up a control call at most once before it comes to its runtime
+        # sync, so the second exchange agrees; more rounds mean a peer breaks the rule.
+        for _ in range(n + 2):
+            rows = torch.zeros(n, HEADER_LEN, dtype=torch.int64)
+            parts = list(rows.unbind(0))
+            self.collective(lambda pg: pg.allgather([parts], [mine]), timeout_s)
+            differ = [i for i in range(n) if not torch.equal(rows[i, :_AGREED], mine[:_AGREED])]
+            if not differ:
+                if runtime:
+                    self.realigning = None
+                return rows
+            peers = tuple((i, members[i], describe_header(rows[i])) for i in differ)
+            met = "; ".join(f"rank {i} (worker {w}) in {c}" for i, w, c in peers)
+            if not runtime:
+                self.realigning = f"rank {me} gave up {call}, which met {met}"
+                raise CollectiveMismatch(
+                    f"{call} on rank {me} (worker {self.worker_id}) met {met}; no data moved: the "
+                    "call returns this worker's local value and control collectives stay local "
+                    "until the next training step", call=call, peers=peers)
+            if any(header_kind(rows[i]) not in CONTROL_KINDS for i in differ):
+                raise self._local_failure(f"collective mismatch: {call} on rank {me} met {met}",
+                                          "mismatch")
+            log.warning("%s on rank %d met %s; they give up their call, headers are exchanged again",
+                        call, me, met)
+        raise self._local_failure(f"collective mismatch: {call} on rank {me} kept meeting "
+                                  "control collectives", "mismatch")
+
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM,
-                  timeout_s: Optional[float] = None, copy: bool = True) -> torch.Tensor:
-        """All-reduce ``tensor`` in place; with ``copy`` an abandoned op can't touch it later."""
+                  timeout_s: Optional[float] = None, copy: bool = True,
+                  header: Optional[str] = None, label: str = "") -> torch.Tensor:
+        """All-reduce ``tensor`` in place; with ``copy`` an abandoned op can't touch it later.
+
+        ``header``: the collective's kind (``"step"``, ``"sync"``, ``"reduce"``...); its
+        header exchange (``checked``) runs first.  None: no header (every member must be known
+        to run this same op)."""
+        if header is not None:
+            self.checked(header, tensor, label=label, arg=_code(_op_name(op)), timeout_s=timeout_s)
         buf = tensor.clone() if copy else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -216,21 +382,30 @@ class GroupManager:
             tensor.copy_(buf)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, timeout_s: Optional[float] = None) -> list[torch.Tensor]:
+    def all_gather(self, tensor: torch.Tensor, timeout_s: Optional[float] = None,
+                   kind: str = "all_gather", label: str = "") -> list[torch.Tensor]:
         """Every member's ``tensor`` (on CPU), in rank order; shapes may differ between members
-        (same number of dimensions): shapes are gathered first, the data flattened and padded."""
-        n = self._view.world_size if self._view else 1
+        (same dtype and number of dimensions): the header carries each member's shape, the data
+        travels flattened and padded.  ``kind``: ``"all_gather"`` or ``"gather_object"``."""
+        if kind not in _GATHERS:
+            raise ValueError(f"all_gather kind must be one of {_GATHERS}, got {kind!r}")
         t = tensor.detach().to("cpu").contiguous()
-        meta = torch.tensor([t.numel(), *t.shape], dtype=torch.int64)
-        metas = [torch.zeros_like(meta) for _ in range(n)]
-        self.collective(lambda pg: pg.allgather([metas], [meta]), timeout_s)
-        top = max(1, max(int(m[0]) for m in metas))
-        flat = torch.zeros(top, dtype=t.dtype)
+        rows = self.checked(kind, t, label=label, timeout_s=timeout_s)
+        n = rows.shape[0]
+        if t.ndim <= _FREE_DIMS:
+            shapes = rows[:, _AGREED + 1:_AGREED + 1 + t.ndim]
+        else:  # every member has this many dims (checked), so the shapes have one size
+            shapes = torch.zeros(n, t.ndim, dtype=torch.int64)
+            parts = list(shapes.unbind(0))
+            mine = torch.tensor(t.shape, dtype=torch.int64)
+            self.collective(lambda pg: pg.allgather([parts], [mine]), timeout_s)
+        numels = [int(x) for x in rows[:, _AGREED].tolist()]
+        flat = torch.zeros(max(1, max(numels)), dtype=t.dtype)
         flat[:t.numel()] = t.reshape(-1)
         out = [torch.empty_like(flat) for _ in range(n)]
         self.collective(lambda pg: pg.allgather([out], [flat]), timeout_s)
-        return [o[:int(m[0])].reshape([int(d) for d in m[1:].tolist()]).clone()
-                for o, m in zip(out, metas)]
+        return [o[:k].reshape([int(d) for d in shape.tolist()]).clone()
+                for o, k, shape in zip(out, numels, shapes)]
 
     # ------------------------------------------------------------------ aborts
     def abort_record(self) -> Optional[dict]:
@@ -258,6 +433,7 @@ class GroupManager:
         """Drop the current group; parked groups stay parked (see module docstring)."""
         self._retire(None)
         self._view = None
+        self.realigning = None
 
     # ---------------------------------------------------------------- helpers
     def _local_failure(self, message: str, kind: str) -> CollectiveFailure:

@@ -378,9 +378,10 @@ class ElasticContext:
                           token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
         t0 = time.perf_counter()
         try:
-            # A fresh buffer each step, so an abandoned op can't touch anything we keep.
-            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM,
-                                                     timeout_s=self.hang_timeout_s, copy=False))
+            # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
+            # "step" header makes a peer's stray control collective give way (groups.py).
+            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                     copy=False, header="step"))
         except CollectiveFailure as failure:
             # Keep this member's gradients: unless a peer committed the step, they are still
             # its share of the redone step (see _salvage).

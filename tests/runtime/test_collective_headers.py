@@ -1,0 +1,103 @@
+"""Collective headers (``GroupManager.checked``): collectives that do not match on every member
+never reach gloo's data exchange (where a size mismatch aborts the process).
+
+Fast: three real processes on one gloo group (no launcher), each running the same script of
+deliberately mismatched calls; every process must finish and report what each call did.  The
+training-level checks (a stray barrier during the step's all-reduce, mismatched control calls
+between steps, exactly-once data and equal replicas after) are in ``test_collective_mismatch.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chameleon_ft.localjob import kill_processes
+from chameleon_ft.runtime.groups import (HEADER_LEN, CollectiveMismatch, describe_header,
+                                         encode_header)
+
+pytestmark = [pytest.mark.timeout(90)]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_workers") / "header_worker.py"
+
+
+def test_header_is_fixed_size_and_names_the_call():
+    step = encode_header("step", torch.zeros(10))
+    barrier = encode_header("barrier")
+    gather = encode_header("all_gather", torch.zeros(2, 3), label="metric sync")
+    assert step.shape == barrier.shape == gather.shape == (HEADER_LEN,)
+    assert step.dtype == torch.int64
+    assert describe_header(step) == "the training step's gradient all-reduce of float32[10]"
+    assert describe_header(barrier) == "barrier"
+    assert describe_header(gather) == "all_gather 'metric sync' of float32[6]"
+    # gathers agree on dtype and number of dims only; reduces on the whole shape
+    assert torch.equal(encode_header("all_gather", torch.zeros(2, 3))[:8],
+                       encode_header("all_gather", torch.zeros(5, 1))[:8])
+    assert not torch.equal(encode_header("reduce", torch.zeros(2, 3))[:8],
+                           encode_header("reduce", torch.zeros(3, 2))[:8])
+    with pytest.raises(ValueError):
+        encode_header("gather")
+
+
+def test_mismatched_collectives_resolve_without_moving_data(tmp_path):
+    server = dist.TCPStore("127.0.0.1", 0, 4, True, timedelta(seconds=30), wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", "3",
+                               "--store", f"127.0.0.1:{server.port}", "--out", str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+             for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        kill_processes([p.pid for p in procs], procs)
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outs[r][-3000:]}"
+    res = [json.loads((tmp_path / f"header_{r}.json").read_text()) for r in range(3)]
+
+    # A: the barrier gave way to the peers' step; its next control call stayed local; the
+    # step then committed once with everyone's gradient.
+    a = res[0]["A_barrier"]
+    assert a["result"] == "mismatch"
+    assert [p[0] for p in a["peers"]] == [1, 2]
+    assert "barrier on rank 0 (worker 0) met rank 1 (worker 1) in the training step's gradient" in a["message"]
+    assert res[0]["A_reduce_after"]["result"] == "skipped"
+    assert [x["A_step"] for x in res] == [6.0, 6.0, 6.0]
+    assert "headers are exchanged again" in outs[1]  # the step side said why it waited
+
+    # B: a barrier against gathers: every member gives up, stays local, meets at the step.
+    assert [x["B"]["result"] for x in res] == ["mismatch"] * 3
+    assert "all_gather of float32[1]" in res[0]["B"]["message"]
+    assert [x["B_after"]["result"] for x in res] == ["skipped"] * 3
+    assert [x["B_step"] for x in res] == [3.0] * 3
+
+    # C: a reduce of different shapes, then live again after the step.
+    assert [x["C"]["result"] for x in res] == ["mismatch"] * 3
+    assert [x["C_step"] for x in res] == [6.0] * 3
+    assert [x["C_live"] for x in res] == [{"result": "ok", "value": [3.0, 3.0]}] * 3
+
+    # D: gathers of different shapes are not a mismatch (the header carries each shape).
+    for x in res:
+        assert x["D_gather"]["value"] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]
+        assert x["D_gather8"]["value"] == [[1] * 7 + [k] for k in (1, 2, 3)]
+
+    # E: two runtime collectives that differ end the generation (recovery realigns them); the
+    # first member to see it writes the abort key, which a slower one may read first.
+    assert all(x["E"]["result"] == "failure" and x["E"]["suspects"] == [] for x in res)
+    kinds = [x["E"]["kind"] for x in res]
+    assert "mismatch" in kinds and set(kinds) <= {"mismatch", "aborted"}, kinds
+
+
+def test_collective_mismatch_is_not_a_failure():
+    # Adapters catch CollectiveFailure to recover the job; a mismatch must not trigger that.
+    from chameleon_ft.runtime.groups import CollectiveFailure
+    assert not issubclass(CollectiveMismatch, CollectiveFailure)
