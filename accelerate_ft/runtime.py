@@ -402,12 +402,14 @@ class AccelerateRuntime:
     def begin_eval(self) -> None:
         self.eval_runs += 1
         self.in_eval, self.eval_position, self.eval_seen, self.eval_restart = True, 0, 0, None
-        self.eval_complete = True
+        self.eval_complete = not self.coll.realigning  # a gather that gives way returns a shard
         if self.ctx is not None:
             self.ctx.activity = self.eval_runs  # what recovering members compare
             self.coll.reraise = True  # a failed collective recovers the job (eval_failed)
 
     def end_eval(self) -> None:
+        if self.coll.realigning:
+            self.eval_complete = False
         self.in_eval, self.eval_valid = False, None
         self.coll.reraise, self.coll.local_reason = False, None
         if self.ctx is not None:

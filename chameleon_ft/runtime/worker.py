@@ -212,6 +212,7 @@ class ElasticContext:
         self._done_slots: list[int] = []
         self._redo_slots: Optional[list[int]] = None
         self._spilled: list[MicroBatch] = []  # see items(spill=True)
+        self._home_slots: Optional[frozenset] = None  # slots of this member under its first allocation
         self._prev_comm = 0.0
         self._prev_step = 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
@@ -302,9 +303,14 @@ class ElasticContext:
         todo = self.pending_microbatches()
         self._redo_slots = None
         self._spilled = []
+        if self._home_slots is None:  # the first step this member runs: its launch share
+            self._home_slots = frozenset(mb.index for mb in self.sampler.local_microbatches(self.worker_id))
         if spill is None or n_items is None or len(todo) <= n_items:
             yield from self._run(step_items(todo, n_items))
             return
+        # The member's own slots first: its loop then sees the items it would have seen without
+        # the failure, and the adopted micro-batches are the surplus.
+        todo.sort(key=lambda mb: (mb.index not in self._home_slots, mb.index))
         for i in range(n_items):
             left = n_items - i
             take = 1 if spill(i) else (len(todo) if left == 1 else -(-len(todo) // left))
@@ -541,7 +547,8 @@ class ElasticContext:
         batch_before = self.sampler.global_batch
         v = torch.zeros(3 * n, dtype=torch.int64)
         v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
-        self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                 header="sync"))
         steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
         self.peer_activity = v[2 * n:].tolist()
         top = max(steps)
