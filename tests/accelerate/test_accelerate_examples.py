@@ -47,8 +47,10 @@ def exactly_once(job: ExJob, first_step: int = 0) -> None:
 def only_failure(job: ExJob, victim: int) -> None:
     """The dead worker is the only one ever reported or left out of a generation."""
     evs = job.events()
-    failures = [e for e in evs if e["event"] == "failure" and not e.get("deferred")]
+    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
     assert failures and all(f["workers"] == [victim] for f in failures), failures
+    # A failed collective's own record names nobody or the victim, never a healthy worker.
+    assert all(set(e["workers"]) <= {victim} for e in evs if e["event"] == "failure"), failures
     healthy = set(range(4)) - {victim}
     for e in evs:
         if e["event"] == "membership":
