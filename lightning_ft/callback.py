@@ -15,7 +15,8 @@ points Lightning's ``StrategyRegistry`` entry ``"ddp"`` at ``FaultTolerantDDPStr
 ``setup`` checks that the trainer really runs it and stops with a clear error otherwise
 (e.g. ``strategy=DDPStrategy(...)`` given as an object).
 
-Hooks: ``setup`` (checks), ``on_train_batch_end`` (fault-tolerance metrics to the loggers),
+Hooks: ``setup`` (checks), ``on_train_batch_end`` (one console line per recovery, the
+fault-tolerance metrics to the loggers at Lightning's step),
 ``on_save_checkpoint`` (the engine counts steps since the last checkpoint),
 ``state_dict``/``load_state_dict`` (sampler cursor, engine state, global batch: a checkpoint
 resumes on the same or another number of workers), ``on_exception`` (exit codes that

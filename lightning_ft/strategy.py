@@ -31,10 +31,15 @@ What it changes against ``DDPStrategy`` and why:
   was in the same evaluation, it runs again over the survivors; otherwise its metrics are
   flagged partial (``ft/eval_complete`` = 0).
 
-Other collectives outside a training step (the epoch-end sync of training metrics, checkpoint
-barriers) are not reconfigured in place: when one fails, it and the following ones return
-this worker's local values (with a warning) until the next training step recovers the job.
-The same holds for a worker that adopted a step its peers committed, until its next step.
+* **Between steps too.**  Other collectives outside a training step (the epoch-end sync of
+  training metrics, checkpoint barriers, ``on_train_batch_end``) recover the job at the
+  first failure (``_recover_off_step``), so that the new rank 0 writes the epoch's checkpoint
+  and logs; that collective and the following ones return this worker's local value until
+  its next training step (the members may have met the failure in different collectives).
+  The same holds for a worker that adopted a step its peers committed, until its next step.
+* **Lightning's warnings that are wrong here** -- the one-device advice for
+  ``validate()``/``test()`` and the "unreliable results" of a mid-epoch resume -- are filtered
+  in the code that emits them and replaced by true lines.
 """
 
 from __future__ import annotations

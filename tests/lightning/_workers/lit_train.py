@@ -8,8 +8,9 @@ is the callback.
 At the end each worker writes ``<out>/final_<worker id>.pt`` (parameters, optimizer moments,
 global step, epoch, validation accuracy; with ``--test`` also the ``trainer.test()`` metrics
 after the fit and the test sample ids this worker evaluated) for the tests to compare.
-Every completed validation appends what the loggers got (accuracy, per-sample loss, the number
-of samples covered, ``ft/eval_complete``) to ``val_history``, also saved.  ``--val-sleep``
+Every ``on_train_batch_end`` appends (epoch, batch_idx, global_step, num_training_batches) to
+``batch_log``, and every completed validation what the loggers got (accuracy, per-sample loss,
+the number of samples covered, ``ft/eval_complete``) to ``val_history``; both are saved too.  ``--val-sleep``
 slows each validation batch and ``<out>/markers/val_w<worker>_e<epoch>`` appears when a worker
 starts a validation, so that a test can kill a worker inside it (``--val-size``: the number of
 validation samples).  ``--epoch-end-sleep`` sleeps in ``on_train_epoch_end`` after writing
@@ -21,7 +22,7 @@ window between an epoch's last training step and the next epoch's first.
 ``train_loss`` with ``sync_dist=True`` (a collective per micro-batch).
 ``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
 benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's compute
-(accelerator emulation).
+(accelerator emulation).  ``kill -USR1 <pid>`` prints a worker's stacks (faulthandler).
 """
 
 import argparse
@@ -63,6 +64,7 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
+        self.batch_log = []  # (epoch, batch_idx, global_step, num_training_batches) per batch end
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
@@ -90,6 +92,10 @@ class Classifier(pl.LightningModule):
     def _marker(self, name):
         wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "0")
         open(os.path.join(self.hparams.markers, f"{name}_w{wid}_e{self.current_epoch}"), "a").close()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        t = self.trainer
+        self.batch_log.append((t.current_epoch, batch_idx, t.global_step, int(t.num_training_batches)))
 
     def on_train_epoch_end(self):
         if self.hparams.epoch_end_sleep:  # for tests that kill a worker between two epochs
@@ -205,7 +211,8 @@ def main():
                           if torch.is_tensor(t) and t.ndim > 0],
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
-             "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history}
+             "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history,
+             "batch_log": model.batch_log}
     if a.validate:
         metrics = trainer.validate(model, val, verbose=False)[0]
         final.update(validate_acc=float(metrics["val_acc"]), validate_n=float(metrics["val_n"]),
