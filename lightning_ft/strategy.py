@@ -108,8 +108,8 @@ def _ignoring(message_start: str):
         yield
 
 
-_OFF_STEP = ("until this worker's next training step: a worker was lost outside a training step and "
-             "the members may have met the failure in different collectives")
+# Why collectives are local after a recovery between steps (see _recover_off_step).
+_OFF_STEP = "until its next training step (a worker was lost between training steps)"
 
 
 class LauncherError(ConfigError, RuntimeError):
