@@ -15,7 +15,8 @@ points Lightning's ``StrategyRegistry`` entry ``"ddp"`` at ``FaultTolerantDDPStr
 ``setup`` checks that the trainer really runs it and stops with a clear error otherwise
 (e.g. ``strategy=DDPStrategy(...)`` given as an object).
 
-Hooks: ``setup`` (checks), ``on_train_batch_end`` (fault-tolerance metrics to the loggers),
+Hooks: ``setup`` (checks), ``on_train_batch_end`` (one console line per recovery, the
+fault-tolerance metrics to the loggers at Lightning's step),
 ``on_save_checkpoint`` (the engine counts steps since the last checkpoint),
 ``state_dict``/``load_state_dict`` (sampler cursor, engine state, global batch: a checkpoint
 resumes on the same or another number of workers), ``on_exception`` (exit codes that
@@ -25,6 +26,7 @@ resumes on the same or another number of workers), ``on_exception`` (exit codes 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import time
 from dataclasses import replace
@@ -34,7 +36,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
-from chameleon_ft.runtime.adapters import adapter_config, ft_metrics
+from chameleon_ft.runtime.adapters import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
 from chameleon_ft.runtime.worker import ElasticConfig
@@ -42,6 +44,8 @@ from lightning_ft.hooks import StrategyHooks
 from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
 
 __all__ = ["FaultToleranceCallback"]
+
+log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 
@@ -85,7 +89,7 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         self.log_every_n_steps = log_every_n_steps
         self.resume_state: Optional[dict] = None
         self._strategy: Optional[FaultTolerantDDPStrategy] = None
-        self._logged_recoveries = 0
+        self._seen_recoveries = 0
         install_as_ddp()
 
     def elastic_config(self) -> ElasticConfig:
@@ -108,20 +112,29 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                              "every sample exactly once)")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """After each global step: one console line per recovery (live rank 0), and the
+        fault-tolerance metrics to the loggers every ``log_every_n_steps`` steps and at once
+        after a recovery.  They are logged at Lightning's step for this batch (the one its own
+        ``self.log`` metrics of the batch get), so they share rows with them."""
         s = self._strategy
-        if s is None or s.ctx is None or not trainer.is_global_zero or not trainer.loggers:
+        if s is None or s.ctx is None:
             return
         ctx = s.ctx
-        every = self.log_every_n_steps or trainer.log_every_n_steps or 50
-        recovered = ctx.recoveries != self._logged_recoveries
-        if not recovered and trainer.global_step % every:
+        # Every member counts the recoveries, so that a member that becomes rank 0 later does
+        # not report an earlier one again; ``ctx.recoveries`` grows at a recovery's first
+        # committed step.
+        recovered = ctx.recoveries != self._seen_recoveries
+        self._seen_recoveries = ctx.recoveries
+        if not trainer.is_global_zero:
             return
         if recovered:
-            self._logged_recoveries = ctx.recoveries
+            log.warning("%s", recovery_line(ctx, "lightning_ft"))
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 50
+        if not trainer.loggers or (not recovered and trainer.global_step % every):
+            return
         m = ft_metrics(ctx, s.last_step, s.redone_steps, s.adopted_steps, recovered)
         m.update({"ft/eval_reruns": float(s.eval_reruns), "ft/eval_partial": float(s.eval_partial)})
-        for logger in trainer.loggers:
-            logger.log_metrics(m, step=trainer.global_step)
+        trainer._logger_connector.log_metrics(m)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._strategy is not None and self._strategy.ctx is not None:

@@ -31,19 +31,26 @@ What it changes against ``DDPStrategy`` and why:
   was in the same evaluation, it runs again over the survivors; otherwise its metrics are
   flagged partial (``ft/eval_complete`` = 0).
 
-Other collectives outside a training step (the epoch-end sync of training metrics, checkpoint
-barriers) are not reconfigured in place: when one fails, it and the following ones return
-this worker's local values (with a warning) until the next training step recovers the job.
-The same holds for a worker that adopted a step its peers committed, until its next step.
+* **Between steps too.**  Other collectives outside a training step (the epoch-end sync of
+  training metrics, checkpoint barriers, ``on_train_batch_end``) recover the job at the
+  first failure (``_recover_off_step``), so that the new rank 0 writes the epoch's checkpoint
+  and logs; that collective and the following ones return this worker's local value until
+  its next training step (the members may have met the failure in different collectives).
+  The same holds for a worker that adopted a step its peers committed, until its next step.
+* **Lightning's warnings that are wrong here** -- the one-device advice for
+  ``validate()``/``test()`` and the "unreliable results" of a mid-epoch resume -- are filtered
+  in the code that emits them and replaced by true lines.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
 import logging
 import os
+import re
 import time
 import warnings
 from collections import OrderedDict
@@ -57,7 +64,8 @@ from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResul
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler
 
 from chameleon_ft.runtime.errors import ConfigError
@@ -84,6 +92,24 @@ _NOT_LAUNCHED = (
 
 _UNEVEN = ("inside training_step while the members run different numbers of micro-batches in "
            "this step (after a failure or a rebalance), so their collectives cannot pair up")
+
+
+# Lightning warnings that are wrong under this strategy (their opening words; see
+# _run_evaluation and _reset_epoch_loop).
+_SAMPLER_ADVICE = "Using `DistributedSampler` with the dataloaders. During `trainer."
+_RESUME_ADVICE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+@contextlib.contextmanager
+def _ignoring(message_start: str):
+    """Ignore Lightning's ``PossibleUserWarning`` that starts with ``message_start`` inside."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(message_start), category=PossibleUserWarning)
+        yield
+
+
+# Why collectives are local after a recovery between steps (see _recover_off_step).
+_OFF_STEP = "until its next training step (a worker was lost between training steps)"
 
 
 class LauncherError(ConfigError, RuntimeError):
@@ -172,6 +198,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                      who="lightning_ft")
         self._batch_key: Optional[tuple] = None
         self._mb = None
+        self._in_step = False  # inside optimizer_step (the step's micro-batches and all-reduce)
         self._handle: Optional[UpdateHandle] = None
         self.user_accumulate = 1
         self.redone_steps = 0
@@ -275,7 +302,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ConfigError("lightning_ft supports exactly one optimizer")
         self._route_metrics()
-        self._wrap_evaluation_loops(trainer)
+        self._wrap_loops(trainer)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DistributedDataParallel: the runtime reduces the gradients
@@ -291,13 +318,39 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                 m.distributed_available_fn = self._metric_sync_available
 
     # ---------------------------------------------------------------- evaluation
-    def _wrap_evaluation_loops(self, trainer) -> None:
+    def _wrap_loops(self, trainer) -> None:
+        """The validation/test loops' ``run`` (``_run_evaluation``) and the training epoch
+        loop's ``reset`` (``_reset_epoch_loop``), once per loop object."""
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
             if "_cft_run" not in vars(loop):
                 loop._cft_run = loop.run
                 loop.run = functools.partial(self._run_evaluation, loop)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if "_cft_reset" not in vars(epoch_loop):
+            epoch_loop._cft_reset = epoch_loop.reset
+            epoch_loop.reset = functools.partial(self._reset_epoch_loop, epoch_loop)
+
+    def _reset_epoch_loop(self, loop) -> None:
+        """Lightning warns, on a resume from a mid-epoch checkpoint, that a DataLoader without
+        ``state_dict`` "can cause unreliable results".  Not here: the checkpoint holds the
+        sampler's cursor and ``StepLoader`` continues the epoch from it, each remaining sample
+        once; the warning is replaced by a line that says so."""
+        restarting = loop.restarting
+        with _ignoring(_RESUME_ADVICE):
+            loop._cft_reset()
+        ctx = self.ctx
+        if restarting and ctx is not None and ctx.sampler.cursor > 0:
+            rank_zero_info(f"lightning_ft: resuming epoch {ctx.epoch} at step {ctx.sampler.cursor} of "
+                           f"{ctx.sampler.steps_per_epoch} from the checkpoint's sampler cursor: the "
+                           "epoch's remaining samples follow, each once")
 
     def _run_evaluation(self, loop) -> Any:
+        # Lightning's advice to evaluate on one device under a DistributedSampler (which pads)
+        # does not apply: process_dataloader gives every loader a ShardSampler (no padding).
+        with _ignoring(_SAMPLER_ADVICE):
+            return self._run_evaluation_ft(loop)
+
+    def _run_evaluation_ft(self, loop) -> Any:
         """Run a validation/test loop so that a worker lost inside it cannot leave partial
         metrics behind.  A failed collective (metric sync, ``sync_dist``, ``all_gather``,
         barrier) unwinds the loop; the job recovers at once (``ElasticContext.recover``: the
@@ -315,7 +368,7 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return loop._cft_run()
         self._eval_runs += 1
         tag = self._eval_runs
-        complete = not (self._coll.degraded or self._coll.catch_up)
+        complete = not (self._coll.degraded or self._coll.catch_up or self._coll.local_reason)
         try:
             while True:
                 self._set_eval_complete(trainer, complete)
@@ -384,6 +437,11 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return self._training_loader(dataloader)
         if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, DistributedSampler):
             from lightning.pytorch.utilities.data import _update_dataloader
+            if trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+                # In place of Lightning's advice to use one device (see _run_evaluation).
+                rank_zero_info(f"lightning_ft: trainer.{trainer.state.fn.value}() evaluates each of the "
+                               f"{len(dataloader.dataset)} samples exactly once over the {self.world_size} "
+                               "live workers (no DistributedSampler padding)")
             return _update_dataloader(dataloader, ShardSampler(len(dataloader.dataset), self),
                                       mode=trainer.state.stage)
         return dataloader
@@ -450,6 +508,13 @@ class FaultTolerantDDPStrategy(DDPStrategy):
         if ctx is None:
             raise RuntimeError("lightning_ft: optimizer_step before the training data was set up")
         model = model or self.lightning_module
+        self._in_step = True
+        try:
+            return self._run_step(ctx, optimizer, closure, model, kwargs)
+        finally:
+            self._in_step = False
+
+    def _run_step(self, ctx, optimizer, closure, model, kwargs: dict) -> Any:
         trainer = model.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         self._coll.catch_up = False
@@ -560,29 +625,64 @@ class FaultTolerantDDPStrategy(DDPStrategy):
                                detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
                                collective=what, deferred=not self._coll.reraise)
 
+    def _collective(self, run: Callable[[], Any], local: Callable[[], Any]) -> Any:
+        """Run a collective that Lightning or the user calls.  Inside a training step (or an
+        evaluation, which reruns itself) the runtime's rules hold.  Anywhere else (epoch-end
+        hooks and metric syncs, checkpoint barriers, ``on_train_batch_end``), a failure
+        recovers the job at once (``_recover_off_step``) and the collective returns this
+        worker's local value."""
+        if self.ctx is None or self._in_step or self._coll.reraise:
+            return run()
+        self._coll.reraise = True
+        try:
+            return run()
+        except CollectiveFailure as failure:
+            self._recover_off_step(failure)
+            return local()
+        finally:
+            self._coll.reraise = False
+
+    def _recover_off_step(self, failure: CollectiveFailure) -> None:
+        """A worker was lost while this member was between training steps: agree on the
+        survivors, form their group and agree on the state now (``ElasticContext.recover``), so
+        that the new rank 0 writes what the lost one would have (a checkpoint, the epoch's
+        logs).  The members may have met the failure in different collectives of this window,
+        so until its next training step this member's collectives return its local value
+        (``catch_up``); the step's all-reduce is the first that pairs up again."""
+        ctx = self.ctx
+        ctx.activity = 0
+        ctx.recover(failure)
+        self._after_reconfiguration()
+        self._coll.catch_up = True
+        self._coll.local_reason = _OFF_STEP
+        if self.is_global_zero:
+            log.warning("lightning_ft: a worker was lost outside a training step; the %d survivors "
+                        "recovered at once", ctx.view.world_size)
+
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        return self._coll.allreduce(tensor, reduce_op or "mean")
+        return self._collective(lambda: self._coll.allreduce(tensor, reduce_op or "mean"), lambda: tensor)
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False):
-        return torch.stack(self._coll.all_gather(tensor))
+        return torch.stack(self._collective(lambda: self._coll.all_gather(tensor), lambda: [tensor]))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._gm() is None or self.world_size <= 1:
             return obj
         is_path = isinstance(obj, PurePath)
-        out = self._coll.broadcast({"path": str(obj)} if is_path else obj, src)
+        out = self._collective(lambda: self._coll.broadcast({"path": str(obj)} if is_path else obj, src),
+                               lambda: {"path": str(obj)} if is_path else obj)
         return type(obj)(out["path"]) if is_path else out
 
     def barrier(self, name: Optional[str] = None) -> None:
-        self._coll.barrier()
+        self._collective(self._coll.barrier, lambda: None)
 
     def _metric_sync_available(self) -> bool:
         return self._gm() is not None and self.world_size > 1
 
     def _metric_gather(self, tensor: torch.Tensor, group: Optional[Any] = None) -> list:
-        return self._coll.all_gather(tensor, what="metric sync")
+        return self._collective(lambda: self._coll.all_gather(tensor, what="metric sync"), lambda: [tensor])
 
     # ---------------------------------------------------------------- teardown
     def teardown(self) -> None:

@@ -8,18 +8,27 @@ is the callback.
 At the end each worker writes ``<out>/final_<worker id>.pt`` (parameters, optimizer moments,
 global step, epoch, validation accuracy; with ``--test`` also the ``trainer.test()`` metrics
 after the fit and the test sample ids this worker evaluated) for the tests to compare.
-Every completed validation appends what the loggers got (accuracy, per-sample loss, the number
-of samples covered, ``ft/eval_complete``) to ``val_history``, also saved.  ``--val-sleep``
+Every ``on_train_batch_end`` appends (epoch, batch_idx, global_step, num_training_batches) to
+``batch_log``, and every completed validation what the loggers got (accuracy, per-sample loss,
+the number of samples covered, ``ft/eval_complete``) to ``val_history``; both are saved too.  ``--val-sleep``
 slows each validation batch and ``<out>/markers/val_w<worker>_e<epoch>`` appears when a worker
-starts a validation, so that a test can kill a worker inside it.  ``--sync-train-loss`` logs
+starts a validation, so that a test can kill a worker inside it (``--val-size``: the number of
+validation samples).  ``--epoch-end-sleep`` sleeps in ``on_train_epoch_end`` after writing
+``<out>/markers/epochend_w<worker>_e<epoch>``, and ``--ckpt-on-train-epoch-end`` makes the
+``ModelCheckpoint`` save there too (after that sleep), so that a test can kill a worker in the
+window between an epoch's last training step and the next epoch's first.
+``--save-every-n-steps K`` adds a mid-epoch ``ModelCheckpoint`` (``step<K>-*.ckpt``).
+``--validate`` runs ``trainer.validate()`` after the fit.  ``--sync-train-loss`` logs
 ``train_loss`` with ``sync_dist=True`` (a collective per micro-batch).
 ``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
 benchmark, under torchrun-style env).  ``--mb-sleep`` pads each micro-batch's compute
-(accelerator emulation).
+(accelerator emulation).  ``kill -USR1 <pid>`` prints a worker's stacks (faulthandler).
 """
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,10 +60,11 @@ class WithIds(Dataset):
 
 class Classifier(pl.LightningModule):
     def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None, sync_train_loss=False,
-                 optimizer="sgd", lr_step=5):
+                 optimizer="sgd", lr_step=5, epoch_end_sleep=0.0):
         super().__init__()
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
+        self.batch_log = []  # (epoch, batch_idx, global_step, num_training_batches) per batch end
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
@@ -79,11 +89,23 @@ class Classifier(pl.LightningModule):
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
+    def _marker(self, name):
+        wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "0")
+        open(os.path.join(self.hparams.markers, f"{name}_w{wid}_e{self.current_epoch}"), "a").close()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        t = self.trainer
+        self.batch_log.append((t.current_epoch, batch_idx, t.global_step, int(t.num_training_batches)))
+
+    def on_train_epoch_end(self):
+        if self.hparams.epoch_end_sleep:  # for tests that kill a worker between two epochs
+            self._marker("epochend")
+            time.sleep(self.hparams.epoch_end_sleep)
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         if self.hparams.markers and batch_idx == 0:  # for tests that kill a worker mid-validation
-            wid = os.environ.get("CHAMELEON_FT_WORKER_ID", "0")
-            open(os.path.join(self.hparams.markers, f"val_w{wid}_e{self.current_epoch}"), "a").close()
+            self._marker("val")
         if self.hparams.val_sleep:
             time.sleep(self.hparams.val_sleep)
         logits = self(x)
@@ -138,21 +160,34 @@ def main():
     p.add_argument("--precision", default="32-true")
     p.add_argument("--test", action="store_true", help="trainer.test() after the fit")
     p.add_argument("--val-sleep", type=float, default=0.0, help="sleep per validation batch")
+    p.add_argument("--val-size", type=int, default=100, help="validation samples")
+    p.add_argument("--epoch-end-sleep", type=float, default=0.0, help="sleep in on_train_epoch_end")
+    p.add_argument("--ckpt-on-train-epoch-end", action="store_true",
+                   help="ModelCheckpoint saves in on_train_epoch_end (not after validation)")
+    p.add_argument("--save-every-n-steps", type=int, default=0, help="also a mid-epoch checkpoint")
+    p.add_argument("--validate", action="store_true", help="trainer.validate() after the fit")
     p.add_argument("--sync-train-loss", action="store_true", help="log train_loss with sync_dist=True")
     # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr-step", type=int, default=5, help="StepLR step_size (stepped every step)")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where is it stuck?
     torch.set_num_threads(1)
     force_allocations(a.force_alloc)
     pl.seed_everything(7, workers=True, verbose=False)
     markers = os.path.join(a.out, "markers")
     os.makedirs(markers, exist_ok=True)
     model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers,
-                       sync_train_loss=a.sync_train_loss, optimizer=a.optimizer, lr_step=a.lr_step)
+                       sync_train_loss=a.sync_train_loss, optimizer=a.optimizer, lr_step=a.lr_step,
+                       epoch_end_sleep=a.epoch_end_sleep)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
-                                 filename="{epoch}-{step}")]
+                                 filename="{epoch}-{step}",
+                                 save_on_train_epoch_end=a.ckpt_on_train_epoch_end or None)]
+    if a.save_every_n_steps:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
+                                         filename="step{step}-{epoch}", auto_insert_metric_name=False,
+                                         every_n_train_steps=a.save_every_n_steps))
     if not a.plain:
         from lightning_ft import FaultToleranceCallback
         callbacks.append(FaultToleranceCallback(hang_timeout_s=a.hang_timeout))
@@ -164,7 +199,7 @@ def main():
                          log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     train = DataLoader(Blobs(a.dataset), batch_size=a.batch_size, shuffle=True)
-    val = DataLoader(Blobs(100, seed=99, centers_seed=1234), batch_size=8)
+    val = DataLoader(Blobs(a.val_size, seed=99, centers_seed=1234), batch_size=8)
     t0 = time.perf_counter()
     trainer.fit(model, train, val, ckpt_path=a.ckpt)
     fit_s = time.perf_counter() - t0
@@ -176,7 +211,12 @@ def main():
                           if torch.is_tensor(t) and t.ndim > 0],
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
-             "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history}
+             "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history,
+             "batch_log": model.batch_log}
+    if a.validate:
+        metrics = trainer.validate(model, val, verbose=False)[0]
+        final.update(validate_acc=float(metrics["val_acc"]), validate_n=float(metrics["val_n"]),
+                     validate_world_size=trainer.world_size)
     if a.test:
         test = DataLoader(WithIds(Blobs(120, seed=77, centers_seed=1234)), batch_size=8)
         metrics = trainer.test(model, test, verbose=False)[0]
