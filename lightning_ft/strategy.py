@@ -368,7 +368,8 @@ class FaultTolerantDDPStrategy(DDPStrategy):
             return loop._cft_run()
         self._eval_runs += 1
         tag = self._eval_runs
-        complete = not (self._coll.degraded or self._coll.catch_up or self._coll.local_reason)
+        complete = not (self._coll.degraded or self._coll.catch_up or self._coll.local_reason
+                        or self._coll.realigning)
         try:
             while True:
                 self._set_eval_complete(trainer, complete)
