@@ -36,7 +36,7 @@ class ScriptJob(LocalJob):
         return {int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
                 for p in self.run_dir.glob("final_*.pt")}
 
-    def run_to_end(self, timeout: float = 90.0) -> dict[int, dict]:
+    def run_to_end(self, timeout: float = 180.0) -> dict[int, dict]:
         """Start the job, wait for it to end cleanly, clean up; the final states."""
         try:
             self.start()
@@ -57,7 +57,7 @@ def kill_at_random_step(job: LocalJob, workers: int = 4, steps: tuple[int, int] 
         job.wait_step(step)
         time.sleep(rng.uniform(0.0, 0.03))
         job.kill(victim)
-        assert job.wait(90) == [0], job.output()[-4000:]
+        assert job.wait(180) == [0], job.output()[-4000:]
         return victim, job.final()
     finally:
         job.cleanup()
@@ -75,7 +75,7 @@ def stop_and_survive(job: LocalJob, worker: int, hang_timeout: float, at_step: i
         failure = next(e for e in evs if e["event"] == "failure" and e.get("kind") == "hang")
         assert failure["workers"] == [worker]
         assert failure["ts"] - t_stop < hang_timeout + 1.5
-        assert job.wait(90) == [0], job.output()[-4000:]
+        assert job.wait(180) == [0], job.output()[-4000:]
         return job.final()
     finally:
         job.cleanup()
