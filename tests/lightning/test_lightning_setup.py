@@ -69,7 +69,7 @@ def _evaluation_harness(monkeypatch, peer_activity):
                         property(lambda self: SimpleNamespace(trainer=trainer, modules=module.modules)))
     monkeypatch.setattr(s, "_after_reconfiguration", lambda: None)
     monkeypatch.setattr(s, "_reset_evaluation", lambda *a: None)
-    ctx = SimpleNamespace(activity=0, peer_activity=[], worker_id=1, view=SimpleNamespace(world_size=3))
+    ctx = SimpleNamespace(activity=0, peer_activity=[], worker_id=1, view=SimpleNamespace(world_size=3), gm=None)
     ctx.recover = lambda failure: setattr(ctx, "peer_activity", peer_activity(ctx.activity))
     s.ctx = ctx
     runs = []
