@@ -401,6 +401,20 @@ def test_tensorboard_bf16_and_test_loop_survive_a_kill_of_rank_0(tmp_path):
     assert "test_acc" in scalars and "val_acc" in scalars
 
 
+def lost_one_on_trajectory(job, finals: dict, victim: int, reference: dict) -> list[dict]:
+    """Only ``victim`` left; exactly-once data, equal replicas, the failure-free step count,
+    weights within 1e-6 and every validation over every sample.  Returns the run's events."""
+    evs = job.events()
+    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    only_victim_removed(evs, victim)
+    exactly_once(evs)
+    got = replicas_equal(finals)
+    assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
+    assert rel_diff(got, reference) < 1e-6
+    check_validation(finals, reference)
+    return evs
+
+
 def test_kill_during_validation_metric_recomputed_over_survivors(tmp_path, reference):
     """A worker is SIGKILLed inside epoch 0's validation loop (1024 samples, 20 ms per batch;
     timed by the marker its first ``validation_step`` writes, plus up to 0.3 s).  Exactly that
@@ -410,14 +424,7 @@ def test_kill_during_validation_metric_recomputed_over_survivors(tmp_path, refer
     victim = random.randrange(4)
     job = LitJob(tmp_path, "--val-sleep", "0.02")
     finals = job.kill_on_marker(victim, f"val_w{victim}_e0", delay=(0.0, 0.3))
-    evs = job.events()
-    assert sorted(finals) == sorted(set(range(4)) - {victim})
-    only_victim_removed(evs, victim)
-    exactly_once(evs)
-    got = replicas_equal(finals)
-    assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
-    assert rel_diff(got, reference) < 1e-6
-    check_validation(finals, reference)
+    lost_one_on_trajectory(job, finals, victim, reference)
     assert "runs again over the 3 survivors" in job.output()
 
 
@@ -432,14 +439,7 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
     victim = 0
     job = LitJob(tmp_path, "--epoch-end-sleep", "1.0", "--ckpt-on-train-epoch-end")
     finals = job.kill_on_marker(victim, f"epochend_w{victim}_e0", delay=(0.0, 0.5))
-    evs = job.events()
-    assert sorted(finals) == sorted(set(range(4)) - {victim})
-    only_victim_removed(evs, victim)
-    exactly_once(evs)
-    got = replicas_equal(finals)
-    assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
-    assert rel_diff(got, reference) < 1e-6
-    check_validation(finals, reference)
+    evs = lost_one_on_trajectory(job, finals, victim, reference)
     recovered_at = min(e["step"] for e in evs if e["event"] == "recovery")
     assert recovered_at == STEPS_PER_EPOCH + 1  # its first committed step: epoch 1's first
     assert "recovered at once" in job.output()
