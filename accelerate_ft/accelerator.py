@@ -127,16 +127,6 @@ def _trim(data: Any, n: int) -> Any:
     return data
 
 
-def _rows(data: Any) -> int:
-    if isinstance(data, torch.Tensor):
-        return int(data.shape[0]) if data.ndim else 1
-    if isinstance(data, dict):
-        return _rows(next(iter(data.values()))) if data else 0
-    if isinstance(data, (list, tuple)):
-        return _rows(data[0]) if data and _tensors_only(data) else len(data)
-    return 1
-
-
 def _drop(data: Any, n: int) -> Any:
     """``data`` without its first ``n`` rows (tensors, containers, lists of objects)."""
     if isinstance(data, torch.Tensor):
@@ -359,7 +349,7 @@ class FaultTolerantAccelerator(Accelerator):
             rt.eval_failed(failure)
             return [] if objects else _trim(input_data, 0)
         if rt.in_eval:
-            out = rt.eval_received(out, _rows, _drop)
+            out = rt.eval_received(out, _drop)
         return out
 
     def reduce(self, tensor, reduction="sum", scale=1.0):

@@ -418,7 +418,7 @@ class AccelerateRuntime:
     def eval_batch(self, n_valid: int, lo: int, hi: int) -> None:
         self.eval_valid, self.eval_span = n_valid, (lo, hi)
 
-    def eval_received(self, out: Any, rows_of: Callable[[Any], int], drop: Callable[[Any, int], Any]) -> Any:
+    def eval_received(self, out: Any, drop: Callable[[Any, int], Any]) -> Any:
         """A gather of the current round succeeded: advance this member's position and drop
         the rows it already had before a recovery restarted the evaluation earlier."""
         lo, hi = self.eval_span
