@@ -197,10 +197,10 @@ def _transfers(old, plan, workload, cluster, held, classes_changed) -> tuple[lis
 class _SourceIndex:
     """Survivors grouped by the state they hold, to pick senders without scanning everyone."""
 
-    def __init__(self, held: dict[int, Held], cluster: Cluster):
+    def __init__(self, held: dict[int, Held] | list[tuple[int, Held]], cluster: Cluster):
         self.cluster = cluster
         self.by_state: dict[Held, list[int]] = {}
-        for d, h in held.items():
+        for d, h in (held.items() if isinstance(held, dict) else held):
             self.by_state.setdefault(h, []).append(d)
         self.load: dict[int, int] = {}
 
@@ -227,6 +227,44 @@ class _SourceIndex:
         """First layer after ``at`` (up to ``hi``) that some survivor holds."""
         starts = [r[0] for h in self.by_state if (r := _covers(h, shard, degree)) and at < r[0] < hi]
         return min(starts, default=hi)
+
+
+def transfers_to(plan: Plan, holdings: dict[int, list[tuple[int, int]]], workload: Workload,
+                 cluster: Cluster) -> MigrationPlan:
+    """Transfers that give every device of ``plan`` (placed as it is, no reassignment) the
+    layers of its slot, from the devices that hold them now.
+
+    ``holdings``: the layer ranges each alive device holds at the agreed step (a runtime whose
+    migration was interrupted, or a replacement that holds nothing, differs from any plan's
+    ``held_state``).  Unsharded plans only."""
+    if plan.shard_degree != 1:
+        raise ValueError("transfers_to handles unsharded plans only")
+    pairs = [(d, (a, b, 0, 1)) for d, ranges in sorted(holdings.items()) for a, b in ranges]
+    sources = _SourceIndex(pairs, cluster)
+    out: list[Transfer] = []
+    lost: list[Held] = []
+    for pipe in plan.pipelines:
+        for s, d in enumerate(pipe.devices):
+            if d not in holdings:
+                continue  # dead (a rerouted-around slot): nothing to deliver
+            todo = [pipe.layers_of_stage(s)]
+            for have in holdings[d]:
+                todo = [m for need in todo for m in missing_ranges(need, have)]
+            for lo, hi in todo:
+                at = lo
+                while at < hi:
+                    src = sources.pick(at, 0, 1, d)
+                    if src is None:
+                        nxt = sources.next_covered(at, hi, 0, 1)
+                        lost.append((at, nxt, 0, 1))
+                        at = nxt
+                        continue
+                    src_id, (_, b) = src
+                    stop = min(b, hi)
+                    nbytes = workload.params_in(at, stop) * workload.state_bytes_per_param
+                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.link(src_id, d).transfer_s(nbytes)))
+                    at = stop
+    return MigrationPlan(plan, {}, out, schedule_rounds(out), lost)
 
 
 def schedule_rounds(transfers: list[Transfer]) -> list[list[Transfer]]:

@@ -44,7 +44,7 @@ __all__ = [
     "summarize",
 ]
 
-EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "run_end")
+EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

@@ -60,6 +60,7 @@ import logging
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -212,6 +213,7 @@ class GroupManager:
         self._parked_lock = threading.Lock()
         # Why control collectives are skipped until the next runtime header matches (module doc).
         self.realigning: Optional[str] = None
+        self._p2p_pool: Optional[ThreadPoolExecutor] = None
 
     # ------------------------------------------------------------------ groups
     @property
@@ -284,17 +286,26 @@ class GroupManager:
         generation is aborted.
         On a local error the abort key is written first, so every other member stops too.
         """
+        self.wait(self.start(fn), timeout_s)
+
+    def start(self, fn: Callable[[dist.ProcessGroup], object]):
+        """Enqueue ``fn(group) -> Work`` without waiting (a point-to-point send that the
+        pipeline executor waits for later); ``wait`` it, or the generation's failure ends it."""
         # Someone may already have ended this generation (e.g. a joiner is waiting); checked
         # first, since a watchdog expiry leaves the generation aborted and its group parked.
         record = self.abort_record()
         if record is not None:
             raise self._failure("generation aborted", "aborted", record)
         pg = self.group()
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         try:
-            work = fn(pg)
+            return fn(pg)
         except Exception as exc:  # enqueueing can fail on an already-broken pair
             raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
+
+    def wait(self, work, timeout_s: Optional[float] = None) -> None:
+        """Wait for ``work`` (from ``start``), polling the abort key; see ``collective``."""
+        pg = self.group()
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         start = time.monotonic()
         next_check = start + self.abort_poll_s
         sleep = 0.0001
@@ -318,6 +329,55 @@ class GroupManager:
             raise self._local_failure(f"collective failed: {exc}", "peer_error")
         # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
         # their tensors anyway.
+
+    # ------------------------------------------------------------ point-to-point
+    def send(self, tensor: torch.Tensor, dst_rank: int, tag: int):
+        """Start sending ``tensor`` to ``dst_rank`` (rank in this generation); ``wait_p2p`` it."""
+        return self.start(lambda pg: pg.send([tensor], dst_rank, tag))
+
+    def recv(self, tensor: torch.Tensor, src_rank: int, tag: int):
+        """Start receiving into ``tensor`` from ``src_rank``; ``wait_p2p`` it."""
+        return self.start(lambda pg: pg.recv([tensor], src_rank, tag))
+
+    def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
+        """Wait for point-to-point works, failing fast like ``collective``.
+
+        Gloo's send/recv ``Work`` never reports ``is_completed()`` (measured on torch 2.13),
+        and a send completes only once its receiver posted the matching recv.  So the
+        blocking ``wait()`` runs in a helper thread (it releases the GIL) while this thread
+        polls the abort key and the watchdog.  An abandoned wait keeps its thread until gloo's
+        own timeout; the next call gets a fresh helper."""
+        if not works:
+            return
+        if self._p2p_pool is None:
+            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-p2p-{self.worker_id}")
+        fut = self._p2p_pool.submit(lambda: [w.wait() for w in works])
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        next_check = start + self.abort_poll_s
+        sleep = 0.0001
+        while not fut.done():
+            now = time.monotonic()
+            failure = None
+            if now - start > timeout_s:
+                failure = self._local_failure(
+                    f"point-to-point op timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
+            elif now >= next_check:
+                next_check = now + self.abort_poll_s
+                record = self.abort_record()
+                if record is not None:
+                    failure = self._failure("generation aborted by peer", "aborted", record)
+            if failure is not None:
+                self._p2p_pool.shutdown(wait=False)
+                self._p2p_pool = None
+                if self._pg is not None:
+                    self._park(self._pg, works[-1])
+                raise failure
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.0005)
+        exc = fut.exception()
+        if exc is not None:
+            raise self._local_failure(f"point-to-point op failed: {exc}", "peer_error")
 
     def checked(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                 arg: int = 0, timeout_s: Optional[float] = None) -> torch.Tensor:

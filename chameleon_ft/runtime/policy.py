@@ -51,8 +51,8 @@ from chameleon_ft.calibrate import Calibrator, StepSample
 from chameleon_ft.cluster import homogeneous
 from chameleon_ft.failures import Event, EventKind, FailureRateEstimator
 from chameleon_ft.perf import Coefficients, estimate
-from chameleon_ft.plan import Plan
-from chameleon_ft.planner import SearchSpace
+from chameleon_ft.plan import Pipeline, Plan, even_split
+from chameleon_ft.planner import SearchSpace, balance_layers
 from chameleon_ft.selector import Decision, JobState, SelectorConfig, select
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.stragglers import StragglerDetector
@@ -98,8 +98,16 @@ class EnginePolicy:
                  per_node: int = 1, warmup_steps: int = 3, replacement_eta_s: Optional[float] = None,
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
                  stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
-                 straggler_options: Optional[dict] = None, items_per_step: int = 0):
+                 straggler_options: Optional[dict] = None, items_per_step: int = 0,
+                 stages: int = 1):
         self.items_per_step = int(items_per_step)
+        # Pipeline jobs (``stages`` > 1): the first plan has pipelines of that depth, and the
+        # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
+        self.stages = max(1, int(stages))
+        # Bytes per parameter that a migration moves (weights, optimizer state): measured by
+        # the pipeline runtime after its first step, so the restorer predicts real bytes.
+        self.weight_bytes, self.optim_bytes = 4, 8
+        self.last_migration = None
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -142,8 +150,10 @@ class EnginePolicy:
         total = sum(self.layer_params)
         layers = tuple(Layer(params=p, fwd_s=per_mb * p / total / 3, bwd_s=2 * per_mb * p / total / 3,
                              act_bytes=0) for p in self.layer_params)
-        return Workload(layers, self.global_batch, self.micro_batch, name="elastic-dp",
-                        items_per_step=self.items_per_step)
+        return Workload(layers, self.global_batch, self.micro_batch,
+                        name="elastic-pp" if self.stages > 1 else "elastic-dp",
+                        items_per_step=self.items_per_step, weight_bytes=self.weight_bytes,
+                        optim_bytes=self.optim_bytes)
 
     def cluster(self, extra_ids=(), unflag=()):
         ids = set(self.plan.devices if self.plan else ()) | set(self.alive) | set(extra_ids)
@@ -157,7 +167,8 @@ class EnginePolicy:
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
             replacement_eta_s=self.replacement_eta_s,
             rebuild_s=self.rebuild_s, restart_s=self.restart_s, search_s=self.search_s,
-            steps_since_checkpoint=steps_since_checkpoint, space=SearchSpace(pp_max=1, min_microbatches=1))
+            steps_since_checkpoint=steps_since_checkpoint,
+            space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1))
 
     def mttf(self, devices: Optional[int] = None) -> float:
         """``D`` for ``devices`` workers (default: the alive ones)."""
@@ -169,14 +180,27 @@ class EnginePolicy:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, members: Sequence[int]) -> dict[int, int]:
-        """The initial data-parallel plan over ``members``; returns the allocation."""
-        self.plan = Plan.data_parallel(sorted(members), self.workload())
+        """The initial plan over ``members`` (data parallel, or pipelines of ``stages``
+        consecutive members with the layers balanced); returns the allocation."""
+        self.plan = (self._pipeline_plan(sorted(members)) if self.stages > 1
+                     else Plan.data_parallel(sorted(members), self.workload()))
         self.alive = frozenset(members)
         if not self.estimator.evidence:
             self.estimator = FailureRateEstimator.for_job(len(self.alive))
         self.current_batch = self.global_batch
         self._set_allocation(self.plan, {})
         return self.allocation
+
+    def _pipeline_plan(self, members: list[int]) -> Plan:
+        w = self.workload()
+        p = self.stages
+        if len(members) < p or w.num_layers < p:
+            raise ConfigError(f"{p} pipeline stages need at least {p} workers and {p} blocks, "
+                              f"got {len(members)} workers and {w.num_layers} blocks")
+        chunks = [members[i:i + p] for i in range(0, len(members) - len(members) % p, p)]
+        bounds = balance_layers(w, [1.0] * p)
+        alloc = even_split(w.num_microbatches, len(chunks))
+        return Plan(tuple(Pipeline(tuple(c), bounds, m) for c, m in zip(chunks, alloc)))
 
     def on_membership(self, members: Sequence[int], hang: bool, step: int,
                       steps_since_checkpoint: int = 0) -> list[Decision]:
@@ -342,6 +366,8 @@ class EnginePolicy:
             raise RestartRequested(d)
         self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
         self.current_batch = batch
+        # The restorer's migration of a re-plan (transient: the runtime carries it out at once).
+        self.last_migration = o.migration
         self._predicted = None
 
     @property
@@ -351,7 +377,19 @@ class EnginePolicy:
 
     def _allocation_of(self, plan: Plan, alive, extra, batch: Optional[int] = None) -> Optional[dict[int, int]]:
         if plan.max_depth != 1:
-            return None
+            if self.stages == 1 or plan.num_microbatches != (batch or self.global_batch) // self.micro_batch:
+                return None
+            # Micro-batches each alive device computes a hop of: its pipeline's, plus the
+            # rerouted ones it takes for a dead same-stage peer.
+            alloc = {w: 0 for w in alive}
+            for p in plan.pipelines:
+                for d in p.devices:
+                    if d in alloc:
+                        alloc[d] += p.microbatches
+            for w, e in extra.items():
+                if w in alloc:
+                    alloc[w] += int(round(e))
+            return dict(sorted(alloc.items()))
         alloc = {w: 0 for w in alive}
         for p in plan.pipelines:
             if p.devices[0] in alloc:
@@ -384,6 +422,7 @@ class EnginePolicy:
             "straggler_check": {"recent": list(self._recent), "check": self._check,
                                 "undos": [[r, n] for r, n in sorted(self._undos.items())]},
             "estimator": self.estimator.state_dict(),
+            "state_bytes": [self.weight_bytes, self.optim_bytes],
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -404,4 +443,5 @@ class EnginePolicy:
         self._check = check.get("check")
         self._undos = {int(r): int(n) for r, n in check.get("undos", [])}
         self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
+        self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
         self._predicted = None

@@ -13,6 +13,12 @@ For scripts started by ``chameleon-ft run``::
 Every member of the job runs the same loop; failures, replacements and stragglers are
 handled inside ``ElasticContext.sync_and_step`` -- the loop only asks again what to compute.
 
+Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (an
+``nn.Sequential``) and ``stages=P``; the engine's plan then decides the layout (pipelines of
+``P`` stages at first, re-planned over the survivors after a failure) and ``loss_fn(output,
+batch)`` receives the last block's output (``input_fn(batch)``, default ``batch[0]``, feeds the
+first block).  See ``runtime/pipeline/``.
+
 Limits: map-style datasets only (the sampler addresses samples by index); a DataLoader with
 workers can be built on ``ElasticBatchSampler`` instead of this loop (see sampler.py).
 """
@@ -48,12 +54,23 @@ class ElasticTrainer:
                  collate_fn: Callable = default_collate, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, config: Optional[ElasticConfig] = None,
                  checkpoint: Optional[str] = None, checkpoint_every: int = 0,
-                 on_step: Optional[Callable] = None):
+                 on_step: Optional[Callable] = None, stages: int = 1,
+                 input_fn: Optional[Callable] = None):
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.collate_fn = collate_fn
-        self.ctx = ElasticContext(model, optimizer, len(dataset), global_batch, micro_batch,
-                                  scheduler=scheduler, seed=seed, shuffle=shuffle,
-                                  drop_last=drop_last, config=config)
+        self.pipeline = stages > 1
+        if self.pipeline:
+            from chameleon_ft.runtime.pipeline.context import PipelineContext
+            if checkpoint:
+                raise ConfigError("checkpoints of pipeline jobs are not written yet")
+            self.ctx = PipelineContext(model, optimizer, dataset, loss_fn, global_batch, micro_batch,
+                                       stages, input_fn=input_fn, collate_fn=collate_fn,
+                                       scheduler=scheduler, seed=seed, shuffle=shuffle,
+                                       drop_last=drop_last, config=config)
+        else:
+            self.ctx = ElasticContext(model, optimizer, len(dataset), global_batch, micro_batch,
+                                      scheduler=scheduler, seed=seed, shuffle=shuffle,
+                                      drop_last=drop_last, config=config)
         self.checkpoint = checkpoint
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
@@ -69,6 +86,12 @@ class ElasticTrainer:
         ctx.start()
         try:
             while not self._done(max_steps, epochs):
+                if self.pipeline:
+                    if not ctx.train_step():
+                        self.redone_steps += 1
+                        continue
+                    self._after_step()
+                    continue
                 for mb in ctx.microbatches():
                     t0 = time.perf_counter()
                     batch = self.collate_fn([self.dataset[i] for i in mb.indices])
@@ -78,16 +101,19 @@ class ElasticTrainer:
                 if not ctx.sync_and_step():
                     self.redone_steps += 1
                     continue
-                if self.on_step is not None:
-                    self.on_step(ctx)
-                if self.checkpoint and self.checkpoint_every and ctx.step % self.checkpoint_every == 0:
-                    ctx.save_checkpoint(self.checkpoint)
+                self._after_step()
             if self.checkpoint:
                 ctx.save_checkpoint(self.checkpoint)
         finally:
             ctx.close(redone_steps=self.redone_steps)
         return {"step": ctx.step, "epoch": ctx.epoch, "members": list(ctx.members),
                 "redone_steps": self.redone_steps}
+
+    def _after_step(self) -> None:
+        if self.on_step is not None:
+            self.on_step(self.ctx)
+        if self.checkpoint and self.checkpoint_every and self.ctx.step % self.checkpoint_every == 0:
+            self.ctx.save_checkpoint(self.checkpoint)
 
     def _done(self, max_steps, epochs) -> bool:
         return ((max_steps is not None and self.ctx.step >= max_steps)

@@ -545,12 +545,19 @@ class ElasticContext:
     def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
         n, r = view.world_size, view.rank
         batch_before = self.sampler.global_batch
-        v = torch.zeros(3 * n, dtype=torch.int64)
+        mine = self._sync_fields()
+        k = len(mine)
+        v = torch.zeros((3 + k) * n, dtype=torch.int64)
         v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
+        if k:
+            v[3 * n + r * k:3 * n + (r + 1) * k] = torch.tensor(mine, dtype=torch.int64)
         self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
                                                  header="sync"))
         steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
-        self.peer_activity = v[2 * n:].tolist()
+        self.peer_activity = v[2 * n:3 * n].tolist()
+        # What every member reported, for an executor's _decide / _after_sync.
+        self.peer_steps, self.peer_fresh = steps, fresh
+        self.peer_fields = [v[3 * n + i * k:3 * n + (i + 1) * k].tolist() for i in range(n)]
         top = max(steps)
         if self.env.replacement and all(fresh):
             # Everyone here is new: the job finished, or every worker with state is gone.
@@ -583,11 +590,23 @@ class ElasticContext:
         self._apply_lr_scale()
         self.fresh = False
         self.last_decisions = list(payload["decisions"])
-        self._salvage(top, n, r)
+        if payload["restart"]:
+            if self._is_source and self.log:
+                self._log_reconfiguration(view, info, payload)
+            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
+        self._after_sync(payload, top, n, r)
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
-        if payload["restart"]:
-            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
+
+    def _sync_fields(self) -> list[int]:
+        """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.
+        the blocks a pipeline worker holds); every member must report as many."""
+        return []
+
+    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+        """Carry out what the agreed state asks before training resumes (data parallel:
+        split the interrupted step's orphaned micro-batches)."""
+        self._salvage(top, n, r)
 
     def _decide(self, view: MembershipView, info: Optional[dict]) -> dict:
         restart, decisions = False, []
