@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "hang", "slow", "jitter", "exit")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
-PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "any")
+PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")

@@ -63,6 +63,8 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
             tag = _BASE_TAG + (k * 4096 + i) * 4
+            if me in (src, dst):
+                ctx.faults.at(ctx.step, "migrate")
             if src == me:
                 missing = [b for b in range(lo, hi) if b not in ctx.held]
                 if missing:

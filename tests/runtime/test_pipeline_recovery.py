@@ -1,0 +1,176 @@
+"""DP x PP jobs survive worker failures in place: 8 real workers as 2 pipelines x 4 stages over
+gloo, killed from outside by PID (or, for the kill during a migration, by a fault at that
+phase), rerouted or re-planned with the blocks migrated point to point.
+
+Every run must train each sample exactly once per epoch, end with bitwise-equal replicas of
+every block (weights and optimizer state) and within 1e-5 (relative) of the failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from _helpers import recovery  # noqa: E402
+
+from chameleon_ft.runtime.eventlog import read_events as _read  # noqa: E402
+
+WORKER = Path(__file__).with_name("_workers") / "pipe_worker.py"
+EPOCHS, DATASET, BATCH, STEPS = 2, 256, 32, 8
+ARGS = ("--epochs", str(EPOCHS), "--block-sleep", "0.003")
+
+pytestmark = pytest.mark.slow
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return _read(run_dir / "events.jsonl")
+
+
+def job(run_dir: Path, *args: str, **kw) -> recovery.ScriptJob:
+    return recovery.ScriptJob(WORKER, run_dir, *ARGS, *args, nproc=8, **kw)
+
+
+def blocks(finals: dict[int, dict]) -> dict[int, list[tuple[int, dict]]]:
+    """Block index -> [(worker, its copy)] over the workers that hold it at the end."""
+    out: dict[int, list] = {}
+    for w, f in sorted(finals.items()):
+        for b, st in f["blocks"].items():
+            out.setdefault(int(b), []).append((w, st))
+    return out
+
+
+def check_run(run_dir: Path, finals: dict[int, dict], reference: dict[int, list]) -> dict[int, list]:
+    """Exactly once, bitwise-equal replicas, within 1e-5 of the failure-free run."""
+    recovery.assert_exactly_once(read_events(run_dir), dataset=DATASET, steps_per_epoch=STEPS,
+                                 epochs=EPOCHS, global_batch=BATCH)
+    got = blocks(finals)
+    assert sorted(got) == sorted(reference), f"blocks held at the end: {sorted(got)}"
+    for b, copies in got.items():
+        (w0, first), rest = copies[0], copies[1:]
+        for w, c in rest:
+            for x, y in zip(first["params"] + first["optim"], c["params"] + c["optim"]):
+                assert torch.equal(x, y), f"block {b}: worker {w}'s copy differs from worker {w0}'s"
+        ref = reference[b][0][1]
+        for x, y in zip(first["params"], ref["params"]):
+            diff = float((x - y).norm() / y.norm())
+            assert diff < 1e-5, f"block {b} is {diff:.2e} from the failure-free run"
+    return got
+
+
+def decisions(run_dir: Path) -> list[dict]:
+    return [e["decision"] for e in read_events(run_dir) if e["event"] == "decision"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, list]:
+    run = tmp_path_factory.mktemp("pp-reference")
+    finals = job(run).run_to_end(240)
+    assert len(finals) == 8
+    # Failure-free: the initial layout, each block on one worker per pipeline.
+    got = blocks(finals)
+    assert all(len(c) == 2 for c in got.values())
+    recovery.assert_exactly_once(read_events(run), dataset=DATASET, steps_per_epoch=STEPS,
+                                 epochs=EPOCHS, global_batch=BATCH)
+    return got
+
+
+def kill_run(run_dir: Path, victims, *args: str, at_step=None, rng=None, then=None, **kw):
+    """Start the job, SIGKILL ``victims`` from outside at a random step and phase, optionally
+    ``then(job)``; wait for a clean end.  Returns the final states."""
+    rng = rng or random.Random()
+    j = job(run_dir, *args, **kw)
+    try:
+        j.start()
+        j.wait_step(at_step if at_step is not None else rng.randrange(3, 10), 180)
+        time.sleep(rng.uniform(0.0, 0.15))  # somewhere inside the step: forward, backward, all-reduce
+        for v in victims:
+            j.kill(v)
+        if then is not None:
+            then(j)
+        codes = j.wait(240)
+        return codes, j
+    finally:
+        j.cleanup()
+
+
+@pytest.mark.parametrize("policy", ["reroute", "replan", "adaptive"])
+def test_kill_a_middle_stage_worker(tmp_path, reference, policy):
+    rng = random.Random()
+    victim = rng.choice([1, 2, 5, 6])
+    allowed = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}[policy]
+    codes, j = kill_run(tmp_path, [victim], "--allowed", allowed, rng=rng)
+    assert codes == [0], j.output()[-4000:]
+    finals = j.final()
+    assert sorted(finals) == sorted(set(range(8)) - {victim})
+    check_run(tmp_path, finals, reference)
+    ds = decisions(tmp_path)
+    assert [d["event"]["devices"] for d in ds] == [[victim]]
+    chosen = ds[0]["chosen"]
+    assert chosen == policy if policy != "adaptive" else chosen in ("reroute", "replan")
+    options = {o["policy"]: o for o in ds[0]["candidates"]}
+    if policy == "adaptive":  # the engine's choice is the better-scored feasible one
+        best = max((o for o in options.values() if o["feasible"]), key=lambda o: o["score"])
+        assert chosen == best["policy"]
+    migrations = [e for e in read_events(tmp_path) if e["event"] == "migration" and e["step"] > 0]
+    if chosen == "reroute":
+        assert all(e["transfers"] == 0 for e in migrations)
+        result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
+        assert victim in [d for p in result["plan"]["pipelines"] for d in p["devices"]]  # kept, rerouted around
+    else:
+        # Only what is missing moves, exactly the restorer's bytes, in its rounds.
+        predicted = options["replan"]["migration"]["bytes"]
+        moved = sum(e["bytes"] for e in migrations)
+        assert moved == predicted, (moved, predicted)
+        assert moved < sum(p.numel() * 12 for c in reference.values() for p in c[0][1]["params"])
+
+
+def test_same_stage_lost_in_both_pipelines_replans_or_restarts(tmp_path, reference):
+    """Both copies of blocks 2-3 die: reroute and replan are infeasible (no survivor holds
+    that state), so the engine must choose checkpoint-restart (exit code 75 for the
+    launcher) -- never a hang."""
+    codes, j = kill_run(tmp_path, [1, 5], "--allowed", "reroute,replan,restart", at_step=4)
+    ds = decisions(tmp_path)
+    assert ds and ds[-1]["chosen"] == "restart", ds
+    options = {o["policy"]: o for o in ds[-1]["candidates"]}
+    assert not options["reroute"]["feasible"] and "replica" in options["reroute"]["reason"]
+    assert codes != [0] and "checkpoint-restart" in j.output()
+
+
+def test_kill_during_migration_and_a_second_kill(tmp_path, reference):
+    """Worker 2 is killed from outside (re-plan); worker 3 dies when the migration reaches it
+    (a fault at the ``migrate`` phase); the survivors plan again from what they hold and
+    finish; then worker 6 is killed from outside after the re-plan."""
+    def second_kill(j):
+        j.wait_for(lambda evs: sum(e["event"] == "recovery" for e in evs) >= 2, 120, "two recoveries")
+        time.sleep(0.3)
+        j.kill(6)
+
+    codes, j = kill_run(tmp_path, [2], "--allowed", "replan", at_step=4, then=second_kill,
+                        env={"CHAMELEON_FT_FAULTS": "kill:rank=3:phase=migrate:step=4"})
+    assert codes == [0], j.output()[-4000:]
+    finals = j.final()
+    assert sorted(finals) == [0, 1, 4, 5, 7]
+    check_run(tmp_path, finals, reference)
+    ds = decisions(tmp_path)
+    assert [d["chosen"] for d in ds] == ["replan"] * len(ds) and len(ds) >= 3
+
+
+def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
+    codes, j = kill_run(tmp_path, [2], "--allowed", "reroute,wait,heal", at_step=3,
+                        launch_args=("--max-replacements", "1"))
+    assert codes == [0], j.output()[-4000:]
+    finals = j.final()
+    assert sorted(finals) == list(range(8))
+    got = check_run(tmp_path, finals, reference)
+    assert any(w == 2 for copies in got.values() for w, _ in copies), "the replacement holds no block"
+    joined = [d for d in decisions(tmp_path) if d["event"]["kind"] == "join"]
+    assert joined and joined[0]["chosen"] == "heal"
+    healed = [e for e in read_events(tmp_path) if e["event"] == "migration" and e["transfers"]]
+    assert healed, "no peer sent blocks to the replacement"
