@@ -108,6 +108,11 @@ class EnginePolicy:
         # the pipeline runtime after its first step, so the restorer predicts real bytes.
         self.weight_bytes, self.optim_bytes = 4, 8
         self.last_migration = None
+        # Pipeline re-plans keep at least this many pipelines (copies of every block).
+        self.min_replicas = 2
+        # The layout before a re-plan whose migration is not yet confirmed by every member:
+        # if a failure interrupts the migration, the survivors still hold this one.
+        self.migrating_from: Optional[Plan] = None
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -168,7 +173,8 @@ class EnginePolicy:
             replacement_eta_s=self.replacement_eta_s,
             rebuild_s=self.rebuild_s, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint,
-            space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1))
+            space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
+                              dp_min=self.min_replicas if self.stages > 1 else 1))
 
     def mttf(self, devices: Optional[int] = None) -> float:
         """``D`` for ``devices`` workers (default: the alive ones)."""
@@ -423,6 +429,7 @@ class EnginePolicy:
                                 "undos": [[r, n] for r, n in sorted(self._undos.items())]},
             "estimator": self.estimator.state_dict(),
             "state_bytes": [self.weight_bytes, self.optim_bytes],
+            "migrating_from": self.migrating_from.to_json() if self.migrating_from else None,
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -444,4 +451,5 @@ class EnginePolicy:
         self._undos = {int(r): int(n) for r, n in check.get("undos", [])}
         self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
         self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
+        self.migrating_from = Plan.from_json(s["migrating_from"]) if s.get("migrating_from") else None
         self._predicted = None

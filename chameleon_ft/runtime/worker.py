@@ -89,6 +89,10 @@ class ElasticConfig:
         ``EnginePolicy``); None: the defaults.
     items_per_step: set by an adapter that may merge a worker's share of a step into this
         many loop items (the engine's memory check then counts the merged activations).
+    min_replicas: pipeline jobs: a re-plan keeps at least this many pipelines, i.e. copies of
+        every block (Oobleck's f + 1 rule), so that the next failure can still be rerouted or
+        re-planned in place; 1 lets the engine trade all redundancy for speed (a later failure
+        then needs a restart).
     """
 
     hang_timeout_s: Optional[float] = None
@@ -108,6 +112,7 @@ class ElasticConfig:
     allow_batch_change: bool = False
     straggler_options: Optional[dict] = None
     items_per_step: int = 0
+    min_replicas: int = 2
 
 
 class Joined(NamedTuple):
@@ -594,9 +599,9 @@ class ElasticContext:
             if self._is_source and self.log:
                 self._log_reconfiguration(view, info, payload)
             raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
-        self._after_sync(payload, top, n, r)
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
+        self._after_sync(payload, top, n, r)
 
     def _sync_fields(self) -> list[int]:
         """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.

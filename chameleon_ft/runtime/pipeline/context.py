@@ -131,6 +131,7 @@ class PipelineContext(ElasticContext):
         self.block_numel = sizes
         self.policy.layer_params = [max(1, n) for n in sizes]
         self.policy.stages = int(stages)
+        self.policy.min_replicas = max(1, int(cfg.min_replicas))
         self.policy.allowed = allowed
         self.held: set[int] = set(range(len(self.blocks)))  # all built; trimmed at the first sync
         # Blocks whose state is the job's (received, or kept through a completed migration);
@@ -259,13 +260,32 @@ class PipelineContext(ElasticContext):
             out[w] = ranges
         return out
 
+    @staticmethod
+    def _covers(plan: Plan, holdings: dict) -> bool:
+        """Every alive device of ``plan`` holds its slot's blocks."""
+        for pipe in plan.pipelines:
+            for s, d in enumerate(pipe.devices):
+                if d in holdings:
+                    lo, hi = pipe.layers_of_stage(s)
+                    have = {b for a, c in holdings[d] for b in range(a, c)}
+                    if not set(range(lo, hi)) <= have:
+                        return False
+        return True
+
     def _decide(self, view, info) -> dict:
+        members = view.members
+        holdings = self._holdings(members)
+        prev = self.policy.migrating_from
+        if prev is not None:
+            # A failure interrupted the last migration before every member confirmed it:
+            # nobody dropped a block, so the survivors still hold the layout before it.
+            if not self._covers(self.policy.plan, holdings):
+                self.policy.plan = prev
+            self.policy.migrating_from = None
         old_plan = self.policy.plan
         payload = super()._decide(view, info)
         if payload["restart"]:
             return payload
-        members = view.members
-        holdings = self._holdings(members)
         workload, cluster = self.policy.workload(), self.policy.cluster(members)
         mig = self.policy.last_migration
         expected = None
@@ -280,6 +300,9 @@ class PipelineContext(ElasticContext):
             payload["decisions"].append({"chosen": "restart", "reason": f"no survivor holds {lost}"})
             return payload
         self.policy.last_migration = None
+        if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
+            self.policy.migrating_from = old_plan
+            payload["engine"] = self.policy.state_dict()
         payload["migration"] = {"rounds": [[[t.src, t.dst, t.layers[0], t.layers[1]] for t in r]
                                            for r in mig.rounds],
                                 "predicted_bytes": mig.total_bytes, "predicted_s": mig.seconds}
@@ -290,7 +313,16 @@ class PipelineContext(ElasticContext):
         plan = payload.get("migration") or {"rounds": []}
         want = self.slot_blocks()
         t0 = time.perf_counter()
+        if plan["rounds"] and self._is_source and self.log:
+            self.log.write("migration", step=self.step, phase="start", rounds=plan["rounds"],
+                           predicted_bytes=plan.get("predicted_bytes"))
         moved = migration.run(self, plan["rounds"], self.hang_timeout_s)
+        if plan["rounds"]:
+            # Confirm that every member has its blocks before anyone drops the old ones.
+            done = torch.ones(1, dtype=torch.int64)
+            self._store_op(lambda: self.gm.allreduce(done, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                     header="sync", label="migrated"))
+        self.policy.migrating_from = None
         for b in sorted(self.held - want):
             self.drop_block(b)
         self.agreed = set(self.held)
@@ -303,7 +335,7 @@ class PipelineContext(ElasticContext):
                                    "predicted_s": plan.get("predicted_s")}
             # Every member reports its own share; the test sums them across members.
             if self.log:
-                self.log.write("migration", step=self.step, **self.last_migration)
+                self.log.write("migration", step=self.step, phase="end", **self.last_migration)
         if self.fresh is False and not self.held and want:
             raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
 

@@ -23,6 +23,7 @@ from chameleon_ft.runtime import state as run_state
 
 __all__ = ["run"]
 
+_NOMINAL_BPS = 1e6  # fault injection only (see run)
 _BASE_TAG = 1 << 30  # above every tag a pipeline step uses (gloo tags are C ints)
 
 
@@ -49,7 +50,7 @@ def _recv_tree(gm, src_rank: int, tag: int, timeout_s: float):
         works.append(gm.recv(body, src_rank, tag + 2))
     gm.wait_p2p(works, timeout_s)
     info = json.loads(bytes(meta.numpy()).decode())
-    return run_state.decode(info["tree"], run_state._unpack(body, info["specs"]))
+    return run_state.decode(info["tree"], run_state._unpack(body, info["specs"])), int(body.numel())
 
 
 def run(ctx, rounds: list, timeout_s: float) -> dict:
@@ -63,18 +64,23 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
             tag = _BASE_TAG + (k * 4096 + i) * 4
-            if me in (src, dst):
-                ctx.faults.at(ctx.step, "migrate")
+            nbytes = 0
             if src == me:
                 missing = [b for b in range(lo, hi) if b not in ctx.held]
                 if missing:
                     raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
                 tree = {str(b): ctx.block_state(b) for b in range(lo, hi)}
-                out["wire_bytes"] += _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
+                nbytes = _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
+                out["wire_bytes"] += nbytes
                 out["state_bytes"] += sum(ctx.state_bytes(b) for b in range(lo, hi))
                 out["transfers"] += 1
             elif dst == me:
-                tree = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
+                tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
                 for b in range(lo, hi):
                     ctx.put_block(b, tree[str(b)])
+            if me in (src, dst):
+                # A ``slow`` fault at this phase stretches the transfer by a multiple of its
+                # nominal time at _NOMINAL_BPS (not of the measured time: that includes waiting
+                # for a partner that may be stretched too, and would compound).
+                ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
     return out
