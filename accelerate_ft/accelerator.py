@@ -40,7 +40,7 @@ from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
 from accelerate_ft.runtime import AccelerateRuntime
 from chameleon_ft.runtime.adapters import adapter_config
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 __all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
 

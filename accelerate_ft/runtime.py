@@ -41,7 +41,8 @@ from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.sampler import ElasticSampler, StepItem
 from chameleon_ft.runtime.state import CheckpointError
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, join_job
+from chameleon_ft.runtime.recovery import ElasticConfig, join_job
+from chameleon_ft.runtime.dp import ElasticContext
 from accelerate_ft.replay import LossReplay
 
 log = logging.getLogger(__name__)

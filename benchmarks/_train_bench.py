@@ -74,7 +74,7 @@ def run_ddp(a) -> list[float]:
 
 def run_ft(a) -> None:
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.worker import ElasticConfig
+    from chameleon_ft.runtime.recovery import ElasticConfig
 
     def main():
         net = model()

@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from chameleon_ft.runtime.adapters import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Optional
 
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 __all__ = ["StrategyHooks"]
 

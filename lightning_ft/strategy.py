@@ -70,7 +70,8 @@ from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, trainin
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, Joined, join_job
+from chameleon_ft.runtime.recovery import ElasticConfig, Joined, join_job
+from chameleon_ft.runtime.dp import ElasticContext
 from lightning_ft.data import ShardSampler, StepLoader
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.loops import LoopWrappers

@@ -30,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.worker import ElasticConfig
+    from chameleon_ft.runtime.recovery import ElasticConfig
 
     def run():
         log = StepLog(int(os.environ.get("CHAMELEON_FT_WORKER_ID", 0)),

@@ -18,7 +18,7 @@ import time
 import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 
 class Blobs(torch.utils.data.Dataset):

@@ -50,7 +50,7 @@ from chameleon_ft.plan import even_split
 from chameleon_ft.runtime import state as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure, CollectiveMismatch
 from chameleon_ft.runtime.policy import RUNTIME_POLICIES
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 log = logging.getLogger(__name__)

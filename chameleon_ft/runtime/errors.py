@@ -43,7 +43,7 @@ def exit_code_for(exc: BaseException) -> Optional[int]:
     from chameleon_ft.runtime.membership import MembershipError
     from chameleon_ft.runtime.policy import RestartRequested
     from chameleon_ft.runtime.state import CheckpointError
-    from chameleon_ft.runtime.worker import NothingToHeal, WorldTooSmall
+    from chameleon_ft.runtime.recovery import NothingToHeal, WorldTooSmall
     if isinstance(exc, ConfigError):
         return CONFIG_EXIT_CODE
     if isinstance(exc, (RestartRequested, NothingToHeal)):

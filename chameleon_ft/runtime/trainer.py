@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import default_collate
 
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext
+from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.dp import ElasticContext
 
 __all__ = ["ElasticTrainer", "elastic_main"]
 

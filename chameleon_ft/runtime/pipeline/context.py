@@ -50,7 +50,7 @@ from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.pipeline import migration
 from chameleon_ft.runtime.pipeline.executor import run_step
 from chameleon_ft.runtime.pipeline.schedule import routes, worker_orders
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext, seed_generators
+from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
 
 __all__ = ["PipelineContext"]
 
@@ -90,7 +90,7 @@ def _optimizer_factory(optimizer) -> Callable:
     raise ConfigError(f"optimizer must be a torch optimizer or fn(params), got {type(optimizer).__name__}")
 
 
-class PipelineContext(ElasticContext):
+class PipelineContext(RecoveryCore):
     """One worker of an elastic DP x PP job (see module doc).
 
     Args:
@@ -123,14 +123,14 @@ class PipelineContext(ElasticContext):
         self.make_optimizer = _optimizer_factory(optimizer)
         self.make_scheduler = scheduler
         super().__init__(model, _HeldOptimizers(self), len(dataset), global_batch, micro_batch,
-                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env)
+                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env,
+                         stages=stages)
         self.dataset, self.collate_fn, self.loss_fn = dataset, collate_fn, loss_fn
         self.input_fn = input_fn or (lambda batch: batch[0])
         self.device = next(model.parameters()).device
         sizes = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
         self.block_numel = sizes
         self.policy.layer_params = [max(1, n) for n in sizes]
-        self.policy.stages = int(stages)
         self.policy.min_replicas = max(1, int(cfg.min_replicas))
         self.policy.allowed = allowed
         self.held: set[int] = set(range(len(self.blocks)))  # all built; trimmed at the first sync
@@ -309,7 +309,7 @@ class PipelineContext(ElasticContext):
         return payload
 
     def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
-        self._discard()
+        self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
         plan = payload.get("migration") or {"rounds": []}
         want = self.slot_blocks()
         t0 = time.perf_counter()
@@ -343,9 +343,6 @@ class PipelineContext(ElasticContext):
         # The sampler's per-member allocation is data parallel's; routes come from the plan.
         if self.sampler.global_batch != self.policy.current_batch:
             self.sampler.set_global_batch(self.policy.current_batch)
-
-    def _salvage(self, top: int, n: int, r: int) -> None:
-        self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
 
     # ---------------------------------------------------------------- one step
     def _schedule(self):

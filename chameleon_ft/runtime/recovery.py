@@ -1,0 +1,531 @@
+"""The recovery core shared by every executor: one worker's membership, group, commit
+protocol, engine bridge and state agreement.
+
+``RecoveryCore`` is what every kind of training (``dp.ElasticContext`` for data parallelism,
+``pipeline.context.PipelineContext`` for DP x PP) is built on; an executor adds how a step is
+computed and committed, and how a Decision's layout is carried out (``_after_sync``).
+
+**Commit protocol.**  Every member holds a committed step counter.  A step ends with one
+SUM-all-reduce over the generation's gloo group (the executor's gradient buffer plus a small
+tail of per-member timings), then the optimizer step and ``sampler.commit()``.  Gloo may let
+some members finish an all-reduce in which a peer died while others fail.  So after every
+reconfiguration the members all-reduce their committed steps (``_sync``); the lowest-ranked
+member at the maximum (the *source*) broadcasts the run state to every member that is behind or
+new, together with the engine state and the Decisions it took.  A step nobody finished is redone
+with the new allocation; a step somebody finished is adopted by everyone.  Hence no half steps,
+bitwise-equal replicas, and each global batch's samples are consumed exactly once (the sampler's
+cursor moves only on commit).
+
+**Decisions.**  On a membership change the source asks the engine (``runtime/policy.py``) what
+to do and ships the result; on a straggler every member asks it from the same all-reduced
+timings.  ``restart`` makes the worker exit with ``RESTART_EXIT_CODE`` for the launcher.
+
+Hooks for executors: ``_sync_fields`` (integers every member reports in the recovery
+all-reduce), ``_decide`` (the source's payload), ``_after_sync`` (carry the agreed state out),
+``_reset_step`` (forget a discarded step's bookkeeping), ``state_dict``/``load_state_dict``.
+
+Limits, honestly: one process group of gloo on CPU tensors; all trainable parameters must
+share one dtype; the coordinator (hosted by the launcher on node 0) is a single point of
+failure: when it is gone, the next collective raises ``MembershipError``.  An abandoned gloo op
+keeps a thread until ``hang_timeout_s``, so end the process with ``os._exit``
+(``trainer.elastic_main`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.env import WorkerEnv
+from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
+from chameleon_ft.runtime.faults import FaultInjector
+from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
+from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
+from chameleon_ft.runtime.sampler import ElasticSampler
+from chameleon_ft.runtime import state as run_state
+
+__all__ = ["ElasticConfig", "RecoveryCore", "WorldTooSmall", "NothingToHeal", "layer_params",
+           "Joined", "join_job", "seed_generators"]
+
+_TAIL = 4  # per-member timings appended to the gradient buffer
+
+
+class WorldTooSmall(RuntimeError):
+    """Fewer workers are left than ``ElasticConfig.min_world_size``."""
+
+
+class NothingToHeal(RuntimeError):
+    """A replacement joined a generation in which nobody holds the job's state."""
+
+
+@dataclass
+class ElasticConfig:
+    """Knobs of the runtime; the launcher's flags fill the ones marked (env).
+
+    hang_timeout_s: watchdog on every collective (env ``CHAMELEON_FT_HANG_TIMEOUT``); a
+        member silent for longer is treated as hung and left out of the next generation.
+    min_world_size: below this many survivors the worker gives up (exits for a restart).
+    warmup_steps: steps measured before the engine's workload is frozen.
+    seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
+        numbers whichever member runs a micro-batch (same trajectory under rerouting).
+    log_samples: write each member's sample ids of every step attempt to the event log.
+    allowed_policies: restrict the engine's choices (intersected with what the runtime can
+        carry out); None: all of them.
+    allow_batch_change: let the engine consider policies that change the global batch.
+    mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
+        --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
+    straggler_options: the straggler detector's and rebalance check's knobs (see
+        ``EnginePolicy``); None: the defaults.
+    items_per_step: set by an adapter that may merge a worker's share of a step into this
+        many loop items (the engine's memory check then counts the merged activations).
+    min_replicas: pipeline jobs: a re-plan keeps at least this many pipelines, i.e. copies of
+        every block (Oobleck's f + 1 rule), so that the next failure can still be rerouted or
+        re-planned in place; 1 lets the engine trade all redundancy for speed (a later failure
+        then needs a restart).
+    """
+
+    hang_timeout_s: Optional[float] = None
+    connect_timeout_s: float = 5.0
+    view_timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
+    heartbeat_s: float = 0.1
+    min_world_size: int = 1
+    warmup_steps: int = 3
+    stragglers: bool = True
+    seed_microbatches: bool = True
+    log_samples: bool = True
+    mttf_s: Optional[float] = None
+    replacement_eta_s: float = 5.0
+    restart_s: float = 60.0
+    allowed_policies: Optional[frozenset] = None
+    allow_batch_change: bool = False
+    straggler_options: Optional[dict] = None
+    items_per_step: int = 0
+    min_replicas: int = 2
+
+
+class Joined(NamedTuple):
+    """A worker that joined the job: its membership, group manager and first view."""
+
+    membership: Membership
+    gm: GroupManager
+    view: MembershipView
+
+
+def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float] = None) -> Joined:
+    """Join the job's membership and form the first generation's group.
+
+    ``ElasticContext.start`` does this itself; an adapter whose framework needs collectives
+    before the model, optimizer and data exist (Lightning: logger versions, checkpoint
+    directories, the sanity check) calls it early and passes the result to ``start``."""
+    timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
+    membership = Membership(env.worker_id, env.store, env.lighthouse,
+                            heartbeat_interval_s=cfg.heartbeat_s,
+                            connect_timeout_s=cfg.connect_timeout_s)
+    gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
+                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
+    min_world = env.min_world_size if env.replacement == 0 else 1
+    view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
+    try:
+        gm.rebuild(view)
+    except CollectiveFailure:
+        pass  # the generation is aborted; ElasticContext.start recovers from it
+    return Joined(membership, gm, view)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the CPU generator (and CUDA's, once initialised).  Not ``torch.manual_seed``: for a
+    backend not yet initialised it records a formatted stack trace per call (cuda, mtia, xpu),
+    about 0.5 ms each -- too much once per micro-batch."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
+def layer_params(model: torch.nn.Module) -> list[int]:
+    """Parameters of each parameterised top-level child (the engine's layers), plus the
+    model's own direct parameters as one more layer when it has any."""
+    sizes = [sum(p.numel() for p in child.parameters()) for child in model.children()]
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    return [s for s in sizes if s > 0] + ([own] if own else []) or [max(1, own)]
+
+
+class RecoveryCore:
+    """One worker's membership, group, commit protocol and engine bridge (see module doc).
+
+    ``stages``: depth of the first plan's pipelines (1: data parallel)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
+                 global_batch: int, micro_batch: int, *, scheduler=None, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False,
+                 config: Optional[ElasticConfig] = None, env: Optional[WorkerEnv] = None,
+                 stages: int = 1):
+        self.env = env or WorkerEnv.from_env()
+        self.cfg = config or ElasticConfig()
+        self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.seed = seed
+        self.worker_id = self.env.worker_id
+        try:
+            self.sampler = ElasticSampler(dataset_len, global_batch, micro_batch, seed=seed,
+                                          shuffle=shuffle, drop_last=drop_last)
+        except ValueError as exc:  # the user's sizes: a configuration error in every worker
+            raise ConfigError(str(exc)) from None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ConfigError(f"trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.policy = EnginePolicy(
+            layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
+            warmup_steps=self.cfg.warmup_steps, mttf_s=self.env.mttf_s or self.cfg.mttf_s,
+            replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
+            restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
+            allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
+            straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
+            stages=stages)
+        self.recoveries = 0
+        self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
+        self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received
+        self.step = 0  # committed global steps, across epochs
+        self.lr_scale = 1.0  # learning-rate factor applied for a changed global batch
+        self.fresh = True  # holds no agreed state yet (first start, replacement)
+        self.last_checkpoint_step = 0
+        self.view: Optional[MembershipView] = None
+        self.membership: Optional[Membership] = None
+        self.gm: Optional[GroupManager] = None
+        self.log: Optional[EventLog] = None
+        if self.env.run_dir:
+            self.log = EventLog(os.path.join(self.env.run_dir, "events.jsonl"),
+                                worker=self.worker_id, pid=os.getpid())
+        # A replacement must not re-fire its predecessor's faults.
+        self.faults = FaultInjector(self.env.faults if self.env.replacement == 0 else None,
+                                    self.worker_id, self.env.local_rank, self.env.node_rank)
+        self._step_start: Optional[float] = None
+        self._compute_s = 0.0
+        self._n_mb = 0
+        self._ids: list[int] = []
+        self._prev_comm = 0.0
+        self._prev_step = 0.0
+        self._pending: Optional[tuple[RecoveryTimer, dict]] = None
+        self._is_source = False
+        # What this member does outside a training step, as an adapter's integer tag (0:
+        # nothing in particular, e.g. an evaluation's number while inside it); every
+        # reconfiguration shares them, in the all-reduce that agrees on the step, so members
+        # recovering from a failure outside a step can tell whether all of them were in the
+        # same activity (and may redo it together) or not.
+        self.activity = 0
+        self.peer_activity: list[int] = []
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def rank(self) -> int:
+        return self.view.rank if self.view else -1
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.view.members if self.view else ()
+
+    @property
+    def reconfigured(self) -> bool:
+        """A reconfiguration happened since the last committed step (every member of the
+        current view agrees on this: they all took part in it and commit together)."""
+        return self._pending is not None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, joined: Optional["Joined"] = None) -> MembershipView:
+        """Join the job, form the group, and receive the agreed state from a peer.
+
+        ``joined``: the result of an earlier ``join_job`` (adapters whose framework needs
+        collectives before the training state exists join early and hand it over here)."""
+        timer = RecoveryTimer()
+        if joined is None:
+            joined = join_job(self.env, self.cfg, self.hang_timeout_s)
+        self.membership, self.gm = joined.membership, joined.gm
+        view = joined.view
+        timer.mark("membership")
+        if self.log:
+            self.log.run_start(replacement=self.env.replacement, node_rank=self.env.node_rank,
+                               local_rank=self.env.local_rank, generation=view.generation,
+                               members=list(view.members))
+        self._establish(view, timer, None)
+        if self.env.replacement:
+            self._pending = (timer, {"reason": "replacement joined"})
+        return self.view
+
+    def close(self, **fields) -> None:
+        if self.log:
+            self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), **fields)
+        if self.membership:
+            self.membership.close()
+        if self.gm:
+            self.gm.close()
+
+    # ---------------------------------------------------------------- commit
+    def _commit(self) -> None:
+        self.sampler.commit()
+        self.step += 1
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _after_commit(self, timings: dict) -> None:
+        decision = self.policy.observe_step(
+            {w: (c, int(m), pc, ps) for w, (c, m, pc, ps) in timings.items()},
+            self.step, self.step - self.last_checkpoint_step)
+        if decision is not None:
+            self._apply_allocation()
+            self.last_decisions = [decision.to_json()]
+            if self.log and self.rank == 0:
+                self.log.decision(decision.to_json(), step=self.step)
+        if self._pending is not None:
+            timer, info = self._pending
+            self._pending = None
+            timer.mark("first_step")
+            self.recoveries += 1
+            self.last_recovery = {"mttr": timer.breakdown(), "step": self.step,
+                                  "members": list(self.members), **info}
+            if self.log and self._is_source:
+                self.log.recovery(timer, step=self.step, members=list(self.members), **info)
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_start = None
+        self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        """Forget the executor's bookkeeping of a discarded step."""
+
+    # ---------------------------------------------------------------- recovery
+    def recover(self, failure: CollectiveFailure) -> None:
+        """Reconfigure after ``failure`` of a collective outside ``sync_and_step`` (an
+        adapter's evaluation loop): agree on the survivors, form their group, agree on the
+        state, as after a failed step.  No step is in flight, so nothing is redone; the next
+        ``microbatches()`` runs the new allocation.  ``peer_activity`` then tells what every
+        member was doing when it recovered."""
+        self._recover(failure, time.perf_counter())
+
+    def _store_op(self, fn):
+        """Run ``fn``; a failing coordinator store becomes a clear ``MembershipError``."""
+        try:
+            return fn()
+        except (CollectiveFailure, MembershipError):
+            raise
+        except dist.DistError as exc:
+            raise MembershipError(
+                f"worker {self.worker_id}: lost the coordinator at {self.env.store} (it is "
+                f"hosted by the launcher of node 0, the job's single point of failure): {exc}"
+            ) from exc
+
+    def _recover(self, failure: CollectiveFailure, t_start: float) -> None:
+        timer = RecoveryTimer(start=t_start, clock=time.perf_counter)
+        timer.mark("detect")
+        record = self._store_op(self.gm.abort_record) or {}
+        hang = failure.kind == "timeout" or str(record.get("reason", "")).startswith("timeout")
+        info = {"kind": failure.kind, "hang": hang, "failed_generation": failure.generation,
+                "reporter": failure.reporter}
+        token = failure.token or None
+        self._store_op(lambda: self.membership.report_failure(
+            failure.suspects, f"{failure.kind}: {str(failure)[:200]}", token=token))
+        view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s, after=token))
+        timer.mark("membership")
+        self._establish(view, timer, info)
+        self._pending = (timer, info)
+
+    def _establish(self, view: MembershipView, timer: RecoveryTimer, info: Optional[dict]) -> None:
+        """Form the group for ``view`` and agree on the state; on another failure (a kill
+        during recovery), report it and go again with the next view -- never wait forever."""
+        while True:
+            try:
+                if view.world_size < self.cfg.min_world_size:
+                    raise WorldTooSmall(
+                        f"{view.world_size} worker(s) left, fewer than min_world_size="
+                        f"{self.cfg.min_world_size}")
+                t0 = time.perf_counter()
+                if not self.gm.formed_for(view):
+                    self._store_op(lambda: self.gm.rebuild(view))
+                self.policy.rebuild_s = time.perf_counter() - t0
+                timer.mark("rebuild")
+                self.view = view
+                self._sync(view, info)
+                timer.mark("state_transfer")
+                return
+            except CollectiveFailure as again:
+                failure = again  # the lambda runs now, but keep the name alive past the except
+                failed = view
+                self._store_op(lambda: self.membership.report_failure(
+                    failure.suspects, f"{failure.kind} during recovery: {str(failure)[:200]}",
+                    token=failed.token))
+                view = self._store_op(lambda: self.membership.next_view(self.cfg.view_timeout_s,
+                                                                        after=failed.token))
+                timer.mark("membership")
+
+    def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
+        n, r = view.world_size, view.rank
+        batch_before = self.sampler.global_batch
+        mine = self._sync_fields()
+        k = len(mine)
+        v = torch.zeros((3 + k) * n, dtype=torch.int64)
+        v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
+        if k:
+            v[3 * n + r * k:3 * n + (r + 1) * k] = torch.tensor(mine, dtype=torch.int64)
+        self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                 header="sync"))
+        steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
+        self.peer_activity = v[2 * n:3 * n].tolist()
+        # What every member reported, for an executor's _decide / _after_sync.
+        self.peer_steps, self.peer_fresh = steps, fresh
+        self.peer_fields = [v[3 * n + i * k:3 * n + (i + 1) * k].tolist() for i in range(n)]
+        top = max(steps)
+        if self.env.replacement and all(fresh):
+            # Everyone here is new: the job finished, or every worker with state is gone.
+            raise NothingToHeal(f"replacement worker {self.worker_id} found no peer with state "
+                                "to heal from (the job finished or all its workers are gone)")
+        source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
+        behind = any(steps[i] < top or fresh[i] for i in range(n))
+        was_behind = self.fresh or self.step < top
+        self._is_source = r == source
+        payload = None
+        if self._is_source:
+            payload = self._decide(view, info)
+            payload["state"] = self.state_dict() if behind else None
+        payload = run_state.broadcast_tree(
+            lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
+            source, r, payload)
+        if not self._is_source:
+            if payload["state"] is not None and (self.fresh or self.step < top):
+                self.load_state_dict(payload["state"])
+            self.sampler.load_state_dict(payload["sampler"])
+        # The source too: straggler Decisions are taken by every member on its own, so the
+        # engine state must be identical everywhere, including what its state_dict leaves out
+        # (the detector's hysteresis counters, cached predictions); a source that kept its own
+        # flagged a straggler steps before the others, and they ran different allocations.
+        self.policy.load_state_dict(payload["engine"])
+        if was_behind or self.sampler.global_batch != batch_before:
+            # Nothing of ours belongs to the step everyone is at now (or the step's samples
+            # and weights changed with the global batch).
+            self._discard()
+        self._apply_lr_scale()
+        self.fresh = False
+        self.last_decisions = list(payload["decisions"])
+        if payload["restart"]:
+            if self._is_source and self.log:
+                self._log_reconfiguration(view, info, payload)
+            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
+        if self._is_source and self.log:
+            self._log_reconfiguration(view, info, payload)
+        self._after_sync(payload, top, n, r)
+
+    def _sync_fields(self) -> list[int]:
+        """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.
+        the blocks a pipeline worker holds); every member must report as many."""
+        return []
+
+    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+        """Carry out what the agreed state asks before training resumes (the executor's)."""
+        self._discard()
+
+    def _decide(self, view: MembershipView, info: Optional[dict]) -> dict:
+        restart, decisions = False, []
+        before = set(self.policy.alive)
+        try:
+            if self.policy.plan is None:
+                self.policy.start(view.members)
+            else:
+                decisions = self.policy.on_membership(
+                    view.members, bool(info and info.get("hang")), self.step,
+                    self.step - self.last_checkpoint_step)
+        except RestartRequested as req:
+            restart, decisions = True, decisions + [req.decision]
+        if not restart:
+            self._apply_allocation()
+        return {"engine": self.policy.state_dict(), "sampler": self.sampler.state_dict(),
+                "decisions": [d.to_json() for d in decisions], "restart": restart,
+                "dead": sorted(before - set(view.members))}
+
+    def _apply_allocation(self) -> None:
+        if self.sampler.global_batch != self.policy.current_batch:  # shrink, or growing back
+            self.sampler.set_global_batch(self.policy.current_batch)
+        alloc = self.policy.allocation
+        self.sampler.set_allocation(list(alloc), list(alloc.values()))
+
+    def _apply_lr_scale(self) -> None:
+        """Follow the global batch with the learning rate (linear scaling rule): every member
+        does this after a reconfiguration, from the same engine state."""
+        factor = self.policy.lr_scale / self.lr_scale
+        if factor == 1.0:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
+        self.lr_scale = self.policy.lr_scale
+
+    def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
+        dead = payload.get("dead", [])
+        if info is not None and dead:
+            kind = "hang" if info.get("hang") else (
+                "node_loss" if any(d["event"]["kind"] == "node_loss" for d in payload["decisions"])
+                else "fail_stop")
+            self.log.failure(dead, kind, detected_by=f"worker {self.worker_id}", step=self.step,
+                             collective=info.get("kind"))
+        self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
+                            token=view.token, step=self.step, state_sent=payload["state"] is not None)
+        for d in payload["decisions"]:
+            self.log.decision(d, step=self.step)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """The whole run state: model, optimizer, scheduler, sampler, engine, step, RNG."""
+        return {
+            "step": self.step,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "lr_scale": self.lr_scale,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "engine": self.policy.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.model.load_state_dict(s["model"])
+        self.optimizer.load_state_dict(s["optimizer"])
+        if self.scheduler is not None and s["scheduler"] is not None:
+            self.scheduler.load_state_dict(s["scheduler"])
+        self.sampler.load_state_dict(s["sampler"])
+        self.policy.load_state_dict(s["engine"])
+        torch.set_rng_state(s["rng"]["torch"])
+        random.setstate(s["rng"]["python"])
+        self.step = int(s["step"])
+        self.last_checkpoint_step = int(s["last_checkpoint_step"])
+        self.lr_scale = float(s.get("lr_scale", 1.0))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Call on every member at the same step: the lowest-ranked one writes the run state,
+        all of them remember the step (the engine weighs restart by steps since it)."""
+        self.last_checkpoint_step = self.step
+        if self.rank == 0:
+            run_state.save_checkpoint(path, self.state_dict())
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""
+        self.load_state_dict(run_state.load_checkpoint(path))
+        self.policy.plan = None
+
+
