@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.plan import even_split
-from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore, seed_generators
+from chameleon_ft.runtime.recovery import RecoveryCore, seed_generators
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 __all__ = ["ElasticContext"]
@@ -152,29 +151,12 @@ class ElasticContext(RecoveryCore):
                 self._compute_s, self._n_mb, self._ids = 0.0, 0, []
             self._redo_slots = None
         self.faults.at(self.step, "allreduce")
-        n, r = self.view.world_size, self.view.rank
-        tail = torch.zeros(_TAIL * n, dtype=self.dtype)
-        tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(
-            [self._compute_s, self._n_mb, self._prev_comm, self._prev_step], dtype=self.dtype)
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.dtype)
                  for p in self.params]
-        buf = torch.cat(grads + [tail])
-        if self.log:
-            self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
-        t0 = time.perf_counter()
-        try:
-            # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
-            # "step" header makes a peer's stray control collective give way (groups.py).
-            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     copy=False, header="step"))
-        except CollectiveFailure as failure:
-            # Keep this member's gradients: unless a peer committed the step, they are still
-            # its share of the redone step (see _salvage).
-            self._step_start = None
-            self._recover(failure, t0)
-            return False
-        comm = time.perf_counter() - t0
+        reduced = self._reduce_step(grads, self._compute_s)
+        if reduced is None:
+            return False  # this member's gradients are kept for the redone step (see _salvage)
+        buf, timings, comm = reduced
         at = 0
         for p in self.params:
             g = buf[at:at + p.numel()].view_as(p)
@@ -189,12 +171,7 @@ class ElasticContext(RecoveryCore):
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._done_slots = []
-        self._commit()
-        timings = buf[at:].view(n, _TAIL).tolist()
-        self._after_commit({w: tuple(timings[i]) for i, w in enumerate(self.view.members)})
-        self._prev_comm = comm
-        self._prev_step = time.perf_counter() - self._step_start
-        self._step_start = None
+        self._finish_step(timings, comm)
         return True
 
     def _salvage(self, top: int, n: int, r: int) -> None:

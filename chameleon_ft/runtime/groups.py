@@ -305,30 +305,36 @@ class GroupManager:
     def wait(self, work, timeout_s: Optional[float] = None) -> None:
         """Wait for ``work`` (from ``start``), polling the abort key; see ``collective``."""
         pg = self.group()
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = time.monotonic()
-        next_check = start + self.abort_poll_s
-        sleep = 0.0001
-        while not work.is_completed():
-            now = time.monotonic()
-            if now - start > timeout_s:
-                self._park(pg, work)
-                raise self._local_failure(
-                    f"collective timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-            if now >= next_check:
-                next_check = now + self.abort_poll_s
-                record = self.abort_record()
-                if record is not None:
-                    self._park(pg, work)
-                    raise self._failure("generation aborted by peer", "aborted", record)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.001)  # short ops finish within a few polls
+        self._poll(work.is_completed, timeout_s, lambda: self._park(pg, work), "collective")
         try:
             work.wait()
         except Exception as exc:
             raise self._local_failure(f"collective failed: {exc}", "peer_error")
         # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
         # their tensors anyway.
+
+    def _poll(self, done: Callable[[], bool], timeout_s: Optional[float], abandon: Callable[[], None],
+              what: str) -> None:
+        """Until ``done()``; on the watchdog or an abort of the generation, ``abandon()`` the
+        op and raise ``CollectiveFailure``."""
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        next_check = start + self.abort_poll_s
+        sleep = 0.0001
+        while not done():
+            now = time.monotonic()
+            if now - start > timeout_s:
+                abandon()
+                raise self._local_failure(
+                    f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
+            if now >= next_check:
+                next_check = now + self.abort_poll_s
+                record = self.abort_record()
+                if record is not None:
+                    abandon()
+                    raise self._failure("generation aborted by peer", "aborted", record)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.001)  # short ops finish within a few polls
 
     # ------------------------------------------------------------ point-to-point
     def send(self, tensor: torch.Tensor, dst_rank: int, tag: int):
@@ -352,29 +358,14 @@ class GroupManager:
         if self._p2p_pool is None:
             self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-p2p-{self.worker_id}")
         fut = self._p2p_pool.submit(lambda: [w.wait() for w in works])
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = time.monotonic()
-        next_check = start + self.abort_poll_s
-        sleep = 0.0001
-        while not fut.done():
-            now = time.monotonic()
-            failure = None
-            if now - start > timeout_s:
-                failure = self._local_failure(
-                    f"point-to-point op timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-            elif now >= next_check:
-                next_check = now + self.abort_poll_s
-                record = self.abort_record()
-                if record is not None:
-                    failure = self._failure("generation aborted by peer", "aborted", record)
-            if failure is not None:
-                self._p2p_pool.shutdown(wait=False)
-                self._p2p_pool = None
-                if self._pg is not None:
-                    self._park(self._pg, works[-1])
-                raise failure
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.0005)
+
+        def abandon() -> None:
+            self._p2p_pool.shutdown(wait=False)
+            self._p2p_pool = None
+            if self._pg is not None:
+                self._park(self._pg, works[-1])
+
+        self._poll(fut.done, timeout_s, abandon, "point-to-point op")
         exc = fut.exception()
         if exc is not None:
             raise self._local_failure(f"point-to-point op failed: {exc}", "peer_error")

@@ -274,6 +274,45 @@ class RecoveryCore:
             self.gm.close()
 
     # ---------------------------------------------------------------- commit
+    def _reduce_step(self, parts: list[torch.Tensor], compute_s: float):
+        """The step's one all-reduce: this member's ``parts`` (flat, ``self.dtype``) followed
+        by every member's timings (``compute_s``, micro-batches, the previous step's
+        all-reduce and step seconds).  Returns (the reduced ``parts`` as one buffer, timings
+        per member, all-reduce seconds), or None when a failure interrupted it: the job has
+        then reconfigured and the caller redoes the step."""
+        n, r = self.view.world_size, self.view.rank
+        tail = torch.zeros(_TAIL * n, dtype=self.dtype)
+        tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(
+            [compute_s, self._n_mb, self._prev_comm, self._prev_step], dtype=self.dtype)
+        buf = torch.cat(list(parts) + [tail])
+        if self.log:
+            self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
+                          token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
+        t0 = time.perf_counter()
+        try:
+            # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
+            # "step" header makes a peer's stray control collective give way (groups.py).
+            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                     copy=False, header="step"))
+        except CollectiveFailure as failure:
+            # The executor keeps what it computed: unless a peer committed the step, it may
+            # still be this member's share of the redone step.
+            self._step_start = None
+            self._recover(failure, t0)
+            return None
+        comm = time.perf_counter() - t0
+        at = buf.numel() - _TAIL * n
+        rows = buf[at:].view(n, _TAIL).tolist()
+        return buf[:at], {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}, comm
+
+    def _finish_step(self, timings: dict, comm: float) -> None:
+        """Commit the step whose update was applied, then feed its timings to the engine."""
+        self._commit()
+        self._after_commit(timings)
+        self._prev_comm = comm
+        self._prev_step = time.perf_counter() - self._step_start
+        self._step_start = None
+
     def _commit(self) -> None:
         self.sampler.commit()
         self.step += 1

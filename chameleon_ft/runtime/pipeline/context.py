@@ -54,9 +54,6 @@ from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_gene
 
 __all__ = ["PipelineContext"]
 
-_TAIL = 4
-
-
 class _HeldOptimizers:
     """The per-block optimizers of the blocks a worker holds, seen as one optimizer by the
     shared recovery code (``zero_grad`` after a discarded step)."""
@@ -388,16 +385,8 @@ class PipelineContext(RecoveryCore):
 
     def sync_and_step(self, loss: float = 0.0) -> bool:
         self.faults.at(self.step, "allreduce")
-        n, r = self.view.world_size, self.view.rank
         held_numel = sum(self.block_numel[b] for b in self.held)
         frac = held_numel / max(1, sum(self.block_numel))
-        tail = torch.zeros(1 + _TAIL * n, dtype=self.dtype)
-        tail[0] = loss
-        # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
-        # seconds scaled by the share of the model it runs.
-        tail[1 + _TAIL * r:1 + _TAIL * (r + 1)] = torch.tensor(
-            [self._compute_s / frac if frac else 0.0, self._n_mb, self._prev_comm, self._prev_step],
-            dtype=self.dtype)
         parts = []
         for b, block in enumerate(self.blocks):
             for p in block.parameters():
@@ -405,33 +394,21 @@ class PipelineContext(RecoveryCore):
                     parts.append(p.grad.detach().reshape(-1).to("cpu", self.dtype))
                 else:
                     parts.append(torch.zeros(p.numel(), dtype=self.dtype))
-        buf = torch.cat(parts + [tail])
-        if self.log:
-            self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
-        t0 = time.perf_counter()
-        try:
-            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     copy=False, header="step"))
-        except CollectiveFailure as failure:
-            self._step_start = None
-            self._recover(failure, t0)
+        parts.append(torch.tensor([loss], dtype=self.dtype))
+        # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
+        # seconds scaled by the share of the model it runs.
+        reduced = self._reduce_step(parts, self._compute_s / frac if frac else 0.0)
+        if reduced is None:
             return False
-        comm = time.perf_counter() - t0
+        buf, timings, comm = reduced
         total = sum(self.block_numel)
-        reduced = buf[:total]
         self.faults.at(self.step, "optimizer")
-        self._apply_update(reduced)
-        self._last_reduced = reduced
+        self._apply_update(buf[:total])
+        self._last_reduced = buf[:total]
         if not self._measured and self.held:
             self._measure_state_bytes()
         self.last_loss = float(buf[total])
-        self._commit()
-        timings = buf[total + 1:].view(n, _TAIL).tolist()
-        self._after_commit({w: tuple(timings[i]) for i, w in enumerate(self.view.members)})
-        self._prev_comm = comm
-        self._prev_step = time.perf_counter() - self._step_start
-        self._step_start = None
+        self._finish_step(timings, comm)
         return True
 
     def _apply_update(self, reduced: torch.Tensor) -> None:

@@ -14,19 +14,7 @@ import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
 from chameleon_ft.runtime.worker import ElasticConfig
-
-
-class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, n=256, dim=16, classes=4, seed=1234):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=g)
-        self.y = torch.randint(0, classes, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
+from mlp_worker import Synthetic  # the same seeded data as the data-parallel tests
 
 
 class Block(torch.nn.Module):
