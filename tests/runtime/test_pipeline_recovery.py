@@ -130,6 +130,11 @@ def test_kill_a_middle_stage_worker(tmp_path, reference, policy):
         moved = sum(e["bytes"] for e in migrations)
         assert moved == predicted, (moved, predicted)
         assert moved < sum(p.numel() * 12 for c in reference.values() for p in c[0][1]["params"])
+        starts = [e for e in read_events(tmp_path) if e["event"] == "migration" and e["step"] > 0
+                  and e.get("phase") == "start"]
+        for rnd in starts[0]["rounds"]:  # the restorer's rounds: no worker in two transfers
+            names = [w for t in rnd for w in t[:2]]
+            assert len(names) == len(set(names)), rnd
 
 
 def test_same_stage_lost_in_both_pipelines_replans_or_restarts(tmp_path, reference):
