@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from rich.console import Console
 
 from .examples import demo_train
 from .localjob import LocalJob
-from .report import committed_steps, render
+from .report import render
 
 
 def main(argv=None) -> int:
@@ -65,27 +63,15 @@ def main(argv=None) -> int:
                   + (f"worker {args.kill_rank} gets SIGKILL from outside after step {args.at_step}."
                      if args.kill_rank >= 0 else "no failure injected."))
     console.print("$ chameleon-ft run " + " ".join(job.command()[4:]), style="dim")
-    killed = False
-    deadline = time.monotonic() + args.timeout
     try:
-        launcher = job.start()
         with console.status("starting workers...") as status:
-            while launcher.poll() is None:
-                if time.monotonic() > deadline:
-                    console.print(f"[red]timed out after {args.timeout:g} s[/]")
-                    return 1
-                events = job.events()
-                pids = {w: pid for (w, _), pid in job.worker_pids().items()}
-                steps = committed_steps(events)
-                done = len(steps) - 1 if steps else 0  # the newest step may still be running
-                status.update(f"{len(pids)} workers, step {max(done, 0)} committed")
-                if not killed and args.kill_rank >= 0 and done >= args.at_step and args.kill_rank in pids:
-                    job.kill(args.kill_rank, signal.SIGKILL)
-                    killed = True
-                    console.print(f"[red]✗ SIGKILL[/] worker {args.kill_rank} (pid {pids[args.kill_rank]}) "
-                                  f"after step {done}")
-                time.sleep(0.05)
-        code = launcher.returncode
+            code = job.drive(args.kill_rank, args.at_step, args.timeout,
+                             on_tick=lambda done, pids: status.update(f"{len(pids)} workers, step {done} committed"),
+                             on_kill=lambda w, pid, done: console.print(
+                                 f"[red]✗ SIGKILL[/] worker {w} (pid {pid}) after step {done}"))
+        if code is None:
+            console.print(f"[red]timed out after {args.timeout:g} s[/]")
+            return 1
     finally:
         job.cleanup()
     console.print(f"launcher exited with {code}" + ("" if code == 0 else f" (see {run_dir / 'launcher0.out'})"))
