@@ -31,7 +31,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -147,7 +146,7 @@ def worker(a: argparse.Namespace) -> None:
                     print(f"recipe: decision {d.get('chosen')} ({cands})", flush=True)
                 mttr = rec.get("mttr", {})
                 print(f"recipe: recovered at step {rec.get('step')}: members {list(ctx.members)}, MTTR "
-                      f"{mttr.get('total', float('nan')) * 1000:.0f} ms, migration {ctx.last_migration}", flush=True)
+                      f"{mttr.get('total', float('nan')) * 1000:.0f} ms", flush=True)
         per_epoch[-1].append(ctx.last_loss)
         if len(per_epoch) <= ctx.epoch:
             losses = per_epoch[-1]
