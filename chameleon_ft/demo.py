@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     console.print(f"[bold]chameleon-ft demo[/]: {args.workers} CPU workers train a small classifier; "
                   + (f"worker {args.kill_rank} gets SIGKILL from outside after step {args.at_step}."
                      if args.kill_rank >= 0 else "no failure injected."))
-    console.print("$ chameleon-ft run " + " ".join(job.command()[4:]), style="dim")
+    console.print("$ chameleon-ft run " + " ".join(job.command()[3:]), style="dim")
     code = drive(job, console, args)
     if code is None:
         return 1
@@ -145,7 +145,7 @@ def pipeline_demo(args, console: Console) -> int:
                        nproc=args.workers, hang_timeout=5, max_replacements=0,
                        launch_args=[] if args.mttf is None else ["--mttf", repr(args.mttf)])
         console.rule(f"allowed policies: {{{policy}}}")
-        console.print("$ chameleon-ft run " + " ".join(job.command()[4:]), style="dim")
+        console.print("$ chameleon-ft run " + " ".join(job.command()[3:]), style="dim")
         code = drive(job, console, args)
         console.print(f"launcher exited with {code}" + ("" if code == 0 else f" (see {run_dir / 'launcher0.out'})"))
         if code != 0:
@@ -167,13 +167,13 @@ def pipeline_demo(args, console: Console) -> int:
                      final.get("loss"), final.get("members")))
     table = Table(title="reroute vs replan (the same kill)")
     for col in ("allowed", "chosen", "MTTR s", "bytes moved / predicted", "steps/s before", "steps/s after",
-                "final loss", "members at the end"):
+                "final loss", "workers at the end"):
         table.add_column(col, justify="left" if col in ("allowed", "chosen") else "right")
     fmt = (lambda v, f: "-" if v is None else format(v, f))
     for policy, chosen, mttr, mig, before, after, loss, members in rows:
         table.add_row(policy, chosen, fmt(mttr, ".3f"), f"{mig['bytes']:,} / {mig['predicted_bytes']:,.0f}",
                       fmt(before and before / gb, ".3g"), fmt(after and after / gb, ".3g"), fmt(loss, ".5f"),
-                      str(members))
+                      str(len(members or [])))
     console.print(table)
     console.print(f"event logs: {base}/{{reroute,replan}}/events.jsonl")
     return code_all

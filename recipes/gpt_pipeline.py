@@ -57,7 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hang-timeout", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=600.0, help="launcher side: give up after (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output dir (default: a new temp dir)")
+    p.add_argument("--out", default=None,
+                   help="output dir (default: a new temp dir; under chameleon-ft run, its --run-dir)")
     return p.parse_args(argv)
 
 
@@ -161,7 +162,7 @@ def worker(a: argparse.Namespace) -> None:
         config=ElasticConfig(allowed_policies=frozenset(POLICIES[a.policy].split(","))))
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
-    out = a.out or "."
+    out = a.out or os.environ.get("CHAMELEON_FT_RUN_DIR") or "."
     # Each worker: the squared norms of the blocks it holds (the launcher side merges them).
     with open(os.path.join(out, f"blocks_{ctx.worker_id}.json"), "w") as f:
         json.dump({str(b): sum(float(p.detach().double().pow(2).sum()) for p in ctx.blocks[b].parameters())
