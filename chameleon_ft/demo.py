@@ -39,7 +39,7 @@ from rich.table import Table
 
 from .examples import demo_train, pipeline_train
 from .localjob import LocalJob
-from .report import render
+from .report import describe_layout, render
 from .runtime.eventlog import read_events
 
 
@@ -154,7 +154,14 @@ def pipeline_demo(args, console: Console) -> int:
         summary = render(run_dir, console)
         events = read_events(run_dir / "events.jsonl")
         mig = migration_figures(events)
-        chosen = [e["decision"]["chosen"] for e in events if e["event"] == "decision"]
+        decisions = [e["decision"] for e in events if e["event"] == "decision"]
+        chosen = [d["chosen"] for d in decisions]
+        for d in decisions[-1:]:
+            plan = next((c.get("plan") for c in d["candidates"] if c["policy"] == d["chosen"]), None)
+            dead = d.get("event", {}).get("devices", [])
+            console.print(f"layout after {d['chosen']} (worker:first-last block): {describe_layout(plan)}"
+                          + (f"; dead {dead}: its micro-batches run on same-stage peers" if d["chosen"] == "reroute"
+                             else ""))
         console.print(f"migration: {mig['bytes']:,} bytes moved in {mig['transfers']} transfers "
                       f"({mig['seconds']:.3f} s), predicted {mig['predicted_bytes']:,.0f} bytes"
                       if mig["predicted_bytes"] or mig["bytes"] else

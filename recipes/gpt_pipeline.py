@@ -248,9 +248,12 @@ def launch(a: argparse.Namespace) -> int:
         print(f"recipe: the job ended with {code}; see {log}", flush=True)
         return 1 if code is None else code
     r = summarize(out)
+    from chameleon_ft.report import describe_layout
+
     for d in r["decisions"]:
-        print(f"recipe: engine chose {d['chosen']} for {d['event'].get('kind')} of {d['event'].get('devices')}",
-              flush=True)
+        plan = next((c.get("plan") for c in d["candidates"] if c["policy"] == d["chosen"]), None)
+        print(f"recipe: engine chose {d['chosen']} for {d['event'].get('kind')} of {d['event'].get('devices')}; "
+              f"layout {describe_layout(plan)}", flush=True)
     m = r["migration"]
     print(f"recipe: migration moved {m['bytes']} bytes (predicted {m['predicted_bytes']}) in {m['transfers']} "
           f"transfers; final loss {r['final_loss']:.6f}; result {out / 'result.json'}", flush=True)
