@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="chameleon-ft demo", description=__doc__.splitlines()[0])
     ap.add_argument("--pipeline", action="store_true",
                     help="DP x PP: 8 workers as 2 pipelines x 4 stages, run once with {reroute} and once "
-                         "with {replan} allowed")
+                         "with {replan} allowed; no replacements")
     ap.add_argument("--workers", type=int, default=None, help="default 4 (8 with --pipeline)")
     ap.add_argument("--kill-rank", type=int, default=2, help="worker id to SIGKILL (-1: none)")
     ap.add_argument("--at-step", type=int, default=None,
