@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .runtime.eventlog import read_events
+from .runtime.eventlog import committed_attempts, read_events
 
 
 def kill_processes(pids, popens=(), wait_s: float = 10.0) -> None:
@@ -123,3 +123,31 @@ class LocalJob:
         t = time.time()
         os.kill(pid, sig)
         return t
+
+    def drive(self, kill: Optional[int], at_step: int, timeout: float,
+              on_tick: Optional[Callable[[int, dict], None]] = None,
+              on_kill: Optional[Callable[[int, int, int], None]] = None,
+              sig: int = signal.SIGKILL) -> Optional[int]:
+        """Start the launcher, send ``sig`` to worker ``kill`` by PID (from outside) once
+        ``at_step`` steps are committed, and wait for the launcher to end.  ``on_tick(done,
+        pids)`` is called every poll, ``on_kill(worker, pid, done)`` once after the kill.
+        Returns the launcher's exit code, or None after ``timeout`` seconds.  The caller
+        still calls ``cleanup``."""
+        launcher = self.start()
+        deadline = time.monotonic() + timeout
+        killed = kill is None or kill < 0
+        while launcher.poll() is None:
+            if time.monotonic() > deadline:
+                return None
+            pids = {w: pid for (w, _), pid in self.worker_pids().items()}
+            # The newest committed step may still be running on some worker.
+            done = max(0, len(committed_attempts(self.events())) - 1)
+            if on_tick is not None:
+                on_tick(done, pids)
+            if not killed and done >= at_step and kill in pids:
+                os.kill(pids[kill], sig)
+                killed = True
+                if on_kill is not None:
+                    on_kill(kill, pids[kill], done)
+            time.sleep(0.05)
+        return launcher.returncode

@@ -82,6 +82,17 @@ def throughput_series(events: list[Mapping], window: int = 5) -> tuple[list[floa
     return xs, ys
 
 
+def describe_layout(plan) -> str:
+    """A pipeline plan's JSON (``Plan.to_json``) in one line: each pipeline's workers, the
+    blocks each stage holds, and its micro-batches.  Other values pass through as text."""
+    if not isinstance(plan, Mapping) or "pipelines" not in plan:
+        return str(plan)
+    pipes = plan["pipelines"]
+    return f"{len(pipes)} pipeline(s): " + "; ".join(
+        " | ".join(f"w{d}:{a}-{b - 1}" for d, a, b in zip(p["devices"], p["bounds"], p["bounds"][1:]))
+        + f" x{p.get('microbatches', '?')}mb" for p in pipes)
+
+
 def decision_table(decision: Mapping, title: str | None = None) -> Table:
     ev = decision.get("event", {})
     table = Table(title=title or f"decision for {ev.get('kind', '?')} of {ev.get('devices', [])}: "
