@@ -61,6 +61,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -288,12 +289,13 @@ class GroupManager:
         """
         self.wait(self.start(fn), timeout_s)
 
-    def start(self, fn: Callable[[dist.ProcessGroup], object]):
+    def start(self, fn: Callable[[dist.ProcessGroup], object], check_abort: bool = True):
         """Enqueue ``fn(group) -> Work`` without waiting (a point-to-point send that the
-        pipeline executor waits for later); ``wait`` it, or the generation's failure ends it."""
+        pipeline executor waits for later); ``wait`` it, or the generation's failure ends it.
+        ``check_abort=False`` skips the store look-up (point-to-point ops: their wait checks)."""
         # Someone may already have ended this generation (e.g. a joiner is waiting); checked
         # first, since a watchdog expiry leaves the generation aborted and its group parked.
-        record = self.abort_record()
+        record = self.abort_record() if check_abort else None
         if record is not None:
             raise self._failure("generation aborted", "aborted", record)
         pg = self.group()
@@ -339,11 +341,11 @@ class GroupManager:
     # ------------------------------------------------------------ point-to-point
     def send(self, tensor: torch.Tensor, dst_rank: int, tag: int):
         """Start sending ``tensor`` to ``dst_rank`` (rank in this generation); ``wait_p2p`` it."""
-        return self.start(lambda pg: pg.send([tensor], dst_rank, tag))
+        return self.start(lambda pg: pg.send([tensor], dst_rank, tag), check_abort=False)
 
     def recv(self, tensor: torch.Tensor, src_rank: int, tag: int):
         """Start receiving into ``tensor`` from ``src_rank``; ``wait_p2p`` it."""
-        return self.start(lambda pg: pg.recv([tensor], src_rank, tag))
+        return self.start(lambda pg: pg.recv([tensor], src_rank, tag), check_abort=False)
 
     def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
         """Wait for point-to-point works, failing fast like ``collective``.
@@ -358,17 +360,30 @@ class GroupManager:
         if self._p2p_pool is None:
             self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-p2p-{self.worker_id}")
         fut = self._p2p_pool.submit(lambda: [w.wait() for w in works])
-
-        def abandon() -> None:
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # Blocking on the future wakes this thread the moment the op completes (polling
+            # added up to a millisecond per message, several per micro-batch and hop); the
+            # abort key and the watchdog are checked between waits.
+            try:
+                fut.result(timeout=self.abort_poll_s)
+                return
+            except FutureTimeout:
+                pass
+            except Exception as exc:
+                raise self._local_failure(f"point-to-point op failed: {exc}", "peer_error")
+            record = self.abort_record()
+            if record is None and time.monotonic() < deadline:
+                continue
             self._p2p_pool.shutdown(wait=False)
             self._p2p_pool = None
             if self._pg is not None:
                 self._park(self._pg, works[-1])
-
-        self._poll(fut.done, timeout_s, abandon, "point-to-point op")
-        exc = fut.exception()
-        if exc is not None:
-            raise self._local_failure(f"point-to-point op failed: {exc}", "peer_error")
+            if record is not None:
+                raise self._failure("generation aborted by peer", "aborted", record)
+            raise self._local_failure(
+                f"point-to-point op timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
 
     def checked(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                 arg: int = 0, timeout_s: Optional[float] = None) -> torch.Tensor:
