@@ -71,10 +71,10 @@ def dataset():
                                           torch.randint(0, CLASSES, (N,), generator=g))
 
 
-def write(path: str, mode: str, stamps: list) -> None:
+def write(path: str, mode: str, stamps: list, predicted: list = ()) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"mode": mode, "stamps": stamps}, f)
+        json.dump({"mode": mode, "stamps": stamps, "predicted": list(predicted)}, f)
     os.replace(tmp, path)
 
 
@@ -138,12 +138,19 @@ def run_ft(a) -> None:
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         ce = torch.nn.CrossEntropyLoss()
         stamps: list = []
+        predicted: list = []  # [step, the engine's step time of the running plan, its plan]
         writer = os.environ.get("CHAMELEON_FT_WORKER_ID") == "0"
 
         def on_step(ctx):
             stamps.append([ctx.step, time.time()])
+            if writer and a.predict:
+                from chameleon_ft.perf import estimate
+                pol = ctx.policy
+                dead = frozenset(set(pol.plan.devices) - set(pol.alive))
+                est = estimate(pol.plan, pol.workload(), pol.cluster(), pol.calibrator.coefficients(), dead)
+                predicted.append([ctx.step, est.step_time, pol.plan.describe()])
             if writer and ctx.step % 5 == 0:  # partial results survive an unclean end
-                write(a.out, "ft", stamps)
+                write(a.out, "ft", stamps, predicted)
 
         allowed = frozenset(a.allowed.split(",")) if a.allowed else None
         trainer = ElasticTrainer(net, opt, dataset(), lambda out, batch: ce(out, batch[1]), a.global_batch,
@@ -151,7 +158,7 @@ def run_ft(a) -> None:
                                  config=ElasticConfig(allowed_policies=allowed, log_samples=False))
         trainer.fit(max_steps=a.steps)
         if writer:
-            write(a.out, "ft", stamps)
+            write(a.out, "ft", stamps, predicted)
 
     elastic_main(main)
 
@@ -166,6 +173,9 @@ if __name__ == "__main__":
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--block-sleep", type=float, default=0.004, help="emulated forward per block (s); backward 2x")
+    ap.add_argument("--predict", action="store_true",
+                    help="ft: worker 0 records the engine's predicted step time of the running plan per step "
+                         "(without the rerouted extra micro-batches; off in overhead runs)")
     ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
     a = ap.parse_args()
     torch.set_num_threads(1)

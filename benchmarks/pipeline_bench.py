@@ -64,8 +64,9 @@ def median_interval(stamps: list, lo: Optional[float] = None, hi: Optional[float
 
 
 def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optional[float],
-                 world: int = 8, settle: int = 2, warmup: int = 3) -> dict:
-    """Recovery figures of one kill run from its event log and worker 0's commit stamps."""
+                 world: int = 8, settle: int = 2, warmup: int = 3, predicted: list = ()) -> dict:
+    """Recovery figures of one kill run from its event log, worker 0's commit stamps and its
+    per-step predictions ([step, engine's step time of the running plan, plan])."""
     after = [(s, t) for s, t in stamps if t > t_kill]
     first = after[0][1] if after else None
     out: dict = {"mttr_s": None if first is None else first - t_kill}
@@ -94,8 +95,12 @@ def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optio
                            "candidates": {c["policy"]: {"feasible": c["feasible"], "step_time_s": c.get("step_time_s"),
                                                         "score": c.get("score"), "reason": c.get("reason")}
                                           for c in d["candidates"]}}
-    ff_pred = [e.get("predicted_step_s") for e in events if e["event"] == "bench_plan"]
-    out["predicted_ff_step_s"] = ff_pred[0] if ff_pred else None
+    at = dict((s, t) for s, t in stamps)
+    pre = [p for p in predicted if p[0] in at and at[p[0]] < t_kill]
+    out["predicted_ff_step_s"] = pre[-1][1] if pre else None
+    out["ff_plan"] = pre[-1][2] if pre and len(pre[-1]) > 2 else None
+    post = [p for p in predicted if p[0] in at and at[p[0]] > t_kill]
+    out["plan_after"] = post[-1][2] if post and len(post[-1]) > 2 else None
     before = [(s, t) for s, t in stamps if t < t_kill][warmup:]
     out["measured_step_before_s"] = median_interval(before)
     out["measured_step_after_s"] = median_interval(after[settle:])
@@ -103,6 +108,9 @@ def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optio
     out["rate_before"] = rate(before)
     out["rate_after"] = r_after
     out["efficiency"] = (r_after / (ff_rate * (world - 1) / world)) if (r_after and ff_rate) else None
+    # Against the same run's own pre-kill rate (same machine load as the rate after).
+    rb = out["rate_before"]
+    out["efficiency_in_run"] = (r_after / (rb * (world - 1) / world)) if (r_after and rb) else None
     return out
 
 
@@ -133,9 +141,11 @@ def run_baseline(a, root: Path) -> list:
 
 
 def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = None,
-           kill_step: Optional[int] = None) -> tuple[list, list, Optional[float]]:
+           kill_step: Optional[int] = None) -> tuple[dict, list, Optional[float]]:
     out = root / "stamps.json"
     args = ["--mode", "ft", *worker_args(a, out, steps or a.steps)] + (["--allowed", allowed] if allowed else [])
+    if kill_step is not None:
+        args.append("--predict")
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout)
     t_kill = None
     try:
@@ -147,7 +157,7 @@ def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = 
         codes = job.wait(400)
         if codes != [0]:
             raise RuntimeError(f"chameleon-ft run failed ({codes}):\n{job.output()[-3000:]}")
-        return json.loads(out.read_text())["stamps"], job.events(), t_kill
+        return json.loads(out.read_text()), job.events(), t_kill
     finally:
         job.cleanup()
 
@@ -187,7 +197,7 @@ def markdown(res: dict) -> str:
                   "steps after it skipped) / (failure-free steps/s x 7/8), failure-free = the median "
                   "chameleon-ft rate above.", "",
                   "| allowed | chosen | MTTR | detect | membership | rebuild | state transfer | first step "
-                  "| kill -> new layout | moved | steps/s after | efficiency | predicted step (chosen) "
+                  "| kill -> new layout | moved | steps/s before / after | efficiency (vs median / vs own pre-kill) | predicted step before / after (chosen) "
                   "| measured step before / after |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for k in kills:
@@ -197,8 +207,9 @@ def markdown(res: dict) -> str:
                 f"| {{{k['allowed']}}} | {d.get('chosen', '-')} | {fmt(m['mttr_s'], ' ms', 1e3)} | "
                 + " | ".join(fmt(b.get(p), " ms", 1e3) for p in PHASES)
                 + f" | {fmt(m['to_new_layout_s'], ' ms', 1e3)} | {m['migration']['bytes'] / 1e3:.0f} kB "
-                f"| {fmt(m['rate_after'], '', 1, 3)} | {fmt(m['efficiency'], '', 1, 2)} "
-                f"| {fmt(d.get('predicted_step_s'), ' ms', 1e3)} "
+                f"| {fmt(m['rate_before'], '', 1, 3)} / {fmt(m['rate_after'], '', 1, 3)} "
+                f"| {fmt(m['efficiency'], '', 1, 2)} / {fmt(m['efficiency_in_run'], '', 1, 2)} "
+                f"| {fmt(m.get('predicted_ff_step_s'), ' ms', 1e3)} / {fmt(d.get('predicted_step_s'), ' ms', 1e3)} "
                 f"| {fmt(m['measured_step_before_s'], ' ms', 1e3)} / {fmt(m['measured_step_after_s'], ' ms', 1e3)} |")
         lines += ["", "Candidates the engine priced at the decision (predicted step time, score):", ""]
         for k in kills:
@@ -206,7 +217,8 @@ def markdown(res: dict) -> str:
             cs = "; ".join(f"{p}: {fmt(v['step_time_s'], ' ms', 1e3)}, score {fmt(v['score'], '', 1, 1)}"
                            + ("" if v["feasible"] else f" (infeasible: {v['reason']})")
                            for p, v in (d.get("candidates") or {}).items())
-            lines.append(f"* {{{k['allowed']}}} -> {d.get('chosen')}: {cs}")
+            lines.append(f"* {{{k['allowed']}}} -> {d.get('chosen')}: {cs}; plan before `{k['metrics'].get('ff_plan')}`, "
+                         f"after `{k['metrics'].get('plan_after')}`")
         lines.append("")
     if res.get("notes"):
         lines += ["## Notes", ""] + [f"* {n}" for n in res["notes"]] + [""]
@@ -244,7 +256,7 @@ def main(argv=None) -> int:
         for r in range(a.repeats):
             for mode in (("baseline", "ft") if r % 2 == 0 else ("ft", "baseline")):
                 root = Path(tmp) / f"{mode}{r}"
-                stamps = run_baseline(a, root) if mode == "baseline" else run_ft(a, root)[0]
+                stamps = run_baseline(a, root) if mode == "baseline" else run_ft(a, root)[0]["stamps"]
                 rates[mode].append(rate(stamps, skip=a.warmup))
                 print(f"{mode} run {r}: {rates[mode][-1]:.3f} steps/s", flush=True)
         if a.repeats:
@@ -255,8 +267,10 @@ def main(argv=None) -> int:
         for name in [p for p in a.policies.split(",") if p]:
             for i in range(a.kills):
                 root = Path(tmp) / f"kill-{name}{i}"
-                stamps, events, t_kill = run_ft(a, root, POLICIES[name], a.kill_steps, a.kill_step)
-                m = kill_metrics(events, stamps, t_kill, ff, settle=a.settle)
+                got, events, t_kill = run_ft(a, root, POLICIES[name], a.kill_steps, a.kill_step)
+                stamps = got["stamps"]
+                m = kill_metrics(events, stamps, t_kill, ff, settle=a.settle, warmup=a.warmup,
+                                 predicted=got.get("predicted", []))
                 res["kills"].append({"allowed": POLICIES[name], "run": i, "metrics": m,
                                      "stamps": stamps, "t_kill": t_kill})
                 print(name, json.dumps({k: v for k, v in m.items() if k != "decision"}, default=str), flush=True)
