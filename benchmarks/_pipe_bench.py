@@ -129,9 +129,28 @@ def run_torch(a) -> None:
     dist.destroy_process_group()
 
 
+def _diag_no_start_check() -> None:
+    """Diagnostic only (``--diag no-start-check``), not a fix: ``GroupManager.start`` without its
+    abort-key look-up (a TCP-store round trip per point-to-point send and receive), to measure
+    what that look-up costs a pipeline step.  A failure is still detected by ``wait_p2p``."""
+    from chameleon_ft.runtime.groups import GroupManager
+
+    def start(self, fn):
+        pg = self.group()
+        try:
+            return fn(pg)
+        except Exception as exc:
+            raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
+
+    GroupManager.start = start
+
+
 def run_ft(a) -> None:
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
     from chameleon_ft.runtime.worker import ElasticConfig
+
+    if a.diag == "no-start-check":
+        _diag_no_start_check()
 
     def main():
         net = model(a.blocks, a.block_sleep)
@@ -176,6 +195,8 @@ if __name__ == "__main__":
     ap.add_argument("--predict", action="store_true",
                     help="ft: worker 0 records the engine's predicted step time of the running plan per step "
                          "(without the rerouted extra micro-batches; off in overhead runs)")
+    ap.add_argument("--diag", choices=["no-start-check"], default=None,
+                    help="ft: a diagnostic patch of the runtime (see _diag_no_start_check); never in results")
     ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -141,9 +141,11 @@ def run_baseline(a, root: Path) -> list:
 
 
 def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = None,
-           kill_step: Optional[int] = None) -> tuple[dict, list, Optional[float]]:
+           kill_step: Optional[int] = None, diag: Optional[str] = None) -> tuple[dict, list, Optional[float]]:
     out = root / "stamps.json"
     args = ["--mode", "ft", *worker_args(a, out, steps or a.steps)] + (["--allowed", allowed] if allowed else [])
+    if diag:
+        args += ["--diag", diag]
     if kill_step is not None:
         args.append("--predict")
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout)
@@ -183,12 +185,17 @@ def markdown(res: dict) -> str:
                   "| system | runs | steps/s (median) | step (ms, median) | runs' steps/s |",
                   "| --- | ---: | ---: | ---: | --- |"]
         for name, key in (("torch.distributed.pipelining (Schedule1F1B) + DP all-reduce", "baseline"),
-                          ("chameleon-ft ElasticTrainer(stages=4)", "ft")):
+                          ("chameleon-ft ElasticTrainer(stages=4)", "ft"),
+                          (f"diagnostic: chameleon-ft patched ({o.get('diag')}; not a product)", "ft-diag")):
+            if key not in o["rates"]:
+                continue
             rs = o["rates"][key]
             lines.append(f"| {name} | {len(rs)} | {o[key]:.3f} | {1e3 / o[key]:.0f} | "
                          + ", ".join(f"{r:.3f}" for r in rs) + " |")
         lines += ["", f"Ratio ours / baseline (steps/s): **{o['ratio']:.3f}** (overhead "
                   f"{100 * (1 / o['ratio'] - 1):+.1f} % in step time; target <= +1 %).", ""]
+        if "ft-diag" in o:
+            lines += [f"Diagnostic ratio (patched runtime / baseline): {o['ft-diag'] / o['baseline']:.3f}.", ""]
     kills = res.get("kills") or []
     if kills:
         lines += [f"## One SIGKILL of a middle-stage worker ({MODE})", "",
@@ -240,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--hang-timeout", type=float, default=10.0)
+    ap.add_argument("--diag", choices=["no-start-check"], default=None,
+                    help="also time a diagnostic variant of the runtime in the overhead runs (see _pipe_bench.py)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="write the markdown report here")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
@@ -252,16 +261,26 @@ def main(argv=None) -> int:
                  "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "note")},
                  "notes": a.note}
     rates: dict[str, list[float]] = {"baseline": [], "ft": []}
+    systems = ["baseline", "ft"]
+    if a.diag:
+        rates["ft-diag"] = []
+        systems.append("ft-diag")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
-            for mode in (("baseline", "ft") if r % 2 == 0 else ("ft", "baseline")):
+            for mode in systems[r % len(systems):] + systems[:r % len(systems)]:  # rotate the order
                 root = Path(tmp) / f"{mode}{r}"
-                stamps = run_baseline(a, root) if mode == "baseline" else run_ft(a, root)[0]["stamps"]
+                if mode == "baseline":
+                    stamps = run_baseline(a, root)
+                else:
+                    stamps = run_ft(a, root, diag=a.diag if mode == "ft-diag" else None)[0]["stamps"]
                 rates[mode].append(rate(stamps, skip=a.warmup))
                 print(f"{mode} run {r}: {rates[mode][-1]:.3f} steps/s", flush=True)
         if a.repeats:
             b, f = statistics.median(rates["baseline"]), statistics.median(rates["ft"])
             res["overhead"] = {"baseline": b, "ft": f, "ratio": f / b, "rates": rates}
+            if a.diag:
+                res["overhead"]["ft-diag"] = statistics.median(rates["ft-diag"])
+                res["overhead"]["diag"] = a.diag
         ff = res["overhead"]["ft"] if a.repeats else None
         res["kills"] = []
         for name in [p for p in a.policies.split(",") if p]:
