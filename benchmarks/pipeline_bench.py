@@ -252,13 +252,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="write the markdown report here")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    ap.add_argument("--workdir", help="keep every run's directory (event logs, outputs) here")
+    ap.add_argument("--from-json", help="no runs: re-render --markdown from these results (adding --note lines)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+        res["notes"] = list(res.get("notes") or []) + a.note
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        md = markdown(res)
+        if a.markdown:
+            Path(a.markdown).write_text(md)
+        print(md)
+        return 0
     t0 = time.time()
     res: dict = {"command": "python benchmarks/pipeline_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": f"{platform.node()}: {__import__('os').cpu_count()} CPU cores, {platform.machine()}, "
                             f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
-                 "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "note")},
+                 "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "note", "from_json")},
                  "notes": a.note}
     rates: dict[str, list[float]] = {"baseline": [], "ft": []}
     systems = ["baseline", "ft"]
@@ -266,6 +278,7 @@ def main(argv=None) -> int:
         rates["ft-diag"] = []
         systems.append("ft-diag")
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = a.workdir or tmp  # --workdir: keep the runs' event logs
         for r in range(a.repeats):
             for mode in systems[r % len(systems):] + systems[:r % len(systems)]:  # rotate the order
                 root = Path(tmp) / f"{mode}{r}"
