@@ -145,12 +145,30 @@ def _diag_no_start_check() -> None:
     GroupManager.start = start
 
 
+def _diag_blocking_p2p() -> None:
+    """Diagnostic only (``--diag blocking-p2p``): also ``GroupManager.wait_p2p`` as a plain
+    blocking ``Work.wait()`` on the calling thread -- no helper thread, no polling loop, no abort
+    or watchdog checks (a dead peer is then only noticed by gloo's own timeout).  Measures what
+    the fail-fast wait costs a step; unsafe under failures."""
+    from chameleon_ft.runtime.groups import GroupManager
+
+    _diag_no_start_check()
+
+    def wait_p2p(self, works, timeout_s=None):
+        for w in works:
+            w.wait()
+
+    GroupManager.wait_p2p = wait_p2p
+
+
 def run_ft(a) -> None:
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
     from chameleon_ft.runtime.worker import ElasticConfig
 
     if a.diag == "no-start-check":
         _diag_no_start_check()
+    elif a.diag == "blocking-p2p":
+        _diag_blocking_p2p()
 
     def main():
         net = model(a.blocks, a.block_sleep)
@@ -195,7 +213,7 @@ if __name__ == "__main__":
     ap.add_argument("--predict", action="store_true",
                     help="ft: worker 0 records the engine's predicted step time of the running plan per step "
                          "(without the rerouted extra micro-batches; off in overhead runs)")
-    ap.add_argument("--diag", choices=["no-start-check"], default=None,
+    ap.add_argument("--diag", choices=["no-start-check", "blocking-p2p"], default=None,
                     help="ft: a diagnostic patch of the runtime (see _diag_no_start_check); never in results")
     ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
     a = ap.parse_args()

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from chameleon_ft.localjob import LocalJob
+from chameleon_ft.localjob import LocalJob, kill_processes
 from chameleon_ft.runtime.eventlog import read_events
 
 SCRIPT = Path(__file__).with_name("_pipe_bench.py")
@@ -120,6 +120,25 @@ def worker_args(a, out: Path, steps: int) -> list[str]:
             "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]
 
 
+def descendants(pid: int) -> list[int]:
+    """PIDs of ``pid``'s descendants (torchrun starts its workers in sessions of their own, so
+    killing its process group would orphan them)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 def run_baseline(a, root: Path) -> list:
     root.mkdir(parents=True, exist_ok=True)
     out = root / "stamps.json"
@@ -127,14 +146,14 @@ def run_baseline(a, root: Path) -> list:
            str(SCRIPT), "--mode", "torch", *worker_args(a, out, a.steps)]
     with open(root / "log.txt", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        code = None
         try:
             code = proc.wait(timeout=400)
         except subprocess.TimeoutExpired:
-            code = None
+            pass
         finally:
-            from chameleon_ft.localjob import kill_processes
-            if proc.poll() is None:
-                kill_processes([proc.pid], [proc])
+            if proc.poll() is None:  # timed out or interrupted: the workers first, by PID
+                kill_processes(descendants(proc.pid) + [proc.pid], [proc])
     if code != 0:
         raise RuntimeError(f"baseline run failed ({code}):\n{(root / 'log.txt').read_text()[-3000:]}")
     return json.loads(out.read_text())["stamps"]
@@ -184,18 +203,20 @@ def markdown(res: dict) -> str:
         lines += [f"## Failure-free: chameleon-ft vs torch.distributed.pipelining ({MODE})", "",
                   "| system | runs | steps/s (median) | step (ms, median) | runs' steps/s |",
                   "| --- | ---: | ---: | ---: | --- |"]
-        for name, key in (("torch.distributed.pipelining (Schedule1F1B) + DP all-reduce", "baseline"),
-                          ("chameleon-ft ElasticTrainer(stages=4)", "ft"),
-                          (f"diagnostic: chameleon-ft patched ({o.get('diag')}; not a product)", "ft-diag")):
-            if key not in o["rates"]:
-                continue
+        named = [("torch.distributed.pipelining (Schedule1F1B) + DP all-reduce", "baseline"),
+                 ("chameleon-ft ElasticTrainer(stages=4)", "ft")]
+        named += [(f"diagnostic only: chameleon-ft with `{k.split(':', 1)[1]}` patched in", k)
+                  for k in o["rates"] if k.startswith("ft-diag:")]
+        for name, key in named:
             rs = o["rates"][key]
             lines.append(f"| {name} | {len(rs)} | {o[key]:.3f} | {1e3 / o[key]:.0f} | "
                          + ", ".join(f"{r:.3f}" for r in rs) + " |")
         lines += ["", f"Ratio ours / baseline (steps/s): **{o['ratio']:.3f}** (overhead "
                   f"{100 * (1 / o['ratio'] - 1):+.1f} % in step time; target <= +1 %).", ""]
-        if "ft-diag" in o:
-            lines += [f"Diagnostic ratio (patched runtime / baseline): {o['ft-diag'] / o['baseline']:.3f}.", ""]
+        for k in o["rates"]:
+            if k.startswith("ft-diag:"):
+                lines += [f"Diagnostic ratio `{k.split(':', 1)[1]}` / baseline: {o[k] / o['baseline']:.3f} "
+                          "(a patched runtime, to locate the overhead; see `benchmarks/_pipe_bench.py`).", ""]
     kills = res.get("kills") or []
     if kills:
         lines += [f"## One SIGKILL of a middle-stage worker ({MODE})", "",
@@ -247,8 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--hang-timeout", type=float, default=10.0)
-    ap.add_argument("--diag", choices=["no-start-check"], default=None,
-                    help="also time a diagnostic variant of the runtime in the overhead runs (see _pipe_bench.py)")
+    ap.add_argument("--diag", default=None,
+                    help="comma-separated diagnostic variants of the runtime to time too in the overhead "
+                         "runs: no-start-check, blocking-p2p (see _pipe_bench.py)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="write the markdown report here")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
@@ -274,26 +296,27 @@ def main(argv=None) -> int:
                  "notes": a.note}
     rates: dict[str, list[float]] = {"baseline": [], "ft": []}
     systems = ["baseline", "ft"]
-    if a.diag:
-        rates["ft-diag"] = []
-        systems.append("ft-diag")
+    diags = [d for d in (a.diag or "").split(",") if d]
+    for d in diags:
+        rates[f"ft-diag:{d}"] = []
+        systems.append(f"ft-diag:{d}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = a.workdir or tmp  # --workdir: keep the runs' event logs
         for r in range(a.repeats):
             for mode in systems[r % len(systems):] + systems[:r % len(systems)]:  # rotate the order
-                root = Path(tmp) / f"{mode}{r}"
+                root = Path(tmp) / f"{mode.replace(':', '-')}{r}"
                 if mode == "baseline":
                     stamps = run_baseline(a, root)
                 else:
-                    stamps = run_ft(a, root, diag=a.diag if mode == "ft-diag" else None)[0]["stamps"]
+                    diag = mode.split(":", 1)[1] if mode.startswith("ft-diag:") else None
+                    stamps = run_ft(a, root, diag=diag)[0]["stamps"]
                 rates[mode].append(rate(stamps, skip=a.warmup))
                 print(f"{mode} run {r}: {rates[mode][-1]:.3f} steps/s", flush=True)
         if a.repeats:
             b, f = statistics.median(rates["baseline"]), statistics.median(rates["ft"])
             res["overhead"] = {"baseline": b, "ft": f, "ratio": f / b, "rates": rates}
-            if a.diag:
-                res["overhead"]["ft-diag"] = statistics.median(rates["ft-diag"])
-                res["overhead"]["diag"] = a.diag
+            for d in diags:
+                res["overhead"][f"ft-diag:{d}"] = statistics.median(rates[f"ft-diag:{d}"])
         ff = res["overhead"]["ft"] if a.repeats else None
         res["kills"] = []
         for name in [p for p in a.policies.split(",") if p]:
