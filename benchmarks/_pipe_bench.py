@@ -1,0 +1,222 @@
+"""The training script both sides of the pipeline benchmark run: plain ``torch.distributed.pipelining``
+(``--mode torch``) or chameleon-ft's DP x PP runtime (``--mode ft``).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/_pipe_bench.py --mode torch --out F
+    python -m chameleon_ft.launch --nproc-per-node 8 --run-dir D benchmarks/_pipe_bench.py --mode ft --out F
+
+Same model (``--blocks`` MLP blocks), data, global batch, micro-batches, layout (2 pipelines x
+``--stages`` stages, blocks split evenly) and emulated compute on both sides: accelerator
+emulation, every block's forward padded by ``--block-sleep`` seconds and its backward by twice
+that (``_Pad``, a custom autograd function on the block's output), so that a step's time follows
+the schedule and the worker count as on accelerators although 8 workers share 2 CPU cores.
+
+The baseline: ranks ``4j..4j+3`` are pipeline ``j`` (stage = rank % stages), each stage a
+``PipelineStage`` on the pipeline's own group run by ``Schedule1F1B``; after each step the
+gradients are averaged between the two pipelines' same-stage ranks (one all-reduce per stage
+group, a flat buffer), then SGD steps.  No fault tolerance.
+
+The writer (rank 0 / worker 0) dumps the wall-clock time of every committed step to ``--out``
+(JSON: ``{"mode", "stamps": [[step, time], ...]}``).  Limits: CPU + gloo only; the baseline
+assumes exactly two pipelines and ``world == 2 * stages``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+DIM, IN, CLASSES, N = 64, 16, 4, 8192
+
+
+class _Pad(torch.autograd.Function):
+    """Identity whose forward sleeps ``s`` and backward ``2 s`` (emulated accelerator compute)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        if s:
+            time.sleep(s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.s:
+            time.sleep(2 * ctx.s)
+        return g, None
+
+
+class Block(torch.nn.Module):
+    def __init__(self, i: int, o: int, sleep: float, act: bool):
+        super().__init__()
+        self.lin, self.sleep, self.act = torch.nn.Linear(i, o), sleep, act
+
+    def forward(self, x):
+        y = _Pad.apply(self.lin(x), self.sleep)
+        return torch.tanh(y) if self.act else y
+
+
+def model(blocks: int, sleep: float) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    dims = [IN] + [DIM] * (blocks - 1) + [CLASSES]
+    return torch.nn.Sequential(*[Block(dims[i], dims[i + 1], sleep, i < blocks - 1) for i in range(blocks)])
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1234)
+    return torch.utils.data.TensorDataset(torch.randn(N, IN, generator=g),
+                                          torch.randint(0, CLASSES, (N,), generator=g))
+
+
+def write(path: str, mode: str, stamps: list, predicted: list = ()) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"mode": mode, "stamps": stamps, "predicted": list(predicted)}, f)
+    os.replace(tmp, path)
+
+
+def run_torch(a) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    P = a.stages
+    if world != 2 * P:
+        raise SystemExit(f"the baseline runs 2 pipelines x {P} stages: world must be {2 * P}")
+    pipe, stage = divmod(rank, P)
+    # Every rank creates every group, in the same order (new_group is collective).
+    pp = [dist.new_group([j * P + s for s in range(P)]) for j in range(2)]
+    dp = [dist.new_group([s, s + P]) for s in range(P)]
+    full = model(a.blocks, a.block_sleep)
+    per = a.blocks // P
+    sub = torch.nn.Sequential(*list(full.children())[stage * per:(stage + 1) * per])
+    mbs = a.global_batch // a.micro_batch // 2  # micro-batches per pipeline
+    mb_in = torch.zeros(a.micro_batch, IN if stage == 0 else DIM)
+    st = PipelineStage(sub, stage, P, torch.device("cpu"), input_args=mb_in, group=pp[pipe])
+    ce = torch.nn.CrossEntropyLoss()
+    sched = Schedule1F1B(st, mbs, loss_fn=lambda out, y: ce(out, y))
+    opt = torch.optim.SGD(sub.parameters(), lr=0.05, momentum=0.9)
+    x_all, y_all = dataset().tensors
+    half = a.global_batch // 2
+    stamps = []
+    for step in range(a.steps):
+        base = (step * a.global_batch) % N + pipe * half
+        x, y = x_all[base:base + half], y_all[base:base + half]
+        if stage == 0:
+            sched.step(x)
+        elif stage == P - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        grads = [p.grad.reshape(-1) for p in sub.parameters()]
+        flat = torch.cat(grads)
+        dist.all_reduce(flat, group=dp[stage])
+        flat /= 2
+        at = 0
+        for p in sub.parameters():
+            p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append([step + 1, time.time()])
+    if rank == 0:
+        write(a.out, "torch", stamps)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _diag_no_start_check() -> None:
+    """Diagnostic only (``--diag no-start-check``), not a fix: ``GroupManager.start`` without its
+    abort-key look-up (a TCP-store round trip per point-to-point send and receive), to measure
+    what that look-up costs a pipeline step.  A failure is still detected by ``wait_p2p``."""
+    from chameleon_ft.runtime.groups import GroupManager
+
+    def start(self, fn):
+        pg = self.group()
+        try:
+            return fn(pg)
+        except Exception as exc:
+            raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
+
+    GroupManager.start = start
+
+
+def _diag_blocking_p2p() -> None:
+    """Diagnostic only (``--diag blocking-p2p``): also ``GroupManager.wait_p2p`` as a plain
+    blocking ``Work.wait()`` on the calling thread -- no helper thread, no polling loop, no abort
+    or watchdog checks (a dead peer is then only noticed by gloo's own timeout).  Measures what
+    the fail-fast wait costs a step; unsafe under failures."""
+    from chameleon_ft.runtime.groups import GroupManager
+
+    _diag_no_start_check()
+
+    def wait_p2p(self, works, timeout_s=None):
+        for w in works:
+            w.wait()
+
+    GroupManager.wait_p2p = wait_p2p
+
+
+def run_ft(a) -> None:
+    from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
+    from chameleon_ft.runtime.worker import ElasticConfig
+
+    if a.diag == "no-start-check":
+        _diag_no_start_check()
+    elif a.diag == "blocking-p2p":
+        _diag_blocking_p2p()
+
+    def main():
+        net = model(a.blocks, a.block_sleep)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        ce = torch.nn.CrossEntropyLoss()
+        stamps: list = []
+        predicted: list = []  # [step, the engine's step time of the running plan, its plan]
+        writer = os.environ.get("CHAMELEON_FT_WORKER_ID") == "0"
+
+        def on_step(ctx):
+            stamps.append([ctx.step, time.time()])
+            if writer and a.predict:
+                from chameleon_ft.perf import estimate
+                pol = ctx.policy
+                dead = frozenset(set(pol.plan.devices) - set(pol.alive))
+                est = estimate(pol.plan, pol.workload(), pol.cluster(), pol.calibrator.coefficients(), dead)
+                predicted.append([ctx.step, est.step_time, pol.plan.describe()])
+            if writer and ctx.step % 5 == 0:  # partial results survive an unclean end
+                write(a.out, "ft", stamps, predicted)
+
+        allowed = frozenset(a.allowed.split(",")) if a.allowed else None
+        trainer = ElasticTrainer(net, opt, dataset(), lambda out, batch: ce(out, batch[1]), a.global_batch,
+                                 a.micro_batch, shuffle=False, stages=a.stages, seed=3, on_step=on_step,
+                                 config=ElasticConfig(allowed_policies=allowed, log_samples=False))
+        trainer.fit(max_steps=a.steps)
+        if writer:
+            write(a.out, "ft", stamps, predicted)
+
+    elastic_main(main)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["torch", "ft"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--block-sleep", type=float, default=0.004, help="emulated forward per block (s); backward 2x")
+    ap.add_argument("--predict", action="store_true",
+                    help="ft: worker 0 records the engine's predicted step time of the running plan per step "
+                         "(without the rerouted extra micro-batches; off in overhead runs)")
+    ap.add_argument("--diag", choices=["no-start-check", "blocking-p2p"], default=None,
+                    help="ft: a diagnostic patch of the runtime (see _diag_no_start_check); never in results")
+    ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_torch(a) if a.mode == "torch" else run_ft(a)

@@ -1,0 +1,344 @@
+"""Pipeline (DP x PP) benchmark: failure-free overhead against plain ``torch.distributed.pipelining``
+and recovery from one SIGKILL under each pipeline policy.
+
+    python benchmarks/pipeline_bench.py [--repeats 1] [--kills 1] [--steps 30]
+        [--json benchmarks/results/pipeline.json] [--markdown docs/benchmarks-pipeline.md]
+
+Both sides run ``benchmarks/_pipe_bench.py``: 8 CPU workers, 2 pipelines x 4 stages of an
+8-block MLP, in **accelerator-emulation mode** (each block's forward padded by ``--block-sleep``
+seconds, its backward by twice that; see the worker's doc).
+
+* **Overhead**: steady-state steps/s (after ``--warmup`` steps) of the chameleon-ft runtime
+  (``python -m chameleon_ft.launch``) and of the baseline (``python -m torch.distributed.run``:
+  ``PipelineStage`` + ``Schedule1F1B`` per pipeline, gradient all-reduce between same-stage
+  ranks), alternating, median of ``--repeats`` runs each; ratio = ours / baseline.
+* **One kill**: per policy set ({reroute}, {replan}, adaptive {reroute, replan}) a run whose
+  middle-stage worker (``--victim``, default 1: pipeline 0, stage 1) is SIGKILLed from this
+  process once worker 0 committed step ``--kill-step``.  MTTR = kill -> first step committed
+  after it (worker 0's clock) and the recovering member's breakdown; time to the re-planned
+  layout = kill -> last member's migration end; efficiency = steps/s after recovery (skipping
+  ``--settle`` steps) / (failure-free steps/s x 7/8); the engine's predicted step time of the
+  chosen candidate against the measured one.
+
+Limits, honestly: wall-clock timings on a shared 2-core machine (other jobs may run): read
+medians and ratios, not digits; a run takes ~1.5 min of which most is 8 workers importing torch.
+The metric functions (``rate``, ``kill_metrics``) are pure and tested on synthetic logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from chameleon_ft.localjob import LocalJob, kill_processes
+from chameleon_ft.runtime.eventlog import read_events
+
+SCRIPT = Path(__file__).with_name("_pipe_bench.py")
+POLICIES = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}
+PHASES = ["detect", "membership", "rebuild", "state_transfer", "first_step"]
+MODE = "accelerator emulation"
+
+
+# ---------------------------------------------------------------- pure metrics
+def rate(stamps: list, after: Optional[float] = None, skip: int = 0) -> Optional[float]:
+    """Committed steps per second over ``stamps`` ([step, time] pairs, in order): those
+    after time ``after`` (all by default), less the first ``skip``.  None with < 2 left."""
+    ts = [t for _, t in stamps if after is None or t > after][skip:]
+    if len(ts) < 2 or ts[-1] <= ts[0]:
+        return None
+    return (len(ts) - 1) / (ts[-1] - ts[0])
+
+
+def median_interval(stamps: list, lo: Optional[float] = None, hi: Optional[float] = None) -> Optional[float]:
+    ts = [t for _, t in stamps if (lo is None or t > lo) and (hi is None or t < hi)]
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
+def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optional[float],
+                 world: int = 8, settle: int = 2, warmup: int = 3, predicted: list = ()) -> dict:
+    """Recovery figures of one kill run from its event log, worker 0's commit stamps and its
+    per-step predictions ([step, engine's step time of the running plan, plan])."""
+    after = [(s, t) for s, t in stamps if t > t_kill]
+    first = after[0][1] if after else None
+    out: dict = {"mttr_s": None if first is None else first - t_kill}
+    recs = [e for e in events if e["event"] == "recovery"]
+    if recs:
+        rec = min(recs, key=lambda e: e["ts"])
+        out["breakdown"] = {k: rec.get("mttr", {}).get(k) for k in PHASES}
+        out["mttr_log_s"] = rec["ts"] - t_kill
+    ends = [e for e in events if e["event"] == "migration" and e.get("phase") == "end" and e.get("step", 0) > 0
+            and e["ts"] > t_kill]
+    moved = [e for e in ends if e.get("transfers")]
+    out["migration"] = {"bytes": sum(e.get("bytes", 0) for e in ends),
+                        "transfers": sum(e.get("transfers", 0) for e in ends),
+                        "rounds": max((e.get("rounds", 0) for e in ends), default=0),
+                        "predicted_bytes": next((e.get("predicted_bytes") for e in ends), None),
+                        "predicted_s": next((e.get("predicted_s") for e in ends), None),
+                        "seconds_max": max((e.get("seconds", 0.0) for e in ends), default=0.0)}
+    out["to_new_layout_s"] = (max(e["ts"] for e in moved) - t_kill) if moved else None
+    ds = [e["decision"] for e in events if e["event"] == "decision" and e["ts"] > t_kill - 1]
+    if ds:
+        d = ds[0]
+        chosen = next((c for c in d["candidates"] if c["policy"] == d["chosen"]), {})
+        out["decision"] = {"chosen": d["chosen"], "predicted_step_s": chosen.get("step_time_s"),
+                           "extra_microbatches": chosen.get("extra_microbatches"),
+                           "plan": chosen.get("plan") if isinstance(chosen.get("plan"), str) else None,
+                           "candidates": {c["policy"]: {"feasible": c["feasible"], "step_time_s": c.get("step_time_s"),
+                                                        "score": c.get("score"), "reason": c.get("reason")}
+                                          for c in d["candidates"]}}
+    at = dict((s, t) for s, t in stamps)
+    pre = [p for p in predicted if p[0] in at and at[p[0]] < t_kill]
+    out["predicted_ff_step_s"] = pre[-1][1] if pre else None
+    out["ff_plan"] = pre[-1][2] if pre and len(pre[-1]) > 2 else None
+    post = [p for p in predicted if p[0] in at and at[p[0]] > t_kill]
+    out["plan_after"] = post[-1][2] if post and len(post[-1]) > 2 else None
+    before = [(s, t) for s, t in stamps if t < t_kill][warmup:]
+    out["measured_step_before_s"] = median_interval(before)
+    out["measured_step_after_s"] = median_interval(after[settle:])
+    r_after = rate(after, skip=settle)
+    out["rate_before"] = rate(before)
+    out["rate_after"] = r_after
+    out["efficiency"] = (r_after / (ff_rate * (world - 1) / world)) if (r_after and ff_rate) else None
+    # Against the same run's own pre-kill rate (same machine load as the rate after).
+    rb = out["rate_before"]
+    out["efficiency_in_run"] = (r_after / (rb * (world - 1) / world)) if (r_after and rb) else None
+    return out
+
+
+# ---------------------------------------------------------------- runs
+def worker_args(a, out: Path, steps: int) -> list[str]:
+    return ["--out", str(out), "--steps", str(steps), "--block-sleep", str(a.block_sleep),
+            "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of ``pid``'s descendants (torchrun starts its workers in sessions of their own, so
+    killing its process group would orphan them)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def run_baseline(a, root: Path) -> list:
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / "stamps.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+           str(SCRIPT), "--mode", "torch", *worker_args(a, out, a.steps)]
+    with open(root / "log.txt", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        code = None
+        try:
+            code = proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:  # timed out or interrupted: the workers first, by PID
+                kill_processes(descendants(proc.pid) + [proc.pid], [proc])
+    if code != 0:
+        raise RuntimeError(f"baseline run failed ({code}):\n{(root / 'log.txt').read_text()[-3000:]}")
+    return json.loads(out.read_text())["stamps"]
+
+
+def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = None,
+           kill_step: Optional[int] = None, diag: Optional[str] = None) -> tuple[dict, list, Optional[float]]:
+    out = root / "stamps.json"
+    args = ["--mode", "ft", *worker_args(a, out, steps or a.steps)] + (["--allowed", allowed] if allowed else [])
+    if diag:
+        args += ["--diag", diag]
+    if kill_step is not None:
+        args.append("--predict")
+    job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout)
+    t_kill = None
+    try:
+        job.start()
+        if kill_step is not None:
+            # Worker 0 logs step k's record once it committed step k - 1.
+            job.wait_step(kill_step + 1, 400)
+            t_kill = job.kill(a.victim)
+        codes = job.wait(400)
+        if codes != [0]:
+            raise RuntimeError(f"chameleon-ft run failed ({codes}):\n{job.output()[-3000:]}")
+        return json.loads(out.read_text()), job.events(), t_kill
+    finally:
+        job.cleanup()
+
+
+# ---------------------------------------------------------------- report
+def fmt(x, unit="", scale=1.0, nd=0) -> str:
+    return "-" if x is None else f"{x * scale:.{nd}f}{unit}"
+
+
+def markdown(res: dict) -> str:
+    c = res["config"]
+    emu = (f"{MODE}: {c['block_sleep'] * 1e3:g} ms forward + {2 * c['block_sleep'] * 1e3:g} ms backward per block, "
+           f"8 blocks, 2 pipelines x 4 stages, global batch {c['global_batch']}, micro-batch {c['micro_batch']}")
+    lines = ["# Pipeline (DP x PP) benchmark", "",
+             "<!-- generated by benchmarks/pipeline_bench.py from its results JSON; do not edit by hand -->", "",
+             f"* command: `{res['command']}`", f"* date: {res['date']}", f"* machine: {res['machine']}",
+             f"* mode: **{emu}**", f"* wall time: {res['wall_s']:.0f} s", "",
+             "Wall-clock figures on a shared 2-core machine (8 workers; other jobs ran concurrently): "
+             "read medians and ratios, not digits.", ""]
+    o = res.get("overhead")
+    if o:
+        lines += [f"## Failure-free: chameleon-ft vs torch.distributed.pipelining ({MODE})", "",
+                  "| system | runs | steps/s (median) | step (ms, median) | runs' steps/s |",
+                  "| --- | ---: | ---: | ---: | --- |"]
+        named = [("torch.distributed.pipelining (Schedule1F1B) + DP all-reduce", "baseline"),
+                 ("chameleon-ft ElasticTrainer(stages=4)", "ft")]
+        named += [(f"diagnostic only: chameleon-ft with `{k.split(':', 1)[1]}` patched in", k)
+                  for k in o["rates"] if k.startswith("ft-diag:")]
+        for name, key in named:
+            rs = o["rates"][key]
+            lines.append(f"| {name} | {len(rs)} | {o[key]:.3f} | {1e3 / o[key]:.0f} | "
+                         + ", ".join(f"{r:.3f}" for r in rs) + " |")
+        lines += ["", f"Ratio ours / baseline (steps/s): **{o['ratio']:.3f}** (overhead "
+                  f"{100 * (1 / o['ratio'] - 1):+.1f} % in step time; target <= +1 %).", ""]
+        for k in o["rates"]:
+            if k.startswith("ft-diag:"):
+                lines += [f"Diagnostic ratio `{k.split(':', 1)[1]}` / baseline: {o[k] / o['baseline']:.3f} "
+                          "(a patched runtime, to locate the overhead; see `benchmarks/_pipe_bench.py`).", ""]
+    kills = res.get("kills") or []
+    if kills:
+        lines += [f"## One SIGKILL of a middle-stage worker ({MODE})", "",
+                  f"Worker {c['victim']} killed from outside once worker 0 committed step {c['kill_step']}; "
+                  f"{c['kill_steps']} steps per run; efficiency = steps/s after recovery (first {c['settle']} "
+                  "steps after it skipped) / (failure-free steps/s x 7/8), failure-free = the median "
+                  "chameleon-ft rate above.", "",
+                  "| allowed | chosen | MTTR | detect | membership | rebuild | state transfer | first step "
+                  "| kill -> new layout | moved | steps/s before / after | efficiency (vs median / vs own pre-kill) | predicted step before / after (chosen) "
+                  "| measured step before / after |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for k in kills:
+            m, b = k["metrics"], k["metrics"].get("breakdown") or {}
+            d = m.get("decision") or {}
+            lines.append(
+                f"| {{{k['allowed']}}} | {d.get('chosen', '-')} | {fmt(m['mttr_s'], ' ms', 1e3)} | "
+                + " | ".join(fmt(b.get(p), " ms", 1e3) for p in PHASES)
+                + f" | {fmt(m['to_new_layout_s'], ' ms', 1e3)} | {m['migration']['bytes'] / 1e3:.0f} kB "
+                f"| {fmt(m['rate_before'], '', 1, 3)} / {fmt(m['rate_after'], '', 1, 3)} "
+                f"| {fmt(m['efficiency'], '', 1, 2)} / {fmt(m['efficiency_in_run'], '', 1, 2)} "
+                f"| {fmt(m.get('predicted_ff_step_s'), ' ms', 1e3)} / {fmt(d.get('predicted_step_s'), ' ms', 1e3)} "
+                f"| {fmt(m['measured_step_before_s'], ' ms', 1e3)} / {fmt(m['measured_step_after_s'], ' ms', 1e3)} |")
+        lines += ["", "Candidates the engine priced at the decision (predicted step time, score):", ""]
+        for k in kills:
+            d = k["metrics"].get("decision") or {}
+            cs = "; ".join(f"{p}: {fmt(v['step_time_s'], ' ms', 1e3)}, score {fmt(v['score'], '', 1, 1)}"
+                           + ("" if v["feasible"] else f" (infeasible: {v['reason']})")
+                           for p, v in (d.get("candidates") or {}).items())
+            lines.append(f"* {{{k['allowed']}}} -> {d.get('chosen')}: {cs}; plan before `{k['metrics'].get('ff_plan')}`, "
+                         f"after `{k['metrics'].get('plan_after')}`")
+        lines.append("")
+    if res.get("notes"):
+        lines += ["## Notes", ""] + [f"* {n}" for n in res["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=1, help="failure-free runs per system (alternating)")
+    ap.add_argument("--kills", type=int, default=1, help="kill runs per policy set")
+    ap.add_argument("--policies", default="reroute,replan,adaptive")
+    ap.add_argument("--steps", type=int, default=30, help="steps of a failure-free run")
+    ap.add_argument("--kill-steps", type=int, default=36, help="steps of a kill run")
+    ap.add_argument("--kill-step", type=int, default=10)
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--settle", type=int, default=3)
+    ap.add_argument("--block-sleep", type=float, default=0.004)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--hang-timeout", type=float, default=10.0)
+    ap.add_argument("--diag", default=None,
+                    help="comma-separated diagnostic variants of the runtime to time too in the overhead "
+                         "runs: no-start-check, blocking-p2p (see _pipe_bench.py)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--markdown", help="write the markdown report here")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    ap.add_argument("--workdir", help="keep every run's directory (event logs, outputs) here")
+    ap.add_argument("--from-json", help="no runs: re-render --markdown from these results (adding --note lines)")
+    a = ap.parse_args(argv)
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+        res["notes"] = list(res.get("notes") or []) + a.note
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        md = markdown(res)
+        if a.markdown:
+            Path(a.markdown).write_text(md)
+        print(md)
+        return 0
+    t0 = time.time()
+    res: dict = {"command": "python benchmarks/pipeline_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "machine": f"{platform.node()}: {__import__('os').cpu_count()} CPU cores, {platform.machine()}, "
+                            f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
+                 "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "note", "from_json")},
+                 "notes": a.note}
+    rates: dict[str, list[float]] = {"baseline": [], "ft": []}
+    systems = ["baseline", "ft"]
+    diags = [d for d in (a.diag or "").split(",") if d]
+    for d in diags:
+        rates[f"ft-diag:{d}"] = []
+        systems.append(f"ft-diag:{d}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = a.workdir or tmp  # --workdir: keep the runs' event logs
+        for r in range(a.repeats):
+            for mode in systems[r % len(systems):] + systems[:r % len(systems)]:  # rotate the order
+                root = Path(tmp) / f"{mode.replace(':', '-')}{r}"
+                if mode == "baseline":
+                    stamps = run_baseline(a, root)
+                else:
+                    diag = mode.split(":", 1)[1] if mode.startswith("ft-diag:") else None
+                    stamps = run_ft(a, root, diag=diag)[0]["stamps"]
+                rates[mode].append(rate(stamps, skip=a.warmup))
+                print(f"{mode} run {r}: {rates[mode][-1]:.3f} steps/s", flush=True)
+        if a.repeats:
+            b, f = statistics.median(rates["baseline"]), statistics.median(rates["ft"])
+            res["overhead"] = {"baseline": b, "ft": f, "ratio": f / b, "rates": rates}
+            for d in diags:
+                res["overhead"][f"ft-diag:{d}"] = statistics.median(rates[f"ft-diag:{d}"])
+        ff = res["overhead"]["ft"] if a.repeats else None
+        res["kills"] = []
+        for name in [p for p in a.policies.split(",") if p]:
+            for i in range(a.kills):
+                root = Path(tmp) / f"kill-{name}{i}"
+                got, events, t_kill = run_ft(a, root, POLICIES[name], a.kill_steps, a.kill_step)
+                stamps = got["stamps"]
+                m = kill_metrics(events, stamps, t_kill, ff, settle=a.settle, warmup=a.warmup,
+                                 predicted=got.get("predicted", []))
+                res["kills"].append({"allowed": POLICIES[name], "run": i, "metrics": m,
+                                     "stamps": stamps, "t_kill": t_kill})
+                print(name, json.dumps({k: v for k, v in m.items() if k != "decision"}, default=str), flush=True)
+    res["wall_s"] = time.time() - t0
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    if a.markdown:
+        Path(a.markdown).write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
