@@ -135,7 +135,7 @@ def _diag_no_start_check() -> None:
     what that look-up costs a pipeline step.  A failure is still detected by ``wait_p2p``."""
     from chameleon_ft.runtime.groups import GroupManager
 
-    def start(self, fn):
+    def start(self, fn, check_abort=True):  # (since d5afd2f the runtime skips it for p2p too)
         pg = self.group()
         try:
             return fn(pg)
