@@ -290,8 +290,20 @@ def write_report(res: dict, doc: Path) -> Path:
                 L += [f"![{kind}: {title}]({p.relative_to(doc.parent)})", ""]
                 plots.append(p)
     _fixed_policies(L, res, spread)
+    if stem == "benchmarks":
+        L += _pipeline_section(doc.parent / "benchmarks-pipeline.md")
     doc.write_text("\n".join(L) + "\n")
     return doc
+
+
+def _pipeline_section(page: Path) -> list[str]:
+    """The pipeline (DP x PP) benchmark's own generated page (``benchmarks/pipeline_bench.py``),
+    one heading level down, when it exists."""
+    if not page.exists():
+        return []
+    body = [line for line in page.read_text().splitlines() if not line.startswith("<!--")]
+    body = ["#" + line if line.startswith("#") else line for line in body]
+    return ["", f"<!-- the section below is {page.name}, written by benchmarks/pipeline_bench.py -->", ""] + body
 
 
 def _fixed_policies(L, res, spread):
