@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Optional
 
 from chameleon_ft.localjob import LocalJob, kill_processes
-from chameleon_ft.runtime.eventlog import read_events
 
 SCRIPT = Path(__file__).with_name("_pipe_bench.py")
 POLICIES = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}
@@ -280,13 +279,7 @@ def main(argv=None) -> int:
     if a.from_json:
         res = json.loads(Path(a.from_json).read_text())
         res["notes"] = list(res.get("notes") or []) + a.note
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-        md = markdown(res)
-        if a.markdown:
-            Path(a.markdown).write_text(md)
-        print(md)
-        return 0
+        return _write(res, a)
     t0 = time.time()
     res: dict = {"command": "python benchmarks/pipeline_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -330,6 +323,11 @@ def main(argv=None) -> int:
                                      "stamps": stamps, "t_kill": t_kill})
                 print(name, json.dumps({k: v for k, v in m.items() if k != "decision"}, default=str), flush=True)
     res["wall_s"] = time.time() - t0
+    return _write(res, a)
+
+
+def _write(res: dict, a) -> int:
+    """The results JSON and the markdown page, where asked; the page is printed too."""
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))
