@@ -380,7 +380,6 @@ class PipelineContext(RecoveryCore):
             return False
         self._compute_s, self._n_mb = res.compute_s, res.microbatches
         self._ids = [i for r in rs if r.hops[0].worker == self.worker_id for i in mbs[r.slot].indices]
-        self.last_step_loss_local = res.loss
         return self.sync_and_step(res.loss)
 
     def sync_and_step(self, loss: float = 0.0) -> bool:
