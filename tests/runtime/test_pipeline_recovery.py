@@ -191,6 +191,7 @@ def test_kill_during_migration_and_a_second_kill(tmp_path, reference):
     assert all(d["chosen"] == "replan" for d in ds) and len(ds) == 3, [d["chosen"] for d in ds]
 
 
+@pytest.mark.chaos  # flaky on 2 cores: the launcher kills a replacement not admitted within 7 s
 def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
     # Slower steps (30 ms per block forward): the replacement needs seconds to start and join.
     codes, j = kill_run(tmp_path, [2], "--allowed", "reroute,wait,heal", "--block-sleep", "0.03", at_step=3,
