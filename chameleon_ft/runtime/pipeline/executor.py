@@ -46,7 +46,6 @@ class StepResult:
         self.loss = 0.0  # sum over this worker's last hops of loss * weight
         self.compute_s = 0.0
         self.microbatches = 0  # distinct micro-batches this worker computed a hop of
-        self.sent_bytes = 0
 
 
 def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Module],
@@ -70,7 +69,6 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
         head[2:2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
         sends.append((gm.send(head, rank_of[dst], tag), head))
         sends.append((gm.send(t, rank_of[dst], tag + 1), t))
-        res.sent_bytes += t.numel() * t.element_size()
 
     def recv(src: int, tag: int) -> torch.Tensor:
         head = torch.zeros(_HEADER, dtype=torch.int64)
