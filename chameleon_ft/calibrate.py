@@ -7,6 +7,9 @@ the same phases.  :func:`fit_coefficients` solves two least-squares problems thr
 residual of whole steps.  :func:`fit_link` fits a link's alpha (latency) and beta (bandwidth)
 from timed all-reduces of known sizes with non-negative least squares.  :class:`Calibrator`
 keeps a bounded window of recent samples so estimates follow the real job as it changes.
+:class:`PipelineCalibrator` fits the pipeline terms the same way, online: per-block forward and
+backward seconds and per-device speeds from what every stage measured, the effective links of
+point-to-point messages, of the step's all-reduce and of migrations, and the per-step overhead.
 
 Limits: a phase that was never observed keeps its prior coefficient; with fewer than
 ``min_samples`` samples nothing is fitted.
@@ -14,6 +17,7 @@ Limits: a phase that was never observed keeps its prior coefficient; with fewer 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -111,3 +115,202 @@ class Calibrator:
 
     def link(self, prior: Link) -> Link:
         return fit_link(self.collectives, prior)
+
+
+def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None = None) -> Link:
+    """Alpha-beta fit of point-to-point messages: ``t = alpha + bytes / beta`` (non-negative
+    least squares).  With one message size the two cannot be told apart: the time is then
+    charged to ``beta`` (the prior's latency kept, or none), which predicts that size exactly."""
+    x = np.asarray(sizes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if len(x) == 0:
+        if prior is None:
+            raise ValueError("need point-to-point samples to fit a link")
+        return prior
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))) or np.any(x < 0) or np.any(t < 0):
+        raise ValueError("message sizes and times must be finite and non-negative")
+    if np.ptp(x) > 0.1 * max(float(x.max()), 1.0):
+        (alpha, inv_bw), _ = nnls(np.column_stack([np.ones_like(x), x]), t)
+        if inv_bw > 0:
+            return Link(latency_s=float(alpha), bandwidth_Bps=float(1.0 / inv_bw))
+    alpha = min(prior.latency_s if prior else 0.0, float(np.median(t)))
+    rest = float(np.median(t)) - alpha
+    size = float(np.median(x))
+    if rest <= 0 or size <= 0:
+        return Link(latency_s=float(np.median(t)), bandwidth_Bps=prior.bandwidth_Bps if prior else 1e15)
+    return Link(latency_s=alpha, bandwidth_Bps=size / rest)
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    """What :class:`PipelineCalibrator` measured: per-block forward/backward seconds per
+    micro-batch on a speed-1.0 device, each block's output bytes, each device's speed, the
+    effective links of point-to-point messages, of the step's all-reduce and of migrations
+    (None: not observed yet) and the per-step overhead the model does not explain."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    out_bytes: tuple[int, ...]
+    speeds: dict[int, float]
+    p2p: Link | None
+    collective: Link | None
+    migration: Link | None
+    step_overhead_s: float
+    task_overhead_s: float = 0.0  # per forward or backward task, beyond compute and wire
+    optimizer_s_per_param: float = 0.0
+
+    def to_json(self) -> dict:
+        def link(l: Link | None):
+            return None if l is None else {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth_Bps}
+        return {"blocks": [[f, b, o] for f, b, o in zip(self.fwd_s, self.bwd_s, self.out_bytes)],
+                "speeds": {str(d): s for d, s in sorted(self.speeds.items())},
+                "p2p": link(self.p2p), "collective": link(self.collective),
+                "migration": link(self.migration), "step_overhead_s": self.step_overhead_s,
+                "task_overhead_s": self.task_overhead_s, "optimizer_s_per_param": self.optimizer_s_per_param}
+
+
+class PipelineCalibrator:
+    """Online calibration of the pipeline terms of the performance model, from the live job.
+
+    Fed once per committed step with what every member measured (shared by the step's
+    all-reduce, so every member holds the same figures):
+
+    * ``blocks``: per (device, block) the summed forward and backward seconds and the number of
+      micro-batches, and the block's output bytes.  A block's cost is the *fastest* holder's
+      median time per micro-batch over the window (the fastest copy runs at nominal speed); a
+      device's speed is the median over its blocks of cost / its own time.  Devices are compared
+      through the blocks they share: a slowdown of every holder of a block is read as the
+      block's cost until a re-plan mixes holders (stated limit).
+    * point-to-point messages: (bytes, seconds) of sends whose receiver was already waiting,
+      so the time is the transfer, not the sender's compute (:func:`fit_p2p`);
+    * the step's all-reduce over ``n`` members of ``nbytes`` (the fastest member's time: the
+      others include waiting for the last to arrive) -> :func:`fit_link`;
+    * migrations: (rounds, bytes of the largest transfer of each round summed, seconds);
+    * per task (a stage's forward or backward of one micro-batch), the seconds beyond its
+      blocks' compute, the wait for its input and the wire: the runtime's per-task cost;
+    * the optimizer step's seconds per parameter updated;
+    * the step's measured seconds with the model's prediction from the fitted terms: the median
+      residual is the per-step overhead (optimizer, framework, Python).
+
+    The window keeps the last ``window`` steps, so the figures follow the job (a straggler
+    that appears, a re-plan that changes who holds what)."""
+
+    def __init__(self, window: int = 20, min_steps: int = 3):
+        self.window, self.min_steps = int(window), int(min_steps)
+        self.blocks: deque = deque(maxlen=self.window)  # {(d, b): (fwd per mb, bwd per mb)}
+        self.out_bytes: dict[int, int] = {}
+        self.p2p: deque = deque(maxlen=8 * self.window)  # (bytes, seconds)
+        self.collectives: deque[CollectiveSample] = deque(maxlen=self.window)
+        self.migrations: deque = deque(maxlen=8)  # (rounds, bytes, seconds)
+        self.residuals: deque = deque(maxlen=self.window)
+        self.task_costs: deque = deque(maxlen=self.window)
+        self.optimizer_costs: deque = deque(maxlen=self.window)
+
+    def observe_step(self, times: dict[tuple[int, int], tuple[float, float, int]],
+                     out_bytes: dict[int, int] | None = None, tasks: tuple[float, int] = (0.0, 0),
+                     optimizer: tuple[float, float] = (0.0, 0.0)) -> None:
+        """``times[(device, block)] = (forward seconds, backward seconds, micro-batches)``;
+        ``tasks``: (seconds of the step's tasks beyond compute and waiting, number of tasks);
+        ``optimizer``: (optimizer seconds, parameters updated), summed over the members."""
+        if tasks[1] > 0 and math.isfinite(tasks[0]) and tasks[0] >= 0:
+            self.task_costs.append(tasks[0] / tasks[1])
+        if optimizer[1] > 0 and math.isfinite(optimizer[0]) and optimizer[0] > 0:
+            self.optimizer_costs.append(optimizer[0] / optimizer[1])
+        per_mb = {}
+        for key, (f, b, n) in times.items():
+            if n > 0 and f >= 0 and b >= 0 and math.isfinite(f) and math.isfinite(b):
+                per_mb[key] = (f / n, b / n)
+        if per_mb:
+            self.blocks.append(per_mb)
+        for blk, nb in (out_bytes or {}).items():
+            if nb > 0:
+                self.out_bytes[int(blk)] = int(nb)
+
+    def observe_p2p(self, nbytes: float, seconds: float) -> None:
+        if nbytes >= 0 and seconds >= 0 and math.isfinite(seconds):
+            self.p2p.append((float(nbytes), float(seconds)))
+
+    def observe_collective(self, sample: CollectiveSample) -> None:
+        if sample.observed_s > 0 and math.isfinite(sample.observed_s):
+            self.collectives.append(sample)
+
+    def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
+        if rounds > 0 and seconds > 0:
+            self.migrations.append((int(rounds), float(nbytes), float(seconds)))
+
+    def observe_residual(self, seconds: float) -> None:
+        """Measured step minus the model's step without overhead (may be negative: noise)."""
+        if math.isfinite(seconds):
+            self.residuals.append(float(seconds))
+
+    @property
+    def ready(self) -> bool:
+        return len(self.blocks) >= self.min_steps
+
+    def block_costs(self, num_blocks: int) -> tuple[list[float], list[float], dict[int, float]]:
+        """(forward s, backward s per block at speed 1.0, speed per device)."""
+        samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for step in self.blocks:
+            for key, v in step.items():
+                samples.setdefault(key, []).append(v)
+        med = {k: (float(np.median([f for f, _ in v])), float(np.median([b for _, b in v])))
+               for k, v in samples.items()}
+        fwd, bwd = [0.0] * num_blocks, [0.0] * num_blocks
+        for b in range(num_blocks):
+            holders = [(f + bw, f, bw) for (d, bb), (f, bw) in med.items() if bb == b]
+            if holders:
+                _, fwd[b], bwd[b] = min(holders)
+        speeds: dict[int, float] = {}
+        for d in sorted({d for d, _ in med}):
+            ratios = [(fwd[b] + bwd[b]) / (f + bw) for (dd, b), (f, bw) in med.items()
+                      if dd == d and f + bw > 0 and fwd[b] + bwd[b] > 0]
+            if ratios:
+                speeds[d] = float(min(1.0, np.median(ratios)))
+        return fwd, bwd, speeds
+
+    def fit(self, num_blocks: int, prior_p2p: Link | None = None) -> PipelineFit | None:
+        if not self.ready:
+            return None
+        fwd, bwd, speeds = self.block_costs(num_blocks)
+        p2p = fit_p2p(*zip(*self.p2p), prior=prior_p2p) if self.p2p else None
+        coll = fit_link(self.collectives, None) if sum(s.n > 1 for s in self.collectives) >= 2 else None
+        mig = None
+        if self.migrations:
+            rows = np.array([[r, nb] for r, nb, _ in self.migrations], dtype=float)
+            (alpha, inv_bw), _ = nnls(rows, np.array([s for *_, s in self.migrations]))
+            if inv_bw > 0:
+                mig = Link(latency_s=float(alpha), bandwidth_Bps=float(1 / inv_bw))
+            else:
+                mig = Link(latency_s=float(alpha), bandwidth_Bps=1e15)
+        overhead = float(np.median(self.residuals)) if self.residuals else 0.0
+        task = float(np.median(self.task_costs)) if self.task_costs else 0.0
+        opt = float(np.median(self.optimizer_costs)) if self.optimizer_costs else 0.0
+        return PipelineFit(tuple(fwd), tuple(bwd), tuple(self.out_bytes.get(b, 0) for b in range(num_blocks)),
+                           speeds, p2p, coll, mig, max(0.0, overhead), task, opt)
+
+    def state_dict(self) -> dict:
+        return {"blocks": [[[d, b, f, bw] for (d, b), (f, bw) in step.items()] for step in self.blocks],
+                "out_bytes": [[b, n] for b, n in sorted(self.out_bytes.items())],
+                "p2p": [list(x) for x in self.p2p],
+                "collectives": [[s.n, s.nbytes, s.observed_s] for s in self.collectives],
+                "migrations": [list(x) for x in self.migrations],
+                "residuals": list(self.residuals), "task_costs": list(self.task_costs),
+                "optimizer_costs": list(self.optimizer_costs)}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.blocks.clear()
+        for step in s.get("blocks", []):
+            self.blocks.append({(int(d), int(b)): (float(f), float(bw)) for d, b, f, bw in step})
+        self.out_bytes = {int(b): int(n) for b, n in s.get("out_bytes", [])}
+        self.p2p.clear()
+        self.p2p.extend(tuple(x) for x in s.get("p2p", []))
+        self.collectives.clear()
+        self.collectives.extend(CollectiveSample(int(n), float(nb), float(t)) for n, nb, t in s.get("collectives", []))
+        self.migrations.clear()
+        self.migrations.extend((int(r), float(nb), float(t)) for r, nb, t in s.get("migrations", []))
+        self.residuals.clear()
+        self.residuals.extend(float(x) for x in s.get("residuals", []))
+        self.task_costs.clear()
+        self.task_costs.extend(float(x) for x in s.get("task_costs", []))
+        self.optimizer_costs.clear()
+        self.optimizer_costs.extend(float(x) for x in s.get("optimizer_costs", []))

@@ -3,7 +3,8 @@
 A device has a speed factor (1.0 = the reference device the workload was costed on; a
 straggler running at a third of the speed has 1/3) and a memory capacity.  Links come in two
 tiers, intra-node and inter-node, each with an alpha (latency, s) and a beta (bandwidth,
-bytes/s).  Plain data; the planner and the performance model read it.
+bytes/s); calibration may add measured effective links for the gradient all-reduce and for
+state migration.  Plain data; the planner and the performance model read it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Cluster:
     devices: tuple[Device, ...]
     intra: Link = Link(5e-6, 150e9)  # NVLink-class
     inter: Link = Link(10e-6, 25e9)  # 200 Gb/s-class NIC
+    # Measured effective links of two kinds of traffic whose software costs differ from a
+    # plain message's (calibration, ``PipelineCalibrator``): the step's gradient all-reduce and
+    # state migration.  None: the tier links above.
+    collective: Link | None = None
+    migration: Link | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -92,6 +98,10 @@ class Cluster:
 
     def link(self, a: int, b: int) -> Link:
         return self.intra if self[a].node == self[b].node else self.inter
+
+    def state_link(self, a: int, b: int) -> Link:
+        """The link a state transfer (migration, heal) from ``a`` to ``b`` runs at."""
+        return self.migration or self.link(a, b)
 
     def group_link(self, ids: Iterable[int]) -> Link:
         """The slowest tier a collective over ``ids`` has to cross."""

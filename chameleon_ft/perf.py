@@ -5,7 +5,8 @@ For each pipeline (``p`` stages, ``m`` micro-batches) the 1F1B time is
 micro-batch and ``x_max`` the slowest boundary transfer (activation out and gradient back).
 The breakdown calls ``m · c_max`` compute, ``(p - 1) · c_max`` bubble and the rest p2p.  The
 step is the slowest pipeline plus the exposed gradient synchronisation: a ring all-reduce per
-group of devices holding the same layers (``2(n-1)·α + 2(n-1)/n · bytes/β``), and under FSDP
+group of devices holding the same layers (``2(n-1)·α + 2(n-1)/n · bytes/β``; one all-reduce of
+the whole model over every device when ``workload.grad_sync == "model"``), and under FSDP
 an all-gather of the weights for forward and backward and a reduce-scatter of the gradients
 within the shard group.  Memory per device is weights + gradients + optimizer state (divided by
 the shard degree) + in-flight activations (``min(m, p - i)`` micro-batches on stage ``i``; a
@@ -18,9 +19,14 @@ on the pipeline's critical path once: the pipeline takes ``max_s(e_s · c_s)`` l
 data parallelism, where a rank simply accumulates ``m + e`` micro-batches; conservative for
 ReCycle, which hides part of it in the pipeline bubbles).
 
+A fixed ``task_overhead_s`` per micro-batch and stage (measured by the pipeline runtime: what
+a forward/backward task costs beyond its layers and the wire) is added to every stage's compute;
+the optimizer step costs ``optimizer_s_per_param`` times the parameters of the busiest device
+(part of the breakdown's overhead).
+
 Limits: communication is not overlapped with compute (calibration folds overlap into
 ``comm_scale``); tensor parallelism is folded into a device; the optimizer step is part of
-``step_overhead_s``.
+``step_overhead_s`` unless ``optimizer_s_per_param`` is calibrated.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ class Coefficients:
     compute_scale: float = 1.0
     comm_scale: float = 1.0
     step_overhead_s: float = 0.0
+    # Fixed seconds per micro-batch and stage beyond its layers' compute (kernel launches, the
+    # runtime's per-task work, message hand-off): measured by the pipeline runtime.
+    task_overhead_s: float = 0.0
+    # The optimizer step: seconds per parameter a device updates (the busiest device counts).
+    optimizer_s_per_param: float = 0.0
 
 
 @dataclass
@@ -134,6 +145,7 @@ def estimate(
     for j, pipe in enumerate(plan.pipelines):
         groups.setdefault(pipe.bounds, []).append(j)
 
+    busiest = 0  # most parameters any alive device updates
     times = np.zeros(len(plan.pipelines))
     parts = np.zeros((len(plan.pipelines), 3))  # compute, bubble, p2p
     memory: list = []
@@ -147,7 +159,7 @@ def estimate(
         m = np.array([plan.pipelines[j].microbatches for j in members], dtype=float)[:, None]
         dead_m = dead_mask_flat[idx]
         e = extra_flat[idx]
-        c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms)
+        c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms, coeffs.task_overhead_s)
         c = np.where(dead_m, 0.0, c)
         c_max = c.max(axis=1)
         rerouted = (e * c).max(axis=1)  # extra micro-batches lengthen the critical path once
@@ -172,6 +184,9 @@ def estimate(
             in_flight = np.minimum(m + e, (p - np.arange(p))[None, :])
         mem = state[None, :] + in_flight * acts[None, :]
         alive = ~dead_m
+        if coeffs.optimizer_s_per_param and alive.any():
+            held = np.array([workload.params_in(bounds[s], bounds[s + 1]) for s in range(p)]) / k
+            busiest = max(busiest, float(np.where(alive, held[None, :], 0.0).max()))
         ids, mem_alive = dev[alive], mem[alive]
         memory.append((ids, mem_alive))
         if mem_alive.size:
@@ -184,14 +199,15 @@ def estimate(
     allreduce *= ms
     fsdp *= ms
     worst = int(np.argmax(times)) if len(times) else 0
+    overhead = coeffs.step_overhead_s + busiest * coeffs.optimizer_s_per_param
     return Estimate(
-        step_time=float(times[worst]) + allreduce + fsdp + coeffs.step_overhead_s,
+        step_time=float(times[worst]) + allreduce + fsdp + overhead,
         compute=float(parts[worst, 0]),
         bubble=float(parts[worst, 1]),
         p2p=float(parts[worst, 2]),
         allreduce=allreduce,
         fsdp=fsdp,
-        overhead=coeffs.step_overhead_s,
+        overhead=overhead,
         pipeline_times=tuple(times.tolist()),
         peak_memory=peak,
         over_memory=tuple(sorted(over)),
@@ -206,12 +222,13 @@ def _positions(lut: np.ndarray, dev: np.ndarray, unknown: int) -> np.ndarray:
     return np.where(idx >= 0, idx, unknown)
 
 
-def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, speed, node, cs: float, ms: float):
+def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, speed, node, cs: float, ms: float,
+                 task_s: float = 0.0):
     """Per-stage compute seconds per micro-batch (pipelines x stages) and each pipeline's slowest
     boundary transfer (activation out, gradient back)."""
     p = len(bounds) - 1
     stage_cost = np.array([workload.compute_s(bounds[s], bounds[s + 1]) for s in range(p)])
-    c = stage_cost[None, :] / speed[idx] * cs
+    c = stage_cost[None, :] / speed[idx] * cs + task_s
     if p == 1:
         return c, np.zeros(len(idx))
     out = np.array([workload.layers[bounds[s + 1] - 1].out_bytes for s in range(p - 1)], dtype=float)
@@ -232,7 +249,7 @@ def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coeffici
     for bounds, members in groups.items():
         idx = arrays.index[np.array([pipelines[j].devices for j in members], dtype=np.int64)]
         c, x_max = _stage_times(bounds, idx, workload, cluster, arrays.speed, arrays.node,
-                                coeffs.compute_scale, coeffs.comm_scale)
+                                coeffs.compute_scale, coeffs.comm_scale, coeffs.task_overhead_s)
         out[members] = c.max(axis=1) + x_max
     return out
 
@@ -245,6 +262,10 @@ def _sync_times(
 
     Work is grouped by pipeline template (layer split) so that 100k-device plans stay cheap."""
     k = plan.shard_degree
+    coll_link = cluster.collective or coll_link
+    if workload.grad_sync == "model":  # one buffer of the whole model over every alive device
+        n = len(set(plan.devices) - set(dead))
+        return ring_allreduce_s(n, workload.total_params * workload.grad_bytes, coll_link), 0.0
     # Segments of the layer chain over which the holder set is constant.
     cuts = sorted({b for pipe in plan.pipelines for b in pipe.bounds})
     index = {c: i for i, c in enumerate(cuts)}

@@ -189,7 +189,7 @@ def _transfers(old, plan, workload, cluster, held, classes_changed) -> tuple[lis
                     src_id, (_, b) = src
                     stop = min(b, hi)
                     nbytes = workload.params_in(at, stop) * workload.state_bytes_per_param / k
-                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.link(src_id, d).transfer_s(nbytes)))
+                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.state_link(src_id, d).transfer_s(nbytes)))
                     at = stop
     return out, lost
 
@@ -262,7 +262,7 @@ def transfers_to(plan: Plan, holdings: dict[int, list[tuple[int, int]]], workloa
                     src_id, (_, b) = src
                     stop = min(b, hi)
                     nbytes = workload.params_in(at, stop) * workload.state_bytes_per_param
-                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.link(src_id, d).transfer_s(nbytes)))
+                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.state_link(src_id, d).transfer_s(nbytes)))
                     at = stop
     return MigrationPlan(plan, {}, out, schedule_rounds(out), lost)
 

@@ -523,7 +523,7 @@ def heal_seconds(plan: Plan, dead: set[int], w: Workload, cluster: Cluster) -> f
             continue
         lo, hi = plan.pipelines[where[0]].layers_of_stage(where[1])
         nbytes = w.params_in(lo, hi) * w.state_bytes_per_param / plan.shard_degree
-        worst = max(worst, cluster.inter.transfer_s(nbytes))
+        worst = max(worst, (cluster.migration or cluster.inter).transfer_s(nbytes))
     return worst
 
 

@@ -45,6 +45,10 @@ class Workload:
     # is merged into them (accelerate_ft without a loss recipe), so it holds
     # ceil(micro-batches / k) micro-batches of activations at once.
     items_per_step: int = 0
+    # How gradients are synchronised: "stage" -- one all-reduce per group of devices holding the
+    # same layers (Megatron, DeepSpeed); "model" -- every device all-reduces one buffer of the
+    # whole model (zeros for layers it does not hold), as chameleon-ft's pipeline runtime does.
+    grad_sync: str = "stage"
     _prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
     _params: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _acts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -59,6 +63,8 @@ class Workload:
             raise ValueError(
                 f"global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch}"
             )
+        if self.grad_sync not in ("stage", "model"):
+            raise ValueError(f"grad_sync must be 'stage' or 'model', got {self.grad_sync!r}")
         object.__setattr__(self, "layers", tuple(self.layers))
         prefix, params, acts = [0.0], [0], [0]
         for layer in self.layers:
@@ -73,7 +79,7 @@ class Workload:
     # Workloads key the planner's caches: hash once, and compare cheaply when it matters.
     def _fields(self) -> tuple:
         return (self.layers, self.global_batch, self.micro_batch, self.weight_bytes,
-                self.grad_bytes, self.optim_bytes, self.name)
+                self.grad_bytes, self.optim_bytes, self.name, self.grad_sync)
 
     def __hash__(self) -> int:
         return self._hash

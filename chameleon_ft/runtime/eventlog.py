@@ -10,6 +10,11 @@ Event types and their fields:
   ``decision``    decision: a JSON-able dict made by the engine, stored as given
   ``recovery``    mttr: {detect, membership, rebuild, state_transfer, first_step, total}, ...
   ``step``        step, world_size, samples, step_time  (optional and sparse)
+  ``migration``   phase (start | end), rounds, bytes moved and predicted, seconds
+  ``calibration`` the engine's fitted terms (pipeline jobs: per-block costs, device speeds,
+                  links, overhead) and the running plan's predicted step, every few steps
+  ``prediction``  after a failure/join Decision: the chosen candidate's predicted step and
+                  transition seconds beside the measured ones, and every candidate's figures
   ``run_end``     free-form
 
 Several processes may append to one file: it is opened with ``O_APPEND`` and each line goes
@@ -44,7 +49,8 @@ __all__ = [
     "summarize",
 ]
 
-EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration", "run_end")
+EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
+               "calibration", "prediction", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

@@ -44,10 +44,11 @@ measured per layer.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from statistics import median
 from typing import Optional, Sequence
 
-from chameleon_ft.calibrate import Calibrator, StepSample
+from chameleon_ft.calibrate import Calibrator, CollectiveSample, PipelineCalibrator, PipelineFit, StepSample
 from chameleon_ft.cluster import homogeneous
 from chameleon_ft.failures import Event, EventKind, FailureRateEstimator
 from chameleon_ft.perf import Coefficients, estimate
@@ -63,6 +64,7 @@ __all__ = ["EnginePolicy", "RestartRequested", "RUNTIME_POLICIES"]
 RUNTIME_POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
                               "heal", "grow"})
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
+_REFIT_EVERY = 5  # steps between refits of the pipeline terms (each costs a few ms of Python)
 # Knobs of the rebalance check, next to the StragglerDetector's own fields.
 _CHECK_DEFAULTS = {"verify_steps": 4, "min_gain": 0.05}
 
@@ -148,30 +150,57 @@ class EnginePolicy:
         self.estimator = FailureRateEstimator()
         self.search_s = 0.0  # measured by the last failure/join Decision
         self._predicted: Optional[tuple[str, float, float]] = None
+        # Pipeline jobs: the pipeline terms fitted online (per-block costs, device speeds,
+        # links, overhead; see calibrate.PipelineCalibrator), and the fixed cost of an in-place
+        # reconfiguration beyond the group rebuild (the state agreement), measured.
+        self.pipe_cal = PipelineCalibrator()
+        self.fit: Optional[PipelineFit] = None
+        self.agree_s = 0.0
+        self._residual_key: Optional[tuple] = None
+        self._steps_since_fit = 0
 
     # ---------------------------------------------------------------- engine inputs
     def workload(self) -> Workload:
-        per_mb = self.mb_seconds if self.mb_seconds is not None else _DEFAULT_MB_S
-        total = sum(self.layer_params)
-        layers = tuple(Layer(params=p, fwd_s=per_mb * p / total / 3, bwd_s=2 * per_mb * p / total / 3,
-                             act_bytes=0) for p in self.layer_params)
+        fit = self.fit
+        if fit is not None and len(fit.fwd_s) == len(self.layer_params) and sum(fit.fwd_s) + sum(fit.bwd_s) > 0:
+            # Pipeline jobs, once calibrated: each block's measured cost and output size.
+            layers = tuple(Layer(params=p, fwd_s=f, bwd_s=b, act_bytes=0, out_bytes=o)
+                           for p, f, b, o in zip(self.layer_params, fit.fwd_s, fit.bwd_s, fit.out_bytes))
+        else:
+            per_mb = self.mb_seconds if self.mb_seconds is not None else _DEFAULT_MB_S
+            total = sum(self.layer_params)
+            layers = tuple(Layer(params=p, fwd_s=per_mb * p / total / 3, bwd_s=2 * per_mb * p / total / 3,
+                                 act_bytes=0) for p in self.layer_params)
         return Workload(layers, self.global_batch, self.micro_batch,
                         name="elastic-pp" if self.stages > 1 else "elastic-dp",
                         items_per_step=self.items_per_step, weight_bytes=self.weight_bytes,
-                        optim_bytes=self.optim_bytes)
+                        optim_bytes=self.optim_bytes, grad_sync="model" if self.stages > 1 else "stage")
 
     def cluster(self, extra_ids=(), unflag=()):
         ids = set(self.plan.devices if self.plan else ()) | set(self.alive) | set(extra_ids)
         n = max(ids) + 1 if ids else 1
         # ``unflag``: devices whose slowdown the event itself carries (not to count it twice).
         speeds = {d: 1.0 / max(s, 1.0) for d, s in self.detector.flagged.items() if d not in unflag}
-        return homogeneous(n, per_node=self.per_node).with_speeds(speeds)
+        cluster = homogeneous(n, per_node=self.per_node)
+        fit = self.fit
+        if fit is not None:
+            # Measured: device speeds, and the links of this job's messages, all-reduce and
+            # migrations (one fitted point-to-point link for both tiers: the samples mix them).
+            speeds = {**{d: v for d, v in fit.speeds.items() if d < n and d not in unflag}, **speeds}
+            p2p = fit.p2p or cluster.intra
+            cluster = replace(cluster, intra=p2p, inter=p2p, collective=fit.collective,
+                              migration=fit.migration or fit.p2p)
+        return cluster.with_speeds(speeds)
 
     def selector_config(self, steps_since_checkpoint: int) -> SelectorConfig:
+        # Pipeline jobs charge every in-place option the measured state agreement too (its
+        # figure differs per member, which only the source's recovery decisions may use:
+        # data-parallel straggler decisions are taken by every member on its own).
+        rebuild = self.rebuild_s + (self.agree_s if self.stages > 1 else 0.0)
         return SelectorConfig(
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
             replacement_eta_s=self.replacement_eta_s,
-            rebuild_s=self.rebuild_s, restart_s=self.restart_s, search_s=self.search_s,
+            rebuild_s=rebuild, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint,
             space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
                               dp_min=self.min_replicas if self.stages > 1 else 1))
@@ -180,9 +209,19 @@ class EnginePolicy:
         """``D`` for ``devices`` workers (default: the alive ones)."""
         return self.mttf_s or self.estimator.mttf(max(1, len(self.alive) if devices is None else devices))
 
+    def coefficients(self) -> Coefficients:
+        if self.stages > 1:  # the pipeline terms are measured directly; the rest is overhead
+            if self.fit is None:
+                return Coefficients()
+            # A micro-batch costs each stage two tasks (forward, backward).
+            return Coefficients(step_overhead_s=self.fit.step_overhead_s,
+                                task_overhead_s=2 * self.fit.task_overhead_s,
+                                optimizer_s_per_param=self.fit.optimizer_s_per_param)
+        return self.calibrator.coefficients()
+
     def job_state(self, alive, extra_ids=(), unflag=()) -> JobState:
         return JobState(workload=self.workload(), cluster=self.cluster(extra_ids, unflag), plan=self.plan,
-                        alive=frozenset(alive), coeffs=self.calibrator.coefficients())
+                        alive=frozenset(alive), coeffs=self.coefficients())
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, members: Sequence[int]) -> dict[int, int]:
@@ -257,7 +296,10 @@ class EnginePolicy:
             if len(self._warm) >= self.warmup_steps:
                 self.mb_seconds = sorted(self._warm)[len(self._warm) // 2]
                 self._predicted = None
-        self._calibrate(timings)
+        if self.stages > 1:
+            self._calibrate_pipeline(timings)
+        else:
+            self._calibrate(timings)
         if not (self.stragglers and len(per_mb) >= 2):
             return None
         share = sum(self.allocation.values()) / max(1, len(self.alive))
@@ -348,13 +390,83 @@ class EnginePolicy:
         key = repr((self.plan.to_json(), sorted(self.alive)))
         if self._predicted is None or self._predicted[0] != key:
             dead = frozenset(set(self.plan.devices) - self.alive)
-            extra = {d: float(n - self._plan_share(d)) for d, n in self.allocation.items()
-                     if n > self._plan_share(d)}
-            est = estimate(self.plan, self.workload(), self.cluster(), Coefficients(), dead, extra)
+            est = estimate(self.plan, self.workload(), self.cluster(), Coefficients(), dead, self._rerouted_extra())
             self._predicted = (key, est.compute, est.allreduce)
         _, pc, pm = self._predicted
         compute = pc * ratios[len(ratios) // 2]
         self.calibrator.observe(StepSample(pc, pm, compute, sum(comm) / len(comm), max(steps)))
+
+    # ---------------------------------------------------------------- pipeline calibration
+    def observe_pipeline(self, times: dict, out_bytes: dict, p2p, tasks=(0.0, 0), optimizer=(0.0, 0.0)) -> None:
+        """One committed step's pipeline measurements, shared by every member: per (device,
+        block) (forward s, backward s, micro-batches), block output bytes, (bytes, seconds)
+        of waited-for messages, (per-task overhead seconds, tasks) and (optimizer seconds,
+        parameters updated) summed over members."""
+        self.pipe_cal.observe_step(times, out_bytes, tasks, optimizer)
+        for nbytes, sec in p2p:
+            self.pipe_cal.observe_p2p(nbytes, sec)
+
+    def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
+        """A migration that was carried out: rounds, bytes of each round's largest transfer
+        summed, and the seconds it took (the slowest member's)."""
+        self.pipe_cal.observe_migration(rounds, nbytes, seconds)
+        self._refit()
+
+    def _refit(self) -> None:
+        self.fit = self.pipe_cal.fit(len(self.layer_params), prior_p2p=None)
+        self._predicted = None
+        self._steps_since_fit = 0
+
+    def _rerouted_extra(self) -> dict[int, float]:
+        return {d: float(n - self._plan_share(d)) for d, n in self.allocation.items() if n > self._plan_share(d)}
+
+    def predicted_step(self, overhead: bool = True) -> Optional[float]:
+        """The model's step time of the running plan and load (None before a plan)."""
+        if self.plan is None:
+            return None
+        dead = frozenset(set(self.plan.devices) - self.alive)
+        coeffs = self.coefficients()
+        if not overhead:
+            coeffs = replace(coeffs, step_overhead_s=0.0)
+        return estimate(self.plan, self.workload(), self.cluster(), coeffs, dead, self._rerouted_extra()).step_time
+
+    def _calibrate_pipeline(self, timings) -> None:
+        """Feed the step's all-reduce and the step time's unexplained part; refit."""
+        if self.plan is None:
+            return
+        n = len(timings)
+        comm = [c for _, _, c, _ in timings.values() if c > 0]
+        if n > 1 and comm:
+            # The fastest member's time: the others also waited for the last one to arrive.
+            nbytes = sum(self.layer_params) * 4
+            self.pipe_cal.observe_collective(CollectiveSample(n, float(nbytes), min(comm)))
+        steps = [s for *_, s in timings.values() if s > 0]
+        key = (repr(self.plan.to_json()), tuple(sorted(self.alive)))
+        if steps and self.fit is not None and key == self._residual_key:
+            # The previous step's seconds, against the same plan's prediction without overhead
+            # (cached until the next refit).
+            if self._predicted is None or self._predicted[0] != key:
+                self._predicted = (key, self.predicted_step(overhead=False), 0.0)
+            self.pipe_cal.observe_residual(max(steps) - self._predicted[1])
+        self._residual_key = key
+        self._steps_since_fit += 1
+        if self.fit is None or self._steps_since_fit >= _REFIT_EVERY:
+            self._refit()
+        if self.search_s == 0.0 and self.fit is not None and len(self.alive) > 2:
+            # What a failure's plan search costs this job, before the first failure measures
+            # it: price the loss of one worker once (no state changes).
+            probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
+            d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
+            self.search_s = max(d.search_s, 1e-6)
+
+    def calibration_json(self) -> dict:
+        """The fitted pipeline terms and the running plan's predicted step (the event log's
+        ``calibration`` record)."""
+        out = self.fit.to_json() if self.fit else {}
+        out["predicted_step_s"] = self.predicted_step()
+        out["plan"] = self.plan.describe() if self.plan else None
+        out["agree_s"], out["rebuild_s"] = self.agree_s, self.rebuild_s
+        return out
 
     def _plan_share(self, d: int) -> int:
         where = self.plan.locate(d)
@@ -430,6 +542,8 @@ class EnginePolicy:
             "estimator": self.estimator.state_dict(),
             "state_bytes": [self.weight_bytes, self.optim_bytes],
             "migrating_from": self.migrating_from.to_json() if self.migrating_from else None,
+            "pipeline_calibration": self.pipe_cal.state_dict() if self.stages > 1 else None,
+            "agree_s": self.agree_s,
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -452,4 +566,8 @@ class EnginePolicy:
         self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
         self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
         self.migrating_from = Plan.from_json(s["migrating_from"]) if s.get("migrating_from") else None
+        self.agree_s = float(s.get("agree_s", 0.0))
+        if s.get("pipeline_calibration") is not None:
+            self.pipe_cal.load_state_dict(s["pipeline_calibration"])
+            self._refit()
         self._predicted = None

@@ -49,6 +49,7 @@ from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
 from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
+from chameleon_ft.runtime.predictions import PredictionTracker
 from chameleon_ft.runtime.sampler import ElasticSampler
 from chameleon_ft.runtime import state as run_state
 
@@ -56,6 +57,8 @@ __all__ = ["ElasticConfig", "RecoveryCore", "WorldTooSmall", "NothingToHeal", "l
            "Joined", "join_job", "seed_generators"]
 
 _TAIL = 4  # per-member timings appended to the gradient buffer
+_PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
+_CALIBRATION_EVERY = 10  # steps between the event log's calibration records
 
 
 class WorldTooSmall(RuntimeError):
@@ -90,6 +93,9 @@ class ElasticConfig:
         every block (Oobleck's f + 1 rule), so that the next failure can still be rerouted or
         re-planned in place; 1 lets the engine trade all redundancy for speed (a later failure
         then needs a restart).
+    emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
+        an emulated network -- a message between stages is held until ``latency + bytes /
+        bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
     """
 
     hang_timeout_s: Optional[float] = None
@@ -110,6 +116,7 @@ class ElasticConfig:
     straggler_options: Optional[dict] = None
     items_per_step: int = 0
     min_replicas: int = 2
+    emulate_link: Optional[tuple[float, float]] = None
 
 
 class Joined(NamedTuple):
@@ -193,6 +200,8 @@ class RecoveryCore:
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
             stages=stages)
         self.recoveries = 0
+        self.predictions: list[dict] = []  # predicted vs measured, per failure/join Decision
+        self._tracker = PredictionTracker(_PREDICT_STEPS)
         self.last_recovery: Optional[dict] = None  # on every member: mttr breakdown + info
         self.last_decisions: list[dict] = []  # JSON of the last Decisions taken or received
         self.step = 0  # committed global steps, across epochs
@@ -261,6 +270,10 @@ class RecoveryCore:
                                local_rank=self.env.local_rank, generation=view.generation,
                                members=list(view.members))
         self._establish(view, timer, None)
+        # The state agreement's fixed cost, until a recovery measures it (start-up migration out).
+        start = timer.breakdown()
+        self.policy.agree_s = max(0.0, (start.get("state_transfer") or 0.0)
+                                  - ((getattr(self, "last_migration", None) or {}).get("seconds") or 0.0))
         if self.env.replacement:
             self._pending = (timer, {"reason": "replacement joined"})
         return self.view
@@ -337,6 +350,20 @@ class RecoveryCore:
                                   "members": list(self.members), **info}
             if self.log and self._is_source:
                 self.log.recovery(timer, step=self.step, members=list(self.members), **info)
+            mttr = self.last_recovery["mttr"]
+            decided = [d for d in self.last_decisions if d.get("candidates")]
+            migration_s = (getattr(self, "last_migration", None) or {}).get("seconds") or 0.0
+            # The fixed part of an in-place reconfiguration beyond the rebuild (next time's).
+            self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s
+                                      - sum(d.get("decide_s") or 0.0 for d in decided))
+            self._tracker.start(self.step, self.last_decisions, mttr, time.perf_counter())
+        rec = self._tracker.commit(self.step, time.perf_counter())
+        if rec is not None:
+            self.predictions.append(rec)
+            if self.log and self.rank == 0:
+                self.log.write("prediction", step=self.step, **rec)
+        if self.log and self.rank == 0 and self.policy.fit is not None and self.step % _CALIBRATION_EVERY == 0:
+            self.log.write("calibration", step=self.step, **self.policy.calibration_json())
 
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -369,6 +396,7 @@ class RecoveryCore:
             ) from exc
 
     def _recover(self, failure: CollectiveFailure, t_start: float) -> None:
+        self._tracker.cancel()  # a Decision interrupted before its steps were measured
         timer = RecoveryTimer(start=t_start, clock=time.perf_counter)
         timer.mark("detect")
         record = self._store_op(self.gm.abort_record) or {}
@@ -395,7 +423,7 @@ class RecoveryCore:
                 t0 = time.perf_counter()
                 if not self.gm.formed_for(view):
                     self._store_op(lambda: self.gm.rebuild(view))
-                self.policy.rebuild_s = time.perf_counter() - t0
+                    self.policy.rebuild_s = time.perf_counter() - t0
                 timer.mark("rebuild")
                 self.view = view
                 self._sync(view, info)

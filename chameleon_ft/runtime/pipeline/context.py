@@ -144,6 +144,17 @@ class PipelineContext(RecoveryCore):
         self._measured = False
         self._schedule_key = None
         self._routes, self._orders = [], {}
+        self._measured_step = None  # the executor's StepResult of the step being committed
+        self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
+        self._last_commit: Optional[float] = None
+        link = self.cfg.emulate_link
+        if link is not None:
+            lat, bw = float(link[0]), float(link[1])
+            if lat < 0 or bw <= 0:
+                raise ConfigError(f"emulate_link must be (latency_s >= 0, bandwidth_Bps > 0), got {link}")
+            self._link_delay = lambda nbytes: lat + nbytes / bw
+        else:
+            self._link_delay = None
 
     # ---------------------------------------------------------------- blocks and state
     def _new_optimizer(self, b: int) -> None:
@@ -307,6 +318,7 @@ class PipelineContext(RecoveryCore):
 
     def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
         self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
+        self._last_commit = None  # the next commit interval would include this recovery
         plan = payload.get("migration") or {"rounds": []}
         want = self.slot_blocks()
         t0 = time.perf_counter()
@@ -330,11 +342,22 @@ class PipelineContext(RecoveryCore):
                                    "transfers": moved["transfers"], "rounds": len(plan["rounds"]),
                                    "predicted_bytes": plan.get("predicted_bytes"),
                                    "predicted_s": plan.get("predicted_s")}
+            if plan["rounds"]:
+                self.policy.observe_migration(len(plan["rounds"]), self._round_bytes(plan["rounds"]),
+                                              self.last_migration["seconds"])
             # Every member reports its own share; the test sums them across members.
             if self.log:
                 self.log.write("migration", step=self.step, phase="end", **self.last_migration)
         if self.fresh is False and not self.held and want:
             raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
+
+    def _round_bytes(self, rounds) -> float:
+        """Bytes of each round's largest transfer, summed (what bounds a migration's time)."""
+        per = self.policy.weight_bytes + self.policy.optim_bytes
+        return float(sum(max(sum(self.block_numel[lo:hi]) * per for _, _, lo, hi in r) for r in rounds if r))
+
+    def _reset_step(self) -> None:
+        self._measured_step = None
 
     def _apply_allocation(self) -> None:
         # The sampler's per-member allocation is data parallel's; routes come from the plan.
@@ -373,12 +396,14 @@ class PipelineContext(RecoveryCore):
                 input_fn=self.input_fn, loss_fn=self.loss_fn, weight_of=lambda slot: mbs[slot].weight,
                 seed_of=lambda slot, b: (base + slot) * 1_009 + b,
                 seed_fn=seed_generators if self.cfg.seed_microbatches else (lambda s: None),
-                timeout_s=self.hang_timeout_s, device=self.device, on_task=on_task)
+                timeout_s=self.hang_timeout_s, device=self.device, on_task=on_task,
+                link_delay=self._link_delay)
         except CollectiveFailure as failure:
             self._step_start = None
             self._recover(failure, t_start)
             return False
         self._compute_s, self._n_mb = res.compute_s, res.microbatches
+        self._measured_step = res
         self._ids = [i for r in rs if r.hops[0].worker == self.worker_id for i in mbs[r.slot].indices]
         return self.sync_and_step(res.loss)
 
@@ -394,6 +419,7 @@ class PipelineContext(RecoveryCore):
                 else:
                     parts.append(torch.zeros(p.numel(), dtype=self.dtype))
         parts.append(torch.tensor([loss], dtype=self.dtype))
+        parts.append(self._calibration_row())
         # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
         # seconds scaled by the share of the model it runs.
         reduced = self._reduce_step(parts, self._compute_s / frac if frac else 0.0)
@@ -402,13 +428,71 @@ class PipelineContext(RecoveryCore):
         buf, timings, comm = reduced
         total = sum(self.block_numel)
         self.faults.at(self.step, "optimizer")
+        t_opt = time.perf_counter()
         self._apply_update(buf[:total])
+        # Shared with the next step's calibration row: (seconds, parameters updated).
+        self._optimizer_s = (time.perf_counter() - t_opt, float(held_numel))
         self._last_reduced = buf[:total]
         if not self._measured and self.held:
             self._measure_state_bytes()
         self.last_loss = float(buf[total])
+        self._observe_calibration(buf[total + 1:])
         self._finish_step(timings, comm)
+        # Pipeline jobs report commit-to-commit seconds (what the engine's step time is checked
+        # against); the step's own seconds when a recovery came between.
+        now = time.perf_counter()
+        if self._last_commit is not None:
+            self._prev_step = now - self._last_commit
+        self._last_commit = now
         return True
+
+    # ---------------------------------------------------------------- calibration
+    _P2P_SLOTS = 8  # waited-for message samples each member shares per step
+
+    def _calibration_row(self) -> torch.Tensor:
+        """This member's row of the step's calibration matrix (every member's row is zero
+        elsewhere, so the all-reduce hands everyone every row): per block forward s, backward s,
+        micro-batches and output bytes, then up to ``_P2P_SLOTS`` (bytes, seconds) messages."""
+        nb, n, r = len(self.blocks), self.view.world_size, self.view.rank
+        width = 4 * nb + 4 + 2 * self._P2P_SLOTS
+        row = torch.zeros(n * width, dtype=torch.float64)
+        res = self._measured_step
+        if res is not None:
+            mine = row[r * width:(r + 1) * width]
+            for b, (f, bw, cnt) in res.block_times.items():
+                mine[4 * b:4 * b + 3] = torch.tensor([f, bw, cnt], dtype=torch.float64)
+            for b, nbytes in res.out_bytes.items():
+                mine[4 * b + 3] = nbytes
+            mine[4 * nb:4 * nb + 4] = torch.tensor([res.task_overhead_s, res.tasks, *self._optimizer_s],
+                                                   dtype=torch.float64)
+            p2p = sorted(res.p2p, key=lambda x: x[1])
+            if len(p2p) > self._P2P_SLOTS:  # keep an even spread of the step's samples
+                p2p = [p2p[i * len(p2p) // self._P2P_SLOTS] for i in range(self._P2P_SLOTS)]
+            for i, (nbytes, sec) in enumerate(p2p):
+                at = 4 * nb + 4 + 2 * i
+                mine[at:at + 2] = torch.tensor([nbytes, sec], dtype=torch.float64)
+        return row.to(self.dtype)
+
+    def _observe_calibration(self, flat: torch.Tensor) -> None:
+        nb, members = len(self.blocks), self.view.members
+        width = 4 * nb + 4 + 2 * self._P2P_SLOTS
+        rows = flat[:len(members) * width].double().view(len(members), width).tolist()
+        times, out_bytes, p2p, overhead, tasks, opt_s, opt_params = {}, {}, [], 0.0, 0, 0.0, 0.0
+        for w, row in zip(members, rows):
+            for b in range(nb):
+                f, bw, cnt, ob = row[4 * b:4 * b + 4]
+                if cnt > 0:
+                    times[(w, b)] = (f, bw, int(round(cnt)))
+                    out_bytes[b] = int(round(ob))
+            overhead += row[4 * nb]
+            tasks += int(round(row[4 * nb + 1]))
+            opt_s, opt_params = opt_s + row[4 * nb + 2], opt_params + row[4 * nb + 3]
+            for i in range(self._P2P_SLOTS):
+                nbytes, sec = row[4 * nb + 4 + 2 * i:4 * nb + 6 + 2 * i]
+                if nbytes > 0 and sec > 0:
+                    p2p.append((nbytes, sec))
+        self.policy.observe_pipeline(times, out_bytes, p2p, (overhead, tasks), (opt_s, opt_params))
+        self._measured_step = None
 
     def _apply_update(self, reduced: torch.Tensor) -> None:
         """Set each held block's gradients from the reduced buffer and step its optimizer."""
