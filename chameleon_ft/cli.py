@@ -3,6 +3,7 @@
 * ``run``      launch a fault-tolerant job (torchrun-style flags), see ``chameleon_ft.launch``
 * ``demo``     the live demo: local CPU workers, a worker killed mid-run, the decision and recovery
 * ``simulate`` discrete-event simulation of a long run under failures, every policy side by side
+               (``--preset``), or the replay of a stored failure trace (``--trace``)
 * ``report``   render a run directory's event log (summary, decisions, throughput plot)
 * ``bench``    the benchmark matrix against torchrun, TorchFT and plain Lightning (source checkout)
 """
@@ -22,7 +23,7 @@ def _simulate(argv: list[str]) -> int:
     ap.add_argument("--preset", default="llama3-16k", choices=sorted(PRESETS))
     ap.add_argument("--days", type=float, help="simulated days (default: the preset's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", nargs="+", default=None, choices=POLICY_NAMES,
+    ap.add_argument("--policies", nargs="+", default=None, choices=POLICY_NAMES + ("redundant",),
                     help="default: all (oracle only with --model-error > 0)")
     ap.add_argument("--model-error", type=float, default=0.2, metavar="SPREAD",
                     help="the simulated cluster follows a true cost model whose coefficients are the "
@@ -30,7 +31,17 @@ def _simulate(argv: list[str]) -> int:
                          "selector's model is exact)"),
     ap.add_argument("--out", default="runs/simulate", help="folder for the plot and the JSON results")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--trace", metavar="FILE.json",
+                    help="replay a stored failure trace (chameleon_ft.trace.TraceSetup JSON) instead of a preset")
+    ap.add_argument("--devices", type=int, help="with --trace: replay on this many devices (the trace scaled)")
+    ap.add_argument("--mttf-s", type=float, help="with --trace: D for the decisions (default: the file's, "
+                                                   "else the horizon over the number of failures)")
+    ap.add_argument("--json", metavar="OUT", help="with --trace: write the results here")
     args = ap.parse_args(argv)
+    if args.trace:
+        return _simulate_trace(args, ap)
+    if args.policies and "redundant" in args.policies:
+        ap.error("redundant (the Bamboo-like stand-in) runs in a trace replay only (--trace)")
     if args.days is not None and args.days <= 0:
         ap.error("--days must be positive")
     if args.model_error < 0:
@@ -78,6 +89,63 @@ def _simulate(argv: list[str]) -> int:
         _plot_sim(results, preset, path)
         console.print(f"plot: {path}")
     console.print(f"results: {out / (preset.name + '.json')}")
+    return 0
+
+
+def _simulate_trace(args, ap) -> int:
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .trace import DEFAULT_POLICIES, REPLAY_POLICIES, TraceSetup, best_fixed
+
+    policies = tuple(args.policies or DEFAULT_POLICIES)
+    bad = [p for p in policies if p not in REPLAY_POLICIES]
+    if bad:
+        ap.error(f"a replay runs {', '.join(REPLAY_POLICIES)}; not {', '.join(bad)}")
+    if args.mttf_s is not None and args.mttf_s <= 0:
+        ap.error("--mttf-s must be positive")
+    setup = TraceSetup.from_json(json.loads(Path(args.trace).read_text()))
+    if args.mttf_s is not None:
+        setup = replace(setup, mttf_s=args.mttf_s)
+    n = args.devices or len(setup.cluster.devices)
+    try:
+        results = setup.run(n, policies)
+    except ValueError as e:
+        ap.error(str(e))
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    tr = setup.trace
+    console.print(f"[bold]{tr.name}[/]: {tr.description or 'no description'}")
+    d = setup.mttf_s if setup.mttf_s is not None else tr.horizon_s / max(1, tr.failures)
+    console.print(f"{len(tr.events)} events over {tr.horizon_s:g} s, replayed on {n} devices "
+                  f"({setup.stages} stages per pipeline); D = {d:g} s; exact model.  "
+                  "redundant = a Bamboo-like stand-in, simulation only")
+    best = best_fixed(results)
+    table = Table(title=f"average throughput over the trace ({n} devices)")
+    for col in ("policy", "samples/s", "vs best fixed", "goodput", "decisions"):
+        table.add_column(col, justify="left" if col in ("policy", "decisions") else "right")
+    for name, r in results.items():
+        ratio = f"{r.throughput / results[best].throughput:.3f}x" if best and results[best].throughput else "-"
+        table.add_row(name + (" (best fixed)" if name == best else ""), f"{r.throughput:.4g}", ratio,
+                      f"{r.goodput:.2%}", ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items())))
+    console.print(table)
+    events = Table(title="chosen response per event (predicted step s / transition s)")
+    events.add_column("t (s)", justify="right")
+    events.add_column("event (recorded devices)")
+    for name in results:
+        events.add_column(name)
+    rows = zip(*(r.decisions for r in results.values()))
+    for ev, row in zip(tr.events, rows):
+        what = f"{ev.kind} {list(ev.devices)}" + (f" x{ev.slowdown:g}" if ev.kind == "slow" else "")
+        events.add_row(f"{ev.t_s:g}", what, *(f"{c} {s:.3g}/{x:.3g}" for _, _, c, s, x in row))
+    console.print(events)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"trace": tr.name, "devices": n, "mttf_s": d, "best_fixed": best,
+                                   "results": {k: v.to_json() for k, v in results.items()}}, indent=2))
+        console.print(f"results: {out}")
     return 0
 
 

@@ -28,6 +28,9 @@ expected); ``oracle`` decides with the true model, so ``oracle − adaptive`` is
 cost the adaptive policy.  ``model_error=0`` is the perfect model (true = believed).  A "device" is a tensor-parallel group (``tp`` GPUs); a
 GPU failure takes its group out.
 
+The job model (``_Job``: the selector's decision per event, carried out on the true model) is
+shared with trace replay (:mod:`chameleon_ft.trace`) through a :class:`JobSetting`.
+
 Limits: failures are independent (exponential); repair times are exponential around a stated
 mean; a failure during a transition restarts the transition; no failure can hit the spare pool.
 The presets' repair times, restart costs and node-failure shares are stated assumptions.
@@ -40,6 +43,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .cluster import Cluster, Device, Link
 from .failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind
@@ -75,6 +79,17 @@ class Preset:
     @property
     def devices(self) -> int:
         return self.gpus // self.tp
+
+    def setting(self) -> "JobSetting":
+        rate, tp, repair = self.rate_per_gpu_s, self.tp, self.repair_mean_s
+
+        def mttf(alive: int, down: int) -> float:
+            """Expected time to the next membership change: a failure among the live GPUs, or
+            one of the ``down`` devices coming back from repair."""
+            return 1.0 / (rate * max(1, alive) * tp + down / repair)
+
+        return JobSetting(self.workload, self.cluster(), self.restart_s, self.checkpoint_every_s,
+                          self.space, mttf)
 
     def cluster(self) -> Cluster:
         per_node = max(1, self.gpus_per_node // self.tp)
@@ -213,24 +228,47 @@ def draw_events(preset: Preset, seed: int) -> list[tuple[float, tuple[int, ...],
         out.append((t, devs, rng.expovariate(1 / preset.repair_mean_s)))
 
 
+@dataclass(frozen=True)
+class JobSetting:
+    """What a simulated job runs on and what its recoveries cost; shared by the preset-driven
+    :func:`simulate` and trace replay (:mod:`chameleon_ft.trace`).  ``mttf(alive, down)`` is the
+    ``D`` the decisions use, given the live devices and those down."""
+
+    workload: Workload
+    cluster: Cluster
+    restart_s: float
+    checkpoint_every_s: float
+    space: SearchSpace
+    mttf: Callable[[int, int], float]
+    rebuild_s: float = _REBUILD_S
+    replacement_eta_s: float | None = None  # lets the adaptive policies consider ``wait``
+
+
 class _Job:
     """One policy's view of the job during the simulation.  It decides with the believed model
     (``oracle``: the true one) and runs on the true one; ``step_time``/``busy_until`` are what
     really happens, ``b_step_time``/``b_busy_until`` what the decision model predicted."""
 
-    def __init__(self, preset: Preset, policy: str, base: Plan, coeffs: Coefficients, truth: TrueModel):
-        self.p, self.policy, self.truth = preset, policy, truth
-        self.cluster = preset.cluster()
+    def __init__(self, setting: JobSetting, policy: str, base: Plan, coeffs: Coefficients, truth: TrueModel):
+        self.setting, self.policy, self.truth = setting, policy, truth
+        self._kind = "fail"  # the event being handled, for the log
+        self.cluster = setting.cluster
         self.true_cluster = truth.cluster(self.cluster)
         self.true_coeffs = truth.coefficients(coeffs)
         oracle = policy == "oracle"
         self.coeffs = self.true_coeffs if oracle else coeffs  # what the decisions use
         self.decide_cluster = self.true_cluster if oracle else self.cluster
-        self.workload = preset.workload
+        self.workload = setting.workload
         self.full_plan = base
         self.plan = base
         self.alive = set(self.cluster.ids)
-        self.batch = preset.workload.global_batch
+        self.batch = setting.workload.global_batch
+        # What the running plan leaves out (dead devices rerouted around) and the extra load
+        # that puts on peers: a slowdown re-prices the plan with them.
+        self.run_dead: frozenset[int] = frozenset()
+        self.run_extra: dict[int, float] = {}
+        # One row per event: (time s, kind, chosen response, predicted step s, transition s).
+        self.log: list[tuple[float, str, str, float, float]] = []
         self.b_step_time = estimate(base, self.workload, self.decide_cluster, self.coeffs).step_time
         self.step_time = self._true_step(base)
         self.busy_until = self.b_busy_until = 0.0
@@ -243,11 +281,14 @@ class _Job:
                    "replan": frozenset({"replan", "restart", "keep", "grow"}),
                    "shrink": frozenset({"shrink", "restart", "keep", "heal"}),
                    "restart": frozenset({"restart"})}[policy]
-        self.rebuild_d = _REBUILD_S * (truth.rebuild if oracle else 1.0)
-        self.restart_d = preset.restart_s * (truth.restart if oracle else 1.0)
+        if setting.replacement_eta_s is not None and policy in ADAPTIVE:
+            allowed = allowed | {"wait"}
+        self.rebuild_d = setting.rebuild_s * (truth.rebuild if oracle else 1.0)
+        self.restart_d = setting.restart_s * (truth.restart if oracle else 1.0)
         self.link_d = truth.link if oracle else 1.0
         self.cfg = SelectorConfig(allowed=allowed, allow_batch_change="shrink" in allowed,
-                                  restart_s=self.restart_d, space=preset.space, rebuild_s=self.rebuild_d)
+                                  restart_s=self.restart_d, space=setting.space, rebuild_s=self.rebuild_d,
+                                  replacement_eta_s=setting.replacement_eta_s)
 
     def _true_step(self, plan: Plan, dead=frozenset(), extra=None, predicted: float | None = None) -> float:
         """The plan's step time under the true model (the prediction itself when it is exact)."""
@@ -262,10 +303,10 @@ class _Job:
         return JobState(self.workload, self.decide_cluster, self.plan, frozenset(self.alive), self.coeffs)
 
     def _mttf(self, down: int = 0) -> float:
-        """Expected time to the next membership change: a failure among the live GPUs, or one of
-        the ``down`` devices coming back from repair."""
-        fail = self.p.rate_per_gpu_s * max(1, len(self.alive)) * self.p.tp
-        return 1.0 / (fail + down / self.p.repair_mean_s)
+        return self.setting.mttf(len(self.alive), down)
+
+    def _record(self, now: float, kind: str, chosen: str, transition_s: float) -> None:
+        self.log.append((now, kind, chosen, self.b_step_time, transition_s))
 
     def _apply(self, now: float, option) -> None:
         """Carry ``option`` out: the decision model's figures for the prediction, the true
@@ -274,39 +315,46 @@ class _Job:
         self.decisions[option.policy] = self.decisions.get(option.policy, 0) + 1
         if option.plan is not None:
             self.plan = option.plan
+        self.run_dead, self.run_extra = option.dead, option.extra
         self.batch = option.global_batch or self.batch
         true_step = self._true_step(self.plan, option.dead, option.extra, option.step_time)
         t = self.truth
         if option.policy == "restart":
-            extra_s = (self.p.restart_s * t.restart - self.restart_d) + self._redo * (true_step - option.step_time)
+            extra_s = (self.setting.restart_s * t.restart - self.restart_d) + self._redo * (true_step - option.step_time)
         else:  # rebuild + data movement (migration, heal)
             move = max(0.0, option.transition_s - self.rebuild_d - self.cfg.search_s)
-            extra_s = (_REBUILD_S * t.rebuild - self.rebuild_d) + move * (t.link / self.link_d - 1)
+            extra_s = (self.setting.rebuild_s * t.rebuild - self.rebuild_d) + move * (t.link / self.link_d - 1)
         self.b_step_time = option.step_time
         self.b_busy_until = max(self.b_busy_until, now) + option.transition_s
         self.step_time = true_step
         self.busy_until = max(self.busy_until, now) + option.transition_s + extra_s
+        self._record(now, self._kind, option.policy, option.transition_s)
 
     def fail(self, now: float, devices: tuple[int, ...]) -> None:
+        self._kind = "fail"
         devs = tuple(d for d in devices if d in self.alive)
         if not devs:
+            self._record(now, "fail", "ignored", 0.0)
             return
-        self._redo = int((now % self.p.checkpoint_every_s) / self.step_time)
+        self._redo = int((now % self.setting.checkpoint_every_s) / self.step_time)
         cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
         t0 = time.perf_counter()
-        down = self.p.devices - len(self.alive) + len(devs)
+        down = len(self.cluster.ids) - len(self.alive) + len(devs)
         decision = select(Event(EventKind.FAIL_STOP, devs, now), self._state(), cfg, self._mttf(down))
         self.decide_s.append(time.perf_counter() - t0)
         self.alive -= set(devs)
         option = self._pick(decision, (self.policy, "restart"))
         if option is None:
             self.busy_until = self.b_busy_until = math.inf  # nothing can run: wait for a repair
+            self._record(now, "fail", "stopped", math.inf)
             return
         self._apply(now, option)
 
-    def repair(self, now: float, devices: tuple[int, ...]) -> None:
+    def repair(self, now: float, devices: tuple[int, ...], kind: str = "repair") -> None:
+        self._kind = kind
         back = tuple(d for d in devices if d not in self.alive)
         if not back:
+            self._record(now, kind, "ignored", 0.0)
             return
         self.alive |= set(back)
         if self.busy_until == math.inf:
@@ -316,13 +364,34 @@ class _Job:
             self._restart_over_alive(now)
         else:
             t0 = time.perf_counter()
-            down = self.p.devices - len(self.alive)
+            down = len(self.cluster.ids) - len(self.alive)
             self._redo = 0
             decision = select(Event(EventKind.JOIN, back, now), self._state(), self.cfg, self._mttf(down))
             self.decide_s.append(time.perf_counter() - t0)
             option = self._pick(decision, {"reroute": ("heal",), "shrink": ("heal",), "replan": ("grow",)}.get(self.policy, ()))
             if option is not None and option.policy != "keep":
                 self._apply(now, option)
+            else:
+                self._record(now, kind, "keep", 0.0)
+
+    def slow(self, now: float, devices: tuple[int, ...], slowdown: float, base: Cluster) -> None:
+        """``devices`` now run ``slowdown`` times slower than in ``base`` (1: their own speed
+        back); no decision, the running plan is re-priced (pipelines do not rebalance
+        stragglers here).  Later decisions see the new speeds."""
+        speeds = {d: base[d].speed / slowdown for d in devices}
+        oracle = self.decide_cluster is self.true_cluster
+        self.cluster = self.cluster.with_speeds(speeds)
+        self.true_cluster = self.true_cluster.with_speeds(speeds)
+        self.decide_cluster = self.true_cluster if oracle else self.cluster
+        if self.busy_until != math.inf:
+            self.b_step_time, self.step_time = self._running_steps()
+        self._record(now, "slow", "keep", 0.0)
+
+    def _running_steps(self) -> tuple[float, float]:
+        """(believed, true) step time of the running plan."""
+        dead, extra = self.run_dead, self.run_extra
+        b = estimate(self.plan, self.workload, self.decide_cluster, self.coeffs, dead, extra).step_time
+        return b, self._true_step(self.plan, dead, extra, b)
 
     def _pick(self, decision, preferred: tuple[str, ...]):
         """The adaptive policies take the selector's choice; a fixed one takes the first of its
@@ -337,15 +406,17 @@ class _Job:
 
     def _restart_over_alive(self, now: float) -> None:
         survivors = self.decide_cluster.without(set(self.cluster.ids) - self.alive)
-        best = plan_search(self.workload, survivors, self.coeffs, self.p.space, base=self.full_plan).best
+        best = plan_search(self.workload, survivors, self.coeffs, self.setting.space, base=self.full_plan).best
         self.plan, self.b_step_time = best.plan, best.estimate.step_time
+        self.run_dead, self.run_extra = frozenset(), {}
         self.step_time = self._true_step(best.plan, predicted=best.estimate.step_time)
         self.batch = self.workload.global_batch
-        lost = (now % self.p.checkpoint_every_s)
-        for attr, cost in (("busy_until", self.p.restart_s * self.truth.restart), ("b_busy_until", self.restart_d)):
+        lost = (now % self.setting.checkpoint_every_s)
+        for attr, cost in (("busy_until", self.setting.restart_s * self.truth.restart), ("b_busy_until", self.restart_d)):
             busy = getattr(self, attr)
             setattr(self, attr, max(busy if busy != math.inf else now, now) + cost + lost)
         self.decisions["restart"] = self.decisions.get("restart", 0) + 1
+        self._record(now, self._kind, "restart", self.restart_d + lost)
 
 
 def deployed(preset: Preset, seed: int = 0, model_error: float = 0.2) -> tuple[Plan, TrueModel]:
@@ -373,7 +444,7 @@ def simulate(preset: Preset, policies=None, seed: int = 0, days: float | None = 
     for policy in policies:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
-        job = _Job(preset, policy, base, coeffs, truth)
+        job = _Job(preset.setting(), policy, base, coeffs, truth)
         ideal_tp = job.batch / job._true_step(base)
         b_ideal_tp = job.batch / estimate(base, preset.workload, job.decide_cluster, job.coeffs).step_time
         queue: list[tuple[float, int, str, tuple[int, ...]]] = []
