@@ -48,6 +48,7 @@ performance model's, so a replay is only as close to a measured run as the calib
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
@@ -405,14 +406,15 @@ def trace_setting(workload: Workload, cluster: Cluster, devices: int, stages: in
 def workload_to_json(w: Workload) -> dict:
     return {"layers": [[x.params, x.fwd_s, x.bwd_s, x.act_bytes, x.out_bytes] for x in w.layers],
             "global_batch": w.global_batch, "micro_batch": w.micro_batch, "weight_bytes": w.weight_bytes,
-            "grad_bytes": w.grad_bytes, "optim_bytes": w.optim_bytes, "name": w.name}
+            "grad_bytes": w.grad_bytes, "optim_bytes": w.optim_bytes, "name": w.name, "grad_sync": w.grad_sync}
 
 
 def workload_from_json(data: dict) -> Workload:
     layers = tuple(Layer(int(p), float(f), float(b), int(a), int(o)) for p, f, b, a, o in data["layers"])
     return Workload(layers, int(data["global_batch"]), int(data["micro_batch"]),
                     int(data.get("weight_bytes", 4)), int(data.get("grad_bytes", 4)),
-                    int(data.get("optim_bytes", 8)), data.get("name", "workload"))
+                    int(data.get("optim_bytes", 8)), data.get("name", "workload"),
+                    grad_sync=data.get("grad_sync", "stage"))
 
 
 def cluster_to_json(c: Cluster) -> dict:
@@ -425,6 +427,10 @@ def cluster_to_json(c: Cluster) -> dict:
     out["memory_bytes"] = mems[0] if len(set(mems)) == 1 else mems
     if any(s != 1.0 for s in speeds):
         out["speeds"] = speeds
+    for kind in ("collective", "migration"):
+        link = getattr(c, kind)
+        if link is not None:
+            out[kind] = [link.latency_s, link.bandwidth_Bps]
     return out
 
 
@@ -435,11 +441,13 @@ def cluster_from_json(data: dict) -> Cluster:
     speeds = data.get("speeds", [1.0] * n)
     return Cluster(tuple(Device(i, i // per_node, float(speeds[i]), float(mems[i])) for i in range(n)),
                    intra=Link(*map(float, data.get("intra", (5e-6, 150e9)))),
-                   inter=Link(*map(float, data.get("inter", (10e-6, 25e9)))))
+                   inter=Link(*map(float, data.get("inter", (10e-6, 25e9)))),
+                   collective=Link(*map(float, data["collective"])) if data.get("collective") else None,
+                   migration=Link(*map(float, data["migration"])) if data.get("migration") else None)
 
 
 def coefficients_to_json(c: Coefficients) -> dict:
-    return {"compute_scale": c.compute_scale, "comm_scale": c.comm_scale, "step_overhead_s": c.step_overhead_s}
+    return dataclasses.asdict(c)
 
 
 def coefficients_from_json(data: dict | None) -> Coefficients:
