@@ -152,8 +152,8 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
             fwd: dict[int, float] = {}
             stamps: dict[int, float] = {}
             for b in range(hop.lo, hop.hi):
-                tb = time.perf_counter()
                 seed_fn(seed_of(task.slot, b))
+                tb = time.perf_counter()
                 out = blocks[b](out)
                 if last and b == hop.hi - 1:
                     out_b = out

@@ -17,17 +17,36 @@ from chameleon_ft.runtime.worker import ElasticConfig
 from mlp_worker import Synthetic  # the same seeded data as the data-parallel tests
 
 
+class _Pad(torch.autograd.Function):
+    """Identity whose backward sleeps ``s`` (emulated accelerator compute of a backward)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.s)
+        return g, None
+
+
 class Block(torch.nn.Module):
-    def __init__(self, i, o, sleep, act=True, dropout=0.0):
+    def __init__(self, i, o, sleep, act=True, dropout=0.0, bwd_sleep=0.0):
         super().__init__()
-        self.lin, self.act, self.sleep = torch.nn.Linear(i, o), act, sleep
+        self.lin, self.act, self.sleep, self.bwd_sleep = torch.nn.Linear(i, o), act, sleep, bwd_sleep
         self.drop = torch.nn.Dropout(dropout)
 
     def forward(self, x):
         if self.sleep:
-            time.sleep(self.sleep)
+            time.sleep(self.sleep * SLOW)
         y = self.lin(x)
+        if self.bwd_sleep:
+            y = _Pad.apply(y, self.bwd_sleep * SLOW)
         return self.drop(torch.tanh(y)) if self.act else y
+
+
+SLOW = 1.0  # this worker's emulated slowdown (--slow)
 
 
 def main():
@@ -41,13 +60,22 @@ def main():
     p.add_argument("--block-sleep", type=float, default=0.0, help="emulated compute per block forward (s)")
     p.add_argument("--allowed", default=None, help="comma-separated policies the engine may choose")
     p.add_argument("--mttf", type=float, default=None, help="ElasticConfig.mttf_s")
+    p.add_argument("--bwd-sleep", type=float, default=0.0, help="emulated compute per block backward (s)")
+    p.add_argument("--slow", default=None, help="W:F: worker W's emulated compute F times slower")
+    p.add_argument("--emulate-link", default=None, help="LATENCY_S:BANDWIDTH_BPS (ElasticConfig.emulate_link)")
+    p.add_argument("--max-steps", type=int, default=None)
     a = p.parse_args()
+    global SLOW
+    if a.slow:
+        w, f = a.slow.split(":")
+        if int(w) == int(os.environ.get("CHAMELEON_FT_WORKER_ID", "-1")):
+            SLOW = float(f)
     torch.set_num_threads(1)
     # A different init per worker: the start-up migration must make the replicas equal.
     torch.manual_seed(int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0")) + 7)
     dims = [16] + [32] * (a.blocks - 1) + [4]
     blocks = torch.nn.Sequential(*[Block(dims[i], dims[i + 1], a.block_sleep, act=i < a.blocks - 1,
-                                         dropout=0.1 if 0 < i < a.blocks - 1 else 0.0)
+                                         dropout=0.1 if 0 < i < a.blocks - 1 else 0.0, bwd_sleep=a.bwd_sleep)
                                    for i in range(a.blocks)])
     opt = torch.optim.AdamW(blocks.parameters(), lr=0.01, weight_decay=0.01)
     ce = torch.nn.CrossEntropyLoss()
@@ -56,8 +84,9 @@ def main():
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.7),
         seed=3, stages=a.stages,
         config=ElasticConfig(allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
-                             mttf_s=a.mttf))
-    result = trainer.fit(epochs=a.epochs)
+                             mttf_s=a.mttf,
+                             emulate_link=tuple(map(float, a.emulate_link.split(":"))) if a.emulate_link else None))
+    result = trainer.fit(epochs=a.epochs, max_steps=a.max_steps)
     ctx = trainer.ctx
     final = {"step": result["step"], "members": result["members"], "held": sorted(ctx.held),
              "blocks": {str(b): {"params": [t.clone() for t in s["params"].values()],
@@ -68,7 +97,8 @@ def main():
     torch.save(final, os.path.join(a.out, f"final_{wid}.pt"))
     with open(os.path.join(a.out, f"result_{wid}.json"), "w") as f:
         json.dump({"plan": ctx.policy.plan.to_json(), "loss": ctx.last_loss,
-                   "migration": ctx.last_migration, "decisions": ctx.last_decisions}, f)
+                   "migration": ctx.last_migration, "decisions": ctx.last_decisions,
+                   "calibration": ctx.policy.calibration_json(), "predictions": ctx.predictions}, f)
 
 
 if __name__ == "__main__":
