@@ -1,8 +1,9 @@
 """Pipeline (DP x PP) benchmark: failure-free overhead against plain ``torch.distributed.pipelining``
 and recovery from one SIGKILL under each pipeline policy.
 
-    python benchmarks/pipeline_bench.py [--repeats 1] [--kills 1] [--steps 30]
+    python benchmarks/pipeline_bench.py [--repeats 1] [--kills 1] [--steps 30] [--adaptive-mttf 0.3,3]
         [--json benchmarks/results/pipeline.json] [--markdown docs/benchmarks-pipeline.md]
+        (plots go to docs/img/ next to the markdown)
 
 Both sides run ``benchmarks/_pipe_bench.py``: 8 CPU workers, 2 pipelines x 4 stages of an
 8-block MLP, in **accelerator-emulation mode** (each block's forward padded by ``--block-sleep``
@@ -19,6 +20,14 @@ seconds, its backward by twice that; see the worker's doc).
   layout = kill -> last member's migration end; efficiency = steps/s after recovery (skipping
   ``--settle`` steps) / (failure-free steps/s x 7/8); the engine's predicted step time of the
   chosen candidate against the measured one.
+
+* **The crossover** (``pipeline_crossover.py``): from the {reroute} and {replan} kill runs, the
+  goodput over ``D`` seconds after the decision for a grid of ``D``, measured and as the engine
+  predicted it; the measured and predicted ``D*``; then adaptive kill runs with ``D`` fixed on
+  either side of the predicted ``D*`` (``--adaptive-mttf`` factors) -- the engine's choice, and
+  whether the measured goodput orders the policies as predicted.
+* **Estimator accuracy**: every run's predicted-vs-measured records after each decision (step
+  and transition seconds), their error distribution, and a scatter plot.
 
 Limits, honestly: wall-clock timings on a shared 2-core machine (other jobs may run): read
 medians and ratios, not digits; a run takes ~1.5 min of which most is 8 workers importing torch.
@@ -39,6 +48,9 @@ from pathlib import Path
 from typing import Optional
 
 from chameleon_ft.localjob import LocalJob, kill_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline_crossover as xo  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("_pipe_bench.py")
 POLICIES = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}
@@ -159,14 +171,16 @@ def run_baseline(a, root: Path) -> list:
 
 
 def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = None,
-           kill_step: Optional[int] = None, diag: Optional[str] = None) -> tuple[dict, list, Optional[float]]:
+           kill_step: Optional[int] = None, diag: Optional[str] = None,
+           mttf: Optional[float] = None) -> tuple[dict, list, Optional[float]]:
     out = root / "stamps.json"
     args = ["--mode", "ft", *worker_args(a, out, steps or a.steps)] + (["--allowed", allowed] if allowed else [])
     if diag:
         args += ["--diag", diag]
     if kill_step is not None:
         args.append("--predict")
-    job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout)
+    job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
+                   launch_args=["--mttf", str(mttf)] if mttf else ())
     t_kill = None
     try:
         job.start()
@@ -247,6 +261,7 @@ def markdown(res: dict) -> str:
             lines.append(f"* {{{k['allowed']}}} -> {d.get('chosen')}: {cs}; plan before `{k['metrics'].get('ff_plan')}`, "
                          f"after `{k['metrics'].get('plan_after')}`")
         lines.append("")
+    lines += xo.markdown(res.get("crossover"), res.get("adaptive_d") or [], prediction_records(res), MODE)
     if res.get("notes"):
         lines += ["## Notes", ""] + [f"* {n}" for n in res["notes"]] + [""]
     return "\n".join(lines)
@@ -263,7 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--settle", type=int, default=3)
-    ap.add_argument("--block-sleep", type=float, default=0.004)
+    ap.add_argument("--block-sleep", type=float, default=0.01)
+    ap.add_argument("--adaptive-mttf", default="0.3,3",
+                    help="adaptive kill runs with D = these factors x the predicted crossover D* ('' for none)")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--hang-timeout", type=float, default=10.0)
@@ -320,14 +337,71 @@ def main(argv=None) -> int:
                 m = kill_metrics(events, stamps, t_kill, ff, settle=a.settle, warmup=a.warmup,
                                  predicted=got.get("predicted", []))
                 res["kills"].append({"allowed": POLICIES[name], "run": i, "metrics": m,
-                                     "stamps": stamps, "t_kill": t_kill})
+                                     "stamps": stamps, "t_kill": t_kill, "events": _kept(events)})
                 print(name, json.dumps({k: v for k, v in m.items() if k != "decision"}, default=str), flush=True)
+        _crossover(a, res, Path(tmp))
     res["wall_s"] = time.time() - t0
     return _write(res, a)
 
 
+def _kept(events: list[dict]) -> list[dict]:
+    """The events a report needs from a run (not the per-step records)."""
+    return [e for e in events if e["event"] in ("decision", "recovery", "migration", "prediction", "calibration",
+                                                "failure")]
+
+
+def _crossover(a, res: dict, tmp: Path) -> None:
+    """From the always-reroute and always-re-plan kill runs: the goodput-over-D curves and the
+    crossover; then adaptive runs of the same kill with D on either side of the predicted D*."""
+    runs = {}
+    for k in res["kills"]:
+        name = {"reroute": "reroute", "replan": "replan"}.get(k["allowed"])
+        if name and name not in runs:
+            runs[name] = {"stamps": k["stamps"], "events": k["events"]}
+    if len(runs) < 2:
+        return
+    span = min(r["stamps"][-1][1] - (xo.decision_of(r["events"]) or {"ts": r["stamps"][-1][1]})["ts"]
+               for r in runs.values())
+    if span <= 1.0:
+        return
+    curves = xo.analyse(runs, a.global_batch, xo.log_grid(0.25, span, 30))
+    res["crossover"] = curves
+    d_star = curves["d_star_predicted"]
+    res["adaptive_d"] = []
+    if d_star and a.adaptive_mttf:
+        for f in [float(x) for x in a.adaptive_mttf.split(",") if x]:
+            d = d_star * f
+            got, events, _ = run_ft(a, tmp / f"adaptive-D{f:g}", POLICIES["adaptive"], a.kill_steps, a.kill_step,
+                                    mttf=d)
+            dec = xo.decision_of(events) or {}
+            res["adaptive_d"].append({
+                "mttf": d, "factor": f, "chosen": dec.get("chosen"), "d_star": xo.predicted_crossover(dec) if dec else None,
+                "goodput": {n: xo.goodput_curve_at(curves, n, d) for n in ("reroute", "replan")},
+                "agrees": xo.ordering_agrees(curves, d), "events": _kept(events), "stamps": got["stamps"]})
+            print(f"adaptive D={d:.2f}s: {dec.get('chosen')}", flush=True)
+
+
+def prediction_records(res: dict) -> list[dict]:
+    """Every predicted-vs-measured record of the results' kill runs, labelled by run."""
+    out = []
+    for k in res.get("kills") or []:
+        out += [{**e, "run": f"{{{k['allowed']}}} #{k['run']}"} for e in k.get("events", []) if e["event"] == "prediction"]
+    for r in res.get("adaptive_d") or []:
+        out += [{**e, "run": f"adaptive D={r['mttf']:.3g} s"} for e in r.get("events", []) if e["event"] == "prediction"]
+    return out
+
+
 def _write(res: dict, a) -> int:
-    """The results JSON and the markdown page, where asked; the page is printed too."""
+    """The results JSON, the plots and the markdown page, where asked; the page is printed too."""
+    if a.markdown:
+        img = Path(a.markdown).parent / "img"
+        if res.get("crossover"):
+            xo.plot_crossover(res["crossover"], img / "pipeline-crossover.png",
+                              f"goodput over D after one kill, 8 workers 2 x PP4 ({MODE})")
+        recs = prediction_records(res)
+        if recs:
+            xo.plot_accuracy(recs, img / "pipeline-accuracy.png",
+                             f"engine's predictions vs measured, per decision ({MODE})")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))
