@@ -136,8 +136,8 @@ def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None
     alpha = min(prior.latency_s if prior else 0.0, float(np.median(t)))
     rest = float(np.median(t)) - alpha
     size = float(np.median(x))
-    if rest <= 0 or size <= 0:
-        return Link(latency_s=float(np.median(t)), bandwidth_Bps=prior.bandwidth_Bps if prior else 1e15)
+    if rest <= 0 or size <= 0:  # all latency: bandwidth effectively infinite
+        return Link(latency_s=float(np.median(t)), bandwidth_Bps=1e18)
     return Link(latency_s=alpha, bandwidth_Bps=size / rest)
 
 
@@ -158,6 +158,7 @@ class PipelineFit:
     step_overhead_s: float
     task_overhead_s: float = 0.0  # per forward or backward task, beyond compute and wire
     optimizer_s_per_param: float = 0.0
+    hop_overhead_s: float = 0.0  # per 1F1B slot of a multi-stage pipeline, unexplained otherwise
 
     def to_json(self) -> dict:
         def link(l: Link | None):
@@ -166,7 +167,19 @@ class PipelineFit:
                 "speeds": {str(d): s for d, s in sorted(self.speeds.items())},
                 "p2p": link(self.p2p), "collective": link(self.collective),
                 "migration": link(self.migration), "step_overhead_s": self.step_overhead_s,
-                "task_overhead_s": self.task_overhead_s, "optimizer_s_per_param": self.optimizer_s_per_param}
+                "task_overhead_s": self.task_overhead_s, "optimizer_s_per_param": self.optimizer_s_per_param,
+                "hop_overhead_s": self.hop_overhead_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineFit":
+        def link(x):
+            return None if x is None else Link(float(x["latency_s"]), float(x["bandwidth_Bps"]))
+        blocks = d.get("blocks", [])
+        return cls(tuple(float(b[0]) for b in blocks), tuple(float(b[1]) for b in blocks),
+                   tuple(int(b[2]) for b in blocks), {int(k): float(v) for k, v in d.get("speeds", {}).items()},
+                   link(d.get("p2p")), link(d.get("collective")), link(d.get("migration")),
+                   float(d.get("step_overhead_s", 0.0)), float(d.get("task_overhead_s", 0.0)),
+                   float(d.get("optimizer_s_per_param", 0.0)), float(d.get("hop_overhead_s", 0.0)))
 
 
 class PipelineCalibrator:
@@ -190,7 +203,8 @@ class PipelineCalibrator:
       blocks' compute, the wait for its input and the wire: the runtime's per-task cost;
     * the optimizer step's seconds per parameter updated;
     * the step's measured seconds with the model's prediction from the fitted terms: the median
-      residual is the per-step overhead (optimizer, framework, Python).
+      residual is a per-slot cost of the hand-off between stages while the plan has
+      multi-stage pipelines, else the per-step overhead (framework, Python).
 
     The window keeps the last ``window`` steps, so the figures follow the job (a straggler
     that appears, a re-plan that changes who holds what)."""
@@ -203,6 +217,7 @@ class PipelineCalibrator:
         self.collectives: deque[CollectiveSample] = deque(maxlen=self.window)
         self.migrations: deque = deque(maxlen=8)  # (rounds, bytes, seconds)
         self.residuals: deque = deque(maxlen=self.window)
+        self.hop_residuals: deque = deque(maxlen=self.window)
         self.task_costs: deque = deque(maxlen=self.window)
         self.optimizer_costs: deque = deque(maxlen=self.window)
 
@@ -227,21 +242,29 @@ class PipelineCalibrator:
                 self.out_bytes[int(blk)] = int(nb)
 
     def observe_p2p(self, nbytes: float, seconds: float) -> None:
-        if nbytes >= 0 and seconds >= 0 and math.isfinite(seconds):
+        if math.isfinite(nbytes) and math.isfinite(seconds) and nbytes >= 0 and seconds >= 0:
             self.p2p.append((float(nbytes), float(seconds)))
 
     def observe_collective(self, sample: CollectiveSample) -> None:
-        if sample.observed_s > 0 and math.isfinite(sample.observed_s):
+        if sample.observed_s > 0 and math.isfinite(sample.observed_s) and math.isfinite(sample.nbytes) \
+                and sample.nbytes >= 0:
             self.collectives.append(sample)
 
     def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
-        if rounds > 0 and seconds > 0:
+        if rounds > 0 and seconds > 0 and math.isfinite(seconds) and math.isfinite(nbytes) and nbytes >= 0:
             self.migrations.append((int(rounds), float(nbytes), float(seconds)))
 
-    def observe_residual(self, seconds: float) -> None:
-        """Measured step minus the model's step without overhead (may be negative: noise)."""
+    def observe_residual(self, seconds: float, slots: int = 0) -> None:
+        """Measured step minus the model's step without overheads (may be negative: noise).
+        ``slots``: the 1F1B slots (``m + p - 1``) of the running plan's slowest pipeline when it
+        has several stages -- the residual is then read as a per-slot cost of the hand-off
+        between stages (a plan without stages cannot tell it apart, and vice versa); 0: a
+        per-step overhead."""
         if math.isfinite(seconds):
-            self.residuals.append(float(seconds))
+            if slots > 0:
+                self.hop_residuals.append(float(seconds) / slots)
+            else:
+                self.residuals.append(float(seconds))
 
     @property
     def ready(self) -> bool:
@@ -285,8 +308,9 @@ class PipelineCalibrator:
         overhead = float(np.median(self.residuals)) if self.residuals else 0.0
         task = float(np.median(self.task_costs)) if self.task_costs else 0.0
         opt = float(np.median(self.optimizer_costs)) if self.optimizer_costs else 0.0
+        hop = float(np.median(self.hop_residuals)) if self.hop_residuals else 0.0
         return PipelineFit(tuple(fwd), tuple(bwd), tuple(self.out_bytes.get(b, 0) for b in range(num_blocks)),
-                           speeds, p2p, coll, mig, max(0.0, overhead), task, opt)
+                           speeds, p2p, coll, mig, max(0.0, overhead), task, opt, max(0.0, hop))
 
     def state_dict(self) -> dict:
         return {"blocks": [[[d, b, f, bw] for (d, b), (f, bw) in step.items()] for step in self.blocks],
@@ -295,7 +319,7 @@ class PipelineCalibrator:
                 "collectives": [[s.n, s.nbytes, s.observed_s] for s in self.collectives],
                 "migrations": [list(x) for x in self.migrations],
                 "residuals": list(self.residuals), "task_costs": list(self.task_costs),
-                "optimizer_costs": list(self.optimizer_costs)}
+                "optimizer_costs": list(self.optimizer_costs), "hop_residuals": list(self.hop_residuals)}
 
     def load_state_dict(self, s: dict) -> None:
         self.blocks.clear()
@@ -314,3 +338,5 @@ class PipelineCalibrator:
         self.task_costs.extend(float(x) for x in s.get("task_costs", []))
         self.optimizer_costs.clear()
         self.optimizer_costs.extend(float(x) for x in s.get("optimizer_costs", []))
+        self.hop_residuals.clear()
+        self.hop_residuals.extend(float(x) for x in s.get("hop_residuals", []))

@@ -22,7 +22,8 @@ ReCycle, which hides part of it in the pipeline bubbles).
 A fixed ``task_overhead_s`` per micro-batch and stage (measured by the pipeline runtime: what
 a forward/backward task costs beyond its layers and the wire) is added to every stage's compute;
 the optimizer step costs ``optimizer_s_per_param`` times the parameters of the busiest device
-(part of the breakdown's overhead).
+(part of the breakdown's overhead); a multi-stage pipeline pays ``hop_overhead_s`` more per
+1F1B slot (with the transfer).
 
 Limits: communication is not overlapped with compute (calibration folds overlap into
 ``comm_scale``); tensor parallelism is folded into a device; the optimizer step is part of
@@ -54,6 +55,9 @@ class Coefficients:
     task_overhead_s: float = 0.0
     # The optimizer step: seconds per parameter a device updates (the busiest device counts).
     optimizer_s_per_param: float = 0.0
+    # Fixed seconds per 1F1B slot of a multi-stage pipeline beyond its compute and transfer
+    # (scheduling and hand-off between stages): measured by the pipeline runtime.
+    hop_overhead_s: float = 0.0
 
 
 @dataclass
@@ -160,6 +164,8 @@ def estimate(
         dead_m = dead_mask_flat[idx]
         e = extra_flat[idx]
         c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms, coeffs.task_overhead_s)
+        if p > 1:
+            x_max = x_max + coeffs.hop_overhead_s
         c = np.where(dead_m, 0.0, c)
         c_max = c.max(axis=1)
         rerouted = (e * c).max(axis=1)  # extra micro-batches lengthen the critical path once
@@ -250,7 +256,7 @@ def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coeffici
         idx = arrays.index[np.array([pipelines[j].devices for j in members], dtype=np.int64)]
         c, x_max = _stage_times(bounds, idx, workload, cluster, arrays.speed, arrays.node,
                                 coeffs.compute_scale, coeffs.comm_scale, coeffs.task_overhead_s)
-        out[members] = c.max(axis=1) + x_max
+        out[members] = c.max(axis=1) + x_max + (coeffs.hop_overhead_s if len(bounds) > 2 else 0.0)
     return out
 
 

@@ -216,7 +216,8 @@ class EnginePolicy:
             # A micro-batch costs each stage two tasks (forward, backward).
             return Coefficients(step_overhead_s=self.fit.step_overhead_s,
                                 task_overhead_s=2 * self.fit.task_overhead_s,
-                                optimizer_s_per_param=self.fit.optimizer_s_per_param)
+                                optimizer_s_per_param=self.fit.optimizer_s_per_param,
+                                hop_overhead_s=self.fit.hop_overhead_s)
         return self.calibrator.coefficients()
 
     def job_state(self, alive, extra_ids=(), unflag=()) -> JobState:
@@ -427,7 +428,7 @@ class EnginePolicy:
         dead = frozenset(set(self.plan.devices) - self.alive)
         coeffs = self.coefficients()
         if not overhead:
-            coeffs = replace(coeffs, step_overhead_s=0.0)
+            coeffs = replace(coeffs, step_overhead_s=0.0, hop_overhead_s=0.0)
         return estimate(self.plan, self.workload(), self.cluster(), coeffs, dead, self._rerouted_extra()).step_time
 
     def _calibrate_pipeline(self, timings) -> None:
@@ -446,8 +447,8 @@ class EnginePolicy:
             # The previous step's seconds, against the same plan's prediction without overhead
             # (cached until the next refit).
             if self._predicted is None or self._predicted[0] != key:
-                self._predicted = (key, self.predicted_step(overhead=False), 0.0)
-            self.pipe_cal.observe_residual(max(steps) - self._predicted[1])
+                self._predicted = (key, self.predicted_step(overhead=False), float(self._slots()))
+            self.pipe_cal.observe_residual(max(steps) - self._predicted[1], int(self._predicted[2]))
         self._residual_key = key
         self._steps_since_fit += 1
         if self.fit is None or self._steps_since_fit >= _REFIT_EVERY:
@@ -458,6 +459,15 @@ class EnginePolicy:
             probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
             d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
             self.search_s = max(d.search_s, 1e-6)
+
+    def _slots(self) -> int:
+        """1F1B slots (``m + p - 1``) of the running plan's deepest pipeline with micro-batches
+        when it has several stages, else 0."""
+        deep = [p for p in self.plan.pipelines if p.depth > 1 and p.microbatches > 0]
+        if not deep:
+            return 0
+        p = max(deep, key=lambda q: (q.microbatches + q.depth, q.depth))
+        return p.microbatches + p.depth - 1
 
     def calibration_json(self) -> dict:
         """The fitted pipeline terms and the running plan's predicted step (the event log's
@@ -543,6 +553,10 @@ class EnginePolicy:
             "state_bytes": [self.weight_bytes, self.optim_bytes],
             "migrating_from": self.migrating_from.to_json() if self.migrating_from else None,
             "pipeline_calibration": self.pipe_cal.state_dict() if self.stages > 1 else None,
+            # The fit itself and where the refit schedule stands: a member that loads this state
+            # between two refits must hold the same figures as the one it came from.
+            "pipeline_fit": self.fit.to_json() if self.fit else None,
+            "pipeline_refit": [self._steps_since_fit, list(self._residual_key) if self._residual_key else None],
             "agree_s": self.agree_s,
         }
 
@@ -569,5 +583,8 @@ class EnginePolicy:
         self.agree_s = float(s.get("agree_s", 0.0))
         if s.get("pipeline_calibration") is not None:
             self.pipe_cal.load_state_dict(s["pipeline_calibration"])
-            self._refit()
+            self.fit = PipelineFit.from_json(s["pipeline_fit"]) if s.get("pipeline_fit") else None
+            since, key = s.get("pipeline_refit") or (0, None)
+            self._steps_since_fit = int(since)
+            self._residual_key = (key[0], tuple(key[1])) if key else None
         self._predicted = None

