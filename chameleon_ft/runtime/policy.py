@@ -472,10 +472,16 @@ class EnginePolicy:
     def calibration_json(self) -> dict:
         """The fitted pipeline terms and the running plan's predicted step (the event log's
         ``calibration`` record)."""
+        from chameleon_ft.trace import cluster_to_json, coefficients_to_json, workload_to_json
+
         out = self.fit.to_json() if self.fit else {}
         out["predicted_step_s"] = self.predicted_step()
         out["plan"] = self.plan.describe() if self.plan else None
-        out["agree_s"], out["rebuild_s"] = self.agree_s, self.rebuild_s
+        out["agree_s"], out["rebuild_s"], out["search_s"] = self.agree_s, self.rebuild_s, self.search_s
+        # The engine's inputs as the simulator reads them (``chameleon-ft simulate --trace``).
+        out["setup"] = {"workload": workload_to_json(self.workload()), "cluster": cluster_to_json(self.cluster()),
+                        "coefficients": coefficients_to_json(self.coefficients()),
+                        "plan": self.plan.to_json() if self.plan else None, "mttf_s": self.mttf()}
         return out
 
     def _plan_share(self, d: int) -> int:
