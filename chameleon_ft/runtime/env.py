@@ -9,10 +9,11 @@ membership comes from the coordinator, not from these.  See docs/runtime.md for 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["WorkerEnv", "EnvError", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
+__all__ = ["WorkerEnv", "EnvError", "process_age_s", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
            "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF"]
 
@@ -87,3 +88,15 @@ class WorkerEnv:
             replacement=num(REPLACEMENT, 0), hang_timeout_s=num(HANG_TIMEOUT, 10.0, float),
             min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0),
             mttf_s=mttf)
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return max(0.0, time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

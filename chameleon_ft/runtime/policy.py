@@ -48,7 +48,7 @@ from dataclasses import replace
 from statistics import median
 from typing import Optional, Sequence
 
-from chameleon_ft.calibrate import Calibrator, CollectiveSample, PipelineCalibrator, PipelineFit, StepSample
+from chameleon_ft.calibrate import Calibrator, PipelineCalibrator, PipelineFit, StepSample
 from chameleon_ft.cluster import homogeneous
 from chameleon_ft.failures import Event, EventKind, FailureRateEstimator
 from chameleon_ft.perf import Coefficients, estimate
@@ -56,6 +56,7 @@ from chameleon_ft.plan import Pipeline, Plan, even_split
 from chameleon_ft.planner import SearchSpace, balance_layers
 from chameleon_ft.selector import Decision, JobState, SelectorConfig, select
 from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.pipeline_calibration import PipelineCalibration
 from chameleon_ft.stragglers import StragglerDetector
 from chameleon_ft.workload import Layer, Workload
 
@@ -64,7 +65,6 @@ __all__ = ["EnginePolicy", "RestartRequested", "RUNTIME_POLICIES"]
 RUNTIME_POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
                               "heal", "grow"})
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
-_REFIT_EVERY = 5  # steps between refits of the pipeline terms (each costs a few ms of Python)
 # Knobs of the rebalance check, next to the StragglerDetector's own fields.
 _CHECK_DEFAULTS = {"verify_steps": 4, "min_gain": 0.05}
 
@@ -80,7 +80,7 @@ class RestartRequested(RuntimeError):
         self.decision = decision
 
 
-class EnginePolicy:
+class EnginePolicy(PipelineCalibration):
     """Engine state of one job, identical on every member.
 
     Args:
@@ -89,6 +89,8 @@ class EnginePolicy:
         per_node: workers per node (``LOCAL_WORLD_SIZE``), for the cluster and node losses.
         replacement_eta_s: when the launcher can still start replacements, how soon one is
             expected (enables ``wait``/``heal``); None otherwise.
+        max_replacements: replacements each node's launcher may start (``--max-replacements``):
+            once a node's are used up (counted from the joins seen), a failure there expects none.
         mttf_s: fixed ``D`` (seconds); default: the failure-rate estimator's.
         straggler_options: ``StragglerDetector`` fields (``window``, ``windows``, ``enter``,
             ``leave``, ``min_cost_s``, ``min_cost_frac``, ``min_evidence_s``) and the rebalance check's
@@ -101,7 +103,7 @@ class EnginePolicy:
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
                  stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
                  straggler_options: Optional[dict] = None, items_per_step: int = 0,
-                 stages: int = 1):
+                 stages: int = 1, max_replacements: Optional[int] = None):
         self.items_per_step = int(items_per_step)
         # Pipeline jobs (``stages`` > 1): the first plan has pipelines of that depth, and the
         # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
@@ -120,6 +122,8 @@ class EnginePolicy:
         self.per_node = max(1, int(per_node))
         self.warmup_steps = warmup_steps
         self.replacement_eta_s = replacement_eta_s
+        self.max_replacements = max_replacements
+        self.replacements_used: dict[int, int] = {}  # node -> replacements that joined
         self.mttf_s = mttf_s
         self.rebuild_s = rebuild_s
         self.restart_s = restart_s
@@ -192,14 +196,24 @@ class EnginePolicy:
                               migration=fit.migration or fit.p2p)
         return cluster.with_speeds(speeds)
 
-    def selector_config(self, steps_since_checkpoint: int) -> SelectorConfig:
+    def _eta(self, dead=()) -> Optional[float]:
+        """The replacement ETA for a failure of ``dead``: None when none of their nodes'
+        launchers has a replacement left."""
+        if self.replacement_eta_s is None or self.max_replacements is None or not dead:
+            return self.replacement_eta_s
+        nodes = {d // self.per_node for d in dead}
+        if all(self.replacements_used.get(n, 0) >= self.max_replacements for n in nodes):
+            return None
+        return self.replacement_eta_s
+
+    def selector_config(self, steps_since_checkpoint: int, dead=()) -> SelectorConfig:
         # Pipeline jobs charge every in-place option the measured state agreement too (its
         # figure differs per member, which only the source's recovery decisions may use:
         # data-parallel straggler decisions are taken by every member on its own).
         rebuild = self.rebuild_s + (self.agree_s if self.stages > 1 else 0.0)
         return SelectorConfig(
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
-            replacement_eta_s=self.replacement_eta_s,
+            replacement_eta_s=self._eta(dead),
             rebuild_s=rebuild, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint,
             space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
@@ -269,12 +283,14 @@ class EnginePolicy:
                 self.estimator.observe(0, 0.0, failures=len(dead))
                 self.detector.forget(dead)
                 event = Event(kind, tuple(sorted(dead)), float(step))
-                d = select(event, self.job_state(self.alive), self.selector_config(steps_since_checkpoint),
+                d = select(event, self.job_state(self.alive), self.selector_config(steps_since_checkpoint, dead),
                            self.mttf(len(self.alive - dead)))
                 self.search_s = d.search_s
                 decisions.append(d)
                 self._apply(d, self.alive - dead)
         if joined:
+            for d in joined:
+                self.replacements_used[d // self.per_node] = self.replacements_used.get(d // self.per_node, 0) + 1
             event = Event(EventKind.JOIN, tuple(sorted(joined)), float(step))
             d = select(event, self.job_state(self.alive | joined, joined),
                        self.selector_config(steps_since_checkpoint), self.mttf(len(self.alive | joined)))
@@ -397,93 +413,6 @@ class EnginePolicy:
         compute = pc * ratios[len(ratios) // 2]
         self.calibrator.observe(StepSample(pc, pm, compute, sum(comm) / len(comm), max(steps)))
 
-    # ---------------------------------------------------------------- pipeline calibration
-    def observe_pipeline(self, times: dict, out_bytes: dict, p2p, tasks=(0.0, 0), optimizer=(0.0, 0.0)) -> None:
-        """One committed step's pipeline measurements, shared by every member: per (device,
-        block) (forward s, backward s, micro-batches), block output bytes, (bytes, seconds)
-        of waited-for messages, (per-task overhead seconds, tasks) and (optimizer seconds,
-        parameters updated) summed over members."""
-        self.pipe_cal.observe_step(times, out_bytes, tasks, optimizer)
-        for nbytes, sec in p2p:
-            self.pipe_cal.observe_p2p(nbytes, sec)
-
-    def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
-        """A migration that was carried out: rounds, bytes of each round's largest transfer
-        summed, and the seconds it took (the slowest member's)."""
-        self.pipe_cal.observe_migration(rounds, nbytes, seconds)
-        self._refit()
-
-    def _refit(self) -> None:
-        self.fit = self.pipe_cal.fit(len(self.layer_params), prior_p2p=None)
-        self._predicted = None
-        self._steps_since_fit = 0
-
-    def _rerouted_extra(self) -> dict[int, float]:
-        return {d: float(n - self._plan_share(d)) for d, n in self.allocation.items() if n > self._plan_share(d)}
-
-    def predicted_step(self, overhead: bool = True) -> Optional[float]:
-        """The model's step time of the running plan and load (None before a plan)."""
-        if self.plan is None:
-            return None
-        dead = frozenset(set(self.plan.devices) - self.alive)
-        coeffs = self.coefficients()
-        if not overhead:
-            coeffs = replace(coeffs, step_overhead_s=0.0, hop_overhead_s=0.0)
-        return estimate(self.plan, self.workload(), self.cluster(), coeffs, dead, self._rerouted_extra()).step_time
-
-    def _calibrate_pipeline(self, timings) -> None:
-        """Feed the step's all-reduce and the step time's unexplained part; refit."""
-        if self.plan is None:
-            return
-        n = len(timings)
-        comm = [c for _, _, c, _ in timings.values() if c > 0]
-        if n > 1 and comm:
-            # The fastest member's time: the others also waited for the last one to arrive.
-            nbytes = sum(self.layer_params) * 4
-            self.pipe_cal.observe_collective(CollectiveSample(n, float(nbytes), min(comm)))
-        steps = [s for *_, s in timings.values() if s > 0]
-        key = (repr(self.plan.to_json()), tuple(sorted(self.alive)))
-        if steps and self.fit is not None and key == self._residual_key:
-            # The previous step's seconds, against the same plan's prediction without overhead
-            # (cached until the next refit).
-            if self._predicted is None or self._predicted[0] != key:
-                self._predicted = (key, self.predicted_step(overhead=False), float(self._slots()))
-            self.pipe_cal.observe_residual(max(steps) - self._predicted[1], int(self._predicted[2]))
-        self._residual_key = key
-        self._steps_since_fit += 1
-        if self.fit is None or self._steps_since_fit >= _REFIT_EVERY:
-            self._refit()
-        if self.search_s == 0.0 and self.fit is not None and len(self.alive) > 2:
-            # What a failure's plan search costs this job, before the first failure measures
-            # it: price the loss of one worker once (no state changes).
-            probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
-            d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
-            self.search_s = max(d.search_s, 1e-6)
-
-    def _slots(self) -> int:
-        """1F1B slots (``m + p - 1``) of the running plan's deepest pipeline with micro-batches
-        when it has several stages, else 0."""
-        deep = [p for p in self.plan.pipelines if p.depth > 1 and p.microbatches > 0]
-        if not deep:
-            return 0
-        p = max(deep, key=lambda q: (q.microbatches + q.depth, q.depth))
-        return p.microbatches + p.depth - 1
-
-    def calibration_json(self) -> dict:
-        """The fitted pipeline terms and the running plan's predicted step (the event log's
-        ``calibration`` record)."""
-        from chameleon_ft.trace import cluster_to_json, coefficients_to_json, workload_to_json
-
-        out = self.fit.to_json() if self.fit else {}
-        out["predicted_step_s"] = self.predicted_step()
-        out["plan"] = self.plan.describe() if self.plan else None
-        out["agree_s"], out["rebuild_s"], out["search_s"] = self.agree_s, self.rebuild_s, self.search_s
-        # The engine's inputs as the simulator reads them (``chameleon-ft simulate --trace``).
-        out["setup"] = {"workload": workload_to_json(self.workload()), "cluster": cluster_to_json(self.cluster()),
-                        "coefficients": coefficients_to_json(self.coefficients()),
-                        "plan": self.plan.to_json() if self.plan else None, "mttf_s": self.mttf()}
-        return out
-
     def _plan_share(self, d: int) -> int:
         where = self.plan.locate(d)
         return self.plan.pipelines[where[0]].microbatches if where else 0
@@ -564,6 +493,7 @@ class EnginePolicy:
             "pipeline_fit": self.fit.to_json() if self.fit else None,
             "pipeline_refit": [self._steps_since_fit, list(self._residual_key) if self._residual_key else None],
             "agree_s": self.agree_s,
+            "replacements_used": [[n, k] for n, k in sorted(self.replacements_used.items())],
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -587,6 +517,7 @@ class EnginePolicy:
         self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
         self.migrating_from = Plan.from_json(s["migrating_from"]) if s.get("migrating_from") else None
         self.agree_s = float(s.get("agree_s", 0.0))
+        self.replacements_used = {int(n): int(k) for n, k in s.get("replacements_used", [])}
         if s.get("pipeline_calibration") is not None:
             self.pipe_cal.load_state_dict(s["pipeline_calibration"])
             self.fit = PipelineFit.from_json(s["pipeline_fit"]) if s.get("pipeline_fit") else None

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.env import WorkerEnv
+from chameleon_ft.runtime.env import WorkerEnv, process_age_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
@@ -109,7 +109,7 @@ class ElasticConfig:
     seed_microbatches: bool = True
     log_samples: bool = True
     mttf_s: Optional[float] = None
-    replacement_eta_s: float = 5.0
+    replacement_eta_s: float = 5.0  # prior; a worker measures its own start-up and uses that
     restart_s: float = 60.0
     allowed_policies: Optional[frozenset] = None
     allow_batch_change: bool = False
@@ -195,6 +195,7 @@ class RecoveryCore:
             layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
             warmup_steps=self.cfg.warmup_steps, mttf_s=self.env.mttf_s or self.cfg.mttf_s,
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
+            max_replacements=self.env.max_replacements,
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
             allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
@@ -270,6 +271,10 @@ class RecoveryCore:
                                local_rank=self.env.local_rank, generation=view.generation,
                                members=list(view.members))
         self._establish(view, timer, None)
+        # A replacement takes about as long to start and join as this worker did (measured).
+        startup = process_age_s()
+        if startup is not None and self.policy.replacement_eta_s is not None and not self.env.replacement:
+            self.policy.replacement_eta_s = startup
         # The state agreement's fixed cost, until a recovery measures it (start-up migration out).
         start = timer.breakdown()
         self.policy.agree_s = max(0.0, (start.get("state_transfer") or 0.0)
