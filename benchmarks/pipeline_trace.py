@@ -81,7 +81,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
@@ -180,14 +180,23 @@ def steady_rate(stamps: list, lo: float, hi: Optional[float] = None, settle: int
     return max(0, st[-1][0] - st[0][0]) / (st[-1][1] - st[0][1])
 
 
-def fault_metrics(stamps: list, faults: list[dict], ff_rate: Optional[float], settle: int = 3) -> list[dict]:
+def fault_metrics(stamps: list, faults: list[dict], ff_rate: Optional[float], settle: int = 3,
+                  recoveries: Sequence[float] = ()) -> list[dict]:
     """Per fault (``{"step", "kind", "worker", "t"}``, in time order): MTTR (kills), the steady
     steps/s after it (after recovery + ``settle`` commits, up to the next fault) and its gap to
-    the failure-free steps/s: 1 - rate / ff_rate."""
+    the failure-free steps/s: 1 - rate / ff_rate.
+
+    A step whose collectives were done before the kill may still commit just after it; where
+    the run logged ``recoveries`` (chameleon-ft's ``recovery`` events, written at the first step
+    after recovery), the first one between this fault and the next bounds the MTTR from below."""
     out = []
     ts = [f["t"] for f in faults]
     for i, f in enumerate(faults):
         m = mttr(stamps, f["t"]) if f["kind"] == "kill" else None
+        nxt = ts[i + 1] if i + 1 < len(ts) else float("inf")
+        rec = min((r for r in recoveries if f["t"] < r < nxt), default=None)
+        if m is not None and rec is not None:
+            m = max(m, rec - f["t"])
         lo = f["t"] + (m or 0.0)
         r = steady_rate(stamps, lo, ts[i + 1] if i + 1 < len(ts) else None, settle)
         out.append({**f, "mttr_s": m, "rate_after": r,
@@ -230,8 +239,8 @@ def system_metrics(run: dict, ff_stamps: list, batch: int, warmup: int, settle: 
     """Every figure of one system's trace run (``run``: stamps, faults, events) and its
     failure-free run's stamps."""
     ff = steady_rate(ff_stamps, float("-inf"), settle=warmup)
-    faults = fault_metrics(run["stamps"], run["faults"], ff, settle)
     mk = markers(run.get("events", []))
+    faults = fault_metrics(run["stamps"], run["faults"], ff, settle, [r["ts"] for r in mk["recoveries"]])
     if run.get("restarts"):
         mk["decisions"] = [{"ts": t, "chosen": "restart", "kind": "fail_stop", "candidates": []} for t in run["restarts"]]
     return {"throughput": avg_throughput(run["stamps"], batch, warmup),
@@ -383,7 +392,7 @@ def markdown(res: dict) -> str:
              f"* wall time: {res['wall_s']:.0f} s", "",
              "Wall-clock figures on a shared 2-core machine: read the ratios, not the digits.  Average throughput = "
              f"global batch x steps / wall time from step {c['warmup']} to the last; MTTR = fault -> first commit of a "
-             f"new step; gap = 1 - steady rate after recovery (first {c['settle']} steps skipped) / the same system's "
+             f"new step (chameleon-ft: not before its recovery event); gap = 1 - steady rate after recovery (first {c['settle']} steps skipped) / the same system's "
              "failure-free rate (a kill without replacement leaves 7/8 or 6/8 of the devices: a gap of ~12 % / ~25 % "
              "is then the hardware lost, not overhead).", "",
              f"| system ({MODE}) | completed | avg throughput (samples/s) | adaptive / system | failure-free (samples/s) "
@@ -469,26 +478,38 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--markdown", default=None, help="also write the markdown section here")
     ap.add_argument("--plot", default="docs/img/pipeline-trace.png")
     ap.add_argument("--workdir", help="keep every run's directory here")
-    ap.add_argument("--from-json", help="no runs: re-render the plot and markdown from these results")
+    ap.add_argument("--from-json", help="no runs: recompute the metrics of these results (written back) and "
+                                        "re-render the plot and markdown")
     return ap
 
 
 def run(argv=None) -> dict:
     a = build_parser().parse_args(argv)
     if a.from_json:
-        res = json.loads(Path(a.from_json).read_text())
+        res = recompute(json.loads(Path(a.from_json).read_text()))
     else:
         res = collect(a, argv)
     if a.plot:
         plot(res, Path(a.plot))
         res["plot"] = a.plot
         res["plot_rel"] = os.path.relpath(a.plot, Path(a.markdown).parent if a.markdown else "docs")
-    if a.json and not a.from_json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    out = a.from_json or a.json  # re-rendering updates the recomputed metrics in place
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=1))
     if a.markdown:
         Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(a.markdown).write_text("# Pipeline (DP x PP) failure trace\n\n" + markdown(res))
+    return res
+
+
+def recompute(res: dict) -> dict:
+    """Every system's metrics again from the results' own stamps, faults and events."""
+    c = res["config"]
+    for s in res["systems"].values():
+        if "events" in s:
+            s["metrics"] = system_metrics(s, s["ff_stamps"], c["global_batch"], c["warmup"], c["settle"], c["window"])
+    res["ratios"] = ratios({k: v["metrics"] for k, v in res["systems"].items()})
     return res
 
 
@@ -520,7 +541,8 @@ def collect(a, argv) -> dict:
                 "chameleon-ft, allowed " + (FT_ALLOWED[s] or "all"))
             res["systems"][s] = {"config": cfg, "completed": got["completed"], "error": got["error"],
                                  "stamps": got["stamps"], "faults": got["faults"], "ff_stamps": ff["restart" if s == "restart" else "ft"],
-                                 "metrics": m}
+                                 "events": [e for e in got["events"] if e.get("event") != "step"],
+                                 "restarts": got.get("restarts", []), "metrics": m}
             print(f"{s}: completed {got['completed']}, throughput {_fmt(m['throughput'], 1)} samples/s, "
                   f"MTTR {[_fmt(f['mttr_s'], 1) for f in m['faults'] if f['kind'] == 'kill']}, "
                   f"decisions {m['decision_counts']}", flush=True)

@@ -49,6 +49,10 @@ def test_fault_metrics_gap_and_steady_rate():
     faults = [{"step": 11, "kind": "kill", "worker": 1, "t": 10.5}, {"step": 20, "kind": "slow", "worker": 6, "t": 30.5}]
     m = pt.fault_metrics(st, faults, ff_rate=1.0, settle=1)
     assert m[0]["mttr_s"] == pytest.approx(2.5)
+    # A recovery event later than the first commit after the kill (a step that was all but done
+    # still committed) bounds the MTTR; one after the next fault does not.
+    assert pt.fault_metrics(st, faults, 1.0, 1, recoveries=[12.0, 31.0])[0]["mttr_s"] == pytest.approx(2.5)
+    assert pt.fault_metrics(st, faults, 1.0, 1, recoveries=[14.0])[0]["mttr_s"] == pytest.approx(3.5)
     assert m[0]["rate_after"] == pytest.approx(0.5)
     assert m[0]["gap"] == pytest.approx(0.5)
     assert m[1]["mttr_s"] is None
@@ -107,12 +111,14 @@ def test_results_json_renders_markdown_and_plot(tmp_path):
     run = {"stamps": stamps([float(t) for t in range(11)] + [13.0 + 2 * i for i in range(9)]),
            "faults": [{"step": 11, "kind": "kill", "worker": 1, "t": 10.5}],
            "events": [{"event": "decision", "ts": 11.0, "decision": {"chosen": "reroute", "candidates": []}}]}
-    a = pt.build_parser().parse_args([])
+    a = pt.build_parser().parse_args(["--warmup", "2", "--settle", "1", "--window", "2"])
     res = {"command": "x", "date": "d", "machine": "m", "load": "0.1", "mode": pt.MODE,
            "config": vars(a), "trace": pt.TRACES["tiny"].to_json(), "wall_s": 1.0, "systems": {}}
     for s in ("adaptive", "restart"):
         res["systems"][s] = {"config": s, "completed": True, "error": None, "stamps": run["stamps"],
                              "faults": run["faults"], "metrics": pt.system_metrics(run, ff, 64, 2, 1, 2)}
+    # --from-json recomputes from the stored events: a recovery logged 4 s after the kill bounds the MTTR.
+    res["systems"]["adaptive"].update(ff_stamps=ff, events=run["events"] + [{"event": "recovery", "ts": 14.5}])
     res["ratios"] = pt.ratios({k: v["metrics"] for k, v in res["systems"].items()})
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
@@ -121,6 +127,9 @@ def test_results_json_renders_markdown_and_plot(tmp_path):
     md = (tmp_path / "t.md").read_text()
     assert pt.MODE in md and "| adaptive (adaptive) | yes |" in md and "reroute" in md
     assert out["ratios"]["restart"] == pytest.approx(1.0)
+    assert out["systems"]["adaptive"]["metrics"]["faults"][0]["mttr_s"] == pytest.approx(4.0)
+    assert out["systems"]["restart"]["metrics"]["faults"][0]["mttr_s"] == pytest.approx(2.5)
+    assert json.loads(path.read_text())["systems"]["adaptive"]["metrics"]["faults"][0]["mttr_s"] == pytest.approx(4.0)
 
 
 @pytest.mark.slow
