@@ -16,8 +16,24 @@ gradients are averaged between the two pipelines' same-stage ranks (one all-redu
 group, a flat buffer), then SGD steps.  No fault tolerance.
 
 The writer (rank 0 / worker 0) dumps the wall-clock time of every committed step to ``--out``
-(JSON: ``{"mode", "stamps": [[step, time], ...]}``).  Limits: CPU + gloo only; the baseline
-assumes exactly two pipelines and ``world == 2 * stages``.
+(JSON: ``{"mode", "stamps": [[step, time], ...]}``).
+
+Failure-trace knobs (``benchmarks/pipeline_trace.py``):
+
+* ``--slow worker:factor:from_step``: from global step ``from_step`` on, worker ``worker``'s
+  emulated compute (the block padding, forward and backward) is ``factor`` times longer -- a
+  slower accelerator, the same on both sides (worker = ``CHAMELEON_FT_WORKER_ID`` in ft mode,
+  the rank in torch mode; both stay with their slot across replacements / restarts).
+* ``--ckpt-dir D`` (torch mode): checkpoint-restart for ``torchrun --max-restarts``.  Every
+  ``--ckpt-every`` steps each rank saves its stage's parameters, optimizer state and step
+  (``D/rank{r}-{step}.pt``, atomically, the newest two kept); on start every rank loads the
+  newest step that *all* ranks saved (an all-reduce MIN: a kill between two ranks' saves leaves
+  them one checkpoint apart) with ``weights_only=True`` and resumes after it.  Rank 0 appends
+  one line per committed step to ``D/stamps.jsonl`` (``{"step", "ts", "restart"}``: the
+  timeline continues across restarts; redone steps appear twice) and every rank appends its
+  PID to ``D/pids.jsonl`` on start (so that a benchmark can SIGKILL a rank from outside).
+
+Limits: CPU + gloo only; the baseline assumes exactly two pipelines and ``world == 2 * stages``.
 """
 
 from __future__ import annotations
@@ -30,6 +46,17 @@ import time
 import torch
 
 DIM, IN, CLASSES, N = 64, 16, 4, 8192
+
+# Emulated compute multiplier of this worker (``--slow``); set per step by the training loop.
+SLOW = {"factor": 1.0}
+
+
+def slow_factor(spec, worker: int, step: int) -> float:
+    """``--slow worker:factor:from_step`` applied to ``worker`` about to run global step ``step``."""
+    if not spec:
+        return 1.0
+    w, factor, start = spec.split(":")
+    return float(factor) if worker == int(w) and step >= int(start) else 1.0
 
 
 class _Pad(torch.autograd.Function):
@@ -55,7 +82,7 @@ class Block(torch.nn.Module):
         self.lin, self.sleep, self.act = torch.nn.Linear(i, o), sleep, act
 
     def forward(self, x):
-        y = _Pad.apply(self.lin(x), self.sleep)
+        y = _Pad.apply(self.lin(x), self.sleep * SLOW["factor"])
         return torch.tanh(y) if self.act else y
 
 
@@ -103,7 +130,10 @@ def run_torch(a) -> None:
     x_all, y_all = dataset().tensors
     half = a.global_batch // 2
     stamps = []
-    for step in range(a.steps):
+    ck = _Checkpoints(a.ckpt_dir, rank) if a.ckpt_dir else None
+    start = ck.resume(sub, opt) if ck else 0
+    for step in range(start, a.steps):
+        SLOW["factor"] = slow_factor(a.slow, rank, step + 1)
         base = (step * a.global_batch) % N + pipe * half
         x, y = x_all[base:base + half], y_all[base:base + half]
         if stage == 0:
@@ -123,10 +153,63 @@ def run_torch(a) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append([step + 1, time.time()])
+        if ck:
+            ck.committed(step + 1, stamps[-1][1])
+            if (step + 1) % a.ckpt_every == 0:
+                ck.save(step + 1, sub, opt)
     if rank == 0:
         write(a.out, "torch", stamps)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _Checkpoints:
+    """Per-rank stage checkpoints, the stamps log and the PID log of ``--ckpt-dir`` (torch mode)."""
+
+    def __init__(self, root: str, rank: int):
+        self.root, self.rank = root, rank
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        os.makedirs(root, exist_ok=True)
+        self._append("pids.jsonl", {"rank": rank, "pid": os.getpid(), "restart": self.restart, "ts": time.time()})
+
+    def _append(self, name: str, rec: dict) -> None:
+        fd = os.open(os.path.join(self.root, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())  # one write: lines never interleave
+        finally:
+            os.close(fd)
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.root, f"rank{self.rank}-{step}.pt")
+
+    def _saved(self) -> list[int]:
+        pre = f"rank{self.rank}-"
+        return sorted(int(f[len(pre):-3]) for f in os.listdir(self.root) if f.startswith(pre) and f.endswith(".pt"))
+
+    def resume(self, sub, opt) -> int:
+        """Load the newest step every rank saved; the step to start from (0: none)."""
+        import torch.distributed as dist
+
+        saved = self._saved()
+        t = torch.tensor([saved[-1] if saved else 0])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        step = int(t)
+        if step:
+            st = torch.load(self._path(step), weights_only=True)
+            sub.load_state_dict(st["model"])
+            opt.load_state_dict(st["opt"])
+        return step
+
+    def save(self, step: int, sub, opt) -> None:
+        tmp = self._path(step) + ".tmp"
+        torch.save({"model": sub.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+        os.replace(tmp, self._path(step))
+        for old in self._saved()[:-2]:
+            os.remove(self._path(old))
+
+    def committed(self, step: int, ts: float) -> None:
+        if self.rank == 0:
+            self._append("stamps.jsonl", {"step": step, "ts": ts, "restart": self.restart})
 
 
 def _diag_no_start_check() -> None:
@@ -176,10 +259,14 @@ def run_ft(a) -> None:
         ce = torch.nn.CrossEntropyLoss()
         stamps: list = []
         predicted: list = []  # [step, the engine's step time of the running plan, its plan]
-        writer = os.environ.get("CHAMELEON_FT_WORKER_ID") == "0"
+        worker = int(os.environ.get("CHAMELEON_FT_WORKER_ID", -1))
+        writer = worker == 0
+        # A replacement joins mid-run: its first step comes from the trainer, not from 1.
+        SLOW["factor"] = 1.0
 
         def on_step(ctx):
             stamps.append([ctx.step, time.time()])
+            SLOW["factor"] = slow_factor(a.slow, worker, ctx.step + 1)
             if writer and a.predict:
                 from chameleon_ft.perf import estimate
                 pol = ctx.policy
@@ -216,6 +303,10 @@ if __name__ == "__main__":
     ap.add_argument("--diag", choices=["no-start-check", "blocking-p2p"], default=None,
                     help="ft: a diagnostic patch of the runtime (see _diag_no_start_check); never in results")
     ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
+    ap.add_argument("--slow", default=None, metavar="WORKER:FACTOR:FROM_STEP",
+                    help="straggler: that worker's emulated compute FACTOR x longer from that step on")
+    ap.add_argument("--ckpt-dir", default=None, help="torch: checkpoint-restart directory (see the doc)")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="torch: steps between checkpoints")
     a = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

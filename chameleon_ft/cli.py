@@ -5,7 +5,8 @@
 * ``simulate`` discrete-event simulation of a long run under failures, every policy side by side
                (``--preset``), or the replay of a stored failure trace (``--trace``)
 * ``report``   render a run directory's event log (summary, decisions, throughput plot)
-* ``bench``    the benchmark matrix against torchrun, TorchFT and plain Lightning (source checkout)
+* ``bench``    the benchmark matrix against torchrun, TorchFT and plain Lightning (source checkout);
+               ``bench --pipeline [--quick]``: the pipeline benchmarks and the failure-trace runner
 """
 
 from __future__ import annotations
@@ -194,17 +195,19 @@ def _report(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """The benchmark matrix lives in the source tree (``benchmarks/matrix.py``), not in the
-    installed package: load it from the checkout this package was installed from."""
+    """The benchmarks live in the source tree (``benchmarks/matrix.py``; with ``--pipeline``,
+    ``benchmarks/pipeline_suite.py``), not in the installed package: load them from the
+    checkout this package was installed from."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "matrix.py"
+    name = "pipeline_suite.py" if "--pipeline" in argv else "matrix.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not path.is_file():
-        print("chameleon-ft bench: needs a source checkout (benchmarks/matrix.py not found next to "
+        print(f"chameleon-ft bench: needs a source checkout (benchmarks/{name} not found next to "
               f"{Path(__file__).resolve().parent}); install with `pip install -e .`", file=sys.stderr)
         return 2
     sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("chameleon_ft_bench_matrix", path)
+    spec = importlib.util.spec_from_file_location(f"chameleon_ft_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return int(module.bench_main(argv) or 0)
