@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
 from pipeline_bench import SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
 
@@ -418,8 +419,9 @@ def markdown(res: dict) -> str:
             lines.append(f"  * did not complete: `{s['error'].strip().splitlines()[-1][:200]}`")
     if res.get("plot"):
         lines += ["", f"![throughput timeline per system]({res['plot_rel']})"]
-    lines += ["", "Not here: a Bamboo-like redundant-computation system is not built on the runtime (a simulated "
-              "stand-in lives elsewhere).", ""]
+    lines += ["", "Not here: a Bamboo-like redundant-computation system is not built on the runtime; the "
+              "simulator's stand-in (`redundant`) is in the table below.", ""]
+    lines += trace_sim.markdown(res.get("simulated"), MODE)
     return "\n".join(lines)
 
 
@@ -512,6 +514,7 @@ def recompute(res: dict) -> dict:
         if "events" in s:
             s["metrics"] = system_metrics(s, s["ff_stamps"], c["global_batch"], c["warmup"], c["settle"], c["window"])
     res["ratios"] = ratios({k: v["metrics"] for k, v in res["systems"].items()})
+    _simulate(res)
     return res
 
 
@@ -550,7 +553,18 @@ def collect(a, argv) -> dict:
                   f"decisions {m['decision_counts']}", flush=True)
     res["ratios"] = ratios({k: v["metrics"] for k, v in res["systems"].items()})
     res["wall_s"] = time.time() - t0
+    _simulate(res)
     return res
+
+
+def _simulate(res: dict) -> None:
+    """The same trace in the simulator, on the adaptive run's calibrated coefficients."""
+    try:
+        res["simulated"] = trace_sim.compare(res)
+    except Exception as exc:  # the measured figures stand without it; say why it is missing
+        res["simulated"] = None
+        res["simulation_error"] = f"{type(exc).__name__}: {exc}"
+        print(f"trace simulation failed: {res['simulation_error']}", flush=True)
 
 
 def main(argv=None) -> int:

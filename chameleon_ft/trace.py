@@ -477,6 +477,7 @@ class TraceSetup:
     mttf_s: float | None = None
     redundant_overhead: float | None = None
     space: SearchSpace = SearchSpace()
+    replacement_eta_s: float | None = None
 
     def to_json(self) -> dict:
         """``{"trace": {name, description, horizon_s, events: [{t_s, kind, devices, slowdown?}]},
@@ -491,7 +492,9 @@ class TraceSetup:
                 "settings": {"rebuild_s": self.rebuild_s, "restart_s": self.restart_s,
                              "checkpoint_every_s": self.checkpoint_every_s, "mttf_s": self.mttf_s,
                              "redundant_overhead": self.redundant_overhead,
-                             "pp_min": self.space.pp_min, "pp_max": self.space.pp_max}}
+                             "pp_min": self.space.pp_min, "pp_max": self.space.pp_max,
+                             "dp_min": self.space.dp_min, "min_microbatches": self.space.min_microbatches,
+                             "replacement_eta_s": self.replacement_eta_s}}
 
     @staticmethod
     def from_json(data: dict) -> "TraceSetup":
@@ -501,12 +504,13 @@ class TraceSetup:
         cluster = (cluster_from_json(data["cluster"]) if "cluster" in data
                    else cluster_from_json({"devices": max(8, max(trace.devices, default=0) + 1)}))
         s = data.get("settings", {})
-        space = SearchSpace(pp_min=int(s.get("pp_min", 1)), pp_max=s.get("pp_max"))
+        space = SearchSpace(pp_min=int(s.get("pp_min", 1)), pp_max=s.get("pp_max"), dp_min=int(s.get("dp_min", 1)),
+                            min_microbatches=int(s.get("min_microbatches", 0)))
         return TraceSetup(trace, workload_from_json(data["workload"]) if "workload" in data else default_workload(),
                           cluster, coefficients_from_json(data.get("coefficients")), int(data.get("stages", 4)),
                           float(s.get("rebuild_s", 1.0)), float(s.get("restart_s", 60.0)),
                           float(s.get("checkpoint_every_s", 600.0)), s.get("mttf_s"), s.get("redundant_overhead"),
-                          space)
+                          space, s.get("replacement_eta_s"))
 
     def run(self, devices: int | None = None, policies=DEFAULT_POLICIES) -> dict[str, TraceResult]:
         """Replay the trace on the recorded setting, or (``devices``) on the scaled one."""
@@ -515,4 +519,5 @@ class TraceSetup:
         w, c, plan = trace_setting(self.workload, self.cluster, devices or n, self.stages)
         return replay(trace, w, c, plan, policies, self.coefficients, rebuild_s=self.rebuild_s,
                       restart_s=self.restart_s, checkpoint_every_s=self.checkpoint_every_s,
-                      search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead)
+                      search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead,
+                      replacement_eta_s=self.replacement_eta_s)

@@ -1,0 +1,127 @@
+"""The simulator on the trace the benchmark ran: the same failures, on the coefficients the live
+job calibrated, side by side with what the real systems measured (8 workers), and the same
+trace on a 32-device job (``chameleon_ft.trace.scale_trace``/``trace_setting``).
+
+``setup_from_run`` turns a ``pipeline_trace.py`` result into a ``TraceSetup``:
+
+* workload, cluster (device speeds, links) and coefficients: the adaptive run's last
+  ``calibration`` record before the first fault (its ``setup``, the engine's own inputs);
+* the trace: each fault at its wall time from the run's first post-warm-up commit -- kills as
+  ``fail``, the replacement as ``join`` when the engine decided on it, the straggler as
+  ``slow``; horizon = that run's measured span;
+* costs: rebuild = the calibrated group rebuild + state agreement, restart = the torchrun
+  system's measured median MTTR, checkpoint interval = its checkpoint period in seconds,
+  ``D`` = the engine's at the first decision, the replacement ETA = the measured kill -> join.
+
+``compare`` replays it and returns rows of simulated vs measured average throughput per system.
+Limits: the simulator's fixed policies are the engine's candidates, not the runtime's allowed
+sets one for one (``reroute`` heals a replacement, ``replan`` grows), and it prices every phase
+with the model; the measured runs are one each on a shared machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from chameleon_ft.planner import SearchSpace
+from chameleon_ft.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
+                                workload_from_json)
+
+SIM_POLICY = {"adaptive": "adaptive", "reroute": "reroute", "replan": "replan", "restart": "restart"}
+
+
+def _start(stamps: list, warmup: int) -> float:
+    st = sorted(stamps, key=lambda s: s[1])
+    return next((t for s, t in st if s >= warmup), st[0][1])
+
+
+def setup_from_run(res: dict, system: str = "adaptive") -> Optional[TraceSetup]:
+    run = res["systems"].get(system) or {}
+    events = run.get("events") or []
+    faults = run.get("faults") or []
+    cals = [e for e in events if e.get("event") == "calibration" and e.get("setup")]
+    if not cals or not run.get("stamps"):
+        return None
+    t_fault = min((f["t"] for f in faults), default=float("inf"))
+    before = [c for c in cals if c["ts"] < t_fault] or cals[:1]
+    setup = before[-1]["setup"]
+    warmup = int(res.get("config", {}).get("warmup", 5))
+    t0 = _start(run["stamps"], warmup)
+    horizon = max(t for _, t in run["stamps"]) - t0
+    evs = []
+    for f in faults:
+        if f["kind"] == "kill":
+            evs.append(TraceEvent(max(0.0, f["t"] - t0), "fail", (int(f["worker"]),)))
+        elif f["kind"] == "slow":
+            evs.append(TraceEvent(max(0.0, f["t"] - t0), "slow", (int(f["worker"]),), float(f["factor"])))
+    joins = [e for e in events if e.get("event") == "decision" and e["decision"]["event"]["kind"] == "join"]
+    etas = []
+    for j in joins:
+        devs = tuple(j["decision"]["event"]["devices"])
+        evs.append(TraceEvent(max(0.0, j["ts"] - t0), "join", devs))
+        killed = [f["t"] for f in faults if f["kind"] == "kill" and (int(f["worker"]),) == devs and f["t"] < j["ts"]]
+        if killed:
+            etas.append(j["ts"] - max(killed))
+    trace = Trace(tuple(sorted(evs, key=lambda e: e.t_s)), horizon, res["trace"]["name"],
+                  f"replayed from benchmarks/pipeline_trace.py ({system} run)")
+    restart = res["systems"].get("restart") or {}
+    mttrs = [f.get("mttr_s") for f in (restart.get("metrics") or {}).get("faults", []) if f.get("mttr_s")]
+    cfg = res.get("config", {})
+    ff_rate = (restart.get("metrics") or {}).get("ff_steps_per_s")
+    ff = 1.0 / ff_rate if ff_rate else 0.5
+    first = next((e["decision"] for e in events if e.get("event") == "decision"), {})
+    cal = before[-1]
+    return TraceSetup(
+        trace, workload_from_json(setup["workload"]), cluster_from_json(setup["cluster"]),
+        coefficients_from_json(setup["coefficients"]), stages=int(cfg.get("stages", 4)),
+        rebuild_s=float(cal.get("rebuild_s") or 0.1) + float(cal.get("agree_s") or 0.0),
+        restart_s=statistics.median(mttrs) if mttrs else 60.0,
+        checkpoint_every_s=float(cfg.get("ckpt_every", 10)) * ff,
+        mttf_s=first.get("mttf_s") or setup.get("mttf_s"),
+        space=SearchSpace(dp_min=2, min_microbatches=1),
+        replacement_eta_s=statistics.median(etas) if etas else None)
+
+
+def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
+    """Simulated average throughput per policy on the recorded and the scaled job, beside the
+    measured one per system (8 workers)."""
+    setup = setup_from_run(res)
+    if setup is None:
+        return None
+    out: dict = {"setup": setup.to_json(), "rows": []}
+    measured = {s: (r.get("metrics") or {}).get("throughput") for s, r in res["systems"].items()}
+    policies = ("adaptive", "reroute", "replan", "restart", "redundant")
+    for n in devices:
+        sim = setup.run(devices=n, policies=policies)
+        for p in policies:
+            row = {"devices": n, "policy": p, "simulated": sim[p].throughput,
+                   "decisions": dict(sim[p].counts)}
+            if n == len(setup.cluster.devices):
+                row["measured"] = measured.get(p)
+            out["rows"].append(row)
+    return out
+
+
+def markdown(cmp: Optional[dict], mode: str) -> list[str]:
+    if not cmp:
+        return []
+    lines = [f"## The same trace in the simulator ({mode} coefficients)", "",
+             "`benchmarks/trace_sim.py`: the adaptive run's calibrated workload, device speeds, links and "
+             "overheads, the trace's faults at their measured times, restart = the torchrun system's measured "
+             "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).", "",
+             "| devices | policy | simulated samples/s | measured samples/s | simulated / measured | simulated decisions |",
+             "| ---: | --- | ---: | ---: | ---: | --- |"]
+    for r in cmp["rows"]:
+        m, s = r.get("measured"), r["simulated"]
+        ratio = f"{s / m:.2f}" if m and s else "-"
+        dec = ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items()))
+        lines.append(f"| {r['devices']} | {r['policy']} | {s:.1f} | {'-' if m is None else f'{m:.1f}'} | {ratio} | {dec} |")
+    by = {(r["devices"], r["policy"]): r["simulated"] for r in cmp["rows"]}
+    for n in sorted({r["devices"] for r in cmp["rows"]}):
+        fixed = [by.get((n, p)) for p in ("reroute", "replan") if by.get((n, p))]
+        if fixed and by.get((n, "adaptive")):
+            lines.append("")
+            lines.append(f"Simulated, {n} devices: adaptive / better fixed (reroute, replan) = "
+                         f"**{by[(n, 'adaptive')] / max(fixed):.3f}**.")
+    return lines + [""]
