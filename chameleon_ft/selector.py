@@ -7,7 +7,9 @@ the reason it is ruled out):
   peers (devices in other pipelines holding the same layers).  Ruled out when a stage lost all of
   its replicas.  Transition: the group rebuild only.
 * ``replan`` — dynamic parallelism: the planner's best plan over the survivors and the restorer's
-  migration.  Transition: search + migration + rebuild.
+  migration.  Transition: search + migration + rebuild.  When a replacement is expected (and the
+  plans have stages), scored over two phases like ``wait``: the re-planned layout until it
+  arrives, then grown back.
 * ``shrink`` — drop the broken replicas and their micro-batches (smaller global batch; learning
   rate scaled linearly, ``lr · B'/B``).  Only when the user allows the global batch to change.
 * ``wait`` — a replacement is expected within ``replacement_eta_s``: reroute until it arrives,
@@ -368,11 +370,14 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
     elif lost:
         options.append(Option("replan", False, lost_msg))
     else:
-        options.append(Option(
+        o = Option(
             "replan", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
             transition_s=search_s + mig.seconds + cfg.rebuild_s, global_batch=B, plan=mig.plan,
             migration=mig, breakdown=best.estimate.breakdown(),
-        ))
+        )
+        if cfg.replacement_eta_s is not None and max(plan.max_depth, mig.plan.max_depth) > 1:
+            _grow_back(o, plan, dead, state, cfg)
+        options.append(o)
 
     # shrink: drop every pipeline that lost a device (whole shard groups under FSDP)
     k = plan.shard_degree
@@ -551,6 +556,22 @@ def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: Job
     rerouted.breakdown = {**rerouted.breakdown, "healed_step_s": healed.step_time,
                           "arrival_s": eta, "heal_s": heal}
     return rerouted
+
+
+def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: SelectorConfig) -> None:
+    """A replacement is expected: a pipeline re-plan runs until it arrives, then the job grows
+    back to the plan before the failure (this migration the other way, and the replacement
+    healed) -- the phases ``wait`` is scored over too, so that the two compare like for like.
+    (A data-parallel re-plan is carried out as a reroute: ``wait`` already prices it.)"""
+    full = estimate(plan, state.workload, state.cluster, state.coeffs)
+    if not full.fits or full.step_time >= o.step_time:
+        return  # the re-planned layout is as fast as the old one: it stays when the replacement comes
+    B = o.global_batch
+    start = o.transition_s
+    heal = heal_seconds(plan, dead, state.workload, state.cluster)
+    back = max(cfg.replacement_eta_s, start) + o.migration.seconds + heal + cfg.rebuild_s
+    o.phases = ((start, max(cfg.replacement_eta_s, start), o.step_time, B), (back, math.inf, full.step_time, B))
+    o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s}
 
 
 def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
