@@ -279,7 +279,9 @@ def run_ft(a) -> None:
         allowed = frozenset(a.allowed.split(",")) if a.allowed else None
         trainer = ElasticTrainer(net, opt, dataset(), lambda out, batch: ce(out, batch[1]), a.global_batch,
                                  a.micro_batch, shuffle=False, stages=a.stages, seed=3, on_step=on_step,
-                                 config=ElasticConfig(allowed_policies=allowed, log_samples=False))
+                                 config=ElasticConfig(allowed_policies=allowed, log_samples=False,
+                                                      emulate_link=tuple(map(float, a.emulate_link.split(":")))
+                                                      if a.emulate_link else None))
         trainer.fit(max_steps=a.steps)
         if writer:
             write(a.out, "ft", stamps, predicted)
@@ -303,6 +305,9 @@ if __name__ == "__main__":
     ap.add_argument("--diag", choices=["no-start-check", "blocking-p2p"], default=None,
                     help="ft: a diagnostic patch of the runtime (see _diag_no_start_check); never in results")
     ap.add_argument("--allowed", default=None, help="ft: comma-separated policies the engine may choose")
+    ap.add_argument("--emulate-link", default=None,
+                    help="ft: LATENCY_S:BANDWIDTH_BPS, the emulated network of messages between stages and "
+                         "migrations (ElasticConfig.emulate_link)")
     ap.add_argument("--slow", default=None, metavar="WORKER:FACTOR:FROM_STEP",
                     help="straggler: that worker's emulated compute FACTOR x longer from that step on")
     ap.add_argument("--ckpt-dir", default=None, help="torch: checkpoint-restart directory (see the doc)")

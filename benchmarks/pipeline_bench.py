@@ -177,6 +177,8 @@ def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = 
     args = ["--mode", "ft", *worker_args(a, out, steps or a.steps)] + (["--allowed", allowed] if allowed else [])
     if diag:
         args += ["--diag", diag]
+    if kill_step is not None and a.emulate_link:
+        args += ["--emulate-link", a.emulate_link]
     if kill_step is not None:
         args.append("--predict")
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
@@ -279,6 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--settle", type=int, default=3)
     ap.add_argument("--block-sleep", type=float, default=0.01)
+    ap.add_argument("--emulate-link", default="0.003:2e5",
+                    help="kill runs: the emulated network between workers (LATENCY_S:BANDWIDTH_BPS) for "
+                         "messages between stages and migrations, so that a migration costs several steps as on "
+                         "a real cluster ('' for none; the overhead runs never emulate it)")
     ap.add_argument("--adaptive-mttf", default="0.3,3",
                     help="adaptive kill runs with D = these factors x the predicted crossover D* ('' for none)")
     ap.add_argument("--global-batch", type=int, default=64)
@@ -364,7 +370,7 @@ def _crossover(a, res: dict, tmp: Path) -> None:
                for r in runs.values())
     if span <= 1.0:
         return
-    curves = xo.analyse(runs, a.global_batch, xo.log_grid(0.25, span, 30))
+    curves = xo.analyse(runs, a.global_batch, xo.log_grid(0.1, span, 40))
     res["crossover"] = curves
     d_star = curves["d_star_predicted"]
     res["adaptive_d"] = []

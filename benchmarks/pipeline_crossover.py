@@ -92,9 +92,13 @@ def analyse(runs: dict[str, dict], batch: int, ds: Sequence[float]) -> dict:
                      "predicted_step_s": c["step_time_s"], "predicted_transition_s": c["transition_s"],
                      "d_star_predicted": predicted_crossover(d)}
     out["d_star_measured"] = crossover_point(ds, out["reroute"]["measured"], out["replan"]["measured"])
-    # The engine's D* as priced in each run (the same job and kill: close to each other).
-    preds = [out[n]["d_star_predicted"] for n in ("reroute", "replan") if out[n]["d_star_predicted"]]
-    out["d_star_predicted"] = statistics.median(preds) if preds else None
+    # The engine's D* from what each fixed run's decision priced for the policy it carried out
+    # (the other one is not allowed there); a decision that priced both gives its own.
+    rr, rp = out["reroute"], out["replan"]
+    both = [out[n]["d_star_predicted"] for n in ("reroute", "replan") if out[n]["d_star_predicted"]]
+    out["d_star_predicted"] = (statistics.median(both) if both else
+                               crossover_mttf(rr["predicted_step_s"], rp["predicted_step_s"],
+                                              rr["predicted_transition_s"], rp["predicted_transition_s"]))
     return out
 
 

@@ -55,6 +55,19 @@ def test_measured_crossover_matches_the_analytic_one():
     assert xo.goodput_curve_at(curves, "replan", 1.0) == 0.0
 
 
+def test_predicted_crossover_from_two_fixed_runs():
+    # Each fixed run priced only its own policy: D* from the two chosen candidates.
+    runs = {"reroute": run(50.0, 0.2, 1.5, 1.5, 0.2, "reroute"),
+            "replan": run(80.0, 2.2, 1.0, 1.0, 2.2, "replan")}
+    for name, other in (("reroute", "replan"), ("replan", "reroute")):
+        for c in runs[name]["events"][0]["decision"]["candidates"]:
+            if c["policy"] == other:
+                c["feasible"] = False
+    curves = xo.analyse(runs, B, xo.log_grid(0.5, 50.0, 20))
+    assert curves["reroute"]["d_star_predicted"] is None
+    assert curves["d_star_predicted"] == pytest.approx(6.2)
+
+
 def test_crossover_point_edges():
     ds = [1.0, 2.0, 3.0, 4.0]
     assert xo.crossover_point(ds, [5, 5, 5, 5], [1, 2, 6, 7]) == pytest.approx(2.75)

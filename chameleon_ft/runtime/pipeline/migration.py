@@ -6,7 +6,8 @@ rounds in order and takes part in the transfers that name it: the sender encodes
 weights, optimizer state and scheduler state (``state.encode``: a JSON skeleton and raw tensor
 bytes, nothing pickled), the receiver materialises the block and loads it.  Transfers of one
 round run at once on different pairs; a member with nothing in a round goes on to the next, and
-the tags keep messages of different rounds apart.
+the tags keep messages of different rounds apart.  Under an emulated network
+(``ElasticConfig.emulate_link``) a receiver holds each transfer for latency + bytes / bandwidth.
 
 A failure during a migration (a peer dies) raises ``CollectiveFailure`` like any collective; the
 recovery protocol then gathers what every survivor holds *now* (blocks received so far count,
@@ -16,6 +17,7 @@ old blocks are only dropped after the migration) and plans the transfers again f
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -76,6 +78,9 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
                 out["transfers"] += 1
             elif dst == me:
                 tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
+                delay = getattr(ctx, "_link_delay", None)
+                if delay is not None:  # the emulated network (ElasticConfig.emulate_link)
+                    time.sleep(delay(nbytes))
                 for b in range(lo, hi):
                     ctx.put_block(b, tree[str(b)])
             if me in (src, dst):
