@@ -59,6 +59,7 @@ __all__ = ["ElasticConfig", "RecoveryCore", "WorldTooSmall", "NothingToHeal", "l
 _TAIL = 4  # per-member timings appended to the gradient buffer
 _PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
 _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
+_JOIN_S = 2.0  # a replacement's admission into a running job: the next view and a heal (prior)
 
 
 class WorldTooSmall(RuntimeError):
@@ -200,6 +201,7 @@ class RecoveryCore:
             allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
             stages=stages)
+        self._startup_s = process_age_s()  # this process's start-up so far (before joining)
         self.recoveries = 0
         self.predictions: list[dict] = []  # predicted vs measured, per failure/join Decision
         self._tracker = PredictionTracker(_PREDICT_STEPS)
@@ -271,10 +273,10 @@ class RecoveryCore:
                                local_rank=self.env.local_rank, generation=view.generation,
                                members=list(view.members))
         self._establish(view, timer, None)
-        # A replacement takes about as long to start and join as this worker did (measured).
-        startup = process_age_s()
-        if startup is not None and self.policy.replacement_eta_s is not None and not self.env.replacement:
-            self.policy.replacement_eta_s = startup
+        # A replacement takes about as long to start as this worker took to get here (imports,
+        # the model), plus joining a running job: measured, not the configured prior.
+        if self._startup_s is not None and self.policy.replacement_eta_s is not None and not self.env.replacement:
+            self.policy.replacement_eta_s = self._startup_s + _JOIN_S
         # The state agreement's fixed cost, until a recovery measures it (start-up migration out).
         start = timer.breakdown()
         self.policy.agree_s = max(0.0, (start.get("state_transfer") or 0.0)

@@ -113,9 +113,11 @@ class PipelineContext(RecoveryCore):
         if not self.blocks:
             raise ConfigError("a pipeline job needs the model as an ordered list of blocks")
         cfg = config or ElasticConfig()
-        # Policies this executor cannot carry out (module doc).
-        allowed = (cfg.allowed_policies or frozenset({"reroute", "replan", "wait", "restart", "heal",
-                                                     "grow", "keep"})) - {"shrink", "rebalance"}
+        # Policies this executor cannot carry out (module doc).  ``restart`` is not a choice
+        # either: without pipeline checkpoints it would start the job over (it stays the
+        # fallback when nothing in place is feasible).
+        allowed = (cfg.allowed_policies or frozenset({"reroute", "replan", "wait", "heal",
+                                                     "grow", "keep"})) - {"shrink", "rebalance", "restart"}
         cfg = ElasticConfig(**{**vars(cfg), "allowed_policies": allowed, "stragglers": False})
         self.make_optimizer = _optimizer_factory(optimizer)
         self.make_scheduler = scheduler
