@@ -281,8 +281,11 @@ def _slow_faults(trace: Optional[Trace], stamps: list) -> list[dict]:
 def run_ft(a, root: Path, allowed: Optional[str], trace: Optional[Trace], steps: int) -> dict:
     out = root / "stamps.json"
     args = ["--mode", "ft", *worker_args(a, out, steps, trace)] + (["--allowed", allowed] if allowed else [])
+    if a.emulate_link:
+        args += ["--emulate-link", a.emulate_link]
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
-                   max_replacements=trace.replacements() if trace else 0)
+                   max_replacements=trace.replacements() if trace else 0,
+                   launch_args=["--mttf", str(a.mttf)] if a.mttf else ())
     faults, ok, err = [], False, None
     try:
         job.start()
@@ -467,6 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--ff-steps", type=int, default=30, help="steps of each failure-free run")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--emulate-link", default=None,
+                    help="chameleon-ft systems: LATENCY_S:BANDWIDTH_BPS of an emulated network for messages "
+                         "between stages and migrations (ElasticConfig.emulate_link); the torchrun baseline's "
+                         "restart is not network-bound and runs without it")
+    ap.add_argument("--mttf", type=float, default=None,
+                    help="chameleon-ft systems: D, the expected time to the next failure the engine decides with "
+                         "(chameleon-ft run --mttf); default: its estimate from the fleet prior and this run")
     ap.add_argument("--settle", type=int, default=3)
     ap.add_argument("--window", type=int, default=4, help="commits the timeline's rate is smoothed over")
     ap.add_argument("--ckpt-every", type=int, default=10, help="restart: steps between checkpoints")
