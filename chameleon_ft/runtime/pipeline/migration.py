@@ -7,7 +7,8 @@ weights, optimizer state and scheduler state (``state.encode``: a JSON skeleton 
 bytes, nothing pickled), the receiver materialises the block and loads it.  Transfers of one
 round run at once on different pairs; a member with nothing in a round goes on to the next, and
 the tags keep messages of different rounds apart.  Under an emulated network
-(``ElasticConfig.emulate_link``) a receiver holds each transfer for latency + bytes / bandwidth.
+(``ElasticConfig.emulate_link``) sender and receiver are both held for latency + bytes /
+bandwidth per transfer (a link carries one transfer at a time).
 
 A failure during a migration (a peer dies) raises ``CollectiveFailure`` like any collective; the
 recovery protocol then gathers what every survivor holds *now* (blocks received so far count,
@@ -73,6 +74,9 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
                     raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
                 tree = {str(b): ctx.block_state(b) for b in range(lo, hi)}
                 nbytes = _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
+                delay = getattr(ctx, "_link_delay", None)
+                if delay is not None:  # the emulated link is busy for the sender too
+                    time.sleep(delay(nbytes))
                 out["wire_bytes"] += nbytes
                 out["state_bytes"] += sum(ctx.state_bytes(b) for b in range(lo, hi))
                 out["transfers"] += 1
