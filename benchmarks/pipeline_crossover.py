@@ -114,7 +114,7 @@ def accuracy(records: Sequence[dict]) -> dict:
 
 def ordering_agrees(curves: dict, mttf: float) -> Optional[bool]:
     """At ``D = mttf``: whether the measured goodput puts the policy the engine predicts best
-    first (None when a run did not last ``mttf`` after its decision)."""
+    first (None when a run did not last ``mttf`` after its decision, or the two tie)."""
     rr_c = curves["reroute"]
     rp_c = curves["replan"]
     m_rr = goodput_curve_at(curves, "reroute", mttf)
@@ -123,6 +123,8 @@ def ordering_agrees(curves: dict, mttf: float) -> Optional[bool]:
         return None
     p_rr = predicted_curve(rr_c["predicted_step_s"], rr_c["predicted_transition_s"], 1, [mttf])[0]
     p_rp = predicted_curve(rp_c["predicted_step_s"], rp_c["predicted_transition_s"], 1, [mttf])[0]
+    if m_rr == m_rp:
+        return None  # a tie (e.g. neither committed a step within D): no ordering to agree with
     return (m_rp > m_rr) == (p_rp > p_rr)
 
 

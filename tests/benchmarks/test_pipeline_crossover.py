@@ -53,6 +53,7 @@ def test_measured_crossover_matches_the_analytic_one():
     assert xo.ordering_agrees(curves, 1.5) is True  # short D: reroute ahead, as predicted
     assert xo.ordering_agrees(curves, 30.0) is True  # long D: replan ahead
     assert xo.goodput_curve_at(curves, "replan", 1.0) == 0.0
+    assert xo.ordering_agrees(curves, 0.15) is None  # neither committed a step yet: a tie
 
 
 def test_predicted_crossover_from_two_fixed_runs():
