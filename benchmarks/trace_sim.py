@@ -109,7 +109,10 @@ def markdown(cmp: Optional[dict], mode: str) -> list[str]:
     lines = [f"## The same trace in the simulator ({mode} coefficients)", "",
              "`benchmarks/trace_sim.py`: the adaptive run's calibrated workload, device speeds, links and "
              "overheads, the trace's faults at their measured times, restart = the torchrun system's measured "
-             "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).", "",
+             "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).  The horizon is the "
+             "adaptive run's span: a system whose run took longer (restart: two ~24 s relaunches) is simulated "
+             "over less time than it ran, and the simulated restart also relaunches when the replacement joins "
+             "(torchrun's restart brought the replacement in with it): read its row as a bound, not a match.", "",
              "| devices | policy | simulated samples/s | measured samples/s | simulated / measured | simulated decisions |",
              "| ---: | --- | ---: | ---: | ---: | --- |"]
     for r in cmp["rows"]:

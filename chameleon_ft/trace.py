@@ -392,7 +392,8 @@ def trace_setting(workload: Workload, cluster: Cluster, devices: int, stages: in
     per_node = len(cluster.devices_on_node(cluster.devices[0].node))
     src = cluster.devices
     grown = Cluster(tuple(Device(i, i // per_node, src[i % n].speed, src[i % n].memory_bytes) for i in range(devices)),
-                    intra=cluster.intra, inter=cluster.inter)
+                    intra=cluster.intra, inter=cluster.inter, collective=cluster.collective,
+                    migration=cluster.migration)
     if devices < stages or w.num_layers < stages:
         raise ValueError(f"{stages} stages need at least {stages} devices and {stages} layers")
     chunks = [tuple(range(i, i + stages)) for i in range(0, devices - devices % stages, stages)]
