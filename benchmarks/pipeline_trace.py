@@ -86,6 +86,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
+from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
 from pipeline_bench import SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
 
 MODE = "accelerator emulation"
@@ -310,18 +311,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line cut by a kill
-    return out
-
-
 def torchrun_command(a, root: Path, trace: Optional[Trace], steps: int) -> list[str]:
     restarts = len(trace.kills()) if trace else 0
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "8",
@@ -342,11 +331,11 @@ def run_restart(a, root: Path, trace: Optional[Trace], steps: int) -> dict:
         try:
             deadline = time.monotonic() + a.timeout
             for f in sorted(trace.kills() if trace else [], key=lambda f: f.step):
-                while max((r["step"] for r in _jsonl(ck / "stamps.jsonl")), default=0) < f.step:
+                while max((r["step"] for r in read_jsonl(ck / "stamps.jsonl")), default=0) < f.step:
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise RuntimeError(f"no step {f.step} (torchrun exit {proc.poll()})")
                     time.sleep(0.005)
-                pid = max((r["restart"], r["pid"]) for r in _jsonl(ck / "pids.jsonl") if r["rank"] == f.worker)[1]
+                pid = max((r["restart"], r["pid"]) for r in read_jsonl(ck / "pids.jsonl") if r["rank"] == f.worker)[1]
                 t = time.time()
                 os.kill(pid, signal.SIGKILL)
                 faults.append({"step": f.step, "kind": "kill", "worker": f.worker, "t": t})
@@ -360,10 +349,10 @@ def run_restart(a, root: Path, trace: Optional[Trace], steps: int) -> dict:
                 kill_processes(descendants(proc.pid) + [proc.pid], [proc])
     if not ok:
         err = (err or "") + "\n" + (root / "log.txt").read_text(errors="replace")[-1500:]
-    recs = _jsonl(ck / "stamps.jsonl")
+    recs = read_jsonl(ck / "stamps.jsonl")
     stamps = [[r["step"], r["ts"]] for r in recs]
     starts: dict = {}
-    for r in _jsonl(ck / "pids.jsonl"):
+    for r in read_jsonl(ck / "pids.jsonl"):
         if r["restart"] > 0:
             starts[r["restart"]] = min(starts.get(r["restart"], r["ts"]), r["ts"])
     faults = sorted(faults + _slow_faults(trace, stamps), key=lambda f: f["t"])

@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = [
+    "read_jsonl",
     "committed_attempts",
     "EVENT_TYPES",
     "FAILURE_KINDS",
@@ -145,6 +146,21 @@ class EventLog:
             self.close()
         except Exception:
             pass
+
+
+def read_jsonl(path: str | os.PathLike) -> list:
+    """Every parseable line of a JSON-lines file another process may be writing or was killed
+    while writing (a cut line is skipped); [] when the file does not exist (yet)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, "rb") as f:
+        for raw in f.read().split(b"\n"):
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                pass
+    return out
 
 
 def read_events(path: str | os.PathLike, *, strict: bool = False) -> list[dict]:

@@ -13,7 +13,6 @@ harness never kills anything it did not start.  Timings are wall-clock on a shar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from chameleon_ft.runtime.eventlog import read_jsonl
 from chameleon_ft.runtime.membership import CoordinatorServer
 
 PROTO_WORKER = Path(__file__).resolve().parents[1] / "runtime" / "_workers" / "proto_worker.py"
@@ -110,16 +110,7 @@ class ProtoCluster:
         return self.workdir / f"w{wid}.jsonl"
 
     def events(self, wid: int) -> list[dict]:
-        path = self.log_path(wid)
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line still being written
-                pass
-        return out
+        return read_jsonl(self.log_path(wid))  # a line still being written is skipped
 
     def steps_done(self, wid: int) -> int:
         return sum(1 for e in self.events(wid) if e["event"] == "step")
