@@ -451,12 +451,17 @@ class PipelineContext(RecoveryCore):
     # ---------------------------------------------------------------- calibration
     _P2P_SLOTS = 8  # waited-for message samples each member shares per step
 
+    def _row_width(self) -> int:
+        """Per block 4 figures, then task overhead, tasks, optimizer s, parameters, then the
+        message samples (bytes, seconds)."""
+        return 4 * len(self.blocks) + 4 + 2 * self._P2P_SLOTS
+
     def _calibration_row(self) -> torch.Tensor:
         """This member's row of the step's calibration matrix (every member's row is zero
         elsewhere, so the all-reduce hands everyone every row): per block forward s, backward s,
         micro-batches and output bytes, then up to ``_P2P_SLOTS`` (bytes, seconds) messages."""
         nb, n, r = len(self.blocks), self.view.world_size, self.view.rank
-        width = 4 * nb + 4 + 2 * self._P2P_SLOTS
+        width = self._row_width()
         row = torch.zeros(n * width, dtype=torch.float64)
         res = self._measured_step
         if res is not None:
@@ -477,7 +482,7 @@ class PipelineContext(RecoveryCore):
 
     def _observe_calibration(self, flat: torch.Tensor) -> None:
         nb, members = len(self.blocks), self.view.members
-        width = 4 * nb + 4 + 2 * self._P2P_SLOTS
+        width = self._row_width()
         rows = flat[:len(members) * width].double().view(len(members), width).tolist()
         times, out_bytes, p2p, overhead, tasks, opt_s, opt_params = {}, {}, [], 0.0, 0, 0.0, 0.0
         for w, row in zip(members, rows):
