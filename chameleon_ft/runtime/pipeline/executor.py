@@ -154,13 +154,10 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
             for b in range(hop.lo, hop.hi):
                 seed_fn(seed_of(task.slot, b))
                 tb = time.perf_counter()
-                out = blocks[b](out)
+                out = out_b = blocks[b](out)
                 if last and b == hop.hi - 1:
-                    out_b = out
                     out = loss_fn(out, batch(task.slot)) * weight_of(task.slot)
                     res.loss += float(out.detach())
-                else:
-                    out_b = out
                 fwd[b] = time.perf_counter() - tb
                 if b not in res.out_bytes:
                     res.out_bytes[b] = out_b.numel() * out_b.element_size()
