@@ -125,6 +125,7 @@ def main(argv=None) -> int:
                  ok=bool(torch.all(t == expected).item()))
             step += 1
         emit("done", generation=view.generation, members=list(view.members), step=step)
+        _finish_together(m.connect_store(), view, a.op_timeout)
         return 0
     except MembershipError as exc:
         emit("error", message=str(exc))
@@ -132,6 +133,19 @@ def main(argv=None) -> int:
     finally:
         logf.flush()
         m.close()
+
+
+def _finish_together(store, view, timeout_s: float) -> None:
+    """Stay until every member of the final view has finished its last step.  gloo lets one
+    member finish an all-reduce before the others have all their bytes; a member that exited
+    at once could fail its peers' last step (the runtime's commit protocol adopts such a step;
+    this prototype would redo it on a smaller view).  A member that died meanwhile ends the
+    wait at ``timeout_s``."""
+    key = f"proto/finished/{view.token}"
+    store.add(key, 1)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and store.add(key, 0) < len(view.members):
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":
