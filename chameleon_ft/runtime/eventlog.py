@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
-               "calibration", "prediction", "run_end")
+               "calibration", "prediction", "shard_recovery", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

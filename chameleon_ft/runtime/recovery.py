@@ -97,6 +97,8 @@ class ElasticConfig:
     emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
         an emulated network -- a message between stages is held until ``latency + bytes /
         bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
+    shard_recovery: sharded jobs: the ways back the engine may choose from (``heal``,
+        ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -118,6 +120,7 @@ class ElasticConfig:
     items_per_step: int = 0
     min_replicas: int = 2
     emulate_link: Optional[tuple[float, float]] = None
+    shard_recovery: Optional[frozenset] = None
 
 
 class Joined(NamedTuple):

@@ -19,6 +19,10 @@ Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (an
 batch)`` receives the last block's output (``input_fn(batch)``, default ``batch[0]``, feeds the
 first block).  See ``runtime/pipeline/``.
 
+Sharded training (FSDP2): ``sharding="full"`` shards the model over all workers, ``"hybrid"``
+is HSDP with ``replicas`` replica groups; ``loss_fn(model, batch)`` then receives the sharded
+model (``trainer.ctx.module``) -- see ``runtime/sharded.py``.
+
 Limits: map-style datasets only (the sampler addresses samples by index); a DataLoader with
 workers can be built on ``ElasticBatchSampler`` instead of this loop (see sampler.py).
 """
@@ -56,11 +60,26 @@ class ElasticTrainer:
                  drop_last: bool = False, config: Optional[ElasticConfig] = None,
                  checkpoint: Optional[str] = None, checkpoint_every: int = 0,
                  on_step: Optional[Callable] = None, stages: int = 1,
-                 input_fn: Optional[Callable] = None):
+                 input_fn: Optional[Callable] = None, sharding: Optional[str] = None,
+                 replicas: int = 2, snapshot_every: Optional[int] = None, recipe=None):
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.collate_fn = collate_fn
         self.pipeline = stages > 1
-        if self.pipeline:
+        self.sharded = sharding is not None
+        if sharding not in (None, "full", "hybrid"):
+            raise ConfigError(f"sharding must be None, 'full' or 'hybrid', got {sharding!r}")
+        if self.sharded and self.pipeline:
+            raise ConfigError("sharding and pipeline stages together are not supported")
+        if self.sharded:
+            from chameleon_ft.runtime.sharded import ShardedContext
+            if checkpoint:
+                raise ConfigError("checkpoints of sharded jobs are not written yet")
+            self.ctx = ShardedContext(model, optimizer, len(dataset), global_batch, micro_batch,
+                                      replicas=replicas if sharding == "hybrid" else 1,
+                                      snapshot_every=snapshot_every, recipe=recipe,
+                                      scheduler=scheduler, seed=seed, shuffle=shuffle,
+                                      drop_last=drop_last, config=config)
+        elif self.pipeline:
             from chameleon_ft.runtime.pipeline.context import PipelineContext
             if checkpoint:
                 raise ConfigError("checkpoints of pipeline jobs are not written yet")
@@ -87,6 +106,12 @@ class ElasticTrainer:
         ctx.start()
         try:
             while not self._done(max_steps, epochs):
+                if self.sharded:
+                    if not ctx.train_step(self._loss_of):
+                        self.redone_steps += 1
+                        continue
+                    self._after_step()
+                    continue
                 if self.pipeline:
                     if not ctx.train_step():
                         self.redone_steps += 1
@@ -109,6 +134,9 @@ class ElasticTrainer:
             ctx.close(redone_steps=self.redone_steps)
         return {"step": ctx.step, "epoch": ctx.epoch, "members": list(ctx.members),
                 "redone_steps": self.redone_steps}
+
+    def _loss_of(self, module: torch.nn.Module, indices) -> torch.Tensor:
+        return self.loss_fn(module, self.collate_fn([self.dataset[i] for i in indices]))
 
     def _after_step(self) -> None:
         if self.on_step is not None:

@@ -1,0 +1,726 @@
+"""``ShardedContext``: FSDP2 / HSDP training on the shared recovery core, surviving failures.
+
+The model is sharded with ``torch.distributed.fsdp.fully_shard`` on a device mesh: over all
+members (``replicas=1``), or HSDP (``replicas=R``: R replica groups, each sharding the model
+over ``world / R`` members).  Every step each member runs its whole share of the global batch
+as one forward/backward (a member with no samples runs a zero-weight one: FSDP's collectives
+need every member), then the core's one small all-reduce commits the step (``recovery.py``).
+
+**Collectives that fail fast.**  FSDP's all-gathers and reduce-scatters run through our
+generation's gloo group (``set_custom_all_gather`` / ``set_custom_reduce_scatter``), so a dead
+or hung peer ends them within the abort poll like every other collective of the runtime.  The
+device mesh itself is built on a *fake* default process group (no communication; it gives FSDP
+its ranks), re-created for every generation.  The reduce-scatter is an all-reduce over all
+members followed by a slice: it sums over the replica groups too (HSDP's all-reduce over the
+fake group is then a no-op), at twice a true reduce-scatter's bytes.
+
+**Flat rows.**  FSDP2 shards every parameter on dim 0 in ``S = world / R`` chunks; chunk ``k``
+of every parameter (and of every optimizer tensor of that parameter's shape) makes *row* ``k``.
+Members with rank ``r`` hold row ``r % S``.  A re-shard assembles the whole flat state with one
+SUM all-reduce to which exactly one member contributes each row, then every member keeps its
+new row: in memory, never via disk (a transient full copy per member: the price of doing it in
+one collective).
+
+**Snapshots.**  Every ``K`` committed steps each member copies its row (parameters and
+optimizer tensors) and sends the copy to its *buddy* (the next rank) while the next step runs;
+each keeps its last two own snapshots and the last two it holds for its predecessor.  ``K`` is
+Young/Daly's optimum from the measured snapshot cost and the engine's failure rate unless given.
+
+**After a failure** the survivors agree on the step (the commit protocol: a member that missed
+the last commit applies its held gradients), the source prices heal / recompute / rehabilitate /
+restart (``shard_recovery.choose_recovery``) and every member carries the choice out:
+
+* heal: rows come from their surviving replicas (HSDP); exact.
+* recompute: every row from its snapshot at the common step ``t_c``; the sampler, scheduler,
+  RNG and counters roll back with it; the steps since are redone; exact.
+* rehabilitate: lost rows from their buddy's stale snapshot (``rehab.RehabRecipe``: optionally
+  extrapolated, first moments reset -- the reset ramps the restored rows' updates up again, a
+  warm-up -- second moments kept); everything else stays current; no rollback.  The predicted
+  steps to close the loss gap are logged.
+* restart: the launcher restarts from the last disk checkpoint (the fallback).
+
+Limits, honestly: one FSDP unit per top-level child with parameters plus the root; parameters
+of one dtype; optimizers whose per-parameter state is tensors of the parameter's shape plus
+scalars (SGD, Adam, AdamW, ...); Adam's bias-correction step is per parameter, so it is not
+restarted for the restored rows; a second failure before the post-recovery snapshot leaves no
+snapshot (heal or the disk checkpoint then); buffers are taken from one member.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from chameleon_ft import shard_recovery as sr
+from chameleon_ft.rehab import RehabRecipe
+from chameleon_ft.runtime import state as run_state
+from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
+from chameleon_ft.runtime.sampler import StepItem, step_items
+
+__all__ = ["ShardedContext", "SHARDED_POLICIES"]
+
+# The engine's data policies a sharded job can carry out (any membership: a re-shard).
+SHARDED_POLICIES = frozenset({"reroute", "restart", "keep", "rebalance", "heal", "grow"})
+_DEFAULT_K = 10  # snapshot interval before the cost and the step time are measured
+_KEEP = 2  # snapshots kept (own and held)
+_SNAP_TAG = 1 << 20
+
+
+def _fsdp():
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    except ImportError as exc:  # pragma: no cover - torch builds without distributed
+        raise ConfigError(f"sharded training needs torch's FSDP2 (torch>=2.6): {exc}") from None
+    return init_device_mesh, fully_shard, AllGather, ReduceScatter
+
+
+def _fake_world(rank: int, world: int) -> None:
+    """A default process group that never communicates: FSDP's device mesh takes its ranks
+    from it; our comms carry the data."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
+
+
+class _Layout:
+    """Rows of the flat state for a sharding over ``shards`` (FSDP2's dim-0 chunks)."""
+
+    def __init__(self, shapes: list[torch.Size], world: int, replicas: int):
+        self.world, self.replicas = world, replicas
+        self.shards = world // replicas
+        self.shapes = shapes
+        self.numels = [math.prod(s) for s in shapes]
+        self.offsets = [0]
+        for k in self.numels:
+            self.offsets.append(self.offsets[-1] + k)
+        self.total = self.offsets[-1]
+        self._pos: dict[int, torch.Tensor] = {}
+
+    def row_of(self, rank: int) -> int:
+        return rank % self.shards
+
+    def positions(self, row: int) -> torch.Tensor:
+        """Flat positions of ``row``, in the order of the parameters' local shards."""
+        if row not in self._pos:
+            parts = []
+            for shape, off in zip(self.shapes, self.offsets):
+                d0 = shape[0] if len(shape) else 1
+                rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+                c = -(-d0 // self.shards)
+                lo, hi = min(row * c, d0), min((row + 1) * c, d0)
+                parts.append(torch.arange(off + lo * rest, off + hi * rest, dtype=torch.int64))
+            self._pos[row] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return self._pos[row]
+
+    def to_json(self) -> list[int]:
+        return [self.world, self.replicas]
+
+
+class ShardedContext(RecoveryCore):
+    """FSDP2 (``replicas=1``) or HSDP (``replicas=R``) training that survives failures (module doc).
+
+    Args:
+        model: the unsharded model (CPU); it is the template of every generation's sharded copy
+            and is left as given.
+        optimizer: built over ``model``'s parameters; every generation gets one of the same
+            class and hyper-parameters over its sharded parameters (``self.optimizer``).
+        snapshot_every: steps between snapshots (K); None: Young/Daly's optimum.
+        recipe: how rehabilitated rows are repaired.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
+                 global_batch: int, micro_batch: int, *, replicas: int = 1,
+                 snapshot_every: Optional[int] = None, recipe: Optional[RehabRecipe] = None,
+                 scheduler=None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 config: Optional[ElasticConfig] = None, env=None):
+        cfg = copy.copy(config) if config is not None else ElasticConfig()
+        cfg.allowed_policies = SHARDED_POLICIES & frozenset(cfg.allowed_policies or SHARDED_POLICIES)
+        super().__init__(model, optimizer, dataset_len, global_batch, micro_batch, scheduler=scheduler,
+                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env)
+        if replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {replicas}")
+        if snapshot_every is not None and snapshot_every < 1:
+            raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.replicas = int(replicas)
+        self.snapshot_every = snapshot_every
+        self.recipe = recipe or RehabRecipe()
+        self.paths = frozenset(cfg.shard_recovery or sr.PATHS)
+        self._template = copy.deepcopy(model).to("meta")
+        self._names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
+        self._buffer_names = [n for n, _ in model.named_buffers()]
+        self._wrap = [n for n, child in model.named_children() if any(True for _ in child.parameters())]
+        self._opt_class, self._opt_defaults = type(optimizer), dict(optimizer.defaults)
+        where = {id(p): i for i, p in enumerate(self.params)}
+        self._opt_groups = [[where[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        self.module: Optional[torch.nn.Module] = None  # this generation's sharded model
+        self.layout: Optional[_Layout] = None
+        self._keys: list[str] = []  # optimizer tensor states sharded like the parameters
+        self._own: list[dict] = []  # this member's last snapshots (oldest first)
+        self._held: list[dict] = []  # the predecessor's, held for it
+        self._inflight: Optional[dict] = None
+        self._grads_ready = False
+        self._comm_failure: Optional[CollectiveFailure] = None
+        self.loss_history: list[tuple[int, float]] = []
+        self.snapshot_cost_s: Optional[float] = None
+        self.k = snapshot_every or _DEFAULT_K
+        self.last_shard_decision: Optional[dict] = None
+        self.rehab_watch: Optional[dict] = None  # after rehabilitation: the prediction to check
+        self._step_times: list[float] = []
+        self._transfer_s = 0.05
+        init_mesh, fully_shard, all_gather_cls, reduce_scatter_cls = _fsdp()
+        self._init_mesh, self._fully_shard = init_mesh, fully_shard
+        ctx = self
+
+        class _AG(all_gather_cls):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                ctx._all_gather(output_tensor, input_tensor)
+
+        class _RS(reduce_scatter_cls):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                ctx._reduce_scatter(output_tensor, input_tensor)
+
+        self._comms = (_AG(), _RS())
+
+    # ---------------------------------------------------------------- FSDP comms
+    def _comm(self, fn) -> None:
+        try:
+            self.gm.collective(fn, self.hang_timeout_s)
+        except CollectiveFailure as exc:
+            self._comm_failure = exc
+            raise
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n, s = self.layout.world, self.layout.shards
+        parts = [torch.empty_like(inp) for _ in range(n)]
+        self._comm(lambda pg: pg.allgather([parts], [inp.contiguous()]))
+        base = (self.rank // s) * s
+        for i, chunk in enumerate(out.chunk(s)):
+            chunk.copy_(parts[base + i])
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        buf = inp.detach().clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._comm(lambda pg: pg.allreduce([buf], opts))
+        out.copy_(buf.chunk(self.layout.shards)[self.row])
+
+    # ---------------------------------------------------------------- the model
+    def _replicas_for(self, n: int) -> int:
+        return max(r for r in range(1, min(self.replicas, n) + 1) if n % r == 0)
+
+    def _build(self, n: int, rank: int) -> None:
+        """This generation's sharded model (uninitialised storage) and optimizer."""
+        self.layout = _Layout(self._shapes, n, self._replicas_for(n))
+        self.row = self.layout.row_of(rank)  # kept: after a failure the view has new ranks
+        _fake_world(rank, n)
+        if self.layout.replicas == 1:
+            mesh = self._init_mesh("cpu", (n,), mesh_dim_names=("shard",))
+        else:
+            mesh = self._init_mesh("cpu", (self.layout.replicas, self.layout.shards),
+                                   mesh_dim_names=("replicate", "shard"))
+        module = copy.deepcopy(self._template)
+        units = [module.get_submodule(name) for name in self._wrap]
+        for unit in units + [module]:
+            self._fully_shard(unit, mesh=mesh)
+            unit.set_custom_all_gather(self._comms[0])
+            unit.set_custom_reduce_scatter(self._comms[1])
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(1.0)
+        module.to_empty(device="cpu")
+        self.module = module
+        named = dict(module.named_parameters())
+        self.shard_params = [named[n] for n in self._names]
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.shard_params[i] for i in idx]}
+                  for g, idx in zip(self._user_groups(), self._opt_groups)]
+        old = self.optimizer
+        self.optimizer = self._opt_class(groups, **self._opt_defaults)
+        if self.scheduler is not None:
+            self.scheduler.optimizer = self.optimizer
+        del old
+
+    def _user_groups(self) -> list[dict]:
+        return list(self.optimizer.param_groups)
+
+    def _locals(self) -> list[torch.Tensor]:
+        return [p.to_local() for p in self.shard_params]
+
+    def _state_local(self, i: int, key: str) -> Optional[torch.Tensor]:
+        st = self.optimizer.state.get(self.shard_params[i], {})
+        v = st.get(key)
+        if v is None:
+            return None
+        return v.to_local() if hasattr(v, "to_local") else v
+
+    def _row_vector(self) -> torch.Tensor:
+        """This member's row: its parameter shards, then each optimizer tensor state's."""
+        parts = [t.detach().reshape(-1) for t in self._locals()]
+        for key in self._keys:
+            for i, t in enumerate(self._locals()):
+                v = self._state_local(i, key)
+                parts.append(v.detach().reshape(-1) if v is not None else torch.zeros(t.numel(), dtype=self.dtype))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+
+    def _scalars(self) -> dict:
+        """Per-parameter optimizer state that is not sharded (e.g. Adam's step), by index."""
+        out = {}
+        for i, p in enumerate(self.shard_params):
+            st = self.optimizer.state.get(p, {})
+            out[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                      for k, v in st.items() if k not in self._keys}
+        return out
+
+    def _groups_json(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _buffers(self) -> dict:
+        src = self.module if self.module is not None else self.model
+        return {n: b.detach().clone() for n, b in src.named_buffers()}
+
+    def _tensor_keys(self) -> list[str]:
+        """The optimizer's per-parameter states shaped like their parameter."""
+        keys = set()
+        for i, p in enumerate(self.shard_params):
+            for k, v in self.optimizer.state.get(p, {}).items():
+                loc = v.to_local() if hasattr(v, "to_local") else v
+                if isinstance(v, torch.Tensor) and loc.shape == p.to_local().shape and loc.dim() > 0:
+                    keys.add(k)
+        return sorted(keys)
+
+    # ---------------------------------------------------------------- training
+    def share(self) -> StepItem:
+        """This member's share of the current step as one item (a ghost when it has none)."""
+        return step_items(self.sampler.local_microbatches(self.worker_id), 1)[0]
+
+    def train_step(self, loss_of: Callable[[torch.nn.Module, tuple], torch.Tensor],
+                   ghost_indices: tuple = (0,)) -> bool:
+        """One global step: forward/backward of this member's share (``loss_of(module,
+        indices)`` is the mean loss of those samples), then commit.  True when committed;
+        False when a failure interrupted it (the job reconfigured; run it again)."""
+        t0 = time.perf_counter()
+        self._step_start = t0
+        item = self.share()
+        weight = item.weight
+        indices = item.indices if not item.ghost else ghost_indices
+        if self.cfg.seed_microbatches:
+            seed_generators(hash((self.seed, self.step, item.seed_slot if not item.ghost else -1)) % (2**63))
+        try:
+            self.faults.at(self.step, "forward")
+            loss = loss_of(self.module, indices)
+            (loss * weight).backward()
+            self._grads_ready = True
+            self._complete_snapshot()
+        except CollectiveFailure as failure:
+            return self._interrupted(failure, t0)
+        except Exception:
+            if self._comm_failure is None:
+                raise
+            return self._interrupted(self._comm_failure, t0)
+        self._compute_s = time.perf_counter() - t0
+        self._n_mb, self._ids = len(item.parts), list(item.indices)
+        self.faults.at(self.step, "allreduce")
+        lw = float(loss.detach()) * weight
+        if not math.isfinite(lw):
+            raise FloatingPointError(f"worker {self.worker_id}: the loss is {lw} at step {self.step}; "
+                                     "nothing was committed (the last snapshot and checkpoint are intact)")
+        parts = torch.tensor([lw, self.snapshot_cost_s or 0.0], dtype=self.dtype)
+        reduced = self._reduce_step([parts], self._compute_s)
+        if reduced is None:
+            self._grads_ready = False
+            return False
+        buf, timings, comm = reduced
+        self._apply_update()
+        self._finish_step(timings, comm)
+        self._after_commit_sharded(float(buf[0]), float(buf[1]) / max(1, self.view.world_size))
+        return True
+
+    def _interrupted(self, failure: CollectiveFailure, t0: float) -> bool:
+        self._comm_failure = None
+        self._grads_ready = False
+        self._step_start = None
+        self._recover(failure, t0)
+        return False
+
+    def _apply_update(self) -> None:
+        self.faults.at(self.step, "optimizer")
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._grads_ready = False
+
+    def _after_commit_sharded(self, loss: float, snap_cost: float) -> None:
+        self.loss_history.append((self.step, loss))
+        del self.loss_history[:-400]
+        if self._prev_step > 0:
+            self._step_times.append(self._prev_step)
+            del self._step_times[:-20]
+        if snap_cost > 0:
+            self.snapshot_cost_s = snap_cost
+        if self.snapshot_every is None and self.snapshot_cost_s and self._step_times:
+            self.k = sr.snapshot_interval(self.snapshot_cost_s, self.policy.mttf(), self._median_step())
+        if self.rehab_watch is not None:
+            self.rehab_watch.setdefault("losses", []).append([self.step, loss])
+        if self.step % self.k == 0:
+            self._take_snapshot(wait=False)
+
+    def _median_step(self) -> float:
+        s = sorted(self._step_times) or [0.1]
+        return s[len(s) // 2]
+
+    # ---------------------------------------------------------------- snapshots
+    def _run_state(self) -> dict:
+        return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step,
+                "lr_scale": self.lr_scale, "sampler": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "rng": {"torch": torch.get_rng_state(), "python": _py_rng()}}
+
+    def _take_snapshot(self, wait: bool) -> None:
+        """Copy this member's row and send it to its buddy (the next rank); the transfer runs
+        while the next step computes (``_complete_snapshot``), or at once with ``wait``."""
+        self._complete_snapshot()
+        t0 = time.perf_counter()
+        n, r = self.view.world_size, self.view.rank
+        self._keys = self._keys or self._tensor_keys()
+        own = {"step": self.step, "row": self._row_vector().clone(), "k": self.layout.row_of(r),
+               "layout": self.layout.to_json(), "keys": list(self._keys), "scalars": self._scalars(),
+               "groups": self._groups_json(), "buffers": self._buffers(), "run": self._run_state()}
+        if n < 2:
+            self._push(self._own, own)
+            self.snapshot_cost_s = time.perf_counter() - t0
+            return
+        prev = (r - 1) % n
+        prev_row = self.layout.row_of(prev)
+        size = (1 + len(self._keys)) * int(self.layout.positions(prev_row).numel())
+        incoming = torch.empty(size, dtype=self.dtype)
+        tag = _SNAP_TAG + self.step % _SNAP_TAG
+        works = [self.gm.send(own["row"], (r + 1) % n, tag), self.gm.recv(incoming, prev, tag)]
+        self._inflight = {"own": own, "held": {"step": self.step, "row": incoming, "k": prev_row,
+                                               "layout": self.layout.to_json()},
+                          "works": works, "t": time.perf_counter() - t0}
+        if wait:
+            self._complete_snapshot()
+
+    def _complete_snapshot(self) -> None:
+        fl, self._inflight = self._inflight, None
+        if fl is None:
+            return
+        t0 = time.perf_counter()
+        self.gm.wait_p2p(fl["works"], self.hang_timeout_s)
+        self._push(self._own, fl["own"])
+        self._push(self._held, fl["held"])
+        self.snapshot_cost_s = fl["t"] + time.perf_counter() - t0
+
+    @staticmethod
+    def _push(lst: list, snap: dict) -> None:
+        lst.append(snap)
+        del lst[:-_KEEP]
+
+    def _valid(self, snaps: list[dict]) -> list[dict]:
+        return [s for s in snaps if self.layout is not None and s["layout"] == self.layout.to_json()]
+
+    # ---------------------------------------------------------------- recovery hooks
+    def _sync_fields(self) -> list[int]:
+        """[row, own steps x2, held row, held steps x2, world, replicas] of the layout held."""
+        if self.module is None or self.fresh:
+            return [-1] * 8
+        own = [s["step"] for s in self._valid(self._own)][-_KEEP:]
+        held = self._valid(self._held)[-_KEEP:]
+        hrow = held[-1]["k"] if held else -1
+        pad = lambda xs: ([-1] * _KEEP + list(xs))[-_KEEP:]  # noqa: E731
+        return ([self.row] + pad(own) + [hrow] + pad([h["step"] for h in held])
+                + [self.layout.world, self.layout.replicas])
+
+    def state_dict(self) -> dict:
+        """The run state a peer that is behind needs (the model and optimizer move by rows)."""
+        s = self._run_state()
+        s["engine"] = self.policy.state_dict()
+        return s
+
+    def load_state_dict(self, s: dict) -> None:
+        if self._grads_ready and int(s["step"]) == self.step + 1 and self.module is not None:
+            # A peer committed the step this member's gradients are for: apply them (the
+            # commit protocol's adoption, without moving any state).
+            self._apply_update()
+        self._load_run(s)
+        self.policy.load_state_dict(s["engine"])
+
+    def _load_run(self, s: dict) -> None:
+        if self.scheduler is not None and s.get("scheduler") is not None:
+            self.scheduler.load_state_dict(s["scheduler"])
+        self.sampler.load_state_dict(s["sampler"])
+        torch.set_rng_state(s["rng"]["torch"])
+        random.setstate(_from_json_rng(s["rng"]["python"]))
+        self.step = int(s["step"])
+        self.last_checkpoint_step = int(s["last_checkpoint_step"])
+        self.lr_scale = float(s.get("lr_scale", 1.0))
+
+    def _discard(self) -> None:
+        if self.module is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._grads_ready = False
+        self._step_start = None
+        self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+
+    def _decide(self, view, info) -> dict:
+        payload = super()._decide(view, info)
+        if not payload["restart"]:
+            payload["shard"] = self._shard_plan(view)
+            if payload["shard"]["mode"] == "restart":
+                payload["restart"] = True
+                payload["decisions"].append({"event": {"kind": "shard_loss", "devices": payload["dead"]},
+                                             "chosen": "restart", "candidates": [],
+                                             "shard": payload["shard"]["decision"]})
+        return payload
+
+    def _shard_plan(self, view) -> dict:
+        """The source's plan for the rows (first start, heal, recompute, rehabilitate)."""
+        members = list(view.members)
+        if self.module is None:  # nobody holds sharded state: the source's unsharded model
+            scalars = {i: {k: v for k, v in self.optimizer.state.get(p, {}).items() if k not in self._init_keys()}
+                       for i, p in enumerate(self.params)}
+            return {"mode": "init", "from": self.worker_id, "keys": self._init_keys(),
+                    "scalars": scalars, "groups": self._groups_json(), "buffers": self._buffers(), "run": None}
+        fields = dict(zip(members, self.peer_fields))
+        rows = self.layout.shards
+        holders: dict[int, list[int]] = {}
+        snaps: dict[int, set] = {}
+        snap_at: dict[tuple[int, int], tuple[int, str]] = {}
+        for w in members:
+            f = fields[w]
+            if f[0] < 0 or [f[6], f[7]] != self.layout.to_json():
+                continue
+            holders.setdefault(f[0], []).append(w)
+            for st in f[1:3]:
+                if st >= 0:
+                    snaps.setdefault(f[0], set()).add(st)
+                    snap_at.setdefault((f[0], st), (w, "own"))
+            for st in f[4:6]:
+                if st >= 0 and f[3] >= 0:
+                    snaps.setdefault(f[3], set()).add(st)
+                    snap_at.setdefault((f[3], st), (w, "held"))
+        lost_numel = sum(int(self.layout.positions(k).numel()) for k in range(rows) if k not in holders)
+        snap_step = None
+        facts = sr.ShardFacts(
+            step=self.step, rows=rows, current=frozenset(holders), snapshots={k: sorted(v) for k, v in snaps.items()},
+            step_s=self._median_step(), transfer_s=self._transfer_s,
+            lost_fraction=lost_numel / max(1, self.layout.total),
+            trend=None, checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
+            restart_s=self.policy.restart_s, allowed=self.paths)
+        lost = facts.lost
+        if lost:
+            have = [max((s for s in snaps.get(k, ()) if s <= self.step), default=None) for k in lost]
+            snap_step = None if any(h is None for h in have) else min(have)
+        facts = sr.ShardFacts(**{**facts.__dict__, "trend": sr.loss_trend(self.loss_history, at_snapshot=snap_step)})
+        d = sr.choose_recovery(facts)
+        plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._keys), "old": self.layout.to_json()}
+        if d.chosen == "heal":
+            plan["rows"] = [[k, min(holders[k]), "live", self.step] for k in range(rows)]
+        elif d.chosen == "recompute":
+            t = d.rollback_to
+            plan["rows"] = [[k, *snap_at[(k, t)], t] for k in range(rows)]
+            own = next((s for s in self._valid(self._own) if s["step"] == t), None)
+            if own is None:  # the source's row was snapshotted at t by a replica only
+                raise RuntimeError(f"worker {self.worker_id}: no own snapshot at step {t} to roll back to")
+            plan.update(keys=list(own["keys"]), scalars=own["scalars"], groups=own["groups"],
+                        buffers=own["buffers"], run=own["run"])
+        elif d.chosen == "rehabilitate":
+            plan["rows"] = []
+            for k in range(rows):
+                if k in holders:
+                    plan["rows"].append([k, min(holders[k]), "live", self.step])
+                else:
+                    t = max(s for s in snaps[k] if s <= self.step)
+                    plan["rows"].append([k, *snap_at[(k, t)], t])
+        if d.chosen in ("heal", "rehabilitate"):
+            plan.update(scalars=self._scalars(), groups=self._groups_json(), buffers=self._buffers(), run=None)
+        return plan
+
+    def _init_keys(self) -> list[str]:
+        keys = set()
+        for p in self.params:
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                    keys.add(k)
+        return sorted(keys)
+
+    def _has_checkpoint(self) -> bool:
+        return bool(getattr(self, "checkpoint_path", None)) and self.last_checkpoint_step > 0
+
+    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+        self._discard()
+        plan = payload.get("shard")
+        if plan is None:
+            return
+        t0 = time.perf_counter()
+        full = self._assemble(plan)
+        self._build(n, r)
+        self._keys = list(plan["keys"])
+        self._load_rows(full, plan)
+        if plan["mode"] == "recompute":
+            self._load_run(plan["run"])
+            self._apply_allocation()  # the snapshot's sampler had the old members
+            self.loss_history = [(s, v) for s, v in self.loss_history if s <= self.step]
+        self._own, self._held, self._inflight = [], [], None
+        self._transfer_s = time.perf_counter() - t0
+        self._take_snapshot(wait=True)  # the old snapshots are rows of the old layout
+        d = plan.get("decision")
+        if d is not None:
+            self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}
+            if plan["mode"] == "rehabilitate":
+                self.rehab_watch = {"step": self.step, "predicted_steps": d["predicted_heal_steps"],
+                                    "snapshot_step": d["snapshot_step"], "losses": []}
+            if self.log and self._is_source:
+                self.log.write("shard_recovery", **self.last_shard_decision)
+
+    def _assemble(self, plan: dict) -> torch.Tensor:
+        """The whole flat state (parameters, then each tensor state), one SUM all-reduce."""
+        keys = plan["keys"]
+        total = sum(math.prod(s) for s in self._shapes)
+        full = torch.zeros((1 + len(keys)) * total, dtype=self.dtype)
+        if plan["mode"] == "init":
+            if self.worker_id == plan["from"]:
+                vals = [p.detach().reshape(-1) for p in self.params]
+                for key in keys:
+                    for p in self.params:
+                        v = self.optimizer.state.get(p, {}).get(key)
+                        vals.append(v.detach().reshape(-1) if v is not None else torch.zeros(p.numel(), dtype=self.dtype))
+                full.copy_(torch.cat(vals))
+        else:
+            old = _Layout(self._shapes, *plan["old"])
+            for k, w, kind, step in plan["rows"]:
+                if w != self.worker_id:
+                    continue
+                vec = self._row_source(kind, step, k, plan)
+                pos = old.positions(k)
+                m = pos.numel()
+                # A snapshot taken before the optimizer had state carries the parameters only.
+                for j in range(min(1 + len(keys), vec.numel() // m if m else 1 + len(keys))):
+                    full[j * total + pos] = vec[j * m:(j + 1) * m]
+        self._store_op(lambda: self.gm.allreduce(full, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        if plan["mode"] == "rehabilitate":
+            self._repair(full, plan, total)
+        return full
+
+    def _row_source(self, kind: str, step: int, k: int, plan: dict) -> torch.Tensor:
+        if kind == "live":
+            return self._row_vector()
+        pool = self._own if kind == "own" else self._held
+        snap = [s for s in pool if s["step"] == step and s["k"] == k]
+        if not snap:
+            raise RuntimeError(f"worker {self.worker_id}: no {kind} snapshot of row {k} at step {step}")
+        vec = snap[-1]["row"]
+        if (kind == "held" and plan["mode"] == "rehabilitate" and self.recipe.extrapolate_snapshots >= 2):
+            older = [s for s in pool if s["k"] == k and s["step"] < step]
+            if older:
+                prev = older[-1]
+                m = int(_Layout(self._shapes, *plan["old"]).positions(k).numel())
+                frac = min(1.0, (self.step - step) / max(1, step - prev["step"]))
+                vec = vec.clone()
+                vec[:m] += self.recipe.damping * frac * (vec[:m] - prev["row"][:m])
+        return vec
+
+    def _repair(self, full: torch.Tensor, plan: dict, total: int) -> None:
+        """Rehabilitation's optimizer repair on the lost rows: first moments (and other
+        momentum-like states) reset, second moments (``*sq*``) kept."""
+        old = _Layout(self._shapes, *plan["old"])
+        for k in plan["decision"]["lost_rows"]:
+            pos = old.positions(k)
+            for j, key in enumerate(plan["keys"], start=1):
+                second = "sq" in key
+                if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):
+                    full[j * total + pos] = 0.0
+
+    def _load_rows(self, full: torch.Tensor, plan: dict) -> None:
+        total = self.layout.total
+        pos = self.layout.positions(self.row)
+        with torch.no_grad():
+            row = full[pos]
+            at = 0
+            for t in self._locals():
+                t.copy_(row[at:at + t.numel()].view_as(t))
+                at += t.numel()
+            if plan["keys"]:
+                # Materialise the optimizer's state through its own code path, then overwrite.
+                self._init_optimizer_state()
+                for j, key in enumerate(plan["keys"], start=1):
+                    row = full[j * total + pos]
+                    at = 0
+                    for i, p in enumerate(self.shard_params):
+                        loc = self._state_local(i, key)
+                        loc.copy_(row[at:at + loc.numel()].view_as(loc))
+                        at += loc.numel()
+                for i, sc in (plan.get("scalars") or {}).items():
+                    st = self.optimizer.state[self.shard_params[int(i)]]
+                    for key, v in sc.items():
+                        st[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            for g, saved in zip(self.optimizer.param_groups, plan.get("groups") or []):
+                g.update({k: v for k, v in saved.items()})
+            bufs = dict(self.module.named_buffers())
+            for name, b in (plan.get("buffers") or {}).items():
+                if name in bufs:
+                    bufs[name].copy_(b)
+
+    def _init_optimizer_state(self) -> None:
+        """Let the optimizer create its per-parameter state (one step with zero gradients and
+        zero learning rate), so that its tensors exist with the right placement."""
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        params = [p.detach().clone() for p in self._locals()]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self.shard_params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for g, lr in zip(self.optimizer.param_groups, saved):
+            g["lr"] = lr
+        with torch.no_grad():
+            for t, v in zip(self._locals(), params):
+                t.copy_(v)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The whole parameters by name, gathered from the shards (a collective: every member
+        calls it at the same point)."""
+        full = torch.zeros(self.layout.total, dtype=self.dtype)
+        if self.rank < self.layout.shards:  # replica group 0 holds every row once
+            full[self.layout.positions(self.rank)] = torch.cat([t.detach().reshape(-1) for t in self._locals()])
+        self._store_op(lambda: self.gm.allreduce(full, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        return {n: full[o:o + k].view(shape).clone() for n, o, k, shape in
+                zip(self._names, self.layout.offsets, self.layout.numels, self._shapes)}
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        raise ConfigError("disk checkpoints of sharded jobs are not written yet")
+
+    def load_checkpoint(self, path: str) -> None:
+        raise ConfigError("disk checkpoints of sharded jobs are not read yet")
+
+
+def _py_rng():
+    v, state, g = random.getstate()
+    return [v, list(state), g]
+
+
+def _from_json_rng(x):
+    if isinstance(x, tuple):
+        return x
+    v, state, g = x
+    return (v, tuple(state), g)
