@@ -1,0 +1,84 @@
+"""The engine's choice for sharded state (pure logic)."""
+
+import math
+
+import pytest
+
+from chameleon_ft.rehab import LossTrend
+from chameleon_ft.shard_recovery import (ShardFacts, choose_recovery, common_snapshot, loss_trend,
+                                         snapshot_interval)
+
+
+def facts(**kw):
+    base = dict(step=20, rows=4, current=frozenset({0, 1, 3}), snapshots={0: [10, 15], 1: [10, 15], 2: [10, 15], 3: [10, 15]},
+                step_s=1.0, transfer_s=0.2, lost_fraction=0.25,
+                trend=LossTrend(slope=-0.01, loss_now=1.0, loss_at_snapshot=1.05))
+    base.update(kw)
+    return ShardFacts(**base)
+
+
+def test_heal_when_every_row_has_a_current_copy():
+    d = choose_recovery(facts(current=frozenset(range(4))))
+    assert d.chosen == "heal" and d.lost_rows == ()
+    assert d.candidates["heal"]["lost_s"] == pytest.approx(0.2)
+
+
+def test_recompute_rolls_back_to_the_common_snapshot():
+    # row 2 lost; its buddy holds only step 10: everybody goes back to 10
+    d = choose_recovery(facts(snapshots={0: [10, 15], 1: [10, 15], 2: [10], 3: [10, 15]},
+                              allowed=frozenset({"recompute", "restart"})))
+    assert d.chosen == "recompute" and d.rollback_to == 10
+    assert d.candidates["recompute"]["lost_s"] == pytest.approx(0.2 + 10 * 1.0)
+    assert not d.candidates["rehabilitate"]["feasible"]  # not allowed
+
+
+def test_rehabilitate_wins_late_in_the_interval_and_recompute_early():
+    # late: 5 steps to redo; the gap (0.25 x 0.05) heals in 1.5 x 0.0125 / 0.01 = 1.9 steps
+    late = choose_recovery(facts())
+    assert late.chosen == "rehabilitate" and late.snapshot_step == 15
+    assert late.predicted_heal_steps == pytest.approx(1.5 * 0.25 * 0.05 / 0.01)
+    # early: one step since the snapshot, cheaper to redo than to heal
+    early = choose_recovery(facts(step=16, trend=LossTrend(slope=-0.001, loss_now=1.0, loss_at_snapshot=1.05)))
+    assert early.chosen == "recompute" and early.rollback_to == 15
+
+
+def test_rehabilitate_ruled_out_without_a_decreasing_loss():
+    d = choose_recovery(facts(trend=LossTrend(slope=0.01, loss_now=1.0, loss_at_snapshot=0.9)))
+    assert d.chosen == "recompute"
+    assert "not decreasing" in d.candidates["rehabilitate"]["reason"]
+
+
+def test_nothing_in_memory_falls_back_to_the_disk_checkpoint():
+    d = choose_recovery(facts(snapshots={0: [15], 1: [15], 3: [15]}, checkpoint_step=12, restart_s=30.0))
+    assert d.chosen == "restart"
+    assert d.candidates["restart"]["lost_s"] == pytest.approx(30.0 + 8)
+    # and with no checkpoint either, restart is still the answer (nothing feasible)
+    d = choose_recovery(facts(snapshots={}))
+    assert d.chosen == "restart" and not d.candidates["restart"]["feasible"]
+
+
+def test_common_snapshot():
+    assert common_snapshot(2, {0: [5, 10], 1: [10, 15]}, 20) == 10
+    assert common_snapshot(2, {0: [5, 10], 1: [10, 15]}, 9) is None
+    assert common_snapshot(2, {0: [5]}, 20) is None
+
+
+def test_young_daly_interval():
+    # C = 1 s, M = 1 h, 0.5 s steps: sqrt(2 * 3600) = 84.9 s, Daly's terms -> ~ 84 s -> 168 steps
+    k = snapshot_interval(1.0, 3600.0, 0.5, hi=10_000)
+    tau = math.sqrt(7200) * (1 + math.sqrt(1 / 7200) / 3 + 1 / (18 * 3600)) - 1
+    assert k == round(tau / 0.5)
+    assert snapshot_interval(1.0, 1e9, 0.5) == 200  # clamped
+    assert snapshot_interval(0.0, 10.0, 1.0) == 1  # free snapshots: every step
+    assert snapshot_interval(100.0, 10.0, 1.0) == 10  # cost above 2M: once per M
+    # more failures -> more frequent snapshots
+    assert snapshot_interval(0.1, 60.0, 0.1) < snapshot_interval(0.1, 600.0, 0.1)
+
+
+def test_loss_trend_fits_the_recent_slope():
+    hist = [(s, 2.0 - 0.01 * s) for s in range(50)]
+    t = loss_trend(hist, window=20, at_snapshot=40)
+    assert t.slope == pytest.approx(-0.01)
+    assert t.loss_now == pytest.approx(2.0 - 0.49)
+    assert t.loss_at_snapshot == pytest.approx(1.6)
+    assert loss_trend(hist[:2]) is None
