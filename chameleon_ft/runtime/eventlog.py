@@ -15,6 +15,9 @@ Event types and their fields:
                   links, overhead) and the running plan's predicted step, every few steps
   ``prediction``  after a failure/join Decision: the chosen candidate's predicted step and
                   transition seconds beside the measured ones, and every candidate's figures
+  ``shard_recovery`` sharded jobs, after a failure: every path's predicted lost seconds, the
+                  choice, the rollback or snapshot step, the predicted steps to heal
+  ``snapshot``    sharded jobs: a buddy snapshot found corrupt (checksum) and discarded
   ``run_end``     free-form
 
 Several processes may append to one file: it is opened with ``O_APPEND`` and each line goes
@@ -51,7 +54,7 @@ __all__ = [
 ]
 
 EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
-               "calibration", "prediction", "shard_recovery", "run_end")
+               "calibration", "prediction", "shard_recovery", "snapshot", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

@@ -4,7 +4,8 @@ A ``FaultSpec`` says what goes wrong, where and when: ``kill`` (SIGKILL to itsel
 crash), ``hang`` (SIGSTOP to itself: alive but silent), ``slow`` (sleep after a phase so that it
 takes ``factor`` times as long: a straggler), ``jitter`` (the same padding, but only for a random
 ``prob`` share of the phases: scheduling noise, not a straggler) or ``exit`` (a clean
-``sys.exit`` with a nonzero code), aimed at ranks or at every local rank of a node, at a global
+``sys.exit`` with a nonzero code) or ``corrupt`` (sharded jobs, phase ``snapshot``: the
+snapshot this worker sends to its buddy is damaged in flight, after its checksum), aimed at ranks or at every local rank of a node, at a global
 step and a step phase.
 
 Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` variable::
@@ -58,9 +59,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "slow", "jitter", "exit")
+ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
-PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "any")
+PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "snapshot", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")
@@ -286,6 +287,13 @@ class FaultInjector:
             self._act(spec, step, phase)
         if phase_time is not None:
             self._slow(step, phase, phase_time)
+
+    def corrupt(self, step: int, phase: str = "snapshot") -> bool:
+        """Whether a ``corrupt`` fault is due now (the caller damages the data itself)."""
+        due = list(self._due(step, phase, ("corrupt",)))
+        for spec in due:
+            self._announce(spec, step, phase)
+        return bool(due)
 
     @contextmanager
     def phase(self, step: int, phase: str) -> Iterator[None]:

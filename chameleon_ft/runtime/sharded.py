@@ -51,7 +51,9 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 import time
+import zlib
 from typing import Callable, Optional
 
 import torch
@@ -411,11 +413,18 @@ class ShardedContext(RecoveryCore):
         prev_row = self.layout.row_of(prev)
         size = (1 + len(self._keys)) * int(self.layout.positions(prev_row).numel())
         incoming = torch.empty(size, dtype=self.dtype)
-        tag = _SNAP_TAG + self.step % _SNAP_TAG
-        works = [self.gm.send(own["row"], (r + 1) % n, tag), self.gm.recv(incoming, prev, tag)]
+        tag = _SNAP_TAG + 2 * (self.step % (_SNAP_TAG // 2))
+        out_crc = torch.tensor([_crc(own["row"])], dtype=torch.int64)
+        sent = own["row"]
+        if self.faults.corrupt(self.step):  # test-only: damaged in flight, after its checksum
+            sent = sent.clone()
+            sent.view(-1)[: max(1, sent.numel() // 10)] += 1.0
+        in_crc = torch.zeros(1, dtype=torch.int64)
+        works = [self.gm.send(sent, (r + 1) % n, tag), self.gm.send(out_crc, (r + 1) % n, tag + 1),
+                 self.gm.recv(incoming, prev, tag), self.gm.recv(in_crc, prev, tag + 1)]
         self._inflight = {"own": own, "held": {"step": self.step, "row": incoming, "k": prev_row,
-                                               "layout": self.layout.to_json()},
-                          "works": works, "t": time.perf_counter() - t0}
+                                               "layout": self.layout.to_json(), "from": self.view.members[prev]},
+                          "crc": in_crc, "works": works, "t": time.perf_counter() - t0}
         if wait:
             self._complete_snapshot()
 
@@ -426,7 +435,16 @@ class ShardedContext(RecoveryCore):
         t0 = time.perf_counter()
         self.gm.wait_p2p(fl["works"], self.hang_timeout_s)
         self._push(self._own, fl["own"])
-        self._push(self._held, fl["held"])
+        held = fl["held"]
+        if _crc(held["row"]) == int(fl["crc"][0]):
+            self._push(self._held, held)
+        else:  # keep the last good one; say so: a later failure may have to fall back further
+            msg = (f"worker {self.worker_id}: the snapshot of row {held['k']} from worker {held['from']} "
+                   f"at step {held['step']} is corrupt (checksum mismatch): discarded, the previous one is kept")
+            print(f"chameleon-ft: {msg}", file=sys.stderr, flush=True)
+            if self.log:
+                self.log.write("snapshot", step=held["step"], ok=False, row=held["k"],
+                               sender=held["from"], message=msg)
         self.snapshot_cost_s = fl["t"] + time.perf_counter() - t0
 
     @staticmethod
@@ -485,6 +503,13 @@ class ShardedContext(RecoveryCore):
         if not payload["restart"]:
             payload["shard"] = self._shard_plan(view)
             if payload["shard"]["mode"] == "restart":
+                d = payload["shard"]["decision"]
+                why = "; ".join(f"{k}: {c['reason']}" for k, c in d["candidates"].items() if k != "restart")
+                print(f"chameleon-ft: worker {self.worker_id}: rows {d['lost_rows']} cannot be recovered in "
+                      f"memory ({why}); restarting from the disk checkpoint "
+                      f"({d['candidates']['restart']['reason']})", file=sys.stderr, flush=True)
+                if self.log:
+                    self.log.write("shard_recovery", step=self.step, **d)
                 payload["restart"] = True
                 payload["decisions"].append({"event": {"kind": "shard_loss", "devices": payload["dead"]},
                                              "chosen": "restart", "candidates": [],
@@ -708,10 +733,59 @@ class ShardedContext(RecoveryCore):
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
-        raise ConfigError("disk checkpoints of sharded jobs are not written yet")
+        """Call on every member at the same step: the rows are gathered (one all-reduce) and
+        the lowest-ranked member writes the whole, unsharded run state (loadable with
+        ``weights_only=True``; any world size resumes from it).  A failure during the gather
+        recovers like a failed step and leaves the previous checkpoint in place."""
+        self._keys = self._keys or self._tensor_keys()
+        members = list(self.view.members)
+        plan = {"mode": "heal", "keys": list(self._keys), "old": self.layout.to_json(),
+                "rows": [[k, members[k], "live", self.step] for k in range(self.layout.shards)]}
+        t0 = time.perf_counter()
+        try:
+            full = self._assemble(plan)
+        except CollectiveFailure as failure:
+            self._recover(failure, t0)
+            return
+        self.last_checkpoint_step = self.step
+        if self.rank != 0:
+            return
+        total = self.layout.total
+        split = lambda j: {n: full[j * total + o:j * total + o + k].view(shape).clone()  # noqa: E731
+                           for n, o, k, shape in zip(self._names, self.layout.offsets,
+                                                     self.layout.numels, self._shapes)}
+        run_state.save_checkpoint(path, {
+            "sharded": True, "names": list(self._names), "params": split(0),
+            "state": {key: split(j) for j, key in enumerate(self._keys, start=1)},
+            "scalars": self._scalars(), "groups": self._groups_json(), "buffers": self._buffers(),
+            "run": self._run_state(), "engine": self.policy.state_dict()})
 
     def load_checkpoint(self, path: str) -> None:
-        raise ConfigError("disk checkpoints of sharded jobs are not read yet")
+        """Resume from ``path`` before ``start()`` (a ``CheckpointError`` names what is wrong
+        with the file); the first generation shards it over whoever is there."""
+        s = run_state.load_checkpoint(path)
+        if not s.get("sharded") or list(s.get("names", [])) != self._names:
+            raise run_state.CheckpointError(f"{path}: not a checkpoint of this sharded model")
+        with torch.no_grad():
+            for name, p in zip(self._names, self.params):
+                p.copy_(s["params"][name])
+            bufs = dict(self.model.named_buffers())
+            for name, b in s["buffers"].items():
+                if name in bufs:
+                    bufs[name].copy_(b)
+        for i, (name, p) in enumerate(zip(self._names, self.params)):
+            st = {key: s["state"][key][name].clone() for key in s["state"]}
+            st.update(s["scalars"].get(i, {}))
+            self.optimizer.state[p] = st
+        for g, saved in zip(self.optimizer.param_groups, s["groups"]):
+            g.update(saved)
+        self._load_run(s["run"])
+        self.policy.load_state_dict(s["engine"])
+        self.policy.plan = None
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def _py_rng():

@@ -72,8 +72,6 @@ class ElasticTrainer:
             raise ConfigError("sharding and pipeline stages together are not supported")
         if self.sharded:
             from chameleon_ft.runtime.sharded import ShardedContext
-            if checkpoint:
-                raise ConfigError("checkpoints of sharded jobs are not written yet")
             self.ctx = ShardedContext(model, optimizer, len(dataset), global_batch, micro_batch,
                                       replicas=replicas if sharding == "hybrid" else 1,
                                       snapshot_every=snapshot_every, recipe=recipe,
@@ -92,6 +90,7 @@ class ElasticTrainer:
                                       scheduler=scheduler, seed=seed, shuffle=shuffle,
                                       drop_last=drop_last, config=config)
         self.checkpoint = checkpoint
+        self.ctx.checkpoint_path = checkpoint
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.redone_steps = 0

@@ -24,8 +24,9 @@ STEPS = 32  # two epochs of 16 steps
 KILL_AT = 13  # between the snapshots of steps 10 and 15 (snapshot_every 5)
 
 
-def _run(run_dir: Path, *args: str, nproc: int = 4, kill: int | None = None):
-    job = ScriptJob(WORKER, run_dir, "--steps", str(STEPS), *args, nproc=nproc, hang_timeout=10)
+def _run(run_dir: Path, *args: str, nproc: int = 4, kill: int | None = None, launch_args=()):
+    job = ScriptJob(WORKER, run_dir, "--steps", str(STEPS), *args, nproc=nproc, hang_timeout=10,
+                    launch_args=launch_args)
     try:
         job.start()
         if kill is not None:
@@ -105,3 +106,26 @@ def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
     assert steps == sorted(steps), "a rehabilitated run never goes back"
     end, end_ref = f["loss"][-1][1], ref["loss"][-1][1]
     assert abs(end - end_ref) < 0.1 * end_ref, (end, end_ref)
+
+
+def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint(tmp_path, failure_free):
+    """Worker 1's snapshots of steps 5 and 10 arrive damaged at its buddy (the checksum catches
+    it; the buddy keeps only step 0's).  Worker 1 is killed at step 13: no step has a snapshot
+    of every row, rehabilitation is not allowed, so the engine restarts from the disk
+    checkpoint of step 12; the relaunched job ends on the failure-free trajectory."""
+    ckpt = tmp_path / "ckpt.pt"
+    finals, events = _run(tmp_path, "--sharding", "full", "--snapshot-every", "5",
+                          "--paths", "recompute,restart", "--checkpoint", str(ckpt),
+                          "--checkpoint-every", "4", kill=1,
+                          launch_args=("--max-restarts", "1", "--faults",
+                                       "corrupt:rank=1:step=5:phase=snapshot;corrupt:rank=1:step=10:phase=snapshot"))
+    bad = [e for e in events if e["event"] == "snapshot" and not e["ok"]]
+    assert sorted(e["step"] for e in bad) == [5, 10] and all(e["sender"] == 1 for e in bad)
+    decided = [e for e in events if e["event"] == "shard_recovery"]
+    assert decided and decided[0]["chosen"] == "restart", decided
+    assert not decided[0]["candidates"]["recompute"]["feasible"]
+    assert "checkpoint of step 12" in decided[0]["candidates"]["restart"]["reason"]
+    assert sorted(finals) == [0, 1, 2, 3]  # every worker relaunched
+    for f in finals.values():
+        assert f["step"] == STEPS
+        assert _max_diff(f, failure_free["full"]) < 1e-5

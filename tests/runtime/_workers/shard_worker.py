@@ -46,6 +46,8 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--snapshot-every", type=int, default=None)
     p.add_argument("--paths", default=None, help="comma-separated recovery paths allowed")
+    p.add_argument("--checkpoint", default=None, help="resume from / write this checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="emulated compute per step (s)")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -71,7 +73,8 @@ def main():
 
     trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch,
                              seed=a.seed, config=cfg, sharding=a.sharding, replicas=a.replicas,
-                             snapshot_every=a.snapshot_every, recipe=RehabRecipe(), on_step=on_step)
+                             snapshot_every=a.snapshot_every, recipe=RehabRecipe(), on_step=on_step,
+                             checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every)
     result = trainer.fit(max_steps=a.steps)
     ctx = trainer.ctx
     full = final
