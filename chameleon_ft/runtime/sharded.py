@@ -152,8 +152,8 @@ class ShardedContext(RecoveryCore):
                          seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env)
         if replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {replicas}")
-        if snapshot_every is not None and snapshot_every < 1:
-            raise ConfigError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if snapshot_every is not None and snapshot_every < 0:
+            raise ConfigError(f"snapshot_every must be >= 0 (0: no snapshots), got {snapshot_every}")
         self.replicas = int(replicas)
         self.snapshot_every = snapshot_every
         self.recipe = recipe or RehabRecipe()
@@ -176,7 +176,8 @@ class ShardedContext(RecoveryCore):
         self._comm_failure: Optional[CollectiveFailure] = None
         self.loss_history: list[tuple[int, float]] = []
         self.snapshot_cost_s: Optional[float] = None
-        self.k = snapshot_every or _DEFAULT_K
+        # Steps between snapshots (0: none -- then only heal and the disk checkpoint remain).
+        self.k = _DEFAULT_K if snapshot_every is None else snapshot_every
         self.last_shard_decision: Optional[dict] = None
         self.rehab_watch: Optional[dict] = None  # after rehabilitation: the prediction to check
         self._step_times: list[float] = []
@@ -381,7 +382,7 @@ class ShardedContext(RecoveryCore):
             self.k = sr.snapshot_interval(self.snapshot_cost_s, self.policy.mttf(), self._median_step())
         if self.rehab_watch is not None:
             self.rehab_watch.setdefault("losses", []).append([self.step, loss])
-        if self.step % self.k == 0:
+        if self.k and self.step % self.k == 0:
             self._take_snapshot(wait=False)
 
     def _median_step(self) -> float:
@@ -606,7 +607,8 @@ class ShardedContext(RecoveryCore):
             self.loss_history = [(s, v) for s, v in self.loss_history if s <= self.step]
         self._own, self._held, self._inflight = [], [], None
         self._transfer_s = time.perf_counter() - t0
-        self._take_snapshot(wait=True)  # the old snapshots are rows of the old layout
+        if self.k:
+            self._take_snapshot(wait=True)  # the old snapshots are rows of the old layout
         d = plan.get("decision")
         if d is not None:
             self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}

@@ -1,0 +1,143 @@
+"""Worker of the sharded benchmark (``sharded_bench.py``): an MLP regression trained with FSDP2,
+either on the chameleon-ft runtime (``--mode ours``: ``ElasticTrainer(sharding=...)`` under
+``chameleon-ft run``) or as plain FSDP2 (``--mode plain``: ``fully_shard`` on a gloo default
+group under ``torchrun``, torch's own collectives).
+
+Accelerator-emulation mode: each member's forward is padded by ``--sample-sleep`` seconds per
+sample it computes, so a step costs what its share costs on a device, not what 2 shared cores
+make of it.  Each member writes ``<out>/final_<rank or worker id>.json``: per committed step
+(step, wall time, loss), its peak RSS, the shard recovery taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.nn as nn
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n=4096, dim=32, out=8, seed=1234):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        w = torch.randn(dim, out, generator=g) / dim ** 0.5
+        self.y = torch.tanh(2 * self.x @ w) + 0.02 * torch.randn(n, out, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def model_for(hidden: int, layers: int, seed: int) -> nn.Module:
+    torch.manual_seed(100 + seed)
+    mods = [nn.Linear(32, hidden), nn.Tanh()]
+    for _ in range(layers - 2):
+        mods += [nn.Linear(hidden, hidden), nn.Tanh()]
+    mods.append(nn.Linear(hidden, 8))
+    return nn.Sequential(*mods)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["ours", "plain"], default="ours")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-sleep", type=float, default=0.002)
+    p.add_argument("--snapshot-every", type=int, default=None, help="0: no snapshots; default: Young/Daly")
+    p.add_argument("--paths", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    data = Regression()
+    model = model_for(a.hidden, a.layers, a.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    rows: list[list[float]] = []
+
+    def loss_fn(m, batch):
+        x, y = batch
+        if a.sample_sleep:
+            time.sleep(a.sample_sleep * len(x))
+        return nn.functional.mse_loss(m(x), y)
+
+    if a.mode == "plain":
+        rank = plain(a, data, model, opt, loss_fn, rows)
+        extra = {}
+    else:
+        from chameleon_ft.runtime.trainer import ElasticTrainer
+        from chameleon_ft.runtime.worker import ElasticConfig
+
+        def on_step(ctx):
+            rows.append([ctx.step, time.time(), ctx.loss_history[-1][1]])
+
+        cfg = ElasticConfig(stragglers=False, shard_recovery=frozenset(a.paths.split(",")) if a.paths else None)
+        tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, a.micro_batch, seed=a.seed, config=cfg,
+                            sharding="full", snapshot_every=a.snapshot_every, on_step=on_step)
+        tr.fit(max_steps=a.steps)
+        ctx = tr.ctx
+        rank = ctx.worker_id
+        extra = {"decision": ctx.last_shard_decision, "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s,
+                 "rehab": ctx.rehab_watch, "redone": tr.redone_steps}
+    with open(os.path.join(a.out, f"final_{rank}.json"), "w") as f:
+        json.dump({"rows": rows, "rss_mb": rss_mb(), **extra}, f)
+
+
+def plain(a, data, model, opt, loss_fn, rows) -> int:
+    """Plain FSDP2: torch's collectives on a gloo default group; each rank computes its
+    contiguous share of the same global batches (a seeded order per epoch)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    per_epoch = len(data) // a.global_batch
+    for step in range(a.steps):
+        epoch, i = divmod(step, per_epoch)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(a.seed + epoch))
+        idx = order[i * a.global_batch:(i + 1) * a.global_batch].tolist()
+        mine = idx[r * len(idx) // n:(r + 1) * len(idx) // n]
+        x, y = torch.utils.data.default_collate([data[j] for j in mine])
+        loss = loss_fn(model, (x, y)) * (len(mine) / len(idx))
+        loss.backward()  # FSDP2 averages the reduce-scatter over n: scale back below
+        for prm in model.parameters():
+            if prm.grad is not None:
+                prm.grad.mul_(n)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        rows.append([step + 1, time.time(), float(total)])
+    dist.barrier()
+    dist.destroy_process_group()
+    return r
+
+
+if __name__ == "__main__":
+    from chameleon_ft.runtime.trainer import elastic_main
+    import sys
+    if "--mode" in sys.argv and sys.argv[sys.argv.index("--mode") + 1] == "plain":
+        main()
+    else:
+        elastic_main(main)
