@@ -16,9 +16,11 @@ over all 4, in accelerator-emulation mode (``--sample-sleep`` seconds of forward
   it, redone steps included - the failure-free run's) x the failure-free step time + the
   recovery pause (``lost_time``): on 2 shared cores a dead worker makes the others' steps
   faster, so raw wall time would flatter every failure.  The
-  engine picked right when its choice lost no more time than the other path (+ ``--tie`` s).
-  Rehabilitation's predicted steps to close the loss gap vs the measured ones (the first step
-  from which the moving-average gap to the failure-free run is within ``--close`` of the loss).
+  engine picked right when its choice lost no more time than the other path (+ ``--tie``
+  steps).  Rehabilitation's predicted steps to close the loss gap vs the measured ones (the
+  first step after the failure at which the moving-average loss is back within ``--close`` of
+  the failure-free run's).  Final loss at the failure-free run's last step against the spread
+  of the failure-free final losses over the seeds.
 * **Memory**: peak RSS per worker with buddy snapshots every ``k`` steps and without snapshots,
   on a larger model (``--mem-hidden``).
 * **Overhead**: steady steps/s of ours (snapshots every ``k``, and at Young/Daly's interval) and
@@ -96,34 +98,34 @@ def pause_s(rows) -> float:
     return max(gaps) - statistics.median(gaps) if len(gaps) > 2 else 0.0
 
 
-def lost_time(rows, ref_rows, target: float, window: int, warmup: int = 5) -> Optional[dict]:
+def lost_time(rows, ref_rows, target: float, window: int, transfer_s: float = 0.0,
+              warmup: int = 5) -> Optional[dict]:
     """Time-to-target lost against the failure-free run, insensitive to the step time changing
     with the world size on a shared CPU: (steps computed to the target - the failure-free
-    run's) x the failure-free step time, plus the recovery pause."""
+    run's) x the failure-free step time + the path's own measured re-shard (``transfer_s``).
+    The rest of the recovery pause (detection, membership, group) is the same whatever the
+    path; it is reported apart (``pause_s``)."""
     n, n_ref = steps_to_target(rows, target, window), steps_to_target(ref_rows, target, window)
     if n is None or n_ref is None:
         return None
     step_s = steady_step_s(ref_rows, warmup)
     return {"steps": n - n_ref, "pause_s": pause_s(rows),
-            "lost_s": (n - n_ref) * step_s + pause_s(rows), "step_s": step_s}
+            "lost_s": (n - n_ref) * step_s + transfer_s, "step_s": step_s}
 
 
 def gap_closed_at(rows, ref_rows, after: int, window: int, close: float) -> Optional[int]:
-    """Steps after ``after`` until the moving-average loss gap to the reference is within
-    ``close`` x the reference loss for good (to the end of the shorter run)."""
+    """Steps after ``after`` until the run's moving-average loss is first back within
+    ``close`` x the reference's at the same step (None if never)."""
     a = {s: v for s, _, v in smooth(rows, window)}
     b = {s: v for s, _, v in smooth(ref_rows, window)}
-    steps = sorted(s for s in a if s in b and s > after)
-    if not steps:
-        return None
-    closed = None
-    for s in steps:
-        ok = a[s] - b[s] <= close * b[s]
-        if ok and closed is None:
-            closed = s
-        elif not ok:
-            closed = None
-    return None if closed is None else closed - after
+    for s in sorted(s for s in a if s in b and s > after):
+        if a[s] - b[s] <= close * b[s]:
+            return s - after
+    return None
+
+
+def loss_at(rows, step: int, window: int) -> Optional[float]:
+    return next((v for s, _, v in smooth(rows, window) if s == step), None)
 
 
 def steady_step_s(rows, warmup: int) -> float:
@@ -201,17 +203,19 @@ def recovery(work: Path, seeds: Sequence[int], steps: int, k: int, window: int, 
                 if r is None:
                     continue
                 d = r.get("decision") or {}
-                lost = lost_time(r["rows"], ref["rows"], target, window) or {}
+                lost = lost_time(r["rows"], ref["rows"], target, window, d.get("transfer_s") or 0.0) or {}
                 cell[path] = {"carried_out": d.get("chosen"), "lost_s": lost.get("lost_s"),
                               "lost_steps": lost.get("steps"), "pause_s": lost.get("pause_s"),
                               "failure_step": d.get("step"),
                               "predicted_lost_s": (d.get("candidates") or {}).get(path, {}).get("lost_s"),
-                              "final_loss": smooth(r["rows"], window)[-1][2]}
+                              "transfer_s": d.get("transfer_s"),
+                              "final_loss": loss_at(r["rows"], steps, window)}
                 if path == "rehabilitate" and d.get("chosen") == "rehabilitate":
                     cell[path]["predicted_heal_steps"] = d.get("predicted_heal_steps")
                     cell[path]["measured_heal_steps"] = gap_closed_at(r["rows"], ref["rows"], d.get("step"), window, close)
             a, b = (cell.get(chosen) or {}).get("lost_s"), (cell.get(other) or {}).get("lost_s")
-            cell["picked_faster"] = None if a is None or b is None else a <= b + tie
+            step_s = steady_step_s(ref["rows"], 5)
+            cell["picked_faster"] = None if a is None or b is None else a <= b + tie * step_s
             cell["ref_final_loss"] = smooth(ref["rows"], window)[-1][2]
             cells.append(cell)
             print(json.dumps({k2: v for k2, v in cell.items() if k2 != "candidates"}), flush=True)
@@ -265,7 +269,7 @@ def markdown(res: dict, cmd: str) -> str:
             chose = ", ".join(f"{c['chosen']}" for c in cs)
             ok = sum(1 for c in cs if c["picked_faster"]) 
             lines.append(f"| {pos} | {_f(mr)} | {_f(mc)} | {ratio} | {chose} | {ok}/{len(cs)} |")
-        lines += ["", "Per run:", "", "| seed | position | path | carried out | lost steps | pause s | lost s | predicted lost s | final loss (ref) | heal steps predicted / measured |",
+        lines += ["", "Per run:", "", "| seed | position | path | carried out | lost steps | pause s | lost s | predicted lost s | loss at the ref's last step (ref) | heal steps predicted / measured |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for c in rec["cells"]:
             for path in ("rehabilitate", "recompute"):
@@ -276,7 +280,24 @@ def markdown(res: dict, cmd: str) -> str:
                         if "predicted_heal_steps" in r else "")
                 lines.append(f"| {c['seed']} | {c['position']} | {path} | {r['carried_out']} | {r.get('lost_steps')} | "
                              f"{_f(r.get('pause_s'))} | {_f(r['lost_s'])} | "
-                             f"{_f(r['predicted_lost_s'])} | {r['final_loss']:.4f} ({c['ref_final_loss']:.4f}) | {heal} |")
+                             f"{_f(r['predicted_lost_s'])} | {_f4(r['final_loss'])} ({c['ref_final_loss']:.4f}) | {heal} |")
+    if rec:
+        refs = [c["ref_final_loss"] for c in rec["cells"] if c["position"] == "early"]
+        spread = max(refs) - min(refs) if len(refs) > 1 else None
+        lines += ["", f"Failure-free final losses over the seeds: {', '.join(f'{x:.4f}' for x in refs)} "
+                  f"(spread {_f4(spread)})."]
+        rh = [(c["rehabilitate"]["final_loss"] - c["ref_final_loss"]) for c in rec["cells"]
+              if c.get("rehabilitate", {}).get("final_loss") is not None]
+        if rh and spread is not None:
+            inside = sum(1 for x in rh if abs(x) <= spread)
+            lines.append(f"Rehabilitated runs' final loss - their seed's failure-free one: "
+                         f"{', '.join(f'{x:+.4f}' for x in rh)}; within the spread: {inside}/{len(rh)}.")
+        hp = [(c["rehabilitate"].get("predicted_heal_steps"), c["rehabilitate"].get("measured_heal_steps"))
+              for c in rec["cells"] if "predicted_heal_steps" in c.get("rehabilitate", {})]
+        if hp:
+            ok = sum(1 for p_, m in hp if p_ is not None and m is not None and 0.5 * p_ <= m <= 1.5 * p_)
+            lines.append(f"Steps to close the loss gap, predicted / measured: "
+                         f"{', '.join(f'{_f(p_)} / {m}' for p_, m in hp)}; within +-50 %: {ok}/{len(hp)}.")
     mem = res.get("memory")
     if mem:
         lines += ["", "## Peak RSS per worker (median, MB)", "", "| setting | MB |", "|---|---|"]
@@ -294,6 +315,10 @@ def markdown(res: dict, cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _f4(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def _f(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -304,8 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--window", type=int, default=5)
-    p.add_argument("--tie", type=float, default=0.1, help="seconds within which two paths tie")
-    p.add_argument("--close", type=float, default=0.02, help="loss gap counted as closed (share of the loss)")
+    p.add_argument("--tie", type=float, default=1.0, help="steps within which two paths tie")
+    p.add_argument("--close", type=float, default=0.005, help="loss gap counted as closed (share of the loss)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-hidden", type=int, default=1024)
     p.add_argument("--sample-sleep", type=float, default=0.002)

@@ -27,12 +27,12 @@ def test_steps_to_target_counts_redone_steps():
     assert lost["steps"] == 5 and lost["lost_s"] == pytest.approx(5.0)
 
 
-def test_lost_time_adds_the_recovery_pause():
+def test_lost_time_adds_the_path_transfer_and_reports_the_pause():
     ref = rows_of([1.0 - 0.01 * i for i in range(60)])
     run = [[s, t + (3.0 if s > 20 else 0.0), v] for s, t, v in ref]  # a 3 s pause, same curve
-    lost = sb.lost_time(run, ref, 0.5, 1)
+    lost = sb.lost_time(run, ref, 0.5, 1, transfer_s=0.25)
     assert lost["steps"] == 0 and lost["pause_s"] == pytest.approx(3.0)
-    assert lost["lost_s"] == pytest.approx(3.0)
+    assert lost["lost_s"] == pytest.approx(0.25)
 
 
 def test_gap_closed_at():
@@ -42,6 +42,7 @@ def test_gap_closed_at():
     assert sb.gap_closed_at(run, ref, 10, 1, 0.35) == 2
     never = rows_of([1.0] * 10 + [2.0] * 30)
     assert sb.gap_closed_at(never, ref, 10, 1, 0.02) is None
+    assert sb.loss_at(run, 11, 1) == 1.5
 
 
 def test_steady_step_s():
