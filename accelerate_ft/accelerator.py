@@ -155,6 +155,19 @@ def _refuse_accelerators(cpu: bool) -> None:
             "CPU, or use a plain Accelerator (no in-place fault tolerance) for the GPU.")
 
 
+def _refuse_sharding(kwargs: dict) -> None:
+    """FSDP / DeepSpeed setups are not carried by this adapter yet, and Accelerate drops an FSDP
+    plugin on the CPU without a word (docs/accelerate.md): refuse it instead of training DDP."""
+    fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    ds = kwargs.get("deepspeed_plugin") is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+    if fsdp or ds:
+        raise ConfigError(
+            f"FaultTolerantAccelerator does not carry {'FSDP' if fsdp else 'DeepSpeed'} setups yet "
+            "(and Accelerate ignores an FSDP plugin on the CPU); for sharded training that survives "
+            "failures use chameleon_ft's ElasticTrainer(..., sharding='full' or 'hybrid') "
+            "(docs/runtime-sharded.md)")
+
+
 class FaultTolerantAccelerator(Accelerator):
     """Drop-in ``Accelerator`` whose workers survive failures in place (see module doc).
 
@@ -183,6 +196,7 @@ class FaultTolerantAccelerator(Accelerator):
             super().__init__(*args, **kwargs)
             return
         _refuse_accelerators(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)))
+        _refuse_sharding(kwargs)
         super().__init__(*args, **kwargs)
         self._ft = AccelerateRuntime(self, env, cfg, event_log)
 

@@ -53,3 +53,17 @@ def test_a_gpu_is_refused_clearly_not_silently_replaced_by_the_cpu(monkeypatch):
         FaultTolerantAccelerator()
     with pytest.raises(LauncherError, match="CUDA"):
         FaultTolerantAccelerator(None, False, None, 1, False)  # cpu given positionally
+
+
+def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):
+    """Accelerate drops an FSDP plugin on the CPU silently; under chameleon-ft run we say so."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from chameleon_ft.runtime.errors import ConfigError
+    import accelerate_ft.accelerator as acc_mod
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())
+    with pytest.raises(ConfigError, match="FSDP.*ElasticTrainer.*sharding"):
+        FaultTolerantAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="FSDP"):
+        FaultTolerantAccelerator(cpu=True)
