@@ -361,5 +361,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def bench_main(argv) -> int:
+    """``chameleon-ft bench --sharded [flags]``."""
+    return main([a for a in argv if a != "--sharded"])
+
+
 if __name__ == "__main__":
     sys.exit(main())

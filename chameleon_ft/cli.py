@@ -6,7 +6,8 @@
                (``--preset``), or the replay of a stored failure trace (``--trace``)
 * ``report``   render a run directory's event log (summary, decisions, throughput plot)
 * ``bench``    the benchmark matrix against torchrun, TorchFT and plain Lightning (source checkout);
-               ``bench --pipeline [--quick]``: the pipeline benchmarks and the failure-trace runner
+               ``bench --pipeline [--quick]``: the pipeline benchmarks and the failure-trace runner;
+               ``bench --sharded [sharded_bench.py flags]``: FSDP2 rehabilitate vs recompute
 """
 
 from __future__ import annotations
@@ -196,11 +197,12 @@ def _report(argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     """The benchmarks live in the source tree (``benchmarks/matrix.py``; with ``--pipeline``,
-    ``benchmarks/pipeline_suite.py``), not in the installed package: load them from the
+    ``benchmarks/pipeline_suite.py``; with ``--sharded``, ``benchmarks/sharded_bench.py``), not in the installed package: load them from the
     checkout this package was installed from."""
     import importlib.util
 
-    name = "pipeline_suite.py" if "--pipeline" in argv else "matrix.py"
+    name = ("pipeline_suite.py" if "--pipeline" in argv
+            else "sharded_bench.py" if "--sharded" in argv else "matrix.py")
     path = Path(__file__).resolve().parent.parent / "benchmarks" / name
     if not path.is_file():
         print(f"chameleon-ft bench: needs a source checkout (benchmarks/{name} not found next to "
