@@ -21,18 +21,11 @@ import torch
 import torch.nn as nn
 
 
-class Regression(torch.utils.data.Dataset):
-    def __init__(self, n=4096, dim=32, out=8, seed=1234):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=g)
-        w = torch.randn(dim, out, generator=g) / dim ** 0.5
-        self.y = torch.tanh(2 * self.x @ w) + 0.02 * torch.randn(n, out, generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
+def regression(n=4096, dim=32, out=8, seed=1234) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, out, generator=g) / dim ** 0.5
+    return torch.utils.data.TensorDataset(x, torch.tanh(2 * x @ w) + 0.02 * torch.randn(n, out, generator=g))
 
 
 def model_for(hidden: int, layers: int, seed: int) -> nn.Module:
@@ -64,7 +57,7 @@ def main() -> None:
     p.add_argument("--paths", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
-    data = Regression()
+    data = regression()
     model = model_for(a.hidden, a.layers, a.seed)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     rows: list[list[float]] = []

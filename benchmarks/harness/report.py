@@ -293,13 +293,15 @@ def write_report(res: dict, doc: Path) -> Path:
     if stem == "benchmarks":
         L += _pipeline_section(doc.parent / "benchmarks-pipeline.md")
         L += _pipeline_section(doc.parent / "benchmarks-pipeline-trace.md")
+        L += _pipeline_section(doc.parent / "benchmarks-sharded.md")
     doc.write_text("\n".join(L) + "\n")
     return doc
 
 
 def _pipeline_section(page: Path) -> list[str]:
-    """A pipeline (DP x PP) benchmark's own generated page (``benchmarks/pipeline_bench.py``,
-    ``benchmarks/pipeline_trace.py``), one heading level down, when it exists."""
+    """A benchmark's own generated page (``benchmarks/pipeline_bench.py``,
+    ``benchmarks/pipeline_trace.py``, ``benchmarks/sharded_bench.py``), one heading level down,
+    when it exists."""
     if not page.exists():
         return []
     body = [line for line in page.read_text().splitlines() if not line.startswith("<!--")]

@@ -42,6 +42,12 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a["params"][n] - b["params"][n]).abs().max()) for n in a["params"])
 
 
+def _all_exact(finals: dict, ref: dict) -> None:
+    """Every worker ends within 1e-5 of the failure-free run."""
+    for w, f in finals.items():
+        assert _max_diff(f, ref) < 1e-5, (w, _max_diff(f, ref))
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     """The failure-free runs the kills are compared with: FSDP over 4 and HSDP 2 x 2."""
@@ -76,8 +82,7 @@ def test_hsdp_kill_heals_from_replica(tmp_path, failure_free):
     d = _after_kill(finals, events, 1)
     assert d["chosen"] == "heal" and d["lost_rows"] == []
     assert d["candidates"]["heal"]["feasible"]
-    for f in finals.values():
-        assert _max_diff(f, failure_free["hybrid"]) < 1e-5
+    _all_exact(finals, failure_free["hybrid"])
 
 
 def test_fsdp_kill_recompute_is_exact(tmp_path, failure_free):
@@ -87,8 +92,7 @@ def test_fsdp_kill_recompute_is_exact(tmp_path, failure_free):
     assert d["chosen"] == "recompute" and d["lost_rows"] == [2]
     assert d["rollback_to"] == 10  # the last snapshot every row has (steps 0, 5, 10)
     # The redone steps were committed again (a later generation's attempt).
-    for f in finals.values():
-        assert _max_diff(f, failure_free["full"]) < 1e-5
+    _all_exact(finals, failure_free["full"])
 
 
 def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
@@ -126,6 +130,42 @@ def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint(tmp_path, failure_fr
     assert not decided[0]["candidates"]["recompute"]["feasible"]
     assert "checkpoint of step 12" in decided[0]["candidates"]["restart"]["reason"]
     assert sorted(finals) == [0, 1, 2, 3]  # every worker relaunched
-    for f in finals.values():
-        assert f["step"] == STEPS
-        assert _max_diff(f, failure_free["full"]) < 1e-5
+    assert {f["step"] for f in finals.values()} == {STEPS}
+    _all_exact(finals, failure_free["full"])
+
+
+def test_hsdp_hung_worker_is_healed_around(tmp_path, failure_free):
+    """SIGSTOP instead of SIGKILL: no error reaches anyone; the watchdog ends the stuck FSDP
+    collective, the hung worker is left out (the launcher kills it), the rows heal from the
+    replicas."""
+    import signal
+
+    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "hybrid",
+                    "--snapshot-every", "5", nproc=4, hang_timeout=4)
+    try:
+        job.start()
+        job.wait_step(KILL_AT)
+        job.kill(3, signal.SIGSTOP)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals, events = job.final(), job.events()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == [0, 1, 2]
+    d = [e for e in events if e["event"] == "shard_recovery"]
+    assert d and d[0]["chosen"] == "heal"
+    assert any(e["event"] == "failure" and e.get("kind") == "hang" for e in events)
+    _all_exact(finals, failure_free["hybrid"])
+
+
+def test_hsdp_replacement_rejoins_and_reshards(tmp_path, failure_free):
+    """A replacement for the killed worker joins the running job: the rows are re-sharded over
+    four again (it receives its row, nothing is read from disk), and the run ends on the
+    failure-free trajectory."""
+    finals, events = _run(tmp_path, "--sharding", "hybrid", "--snapshot-every", "5", kill=1,
+                          launch_args=("--max-replacements", "1"))
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert {tuple(f["members"]) for f in finals.values()} == {(0, 1, 2, 3)}
+    decided = [e for e in events if e["event"] == "shard_recovery"]
+    assert [e["chosen"] for e in decided] == ["heal", "heal"], decided
+    assert_exactly_once(events, dataset=512, steps_per_epoch=16, epochs=2, global_batch=32)
+    _all_exact(finals, failure_free["hybrid"])

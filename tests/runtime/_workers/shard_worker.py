@@ -17,20 +17,12 @@ from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
 from chameleon_ft.runtime.worker import ElasticConfig
 
 
-class Synthetic(torch.utils.data.Dataset):
+def synthetic(n=512, dim=16, out=4, seed=1234) -> torch.utils.data.TensorDataset:
     """A learnable regression: y = tanh(x W) + noise."""
-
-    def __init__(self, n=512, dim=16, out=4, seed=1234):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, dim, generator=g)
-        w = torch.randn(dim, out, generator=g)
-        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(n, out, generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, out, generator=g)
+    return torch.utils.data.TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(n, out, generator=g))
 
 
 def main():
@@ -71,7 +63,7 @@ def main():
         if ctx.step == a.steps:  # every member, at the same committed step
             final.update(ctx.full_parameters())
 
-    trainer = ElasticTrainer(model, opt, Synthetic(), loss_fn, a.global_batch, a.micro_batch,
+    trainer = ElasticTrainer(model, opt, synthetic(), loss_fn, a.global_batch, a.micro_batch,
                              seed=a.seed, config=cfg, sharding=a.sharding, replicas=a.replicas,
                              snapshot_every=a.snapshot_every, recipe=RehabRecipe(), on_step=on_step,
                              checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every)
