@@ -17,9 +17,8 @@ over all 4, in accelerator-emulation mode (``--sample-sleep`` seconds of forward
   recovery pause (``lost_time``): on 2 shared cores a dead worker makes the others' steps
   faster, so raw wall time would flatter every failure.  The
   engine picked right when its choice lost no more time than the other path (+ ``--tie``
-  steps).  Rehabilitation's predicted steps to close the loss gap vs the measured ones (the
-  first step after the failure at which the moving-average loss is back within ``--close`` of
-  the failure-free run's).  Final loss at the failure-free run's last step against the spread
+  steps).  Rehabilitation's predicted heal steps (the engine's point estimate of the progress
+  the rehabilitated run lags behind) vs the measured ones: its lost steps to the target.  Final loss at the failure-free run's last step against the spread
   of the failure-free final losses over the seeds.
 * **Memory**: peak RSS per worker with buddy snapshots every ``k`` steps and without snapshots,
   on a larger model (``--mem-hidden``).
@@ -28,7 +27,7 @@ over all 4, in accelerator-emulation mode (``--sample-sleep`` seconds of forward
   median of ``--repeats``.
 
 Limits, honestly: a shared 2-core machine; read medians and ratios.  The metric functions
-(``steps_to_target``, ``lost_time``, ``gap_closed_at``, ``steady_step_s``) are pure and tested.
+(``steps_to_target``, ``lost_time``, ``loss_at``, ``steady_step_s``) are pure and tested.
 """
 
 from __future__ import annotations
@@ -113,17 +112,6 @@ def lost_time(rows, ref_rows, target: float, window: int, transfer_s: float = 0.
             "lost_s": (n - n_ref) * step_s + transfer_s, "step_s": step_s}
 
 
-def gap_closed_at(rows, ref_rows, after: int, window: int, close: float) -> Optional[int]:
-    """Steps after ``after`` until the run's moving-average loss is first back within
-    ``close`` x the reference's at the same step (None if never)."""
-    a = {s: v for s, _, v in smooth(rows, window)}
-    b = {s: v for s, _, v in smooth(ref_rows, window)}
-    for s in sorted(s for s in a if s in b and s > after):
-        if a[s] - b[s] <= close * b[s]:
-            return s - after
-    return None
-
-
 def loss_at(rows, step: int, window: int) -> Optional[float]:
     return next((v for s, _, v in smooth(rows, window) if s == step), None)
 
@@ -179,7 +167,7 @@ def _finals(out: Path) -> dict:
 
 
 def recovery(work: Path, seeds: Sequence[int], steps: int, k: int, window: int, tie: float,
-             close: float, common: list[str]) -> dict:
+             common: list[str]) -> dict:
     extra = 20  # steps a killed run may use to reach the target
     cells = []
     for seed in seeds:
@@ -212,7 +200,7 @@ def recovery(work: Path, seeds: Sequence[int], steps: int, k: int, window: int, 
                               "final_loss": loss_at(r["rows"], steps, window)}
                 if path == "rehabilitate" and d.get("chosen") == "rehabilitate":
                     cell[path]["predicted_heal_steps"] = d.get("predicted_heal_steps")
-                    cell[path]["measured_heal_steps"] = gap_closed_at(r["rows"], ref["rows"], d.get("step"), window, close)
+                    cell[path]["measured_heal_steps"] = lost.get("steps")
             a, b = (cell.get(chosen) or {}).get("lost_s"), (cell.get(other) or {}).get("lost_s")
             step_s = steady_step_s(ref["rows"], 5)
             cell["picked_faster"] = None if a is None or b is None else a <= b + tie * step_s
@@ -296,7 +284,7 @@ def markdown(res: dict, cmd: str) -> str:
               for c in rec["cells"] if "predicted_heal_steps" in c.get("rehabilitate", {})]
         if hp:
             ok = sum(1 for p_, m in hp if p_ is not None and m is not None and 0.5 * p_ <= m <= 1.5 * p_)
-            lines.append(f"Steps to close the loss gap, predicted / measured: "
+            lines.append(f"Heal steps (progress the rehabilitated run lags behind), predicted / measured: "
                          f"{', '.join(f'{_f(p_)} / {m}' for p_, m in hp)}; within +-50 %: {ok}/{len(hp)}.")
     mem = res.get("memory")
     if mem:
@@ -330,7 +318,6 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--tie", type=float, default=1.0, help="steps within which two paths tie")
-    p.add_argument("--close", type=float, default=0.005, help="loss gap counted as closed (share of the loss)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mem-hidden", type=int, default=1024)
     p.add_argument("--sample-sleep", type=float, default=0.002)
@@ -344,7 +331,7 @@ def main(argv=None) -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d"), "args": vars(a)}
     try:
         if "recovery" in parts:
-            res["recovery"] = recovery(work, range(a.seeds), a.steps, a.k, a.window, a.tie, a.close, common)
+            res["recovery"] = recovery(work, range(a.seeds), a.steps, a.k, a.window, a.tie, common)
         if "memory" in parts:
             res["memory"] = memory(work, a.k, a.mem_hidden, 30, common)
             print(json.dumps(res["memory"]), flush=True)

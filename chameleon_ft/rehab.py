@@ -41,8 +41,18 @@ class LossTrend:
 @dataclass(frozen=True)
 class RehabOutcome:
     recompute_steps: float
-    rehab_steps: float | None  # None when rehabilitation is ruled out
+    rehab_steps: float | None  # None when rehabilitation is ruled out (with the safety factor)
     reason: str  # why rehab is ruled out, or how its cost was estimated
+    heal_steps: float | None = None  # the point estimate: steps of progress the repair costs
+
+
+def repair_steps(lost_fraction: float, momentum: float) -> float:
+    """Progress a first-moment reset costs: the restored part's updates ramp up as
+    ``1 - momentum**k``, a shortfall of ``momentum / (1 - momentum)`` of its steps, i.e. that
+    many whole-model steps times the lost fraction (0 without momentum)."""
+    if not 0 < momentum < 1:
+        return 0.0
+    return lost_fraction * momentum / (1 - momentum)
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,12 @@ def rehab_cost(
     safety: float = 1.5,
     max_gap_fraction: float = 0.9,
     max_lost_fraction: float = 0.5,
+    repair: float = 0.0,
 ) -> RehabOutcome:
-    """Steps that recompute and rehabilitate cost (multiply by the step time for seconds)."""
+    """Steps that recompute and rehabilitate cost (multiply by the step time for seconds).
+
+    ``repair``: steps the optimizer repair itself costs (``repair_steps``), added to both the
+    point estimate (``heal_steps``) and the cost with the safety factor (``rehab_steps``)."""
     if steps_since_snapshot < 0 or not 0 <= lost_fraction <= 1:
         raise ValueError("steps since snapshot must be >= 0 and lost fraction in [0, 1]")
     recompute = float(steps_since_snapshot)
@@ -88,8 +102,10 @@ def rehab_cost(
         return RehabOutcome(recompute, None, "the loss gap is not a finite number")
     if progress is not None and progress > 0 and gap > max_gap_fraction * progress:
         return RehabOutcome(recompute, None, f"gap {gap:.3g} is over {max_gap_fraction:.0%} of the progress since the snapshot")
-    steps = safety * max(gap, 0.0) / -trend.slope
-    return RehabOutcome(recompute, steps, f"{how}: {gap:.3g} / slope {trend.slope:.3g} x {safety}")
+    point = max(gap, 0.0) / -trend.slope
+    extra = f" + repair {repair:.3g}" if repair else ""
+    return RehabOutcome(recompute, safety * point + repair,
+                        f"{how}: {gap:.3g} / slope {trend.slope:.3g} x {safety}{extra}", point + repair)
 
 
 def extrapolate(snapshots: list[np.ndarray], damping: float = 0.5) -> np.ndarray:

@@ -12,7 +12,9 @@ state it held may have no current copy among the survivors.  Four ways back, eac
 * **rehabilitate** -- the survivors keep their step-``t_f`` rows; only the lost rows come back
   from their last (stale) snapshot, repaired (``rehab.RehabRecipe``); training heals the gap.
   Loses ``transfer_s + rehab_steps * step_s`` with ``rehab_steps`` from ``rehab.rehab_cost``
-  (the live loss trend); ruled out where that function rules it out.
+  (the live loss trend, plus what the first-moment reset costs: ``rehab.repair_steps``); ruled
+  out where that function rules it out.  ``predicted_heal_steps`` is the point estimate (no
+  safety factor): the steps of progress the rehabilitated run is expected to lag behind.
 * **restart** -- the launcher restarts the job from the last disk checkpoint (the fallback):
   ``restart_s + (t_f - t_ckpt) * step_s``.
 
@@ -28,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from chameleon_ft.rehab import LossTrend, rehab_cost
+from chameleon_ft.rehab import LossTrend, rehab_cost, repair_steps
 
 __all__ = ["PATHS", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot",
            "snapshot_interval", "loss_trend"]
@@ -55,6 +57,7 @@ class ShardFacts:
     checkpoint_step: Optional[int] = None
     restart_s: float = 60.0
     allowed: frozenset = frozenset(PATHS)
+    momentum: float = 0.0  # the optimizer's first-moment decay (Adam's beta1, SGD momentum) when reset
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -119,11 +122,12 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     elif snap is None:
         put("rehabilitate", None, "a lost row has no snapshot")
     else:
-        out = rehab_cost(f.step - snap, f.lost_fraction, f.trend)
+        out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
+                         repair=repair_steps(f.lost_fraction, f.momentum))
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         else:
-            heal_steps = out.rehab_steps
+            heal_steps = out.heal_steps
             put("rehabilitate", f.transfer_s + out.rehab_steps * f.step_s,
                 f"restore rows {list(lost)} from step {snap}; {out.reason}", out.rehab_steps)
     if f.checkpoint_step is None:

@@ -550,7 +550,7 @@ class ShardedContext(RecoveryCore):
             step_s=self._median_step(), transfer_s=self._transfer_s,
             lost_fraction=lost_numel / max(1, self.layout.total),
             trend=None, checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
-            restart_s=self.policy.restart_s, allowed=self.paths)
+            restart_s=self.policy.restart_s, allowed=self.paths, momentum=self._momentum())
         lost = facts.lost
         if lost:
             have = [max((s for s in snaps.get(k, ()) if s <= self.step), default=None) for k in lost]
@@ -579,6 +579,15 @@ class ShardedContext(RecoveryCore):
         if d.chosen in ("heal", "rehabilitate"):
             plan.update(scalars=self._scalars(), groups=self._groups_json(), buffers=self._buffers(), run=None)
         return plan
+
+    def _momentum(self) -> float:
+        """The first-moment decay that rehabilitation's reset throws away (0 when kept)."""
+        if not self.recipe.reset_first_moment:
+            return 0.0
+        g = self.optimizer.param_groups[0]
+        if "betas" in g:
+            return float(g["betas"][0])
+        return float(g.get("momentum", 0.0) or 0.0)
 
     def _init_keys(self) -> list[str]:
         keys = set()

@@ -35,14 +35,11 @@ def test_lost_time_adds_the_path_transfer_and_reports_the_pause():
     assert lost["lost_s"] == pytest.approx(0.25)
 
 
-def test_gap_closed_at():
-    ref = rows_of([1.0] * 40)
-    run = rows_of([1.0] * 10 + [1.5, 1.3, 1.1, 1.0] + [1.0] * 26)
-    assert sb.gap_closed_at(run, ref, 10, 1, 0.02) == 4
-    assert sb.gap_closed_at(run, ref, 10, 1, 0.35) == 2
-    never = rows_of([1.0] * 10 + [2.0] * 30)
-    assert sb.gap_closed_at(never, ref, 10, 1, 0.02) is None
+def test_loss_at():
+    run = rows_of([1.0] * 10 + [1.5, 1.3])
     assert sb.loss_at(run, 11, 1) == 1.5
+    assert sb.loss_at(run, 12, 2) == pytest.approx(1.4)
+    assert sb.loss_at(run, 99, 1) is None
 
 
 def test_steady_step_s():

@@ -33,10 +33,11 @@ def test_recompute_rolls_back_to_the_common_snapshot():
 
 
 def test_rehabilitate_wins_late_in_the_interval_and_recompute_early():
-    # late: 5 steps to redo; the gap (0.25 x 0.05) heals in 1.5 x 0.0125 / 0.01 = 1.9 steps
+    # late: 5 steps to redo; the gap (0.25 x 0.05) heals in 0.0125 / 0.01 = 1.25 steps (x 1.5 safety)
     late = choose_recovery(facts())
     assert late.chosen == "rehabilitate" and late.snapshot_step == 15
-    assert late.predicted_heal_steps == pytest.approx(1.5 * 0.25 * 0.05 / 0.01)
+    assert late.predicted_heal_steps == pytest.approx(0.25 * 0.05 / 0.01)  # the point estimate
+    assert late.candidates["rehabilitate"]["lost_s"] == pytest.approx(0.2 + 1.5 * 1.25)  # with safety
     # early: one step since the snapshot, cheaper to redo than to heal
     early = choose_recovery(facts(step=16, trend=LossTrend(slope=-0.001, loss_now=1.0, loss_at_snapshot=1.05)))
     assert early.chosen == "recompute" and early.rollback_to == 15
@@ -82,3 +83,13 @@ def test_loss_trend_fits_the_recent_slope():
     assert t.loss_now == pytest.approx(2.0 - 0.49)
     assert t.loss_at_snapshot == pytest.approx(1.6)
     assert loss_trend(hist[:2]) is None
+
+
+def test_the_first_moment_reset_is_priced():
+    """Adam's beta1 = 0.9 reset on a quarter of the model: its updates ramp up again, a
+    shortfall of 0.9 / 0.1 = 9 steps of that quarter = 2.25 whole-model steps."""
+    d = choose_recovery(facts(momentum=0.9))
+    assert d.predicted_heal_steps == pytest.approx(1.25 + 2.25)
+    # one step after a snapshot, redoing it is cheaper than the repair
+    early = choose_recovery(facts(step=16, momentum=0.9))
+    assert early.chosen == "recompute"

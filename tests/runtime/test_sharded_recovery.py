@@ -161,8 +161,10 @@ def test_hsdp_replacement_rejoins_and_reshards(tmp_path, failure_free):
     """A replacement for the killed worker joins the running job: the rows are re-sharded over
     four again (it receives its row, nothing is read from disk), and the run ends on the
     failure-free trajectory."""
-    finals, events = _run(tmp_path, "--sharding", "hybrid", "--snapshot-every", "5", kill=1,
-                          launch_args=("--max-replacements", "1"))
+    # Slower steps (0.3 s of emulated compute), so that the job is still running when the
+    # replacement (a fresh Python process importing torch) arrives.
+    finals, events = _run(tmp_path, "--sharding", "hybrid", "--snapshot-every", "5", "--step-sleep", "0.3",
+                          kill=1, launch_args=("--max-replacements", "1"))
     assert sorted(finals) == [0, 1, 2, 3]
     assert {tuple(f["members"]) for f in finals.values()} == {(0, 1, 2, 3)}
     decided = [e for e in events if e["event"] == "shard_recovery"]
