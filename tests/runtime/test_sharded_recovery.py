@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers.recovery import ScriptJob, assert_exactly_once  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 WORKER = Path(__file__).resolve().parent / "_workers" / "shard_worker.py"
 STEPS = 32  # two epochs of 16 steps
