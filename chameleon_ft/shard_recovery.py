@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 from chameleon_ft.rehab import LossTrend, rehab_cost, repair_steps
 
-__all__ = ["PATHS", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot",
+__all__ = ["PATHS", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot", "stale_snapshot",
            "snapshot_interval", "loss_trend"]
 
 PATHS = ("heal", "recompute", "rehabilitate", "restart")
@@ -90,6 +90,13 @@ def common_snapshot(rows: int, snapshots: dict, not_after: int) -> Optional[int]
     return max(common) if common else None
 
 
+def stale_snapshot(lost: Sequence[int], snapshots: dict, not_after: int) -> Optional[int]:
+    """The step rehabilitation restores the ``lost`` rows from: the oldest of their latest
+    snapshots (at most ``not_after``); None when a lost row has none (or nothing is lost)."""
+    have = [max((s for s in snapshots.get(k, ()) if s <= not_after), default=None) for k in lost]
+    return None if not have or any(s is None for s in have) else min(have)
+
+
 def choose_recovery(f: ShardFacts) -> ShardDecision:
     """Price every path on ``f`` and choose the one that loses the least training time
     (heal, then recompute, win ties: they are exact)."""
@@ -112,10 +119,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     else:
         redo = f.step - t_c
         put("recompute", f.transfer_s + redo * f.step_s, f"roll back to step {t_c}, redo {redo} steps", redo)
-    snap = None
-    if lost:
-        have = [max((s for s in f.snapshots.get(k, ()) if s <= f.step), default=None) for k in lost]
-        snap = None if any(s is None for s in have) else min(have)
+    snap = stale_snapshot(lost, f.snapshots, f.step)
     heal_steps = None
     if not lost:
         put("rehabilitate", None, "nothing was lost")

@@ -253,15 +253,10 @@ class ShardedContext(RecoveryCore):
         self.shard_params = [named[n] for n in self._names]
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self.shard_params[i] for i in idx]}
-                  for g, idx in zip(self._user_groups(), self._opt_groups)]
-        old = self.optimizer
+                  for g, idx in zip(self.optimizer.param_groups, self._opt_groups)]
         self.optimizer = self._opt_class(groups, **self._opt_defaults)
         if self.scheduler is not None:
             self.scheduler.optimizer = self.optimizer
-        del old
-
-    def _user_groups(self) -> list[dict]:
-        return list(self.optimizer.param_groups)
 
     def _locals(self) -> list[torch.Tensor]:
         return [p.to_local() for p in self.shard_params]
@@ -543,19 +538,16 @@ class ShardedContext(RecoveryCore):
                 if st >= 0 and f[3] >= 0:
                     snaps.setdefault(f[3], set()).add(st)
                     snap_at.setdefault((f[3], st), (w, "held"))
-        lost_numel = sum(int(self.layout.positions(k).numel()) for k in range(rows) if k not in holders)
-        snap_step = None
+        lost = [k for k in range(rows) if k not in holders]
+        lost_numel = sum(int(self.layout.positions(k).numel()) for k in lost)
+        snap_step = sr.stale_snapshot(lost, snaps, self.step)
         facts = sr.ShardFacts(
             step=self.step, rows=rows, current=frozenset(holders), snapshots={k: sorted(v) for k, v in snaps.items()},
             step_s=self._median_step(), transfer_s=self._transfer_s,
             lost_fraction=lost_numel / max(1, self.layout.total),
-            trend=None, checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
+            trend=sr.loss_trend(self.loss_history, at_snapshot=snap_step),
+            checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
             restart_s=self.policy.restart_s, allowed=self.paths, momentum=self._momentum())
-        lost = facts.lost
-        if lost:
-            have = [max((s for s in snaps.get(k, ()) if s <= self.step), default=None) for k in lost]
-            snap_step = None if any(h is None for h in have) else min(have)
-        facts = sr.ShardFacts(**{**facts.__dict__, "trend": sr.loss_trend(self.loss_history, at_snapshot=snap_step)})
         d = sr.choose_recovery(facts)
         plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._keys), "old": self.layout.to_json()}
         if d.chosen == "heal":
