@@ -85,7 +85,7 @@ def main() -> None:
         ctx = tr.ctx
         rank = ctx.worker_id
         extra = {"decision": ctx.last_shard_decision, "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s,
-                 "rehab": ctx.rehab_watch, "redone": tr.redone_steps}
+                 "redone": tr.redone_steps}
     with open(os.path.join(a.out, f"final_{rank}.json"), "w") as f:
         json.dump({"rows": rows, "rss_mb": rss_mb(), **extra}, f)
 

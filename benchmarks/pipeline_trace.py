@@ -74,7 +74,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -88,6 +87,7 @@ import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
 from pipeline_bench import SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
+from harness.systems import free_port  # noqa: E402
 
 MODE = "accelerator emulation"
 FT_ALLOWED = {"adaptive": None, "reroute": "reroute,heal,wait,restart,keep", "replan": "replan,grow,restart,keep"}
@@ -305,16 +305,10 @@ def run_ft(a, root: Path, allowed: Optional[str], trace: Optional[Trace], steps:
     return {"completed": ok, "error": err, "stamps": stamps, "faults": faults, "events": job.events()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(a, root: Path, trace: Optional[Trace], steps: int) -> list[str]:
     restarts = len(trace.kills()) if trace else 0
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "8",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "--max-restarts", str(restarts), "--monitor-interval", "0.1",
             str(SCRIPT), "--mode", "torch", *worker_args(a, root / "stamps.json", steps, trace),
             "--ckpt-dir", str(root / "ckpt"), "--ckpt-every", str(a.ckpt_every)]

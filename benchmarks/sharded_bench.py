@@ -49,36 +49,31 @@ WORKER = ROOT / "benchmarks" / "_shard_bench.py"
 sys.path.insert(0, str(ROOT))
 
 from chameleon_ft.localjob import LocalJob  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.systems import free_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ metrics (pure)
 def smooth(rows: Sequence[Sequence[float]], window: int) -> list[tuple[int, float, float]]:
-    """(step, time, moving-average loss) of the committed steps in time order; a redone step
-    replaces what came after its earlier attempt (a rollback)."""
-    kept: list[Sequence[float]] = []
-    for r in sorted(rows, key=lambda r: r[1]):
-        while kept and kept[-1][0] >= r[0]:
-            kept.pop()
-        kept.append(r)
-    out = []
-    for i, (s, t, _) in enumerate(kept):
-        w = [x[2] for x in kept[max(0, i - window + 1):i + 1]]
-        out.append((int(s), float(t), sum(w) / len(w)))
-    return out
+    """(step, time, moving-average loss) of the final trajectory, by step: each step's last
+    attempt (a rollback redoes steps; the average looks back along the trajectory it is on)."""
+    last = {s: (s, t, v) for s, t, v in smooth_attempts(rows, window)}
+    return [last[s] for s in sorted(last)]
 
 
 def steps_to_target(rows, target: float, window: int) -> Optional[int]:
     """Steps *computed* (redone ones included: every committed row in time order) until the
     first whose moving-average loss <= target; None if never."""
     sm = smooth_attempts(rows, window)
-    for i, (s, v) in enumerate(sm, start=1):
+    for i, (s, _, v) in enumerate(sm, start=1):
         if s >= window and v <= target:
             return i
     return None
 
 
-def smooth_attempts(rows, window: int) -> list[tuple[int, float]]:
-    """Per committed row in time order: (step, moving average over the trajectory it is on)."""
+def smooth_attempts(rows, window: int) -> list[tuple[int, float, float]]:
+    """Per committed row in time order: (step, time, moving average over the trajectory it is
+    on -- a redone step replaces what came after its earlier attempt)."""
     kept: list[Sequence[float]] = []
     out = []
     for r in sorted(rows, key=lambda r: r[1]):
@@ -86,7 +81,7 @@ def smooth_attempts(rows, window: int) -> list[tuple[int, float]]:
             kept.pop()
         kept.append(r)
         w = [x[2] for x in kept[-window:]]
-        out.append((int(r[0]), sum(w) / len(w)))
+        out.append((int(r[0]), float(r[1]), sum(w) / len(w)))
     return out
 
 
@@ -142,7 +137,7 @@ def _plain(out: Path, args: Sequence[str], nproc: int = 4) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                             "--master-port", str(_free_port()),
+                             "--master-port", str(free_port()),
                              str(WORKER), "--mode", "plain", "--out", str(out), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -153,13 +148,6 @@ def _plain(out: Path, args: Sequence[str], nproc: int = 4) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"plain FSDP2 run failed:\n{text[-3000:]}")
     return _finals(out)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _finals(out: Path) -> dict:

@@ -214,6 +214,7 @@ class RecoveryCore:
         self.lr_scale = 1.0  # learning-rate factor applied for a changed global batch
         self.fresh = True  # holds no agreed state yet (first start, replacement)
         self.last_checkpoint_step = 0
+        self.checkpoint_path: Optional[str] = None  # set by the trainer that writes checkpoints
         self.view: Optional[MembershipView] = None
         self.membership: Optional[Membership] = None
         self.gm: Optional[GroupManager] = None
@@ -568,25 +569,31 @@ class RecoveryCore:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """The whole run state: model, optimizer, scheduler, sampler, engine, step, RNG."""
-        return {
-            "step": self.step,
-            "last_checkpoint_step": self.last_checkpoint_step,
-            "lr_scale": self.lr_scale,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sampler": self.sampler.state_dict(),
-            "engine": self.policy.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
+        return {**self._run_state(), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "engine": self.policy.state_dict()}
 
     def load_state_dict(self, s: dict) -> None:
         self.model.load_state_dict(s["model"])
         self.optimizer.load_state_dict(s["optimizer"])
+        self._load_run(s)
+        self.policy.load_state_dict(s["engine"])
+
+    def _run_state(self) -> dict:
+        """The run state besides the model, optimizer and engine: counters, scheduler,
+        sampler, RNG (what a rollback to a snapshot restores too)."""
+        return {
+            "step": self.step,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "lr_scale": self.lr_scale,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def _load_run(self, s: dict) -> None:
         if self.scheduler is not None and s["scheduler"] is not None:
             self.scheduler.load_state_dict(s["scheduler"])
         self.sampler.load_state_dict(s["sampler"])
-        self.policy.load_state_dict(s["engine"])
         torch.set_rng_state(s["rng"]["torch"])
         random.setstate(s["rng"]["python"])
         self.step = int(s["step"])

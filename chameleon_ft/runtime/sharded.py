@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import sys
 import time
 import zlib
@@ -161,7 +160,7 @@ class ShardedContext(RecoveryCore):
         self._template = copy.deepcopy(model).to("meta")
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
-        self._buffer_names = [n for n, _ in model.named_buffers()]
+        self._total = sum(math.prod(s) for s in self._shapes)  # elements of one flat part
         self._wrap = [n for n, child in model.named_children() if any(True for _ in child.parameters())]
         self._opt_class, self._opt_defaults = type(optimizer), dict(optimizer.defaults)
         where = {id(p): i for i, p in enumerate(self.params)}
@@ -179,7 +178,6 @@ class ShardedContext(RecoveryCore):
         # Steps between snapshots (0: none -- then only heal and the disk checkpoint remain).
         self.k = _DEFAULT_K if snapshot_every is None else snapshot_every
         self.last_shard_decision: Optional[dict] = None
-        self.rehab_watch: Optional[dict] = None  # after rehabilitation: the prediction to check
         self._step_times: list[float] = []
         self._transfer_s = 0.05
         init_mesh, fully_shard, all_gather_cls, reduce_scatter_cls = _fsdp()
@@ -262,29 +260,15 @@ class ShardedContext(RecoveryCore):
         return [p.to_local() for p in self.shard_params]
 
     def _state_local(self, i: int, key: str) -> Optional[torch.Tensor]:
-        st = self.optimizer.state.get(self.shard_params[i], {})
-        v = st.get(key)
-        if v is None:
-            return None
-        return v.to_local() if hasattr(v, "to_local") else v
+        v = self.optimizer.state.get(self.shard_params[i], {}).get(key)
+        return None if v is None else _local(v)
 
     def _row_vector(self) -> torch.Tensor:
         """This member's row: its parameter shards, then each optimizer tensor state's."""
-        parts = [t.detach().reshape(-1) for t in self._locals()]
-        for key in self._keys:
-            for i, t in enumerate(self._locals()):
-                v = self._state_local(i, key)
-                parts.append(v.detach().reshape(-1) if v is not None else torch.zeros(t.numel(), dtype=self.dtype))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+        return _flatten(self._locals(), self._state_local, self._keys, self.dtype)
 
     def _scalars(self) -> dict:
-        """Per-parameter optimizer state that is not sharded (e.g. Adam's step), by index."""
-        out = {}
-        for i, p in enumerate(self.shard_params):
-            st = self.optimizer.state.get(p, {})
-            out[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                      for k, v in st.items() if k not in self._keys}
-        return out
+        return _scalars(self.optimizer, self.shard_params, self._keys)
 
     def _groups_json(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -294,14 +278,7 @@ class ShardedContext(RecoveryCore):
         return {n: b.detach().clone() for n, b in src.named_buffers()}
 
     def _tensor_keys(self) -> list[str]:
-        """The optimizer's per-parameter states shaped like their parameter."""
-        keys = set()
-        for i, p in enumerate(self.shard_params):
-            for k, v in self.optimizer.state.get(p, {}).items():
-                loc = v.to_local() if hasattr(v, "to_local") else v
-                if isinstance(v, torch.Tensor) and loc.shape == p.to_local().shape and loc.dim() > 0:
-                    keys.add(k)
-        return sorted(keys)
+        return _state_keys(self.optimizer, self.shard_params)
 
     # ---------------------------------------------------------------- training
     def share(self) -> StepItem:
@@ -375,8 +352,6 @@ class ShardedContext(RecoveryCore):
             self.snapshot_cost_s = snap_cost
         if self.snapshot_every is None and self.snapshot_cost_s and self._step_times:
             self.k = sr.snapshot_interval(self.snapshot_cost_s, self.policy.mttf(), self._median_step())
-        if self.rehab_watch is not None:
-            self.rehab_watch.setdefault("losses", []).append([self.step, loss])
         if self.k and self.step % self.k == 0:
             self._take_snapshot(wait=False)
 
@@ -385,12 +360,6 @@ class ShardedContext(RecoveryCore):
         return s[len(s) // 2]
 
     # ---------------------------------------------------------------- snapshots
-    def _run_state(self) -> dict:
-        return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step,
-                "lr_scale": self.lr_scale, "sampler": self.sampler.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "rng": {"torch": torch.get_rng_state(), "python": _py_rng()}}
-
     def _take_snapshot(self, wait: bool) -> None:
         """Copy this member's row and send it to its buddy (the next rank); the transfer runs
         while the next step computes (``_complete_snapshot``), or at once with ``wait``."""
@@ -477,16 +446,6 @@ class ShardedContext(RecoveryCore):
         self._load_run(s)
         self.policy.load_state_dict(s["engine"])
 
-    def _load_run(self, s: dict) -> None:
-        if self.scheduler is not None and s.get("scheduler") is not None:
-            self.scheduler.load_state_dict(s["scheduler"])
-        self.sampler.load_state_dict(s["sampler"])
-        torch.set_rng_state(s["rng"]["torch"])
-        random.setstate(_from_json_rng(s["rng"]["python"]))
-        self.step = int(s["step"])
-        self.last_checkpoint_step = int(s["last_checkpoint_step"])
-        self.lr_scale = float(s.get("lr_scale", 1.0))
-
     def _discard(self) -> None:
         if self.module is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -516,10 +475,9 @@ class ShardedContext(RecoveryCore):
         """The source's plan for the rows (first start, heal, recompute, rehabilitate)."""
         members = list(view.members)
         if self.module is None:  # nobody holds sharded state: the source's unsharded model
-            scalars = {i: {k: v for k, v in self.optimizer.state.get(p, {}).items() if k not in self._init_keys()}
-                       for i, p in enumerate(self.params)}
-            return {"mode": "init", "from": self.worker_id, "keys": self._init_keys(),
-                    "scalars": scalars, "groups": self._groups_json(), "buffers": self._buffers(), "run": None}
+            keys = _state_keys(self.optimizer, self.params)
+            return {"mode": "init", "from": self.worker_id, "keys": keys,
+                    "scalars": _scalars(self.optimizer, self.params, keys), "groups": self._groups_json(), "buffers": self._buffers(), "run": None}
         fields = dict(zip(members, self.peer_fields))
         rows = self.layout.shards
         holders: dict[int, list[int]] = {}
@@ -581,16 +539,8 @@ class ShardedContext(RecoveryCore):
             return float(g["betas"][0])
         return float(g.get("momentum", 0.0) or 0.0)
 
-    def _init_keys(self) -> list[str]:
-        keys = set()
-        for p in self.params:
-            for k, v in self.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
-                    keys.add(k)
-        return sorted(keys)
-
     def _has_checkpoint(self) -> bool:
-        return bool(getattr(self, "checkpoint_path", None)) and self.last_checkpoint_step > 0
+        return bool(self.checkpoint_path) and self.last_checkpoint_step > 0
 
     def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
         self._discard()
@@ -613,25 +563,18 @@ class ShardedContext(RecoveryCore):
         d = plan.get("decision")
         if d is not None:
             self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}
-            if plan["mode"] == "rehabilitate":
-                self.rehab_watch = {"step": self.step, "predicted_steps": d["predicted_heal_steps"],
-                                    "snapshot_step": d["snapshot_step"], "losses": []}
             if self.log and self._is_source:
                 self.log.write("shard_recovery", **self.last_shard_decision)
 
     def _assemble(self, plan: dict) -> torch.Tensor:
         """The whole flat state (parameters, then each tensor state), one SUM all-reduce."""
         keys = plan["keys"]
-        total = sum(math.prod(s) for s in self._shapes)
+        total = self._total
         full = torch.zeros((1 + len(keys)) * total, dtype=self.dtype)
         if plan["mode"] == "init":
             if self.worker_id == plan["from"]:
-                vals = [p.detach().reshape(-1) for p in self.params]
-                for key in keys:
-                    for p in self.params:
-                        v = self.optimizer.state.get(p, {}).get(key)
-                        vals.append(v.detach().reshape(-1) if v is not None else torch.zeros(p.numel(), dtype=self.dtype))
-                full.copy_(torch.cat(vals))
+                state = lambda i, key: self.optimizer.state.get(self.params[i], {}).get(key)  # noqa: E731
+                full.copy_(_flatten(self.params, state, keys, self.dtype))
         else:
             old = _Layout(self._shapes, *plan["old"])
             for k, w, kind, step in plan["rows"]:
@@ -681,21 +624,13 @@ class ShardedContext(RecoveryCore):
         total = self.layout.total
         pos = self.layout.positions(self.row)
         with torch.no_grad():
-            row = full[pos]
-            at = 0
-            for t in self._locals():
-                t.copy_(row[at:at + t.numel()].view_as(t))
-                at += t.numel()
+            _unflatten_into(full[pos], self._locals())
             if plan["keys"]:
                 # Materialise the optimizer's state through its own code path, then overwrite.
                 self._init_optimizer_state()
                 for j, key in enumerate(plan["keys"], start=1):
-                    row = full[j * total + pos]
-                    at = 0
-                    for i, p in enumerate(self.shard_params):
-                        loc = self._state_local(i, key)
-                        loc.copy_(row[at:at + loc.numel()].view_as(loc))
-                        at += loc.numel()
+                    _unflatten_into(full[j * total + pos],
+                                    [self._state_local(i, key) for i in range(len(self.shard_params))])
                 for i, sc in (plan.get("scalars") or {}).items():
                     st = self.optimizer.state[self.shard_params[int(i)]]
                     for key, v in sc.items():
@@ -727,11 +662,18 @@ class ShardedContext(RecoveryCore):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The whole parameters by name, gathered from the shards (a collective: every member
         calls it at the same point)."""
-        full = torch.zeros(self.layout.total, dtype=self.dtype)
-        if self.rank < self.layout.shards:  # replica group 0 holds every row once
-            full[self.layout.positions(self.rank)] = torch.cat([t.detach().reshape(-1) for t in self._locals()])
-        self._store_op(lambda: self.gm.allreduce(full, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
-        return {n: full[o:o + k].view(shape).clone() for n, o, k, shape in
+        return self._split(self._assemble(self._live_plan([])), 0)
+
+    def _live_plan(self, keys: list[str]) -> dict:
+        """Every row from its holder in replica group 0 (ranks 0..S-1), as it is now."""
+        members = list(self.view.members)
+        return {"mode": "heal", "keys": list(keys), "old": self.layout.to_json(),
+                "rows": [[k, members[k], "live", self.step] for k in range(self.layout.shards)]}
+
+    def _split(self, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
+        """Part ``j`` of an assembled flat state (0: parameters, then each state) by name."""
+        at = j * self.layout.total
+        return {n: full[at + o:at + o + k].view(shape).clone() for n, o, k, shape in
                 zip(self._names, self.layout.offsets, self.layout.numels, self._shapes)}
 
     # ---------------------------------------------------------------- checkpoints
@@ -741,25 +683,18 @@ class ShardedContext(RecoveryCore):
         ``weights_only=True``; any world size resumes from it).  A failure during the gather
         recovers like a failed step and leaves the previous checkpoint in place."""
         self._keys = self._keys or self._tensor_keys()
-        members = list(self.view.members)
-        plan = {"mode": "heal", "keys": list(self._keys), "old": self.layout.to_json(),
-                "rows": [[k, members[k], "live", self.step] for k in range(self.layout.shards)]}
         t0 = time.perf_counter()
         try:
-            full = self._assemble(plan)
+            full = self._assemble(self._live_plan(self._keys))
         except CollectiveFailure as failure:
             self._recover(failure, t0)
             return
         self.last_checkpoint_step = self.step
         if self.rank != 0:
             return
-        total = self.layout.total
-        split = lambda j: {n: full[j * total + o:j * total + o + k].view(shape).clone()  # noqa: E731
-                           for n, o, k, shape in zip(self._names, self.layout.offsets,
-                                                     self.layout.numels, self._shapes)}
         run_state.save_checkpoint(path, {
-            "sharded": True, "names": list(self._names), "params": split(0),
-            "state": {key: split(j) for j, key in enumerate(self._keys, start=1)},
+            "sharded": True, "names": list(self._names), "params": self._split(full, 0),
+            "state": {key: self._split(full, j) for j, key in enumerate(self._keys, start=1)},
             "scalars": self._scalars(), "groups": self._groups_json(), "buffers": self._buffers(),
             "run": self._run_state(), "engine": self.policy.state_dict()})
 
@@ -791,13 +726,41 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def _py_rng():
-    v, state, g = random.getstate()
-    return [v, list(state), g]
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _from_json_rng(x):
-    if isinstance(x, tuple):
-        return x
-    v, state, g = x
-    return (v, tuple(state), g)
+def _state_keys(optimizer: torch.optim.Optimizer, params) -> list[str]:
+    """The optimizer's per-parameter states shaped like their parameter (sharded like it)."""
+    keys = set()
+    for p in params:
+        for k, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and _local(v).shape == _local(p).shape:
+                keys.add(k)
+    return sorted(keys)
+
+
+def _scalars(optimizer: torch.optim.Optimizer, params, keys) -> dict:
+    """Per-parameter optimizer state that is not sharded (e.g. Adam's step), by index."""
+    return {i: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in optimizer.state.get(p, {}).items() if k not in keys}
+            for i, p in enumerate(params)}
+
+
+def _flatten(tensors, state: Callable[[int, str], Optional[torch.Tensor]], keys, dtype) -> torch.Tensor:
+    """``tensors`` flattened, then for each key every tensor's state (zeros where it has none)."""
+    parts = [t.detach().reshape(-1) for t in tensors]
+    for key in keys:
+        for i, t in enumerate(tensors):
+            v = state(i, key)
+            parts.append(_local(v).detach().reshape(-1) if v is not None else torch.zeros(t.numel(), dtype=dtype))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors`` (in place)."""
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()

@@ -90,7 +90,7 @@ class ElasticTrainer:
                                       scheduler=scheduler, seed=seed, shuffle=shuffle,
                                       drop_last=drop_last, config=config)
         self.checkpoint = checkpoint
-        self.ctx.checkpoint_path = checkpoint
+        self.ctx.checkpoint_path = checkpoint  # the engine weighs restart only when one is written
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
         self.redone_steps = 0

@@ -72,7 +72,7 @@ def main():
     full = final
     torch.save({"params": full, "step": ctx.step, "members": list(ctx.members),
                 "loss": [[s, v] for s, v in ctx.loss_history],
-                "decision": ctx.last_shard_decision, "rehab": ctx.rehab_watch,
+                "decision": ctx.last_shard_decision,
                 "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s},
                os.path.join(a.out, f"final_{ctx.worker_id}.pt"))
     print(f"worker {ctx.worker_id} done: {result}", flush=True)
