@@ -182,7 +182,9 @@ class ElasticEvalLoader:
         self.batch_size = dataloader.batch_size
         self.device_placement = device_placement
 
-    def _batches(self, start: int = 0, alone: bool = False) -> list[tuple[list[int], int]]:
+    def _batches(self, start: int = 0, alone: Optional[bool] = None) -> list[tuple[list[int], int]]:
+        if alone is None:
+            alone = self.rt.eval_alone if self.rt.in_eval else self.rt.eval_goes_local()
         view = self.rt.view()
         rank, world = (0, 1) if alone else (view.rank, view.world_size)
         return eval_batches(len(self.dataset), self.batch_size, rank, world, start)
@@ -205,7 +207,7 @@ class ElasticEvalLoader:
     def __iter__(self) -> Iterator[Any]:
         rt = self.rt
         rt.begin_eval()
-        start, alone = 0, False
+        start, alone = 0, rt.eval_alone
         try:
             while True:
                 batches = self._batches(start, alone)

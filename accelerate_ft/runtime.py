@@ -129,6 +129,7 @@ class AccelerateRuntime:
         self.eval_position = 0  # samples of this evaluation this member has gathered (a prefix)
         self.eval_seen = 0  # rows of samples below this were gathered before a recovery: dropped
         self.eval_restart: Optional[tuple[int, bool]] = None  # (from sample, alone) after a recovery
+        self.eval_alone = False  # this evaluation runs over every sample on this member
         self.eval_complete: Optional[bool] = None  # of the last evaluation
         self.saves = 0  # save_state calls (their activity tag, see barrier_or_redo)
         self.redone_steps = self.adopted_steps = 0
@@ -403,13 +404,25 @@ class AccelerateRuntime:
     def begin_eval(self) -> None:
         self.eval_runs += 1
         self.in_eval, self.eval_position, self.eval_seen, self.eval_restart = True, 0, 0, None
-        self.eval_complete = not self.coll.realigning  # a gather that gives way returns a shard
+        # A member whose collectives stay local for now (it adopted a step its peers committed,
+        # or a collective mismatched) evaluates every sample itself, as one that finishes an
+        # evaluation alone after a failure does: its gathers return its own rows, all of them.
+        self.eval_alone = self.eval_goes_local()
+        self.eval_complete = True
+        if self.eval_alone:
+            self.coll.local_reason = ("while it evaluates every sample on its own (its collectives "
+                                      "rejoin its peers' at the next training step)")
         if self.ctx is not None:
             self.ctx.activity = self.eval_runs  # what recovering members compare
             self.coll.reraise = True  # a failed collective recovers the job (eval_failed)
 
+    def eval_goes_local(self) -> bool:
+        """True while this member's collectives would return its local value."""
+        c = self.coll
+        return c.world_size > 1 and bool(c.degraded or c.catch_up or c.local_reason or c.realigning)
+
     def end_eval(self) -> None:
-        if self.coll.realigning:
+        if self.coll.realigning and not self.eval_alone:  # a gather gave way: it returned a shard
             self.eval_complete = False
         self.in_eval, self.eval_valid = False, None
         self.coll.reraise, self.coll.local_reason = False, None

@@ -67,3 +67,38 @@ def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match="FSDP"):
         FaultTolerantAccelerator(cpu=True)
+
+
+def _eval_runtime(catch_up: bool):
+    """An ``AccelerateRuntime`` as member 1 of 3 (no job joined): the real evaluation loader and
+    the real ``LiveCollectives`` over a stand-in group whose collectives record what they gather."""
+    import types
+
+    from accelerate_ft.data import ElasticEvalLoader
+    from accelerate_ft.runtime import AccelerateRuntime
+    from chameleon_ft.runtime.adapters import LiveCollectives
+
+    view = types.SimpleNamespace(rank=1, world_size=3)
+    rt = object.__new__(AccelerateRuntime)
+    rt.ctx, rt.joined = None, types.SimpleNamespace(view=view, gm=types.SimpleNamespace(realigning=None))
+    rt.acc = types.SimpleNamespace(device=torch.device("cpu"))
+    rt.coll = LiveCollectives(rt.gm, rt.view, lambda: 5.0, who="accelerate_ft")
+    rt.coll.catch_up = catch_up
+    rt.eval_runs, rt.in_eval, rt.eval_valid, rt.eval_restart, rt.eval_alone = 0, False, None, None, False
+    ds = torch.utils.data.TensorDataset(torch.arange(50))
+    return rt, ElasticEvalLoader(rt, torch.utils.data.DataLoader(ds, batch_size=4), device_placement=False)
+
+
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_a_member_whose_collectives_are_local_evaluates_every_sample_itself(catch_up):
+    """CI found it: a member that adopted the step its peers committed (their last before the
+    evaluation, a worker killed then) enters the evaluation with local collectives; its gathers
+    must then cover every sample itself, not its shard of three (the peers, recovered inside the
+    evaluation, finish it alone too)."""
+    rt, loader = _eval_runtime(catch_up)
+    seen = [int(i) for (batch,) in loader for i in batch]
+    if catch_up:
+        assert seen == list(range(50)) and len(loader) == 13 and rt.eval_complete
+    else:
+        assert seen == [i for b in eval_batches(50, 4, 1, 3) for i in b[0][:b[1]]]
+    assert not rt.in_eval and rt.coll.local_reason is None
