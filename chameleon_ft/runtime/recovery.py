@@ -174,6 +174,12 @@ class RecoveryCore:
 
     ``stages``: depth of the first plan's pipelines (1: data parallel)."""
 
+    # The step all-reduce's header kind: its exchange lets a peer's stray control collective
+    # (an adapter's metric gather) give way, at one more collective per step.  None: no
+    # header, for executors whose members run nothing but the same collectives in the same
+    # order between two syncs.
+    _step_header: Optional[str] = "step"
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
                  global_batch: int, micro_batch: int, *, scheduler=None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False,
@@ -314,7 +320,7 @@ class RecoveryCore:
             # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
             # "step" header makes a peer's stray control collective give way (groups.py).
             self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     copy=False, header="step"))
+                                                     copy=False, header=self._step_header))
         except CollectiveFailure as failure:
             # The executor keeps what it computed: unless a peer committed the step, it may
             # still be this member's share of the redone step.

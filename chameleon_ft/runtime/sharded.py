@@ -11,8 +11,9 @@ generation's gloo group (``set_custom_all_gather`` / ``set_custom_reduce_scatter
 or hung peer ends them within the abort poll like every other collective of the runtime.  The
 device mesh itself is built on a *fake* default process group (no communication; it gives FSDP
 its ranks), re-created for every generation.  The reduce-scatter is an all-reduce over all
-members followed by a slice: it sums over the replica groups too (HSDP's all-reduce over the
-fake group is then a no-op), at twice a true reduce-scatter's bytes.
+members followed by a slice (gloo's own reduce-scatter never reports completion to a polling
+waiter, and measured no faster: 25.9 vs 23.7 ms for 4 x 64 kB on 4 processes); it sums over the
+replica groups too (HSDP's all-reduce over the fake group is then a no-op).
 
 **Flat rows.**  FSDP2 shards every parameter on dim 0 in ``S = world / R`` chunks; chunk ``k``
 of every parameter (and of every optimizer tensor of that parameter's shape) makes *row* ``k``.
@@ -140,6 +141,10 @@ class ShardedContext(RecoveryCore):
         recipe: how rehabilitated rows are repaired.
     """
 
+    # Between two syncs every member runs FSDP's collectives and the commit, in one order
+    # (no adapter's control collectives): the commit needs no header exchange.
+    _step_header = None
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
                  global_batch: int, micro_batch: int, *, replicas: int = 1,
                  snapshot_every: Optional[int] = None, recipe: Optional[RehabRecipe] = None,
@@ -210,6 +215,9 @@ class ShardedContext(RecoveryCore):
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         n, s = self.layout.world, self.layout.shards
+        if n == s:  # one shard group: gather straight into FSDP's buffer
+            self._comm(lambda pg: pg._allgather_base(out, inp.contiguous()))
+            return
         parts = [torch.empty_like(inp) for _ in range(n)]
         self._comm(lambda pg: pg.allgather([parts], [inp.contiguous()]))
         base = (self.rank // s) * s
