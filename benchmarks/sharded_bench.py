@@ -225,8 +225,11 @@ def overhead(work: Path, k: int, steps: int, repeats: int, common: list[str]) ->
 
 
 def markdown(res: dict, cmd: str) -> str:
+    cmds = res.get("commands") or {}
+    made = (f"Produced by `{cmd}` ({res['date']})" if len(set(cmds.values())) <= 1 else
+            "Produced by " + "; ".join(f"{part}: `{c}`" for part, c in cmds.items()))
     lines = ["# Sharded training (FSDP2): rehabilitate vs recompute", "",
-             f"Produced by `{cmd}` ({res['date']}); 4 CPU workers, FSDP2 over all 4, accelerator "
+             f"{made}; 4 CPU workers, FSDP2 over all 4, accelerator "
              "emulation; see `benchmarks/sharded_bench.py` for the method.", ""]
     rec = res.get("recovery")
     if rec:
@@ -310,13 +313,23 @@ def main(argv=None) -> int:
     p.add_argument("--mem-hidden", type=int, default=1024)
     p.add_argument("--sample-sleep", type=float, default=0.002)
     p.add_argument("--parts", default="recovery,memory,overhead")
+    p.add_argument("--update", action="store_true",
+                   help="rerun only --parts and keep the other parts' results in --json")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sharded.json"))
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks-sharded.md"))
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
     common = ["--sample-sleep", str(a.sample_sleep), "--lr", "3e-4"]
     work = Path(tempfile.mkdtemp(prefix="cft_sharded_"))
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "args": vars(a)}
+    cmd = ("python benchmarks/sharded_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    res: dict = {}
+    if a.update and Path(a.json).exists():  # keep the parts not rerun, with their own commands
+        res = json.loads(Path(a.json).read_text())
+        res.setdefault("commands", {p_: res.get("command", "python benchmarks/sharded_bench.py")
+                                    for p_ in ("recovery", "memory", "overhead") if p_ in res})
+    res.setdefault("commands", {})
+    res.update({"date": time.strftime("%Y-%m-%d"), "args": vars(a)})
+    res["commands"].update({p_: f"{cmd} ({res['date']})" for p_ in parts})
     try:
         if "recovery" in parts:
             res["recovery"] = recovery(work, range(a.seeds), a.steps, a.k, a.window, a.tie, common)
@@ -330,8 +343,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
-    cmd = "python benchmarks/sharded_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    Path(a.markdown).write_text(markdown(res, cmd.strip()))
+    Path(a.markdown).write_text(markdown(res, cmd))
     print(f"wrote {a.json} and {a.markdown}")
     return 0
 

@@ -34,7 +34,7 @@ from typing import Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 
 from chameleon_ft.runtime.adapters import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
@@ -98,6 +98,12 @@ class FaultToleranceCallback(Callback, StrategyHooks):
     # ---------------------------------------------------------------- hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Check that the trainer runs the fault-tolerant strategy and settings it supports."""
+        if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise ConfigError(
+                f"FaultToleranceCallback does not carry sharded training in a Trainer yet (got "
+                f"{type(trainer.strategy).__name__}): its shards would be lost with a worker.  Sharded "
+                "training that survives failures runs through chameleon_ft's ElasticTrainer(..., "
+                "sharding='full' or 'hybrid') (docs/runtime-sharded.md); or use strategy='ddp'")
         if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
             raise LauncherError(
                 f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "

@@ -99,3 +99,18 @@ def test_evaluation_is_flagged_when_a_member_was_elsewhere(monkeypatch):
     # The second attempt runs with local collectives and ft/eval_complete = 0.
     assert runs == [(1, True, False, 1.0), (0, False, True, 0.0)]
     assert (s.eval_reruns, s.eval_partial, ctx.activity) == (0, 1, 0)
+
+
+@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
+def test_a_sharded_strategy_is_refused_with_the_way_that_works(strategy):
+    """Lightning's sharded strategies are not carried yet: a clear error that names the sharded
+    runtime, instead of the generic "needs strategy='ddp'"."""
+    import types
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from chameleon_ft.runtime.errors import ConfigError
+    st = ModelParallelStrategy() if strategy == "model_parallel" else FSDPStrategy()
+    trainer = types.SimpleNamespace(strategy=st, callbacks=[], limit_train_batches=1.0)
+    with pytest.raises(ConfigError, match="sharded.*ElasticTrainer.*sharding="):
+        FaultToleranceCallback().setup(trainer, None, "fit")
