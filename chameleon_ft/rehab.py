@@ -46,13 +46,31 @@ class RehabOutcome:
     heal_steps: float | None = None  # the point estimate: steps of progress the repair costs
 
 
-def repair_steps(lost_fraction: float, momentum: float) -> float:
-    """Progress a first-moment reset costs: the restored part's updates ramp up as
-    ``1 - momentum**k``, a shortfall of ``momentum / (1 - momentum)`` of its steps, i.e. that
-    many whole-model steps times the lost fraction (0 without momentum)."""
-    if not 0 < momentum < 1:
-        return 0.0
-    return lost_fraction * momentum / (1 - momentum)
+def repair_steps(lost_fraction: float, momentum: float, warmup_steps: int = 0,
+                 restart_bias_correction: bool = False) -> float:
+    """Progress the optimizer repair of the restored part costs, in whole-model steps.
+
+    The restored part's update in its ``k``-th step after the repair is ``warmup(k) x
+    ramp(k)`` of a full one: ``warmup(k) = min(1, k / warmup_steps)`` (the learning-rate
+    warm-up; 1 without), ``ramp(k) = 1 - momentum**k`` when the first moment was reset and its
+    bias correction keeps counting from the run's start (1 when it restarts, or without
+    momentum).  The shortfall, summed over the steps, times the lost fraction: e.g. a reset
+    first moment alone costs ``momentum / (1 - momentum)`` of its steps, a restarted bias
+    correction with a ``W``-step linear warm-up ``(W - 1) / 2``."""
+    if not 0 <= lost_fraction <= 1:
+        raise ValueError("lost fraction must be in [0, 1]")
+    ramp = 0 < momentum < 1 and not restart_bias_correction
+    w = max(0, int(warmup_steps))
+    short, k = 0.0, 1
+    while k <= 100_000:
+        eff = min(1.0, k / w) if w else 1.0
+        if ramp:
+            eff *= 1.0 - momentum ** k
+        if eff >= 1.0 - 1e-9 and k >= w:
+            break
+        short += 1.0 - eff
+        k += 1
+    return lost_fraction * short
 
 
 @dataclass(frozen=True)
@@ -63,8 +81,12 @@ class RehabRecipe:
     damping: float = 0.5  # fraction of the extrapolated trend applied
     reset_first_moment: bool = True
     keep_second_moment: bool = True
+    # Adam's first-moment bias correction counts from the repair for the restored part (its
+    # updates are full-size at once), and a linear learning-rate warm-up of ``warmup_steps``
+    # steps ramps them instead (0: none).  The runtime applies both to the restored elements'
+    # update only (``ShardedContext``).
     restart_bias_correction: bool = True
-    warmup_steps: int = 20  # LR warm-up for the restored shard
+    warmup_steps: int = 10
 
 
 def rehab_cost(

@@ -58,6 +58,8 @@ class ShardFacts:
     restart_s: float = 60.0
     allowed: frozenset = frozenset(PATHS)
     momentum: float = 0.0  # the optimizer's first-moment decay (Adam's beta1, SGD momentum) when reset
+    warmup_steps: int = 0  # the restored part's learning-rate warm-up (rehab.RehabRecipe)
+    restart_bias_correction: bool = False  # the restored part's first-moment bias correction restarts
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -127,7 +129,8 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
         put("rehabilitate", None, "a lost row has no snapshot")
     else:
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
-                         repair=repair_steps(f.lost_fraction, f.momentum))
+                         repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
+                                             f.restart_bias_correction))
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         else:

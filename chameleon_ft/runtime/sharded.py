@@ -183,6 +183,7 @@ class ShardedContext(RecoveryCore):
         # Steps between snapshots (0: none -- then only heal and the disk checkpoint remain).
         self.k = _DEFAULT_K if snapshot_every is None else snapshot_every
         self.last_shard_decision: Optional[dict] = None
+        self._warm: Optional[dict] = None  # rehabilitation's repair of the restored elements' updates
         self._step_times: list[float] = []
         self._transfer_s = 0.05
         init_mesh, fully_shard, all_gather_cls, reduce_scatter_cls = _fsdp()
@@ -344,11 +345,59 @@ class ShardedContext(RecoveryCore):
 
     def _apply_update(self) -> None:
         self.faults.at(self.step, "optimizer")
+        before = self._restored_values()
         self.optimizer.step()
+        if before is not None:
+            self._repair_update(before)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._grads_ready = False
+
+    # ---------------------------------------------------------------- rehabilitation's repair
+    def _start_repair(self, plan: dict) -> None:
+        """After a rehabilitation: the elements of this member's row that were restored from a
+        stale snapshot get the recipe's repair on their updates (``_repair_update``)."""
+        beta = self._momentum()
+        restart = self.recipe.restart_bias_correction and beta > 0
+        w = max(0, int(self.recipe.warmup_steps))
+        if not w and not restart:
+            return
+        old = _Layout(self._shapes, *plan["old"])
+        lost = torch.zeros(self._total, dtype=torch.bool)
+        for k in plan["decision"]["lost_rows"]:
+            lost[old.positions(k)] = True
+        mask = lost[self.layout.positions(self.row)]
+        if bool(mask.any()):
+            self._warm = {"from": self.step, "mask": mask, "beta": beta, "restart": restart, "w": w}
+
+    def _restored_values(self) -> Optional[torch.Tensor]:
+        if self._warm is None:
+            return None
+        return torch.cat([t.detach().reshape(-1) for t in self._locals()])[self._warm["mask"]]
+
+    def _repair_update(self, before: torch.Tensor) -> None:
+        """Scale the restored elements' update of the ``k``-th step since the repair by
+        ``min(1, k / W)`` (the learning-rate warm-up) times ``(1 - b**t) / (1 - b**k)`` (the
+        first moment's bias correction restarted: Adam's ``t`` keeps counting from the run's
+        start, the reset moment only has ``k`` steps; SGD: ``t`` infinite).  Per element, so
+        only the restored part of the row is touched; the whole update of those elements
+        (AdamW's decoupled decay included) is scaled."""
+        rp = self._warm
+        k = self.step - rp["from"] + 1
+        scale = min(1.0, k / rp["w"]) if rp["w"] else 1.0
+        corr = 1.0
+        if rp["restart"]:
+            t = self.optimizer.state.get(self.shard_params[0], {}).get("step")
+            b = rp["beta"]
+            corr = (1.0 - b ** float(t) if t is not None else 1.0) / (1.0 - b ** k)
+        locs = self._locals()
+        flat = torch.cat([t.detach().reshape(-1) for t in locs])
+        flat[rp["mask"]] = before + (scale * corr) * (flat[rp["mask"]] - before)
+        with torch.no_grad():
+            _unflatten_into(flat, locs)
+        if k >= rp["w"] and abs(corr - 1.0) < 1e-3:
+            self._warm = None
 
     def _after_commit_sharded(self, loss: float, snap_cost: float) -> None:
         self.loss_history.append((self.step, loss))
@@ -513,7 +562,9 @@ class ShardedContext(RecoveryCore):
             lost_fraction=lost_numel / max(1, self.layout.total),
             trend=sr.loss_trend(self.loss_history, at_snapshot=snap_step),
             checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
-            restart_s=self.policy.restart_s, allowed=self.paths, momentum=self._momentum())
+            restart_s=self.policy.restart_s, allowed=self.paths, momentum=self._momentum(),
+            warmup_steps=self.recipe.warmup_steps,
+            restart_bias_correction=self.recipe.restart_bias_correction)
         d = sr.choose_recovery(facts)
         plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._keys), "old": self.layout.to_json()}
         if d.chosen == "heal":
@@ -555,11 +606,14 @@ class ShardedContext(RecoveryCore):
         plan = payload.get("shard")
         if plan is None:
             return
+        self._warm = None  # a repair in progress ends with the layout it was computed for
         t0 = time.perf_counter()
         full = self._assemble(plan)
         self._build(n, r)
         self._keys = list(plan["keys"])
         self._load_rows(full, plan)
+        if plan["mode"] == "rehabilitate":
+            self._start_repair(plan)
         if plan["mode"] == "recompute":
             self._load_run(plan["run"])
             self._apply_allocation()  # the snapshot's sampler had the old members

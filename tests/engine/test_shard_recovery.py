@@ -93,3 +93,16 @@ def test_the_first_moment_reset_is_priced():
     # one step after a snapshot, redoing it is cheaper than the repair
     early = choose_recovery(facts(step=16, momentum=0.9))
     assert early.chosen == "recompute"
+
+
+def test_the_repair_recipe_is_priced_as_it_is_carried_out():
+    """A restarted bias correction makes the reset moment's updates full-size at once; a W-step
+    linear warm-up then costs (W - 1) / 2 steps of the restored part; both off: the ramp."""
+    from chameleon_ft.rehab import repair_steps
+    assert repair_steps(0.25, 0.9, warmup_steps=10, restart_bias_correction=True) == pytest.approx(0.25 * 4.5)
+    assert repair_steps(0.25, 0.9) == pytest.approx(0.25 * 9, rel=1e-6)
+    assert repair_steps(0.25, 0.0, warmup_steps=1) == 0.0
+    both = repair_steps(0.25, 0.9, warmup_steps=10)  # warm-up on top of the ramp: dearer than either
+    assert both > repair_steps(0.25, 0.9) and both > 0.25 * 4.5
+    d = choose_recovery(facts(momentum=0.9, warmup_steps=10, restart_bias_correction=True))
+    assert d.predicted_heal_steps == pytest.approx(1.25 + 0.25 * 4.5)

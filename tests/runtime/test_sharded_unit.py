@@ -1,0 +1,60 @@
+"""``ShardedContext``'s repair of rehabilitated elements, in-process (the optimizer's real step;
+the live recovery paths are in ``test_sharded_recovery.py``)."""
+
+import pytest
+import torch
+
+from chameleon_ft.runtime.sharded import ShardedContext
+
+
+def _ctx(p: torch.nn.Parameter, opt, warm: dict) -> ShardedContext:
+    ctx = object.__new__(ShardedContext)
+    ctx.optimizer, ctx.shard_params, ctx.step = opt, [p], warm["from"]
+    ctx._locals = lambda: [p.data]
+    ctx._warm = warm
+    return ctx
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_only_the_restored_elements_update_is_warmed_up_and_bias_corrected(restart):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6))
+    ref = torch.nn.Parameter(p.detach().clone())
+    opts = [torch.optim.Adam([q], lr=0.1, betas=(0.9, 0.999)) for q in (p, ref)]
+    mask = torch.tensor([True, True, False, False, True, False])
+    for step in range(3):  # some history: Adam's step counter is 3 before the repair
+        g = torch.randn(6)
+        for q, o in zip((p, ref), opts):
+            q.grad = g.clone()
+            o.step()
+    ctx = _ctx(p, opts[0], {"from": 3, "mask": mask, "beta": 0.9, "restart": restart, "w": 4})
+    for k in (1, 2):
+        g = torch.randn(6)
+        before, ref_before = p.detach().clone(), ref.detach().clone()
+        p.grad, ref.grad = g.clone(), g.clone()
+        saved = ctx._restored_values()
+        opts[0].step()
+        ctx._repair_update(saved)
+        opts[1].step()
+        ctx.step += 1
+        t = 3 + k
+        s = (k / 4) * ((1 - 0.9 ** t) / (1 - 0.9 ** k) if restart else 1.0)
+        delta, ref_delta = p.detach() - before, ref.detach() - ref_before
+        assert torch.allclose(delta[mask], s * ref_delta[mask], atol=1e-7)
+        assert torch.equal(delta[~mask], ref_delta[~mask])  # the current elements: untouched
+    assert ctx._warm is not None  # 2 of 4 warm-up steps done
+
+
+def test_the_repair_ends_after_the_warm_up_once_the_correction_is_spent():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    ctx = _ctx(p, opt, {"from": 0, "mask": torch.tensor([True, False]), "beta": 0.0, "restart": False, "w": 3})
+    for _ in range(3):
+        p.grad = torch.ones(2)
+        saved = ctx._restored_values()
+        opt.step()
+        ctx._repair_update(saved)
+        ctx.step += 1
+    assert ctx._warm is None
+    # SGD without momentum: the restored element moved 1/3 + 2/3 + 1 of the others' 3 steps
+    assert p.detach().tolist() == pytest.approx([-0.2, -0.3])
