@@ -12,7 +12,7 @@ state it held may have no current copy among the survivors.  Four ways back, eac
 * **rehabilitate** -- the survivors keep their step-``t_f`` rows; only the lost rows come back
   from their last (stale) snapshot, repaired (``rehab.RehabRecipe``); training heals the gap.
   Loses ``transfer_s + rehab_steps * step_s`` with ``rehab_steps`` from ``rehab.rehab_cost``
-  (the live loss trend, plus what the first-moment reset costs: ``rehab.repair_steps``); ruled
+  (the live loss trend, plus what the optimizer repair costs: ``rehab.repair_steps``); ruled
   out where that function rules it out.  ``predicted_heal_steps`` is the point estimate (no
   safety factor): the steps of progress the rehabilitated run is expected to lag behind.
 * **restart** -- the launcher restarts the job from the last disk checkpoint (the fallback):

@@ -35,15 +35,16 @@ restart (``shard_recovery.choose_recovery``) and every member carries the choice
 * recompute: every row from its snapshot at the common step ``t_c``; the sampler, scheduler,
   RNG and counters roll back with it; the steps since are redone; exact.
 * rehabilitate: lost rows from their buddy's stale snapshot (``rehab.RehabRecipe``: optionally
-  extrapolated, first moments reset -- the reset ramps the restored rows' updates up again, a
-  warm-up -- second moments kept); everything else stays current; no rollback.  The predicted
+  extrapolated, first moments reset, second moments kept; their updates then get a restarted
+  bias correction and a linear learning-rate warm-up, ``_repair_update``); everything else
+  stays current; no rollback.  The predicted
   steps to close the loss gap are logged.
 * restart: the launcher restarts from the last disk checkpoint (the fallback).
 
 Limits, honestly: one FSDP unit per top-level child with parameters plus the root; parameters
 of one dtype; optimizers whose per-parameter state is tensors of the parameter's shape plus
-scalars (SGD, Adam, AdamW, ...); Adam's bias-correction step is per parameter, so it is not
-restarted for the restored rows; a second failure before the post-recovery snapshot leaves no
+scalars (SGD, Adam, AdamW, ...); the repair of restored elements scales their updates (torch's
+optimizers keep one step counter and learning rate per parameter); a second failure before the post-recovery snapshot leaves no
 snapshot (heal or the disk checkpoint then); buffers are taken from one member.
 """
 
