@@ -50,6 +50,7 @@ snapshot (heal or the disk checkpoint then); buffers are taken from one member.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import sys
@@ -136,8 +137,8 @@ class ShardedContext(RecoveryCore):
     Args:
         model: the unsharded model (CPU); it is the template of every generation's sharded copy
             and is left as given.
-        optimizer: built over ``model``'s parameters; every generation gets one of the same
-            class and hyper-parameters over its sharded parameters (``self.optimizer``).
+        optimizer: built over ``model``'s parameters; every generation rebinds it, the same
+            object, to its sharded parameters (``self.optimizer is optimizer``).
         snapshot_every: steps between snapshots (K); None: Young/Daly's optimum.
         recipe: how rehabilitated rows are repaired.
     """
@@ -168,7 +169,6 @@ class ShardedContext(RecoveryCore):
         self._shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
         self._total = sum(math.prod(s) for s in self._shapes)  # elements of one flat part
         self._wrap = [n for n, child in model.named_children() if any(True for _ in child.parameters())]
-        self._opt_class, self._opt_defaults = type(optimizer), dict(optimizer.defaults)
         where = {id(p): i for i, p in enumerate(self.params)}
         self._opt_groups = [[where[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.module: Optional[torch.nn.Module] = None  # this generation's sharded model
@@ -259,12 +259,11 @@ class ShardedContext(RecoveryCore):
         self.module = module
         named = dict(module.named_parameters())
         self.shard_params = [named[n] for n in self._names]
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [self.shard_params[i] for i in idx]}
-                  for g, idx in zip(self.optimizer.param_groups, self._opt_groups)]
-        self.optimizer = self._opt_class(groups, **self._opt_defaults)
-        if self.scheduler is not None:
-            self.scheduler.optimizer = self.optimizer
+        # The same optimizer object, rebound: whoever holds it (the user, an LR scheduler, a
+        # framework) sees this generation's parameters; its state is loaded by _load_rows.
+        for g, idx in zip(self.optimizer.param_groups, self._opt_groups):
+            g["params"] = [self.shard_params[i] for i in idx]
+        self.optimizer.state = collections.defaultdict(dict)
 
     def _locals(self) -> list[torch.Tensor]:
         return [p.to_local() for p in self.shard_params]
@@ -363,6 +362,7 @@ class ShardedContext(RecoveryCore):
         restart = self.recipe.restart_bias_correction and beta > 0
         w = max(0, int(self.recipe.warmup_steps))
         if not w and not restart:
+            self._repair_info = {"warmup_steps": 0, "restart_bias_correction": False}
             return
         old = _Layout(self._shapes, *plan["old"])
         lost = torch.zeros(self._total, dtype=torch.bool)
@@ -371,6 +371,8 @@ class ShardedContext(RecoveryCore):
         mask = lost[self.layout.positions(self.row)]
         if bool(mask.any()):
             self._warm = {"from": self.step, "mask": mask, "beta": beta, "restart": restart, "w": w}
+        self._repair_info = {"warmup_steps": w, "restart_bias_correction": restart,
+                             "restored_elements": int(mask.sum())}
 
     def _restored_values(self) -> Optional[torch.Tensor]:
         if self._warm is None:
@@ -608,6 +610,7 @@ class ShardedContext(RecoveryCore):
         if plan is None:
             return
         self._warm = None  # a repair in progress ends with the layout it was computed for
+        self._repair_info: Optional[dict] = None
         t0 = time.perf_counter()
         full = self._assemble(plan)
         self._build(n, r)
@@ -626,6 +629,8 @@ class ShardedContext(RecoveryCore):
         d = plan.get("decision")
         if d is not None:
             self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}
+            if self._repair_info is not None:  # this member's part of the repair
+                self.last_shard_decision["repair"] = self._repair_info
             if self.log and self._is_source:
                 self.log.write("shard_recovery", **self.last_shard_decision)
 

@@ -101,6 +101,13 @@ def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
     d = _after_kill(finals, events, 2)
     assert d["chosen"] == "rehabilitate" and d["lost_rows"] == [2]
     assert d["snapshot_step"] == 10 and d["predicted_heal_steps"] is not None
+    # The repair recipe ran on the restored elements: a 10-step warm-up with the bias
+    # correction restarted, on exactly the lost row's elements (spread over the new rows).
+    reps = [f["decision"]["repair"] for f in finals.values()]
+    assert all(r["warmup_steps"] == 10 and r["restart_bias_correction"] for r in reps)
+    model_numel = sum(t.numel() for t in failure_free["full"]["params"].values())
+    assert sum(r["restored_elements"] for r in reps) == pytest.approx(model_numel / 4, rel=0.05)
+    assert all(f["same_optimizer"] for f in finals.values())  # the user's optimizer, rebound
     f = next(iter(finals.values()))
     ref = failure_free["full"]
     # Not the failure-free trajectory (a quarter of the state went back 3 steps) ...

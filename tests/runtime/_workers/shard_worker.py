@@ -73,7 +73,9 @@ def main():
     torch.save({"params": full, "step": ctx.step, "members": list(ctx.members),
                 "loss": [[s, v] for s, v in ctx.loss_history],
                 "decision": ctx.last_shard_decision,
-                "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s},
+                "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s,
+                "same_optimizer": ctx.optimizer is opt and all(
+                    p is q for g in opt.param_groups for p, q in zip(g["params"], ctx.shard_params))},
                os.path.join(a.out, f"final_{ctx.worker_id}.pt"))
     print(f"worker {ctx.worker_id} done: {result}", flush=True)
 
