@@ -17,10 +17,11 @@ replica groups too (HSDP's all-reduce over the fake group is then a no-op).
 
 **Flat rows.**  FSDP2 shards every parameter on dim 0 in ``S = world / R`` chunks; chunk ``k``
 of every parameter (and of every optimizer tensor of that parameter's shape) makes *row* ``k``.
-Members with rank ``r`` hold row ``r % S``.  A re-shard assembles the whole flat state with one
-SUM all-reduce to which exactly one member contributes each row, then every member keeps its
-new row: in memory, never via disk (a transient full copy per member: the price of doing it in
-one collective).
+Members with rank ``r`` hold row ``r % S``.  A re-shard streams the new layout's rows one at a
+time: one SUM all-reduce per new row, to which exactly one member contributes each element
+(its source rows' overlap with that row, ``_overlaps``); every member keeps its own.  In
+memory, never via disk, and no member holds more than its sources and one row besides its own
+(an unsharded checkpoint and ``full_parameters`` assemble the whole, by definition).
 
 **Snapshots.**  Every ``K`` committed steps each member copies its row (parameters and
 optimizer tensors) and sends the copy to its *buddy* (the next rank) while the next step runs;
@@ -109,23 +110,24 @@ class _Layout:
         for k in self.numels:
             self.offsets.append(self.offsets[-1] + k)
         self.total = self.offsets[-1]
-        self._pos: dict[int, torch.Tensor] = {}
 
     def row_of(self, rank: int) -> int:
         return rank % self.shards
 
-    def positions(self, row: int) -> torch.Tensor:
-        """Flat positions of ``row``, in the order of the parameters' local shards."""
-        if row not in self._pos:
-            parts = []
-            for shape, off in zip(self.shapes, self.offsets):
-                d0 = shape[0] if len(shape) else 1
-                rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-                c = -(-d0 // self.shards)
-                lo, hi = min(row * c, d0), min((row + 1) * c, d0)
-                parts.append(torch.arange(off + lo * rest, off + hi * rest, dtype=torch.int64))
-            self._pos[row] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        return self._pos[row]
+    def segments(self, row: int) -> list[tuple[int, int]]:
+        """Flat ranges ``[start, stop)`` of ``row``, one per parameter (empty where a parameter
+        has fewer dim-0 slices than rows), in the order of the parameters' local shards."""
+        out = []
+        for shape, off in zip(self.shapes, self.offsets):
+            d0 = shape[0] if len(shape) else 1
+            rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+            c = -(-d0 // self.shards)
+            lo, hi = min(row * c, d0), min((row + 1) * c, d0)
+            out.append((off + lo * rest, off + hi * rest))
+        return out
+
+    def numel(self, row: int) -> int:
+        return sum(b - a for a, b in self.segments(row))
 
     def to_json(self) -> list[int]:
         return [self.world, self.replicas]
@@ -365,10 +367,10 @@ class ShardedContext(RecoveryCore):
             self._repair_info = {"warmup_steps": 0, "restart_bias_correction": False}
             return
         old = _Layout(self._shapes, *plan["old"])
-        lost = torch.zeros(self._total, dtype=torch.bool)
+        mask = torch.zeros(self.layout.numel(self.row), dtype=torch.bool)
         for k in plan["decision"]["lost_rows"]:
-            lost[old.positions(k)] = True
-        mask = lost[self.layout.positions(self.row)]
+            for _, at, n in _overlaps(old.segments(k), self.layout.segments(self.row)):
+                mask[at:at + n] = True
         if bool(mask.any()):
             self._warm = {"from": self.step, "mask": mask, "beta": beta, "restart": restart, "w": w}
         self._repair_info = {"warmup_steps": w, "restart_bias_correction": restart,
@@ -436,7 +438,7 @@ class ShardedContext(RecoveryCore):
             return
         prev = (r - 1) % n
         prev_row = self.layout.row_of(prev)
-        size = (1 + len(self._keys)) * int(self.layout.positions(prev_row).numel())
+        size = (1 + len(self._keys)) * self.layout.numel(prev_row)
         incoming = torch.empty(size, dtype=self.dtype)
         tag = _SNAP_TAG + 2 * (self.step % (_SNAP_TAG // 2))
         out_crc = torch.tensor([_crc(own["row"])], dtype=torch.int64)
@@ -557,7 +559,7 @@ class ShardedContext(RecoveryCore):
                     snaps.setdefault(f[3], set()).add(st)
                     snap_at.setdefault((f[3], st), (w, "held"))
         lost = [k for k in range(rows) if k not in holders]
-        lost_numel = sum(int(self.layout.positions(k).numel()) for k in lost)
+        lost_numel = sum(self.layout.numel(k) for k in lost)
         snap_step = sr.stale_snapshot(lost, snaps, self.step)
         facts = sr.ShardFacts(
             step=self.step, rows=rows, current=frozenset(holders), snapshots={k: sorted(v) for k, v in snaps.items()},
@@ -612,10 +614,14 @@ class ShardedContext(RecoveryCore):
         self._warm = None  # a repair in progress ends with the layout it was computed for
         self._repair_info: Optional[dict] = None
         t0 = time.perf_counter()
-        full = self._assemble(plan)
+        new = _Layout(self._shapes, n, self._replicas_for(n))
+        row = new.row_of(r)
+        mine = self._assemble_row(plan, new, row)
+        if plan["mode"] == "rehabilitate":
+            self._repair(mine, plan, new, row)
         self._build(n, r)
         self._keys = list(plan["keys"])
-        self._load_rows(full, plan)
+        self._load_rows(mine, plan)
         if plan["mode"] == "rehabilitate":
             self._start_repair(plan)
         if plan["mode"] == "recompute":
@@ -634,29 +640,55 @@ class ShardedContext(RecoveryCore):
             if self.log and self._is_source:
                 self.log.write("shard_recovery", **self.last_shard_decision)
 
-    def _assemble(self, plan: dict) -> torch.Tensor:
-        """The whole flat state (parameters, then each tensor state), one SUM all-reduce."""
+    def _gather_rows(self, plan: dict, dst: _Layout, sink: Callable[[int, torch.Tensor], None]) -> None:
+        """Every row of ``dst`` (parameters, then each tensor state), one at a time: one SUM
+        all-reduce per row, to which exactly one member contributes each element (its source
+        rows' overlap with it); ``sink(row, buffer)`` on every member.  At most one row's
+        buffer is alive at a time, besides the member's own sources."""
         keys = plan["keys"]
-        total = self._total
-        full = torch.zeros((1 + len(keys)) * total, dtype=self.dtype)
-        if plan["mode"] == "init":
+        parts = 1 + len(keys)
+        if plan["mode"] == "init":  # the source's unsharded model as one row
+            src, sources = _Layout(self._shapes, 1, 1), []
             if self.worker_id == plan["from"]:
                 state = lambda i, key: self.optimizer.state.get(self.params[i], {}).get(key)  # noqa: E731
-                full.copy_(_flatten(self.params, state, keys, self.dtype))
+                sources.append((0, _flatten(self.params, state, keys, self.dtype)))
         else:
-            old = _Layout(self._shapes, *plan["old"])
-            for k, w, kind, step in plan["rows"]:
-                if w != self.worker_id:
-                    continue
-                vec = self._row_source(kind, step, k, plan)
-                pos = old.positions(k)
-                m = pos.numel()
+            src = _Layout(self._shapes, *plan["old"])
+            sources = [(k, self._row_source(kind, step, k, plan))
+                       for k, w, kind, step in plan["rows"] if w == self.worker_id]
+        for r in range(dst.shards):
+            segs, m = dst.segments(r), dst.numel(r)
+            buf = torch.zeros(parts * m, dtype=self.dtype)
+            for k, vec in sources:
+                mk = src.numel(k)
                 # A snapshot taken before the optimizer had state carries the parameters only.
-                for j in range(min(1 + len(keys), vec.numel() // m if m else 1 + len(keys))):
-                    full[j * total + pos] = vec[j * m:(j + 1) * m]
-        self._store_op(lambda: self.gm.allreduce(full, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
-        if plan["mode"] == "rehabilitate":
-            self._repair(full, plan, total)
+                avail = min(parts, vec.numel() // mk) if mk else 0
+                for so, do, n in _overlaps(src.segments(k), segs):
+                    for j in range(avail):
+                        buf[j * m + do:j * m + do + n] = vec[j * mk + so:j * mk + so + n]
+            self._store_op(lambda b=buf: self.gm.allreduce(b, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+            sink(r, buf)
+
+    def _assemble_row(self, plan: dict, dst: _Layout, row: int) -> torch.Tensor:
+        """This member's ``row`` of the ``dst`` layout (every member calls it: a collective)."""
+        kept: dict[int, torch.Tensor] = {}
+        self._gather_rows(plan, dst, lambda r, buf: kept.__setitem__(r, buf) if r == row else None)
+        return kept[row]
+
+    def _assemble_full(self, plan: dict) -> torch.Tensor:
+        """The whole flat state (parameters, then each tensor state) on every member: for an
+        unsharded checkpoint and ``full_parameters``, which are whole by definition."""
+        lay = _Layout(self._shapes, *plan["old"])
+        parts, total = 1 + len(plan["keys"]), lay.total
+        full = torch.zeros(parts * total, dtype=self.dtype)
+
+        def put(r: int, buf: torch.Tensor) -> None:
+            m, d = lay.numel(r), 0
+            for a, b in lay.segments(r):
+                for j in range(parts):
+                    full[j * total + a:j * total + b] = buf[j * m + d:j * m + d + b - a]
+                d += b - a
+        self._gather_rows(plan, lay, put)
         return full
 
     def _row_source(self, kind: str, step: int, k: int, plan: dict) -> torch.Tensor:
@@ -671,33 +703,36 @@ class ShardedContext(RecoveryCore):
             older = [s for s in pool if s["k"] == k and s["step"] < step]
             if older:
                 prev = older[-1]
-                m = int(_Layout(self._shapes, *plan["old"]).positions(k).numel())
+                m = _Layout(self._shapes, *plan["old"]).numel(k)
                 frac = min(1.0, (self.step - step) / max(1, step - prev["step"]))
                 vec = vec.clone()
                 vec[:m] += self.recipe.damping * frac * (vec[:m] - prev["row"][:m])
         return vec
 
-    def _repair(self, full: torch.Tensor, plan: dict, total: int) -> None:
-        """Rehabilitation's optimizer repair on the lost rows: first moments (and other
-        momentum-like states) reset, second moments (``*sq*``) kept."""
+    def _repair(self, mine: torch.Tensor, plan: dict, new: _Layout, row: int) -> None:
+        """Rehabilitation's optimizer repair on the lost rows' elements of this member's new
+        ``row``: first moments (and other momentum-like states) reset, second moments
+        (``*sq*``) kept."""
         old = _Layout(self._shapes, *plan["old"])
+        m = new.numel(row)
         for k in plan["decision"]["lost_rows"]:
-            pos = old.positions(k)
-            for j, key in enumerate(plan["keys"], start=1):
-                second = "sq" in key
-                if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):
-                    full[j * total + pos] = 0.0
+            for _, at, n in _overlaps(old.segments(k), new.segments(row)):
+                for j, key in enumerate(plan["keys"], start=1):
+                    second = "sq" in key
+                    if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):
+                        mine[j * m + at:j * m + at + n] = 0.0
 
-    def _load_rows(self, full: torch.Tensor, plan: dict) -> None:
-        total = self.layout.total
-        pos = self.layout.positions(self.row)
+    def _load_rows(self, mine: torch.Tensor, plan: dict) -> None:
+        """This member's row (parameters, then each tensor state) into its sharded model and
+        optimizer, with the plan's scalars, hyper-parameters and buffers."""
+        m = self.layout.numel(self.row)
         with torch.no_grad():
-            _unflatten_into(full[pos], self._locals())
+            _unflatten_into(mine[:m], self._locals())
             if plan["keys"]:
                 # Materialise the optimizer's state through its own code path, then overwrite.
                 self._init_optimizer_state()
                 for j, key in enumerate(plan["keys"], start=1):
-                    _unflatten_into(full[j * total + pos],
+                    _unflatten_into(mine[j * m:(j + 1) * m],
                                     [self._state_local(i, key) for i in range(len(self.shard_params))])
                 for i, sc in (plan.get("scalars") or {}).items():
                     st = self.optimizer.state[self.shard_params[int(i)]]
@@ -730,7 +765,7 @@ class ShardedContext(RecoveryCore):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The whole parameters by name, gathered from the shards (a collective: every member
         calls it at the same point)."""
-        return self._split(self._assemble(self._live_plan([])), 0)
+        return self._split(self._assemble_full(self._live_plan([])), 0)
 
     def _live_plan(self, keys: list[str]) -> dict:
         """Every row from its holder in replica group 0 (ranks 0..S-1), as it is now."""
@@ -753,7 +788,7 @@ class ShardedContext(RecoveryCore):
         self._keys = self._keys or self._tensor_keys()
         t0 = time.perf_counter()
         try:
-            full = self._assemble(self._live_plan(self._keys))
+            full = self._assemble_full(self._live_plan(self._keys))
         except CollectiveFailure as failure:
             self._recover(failure, t0)
             return
@@ -788,6 +823,18 @@ class ShardedContext(RecoveryCore):
         self._load_run(s["run"])
         self.policy.load_state_dict(s["engine"])
         self.policy.plan = None
+
+
+def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(offset in the source row, offset in the destination row, length) of every flat range
+    two rows share; both are segment lists of the same parameters (``_Layout.segments``)."""
+    out, so, do = [], 0, 0
+    for (a1, b1), (a2, b2) in zip(src, dst):
+        lo, hi = max(a1, a2), min(b1, b2)
+        if lo < hi:
+            out.append((so + lo - a1, do + lo - a2, hi - lo))
+        so, do = so + b1 - a1, do + b2 - a2
+    return out
 
 
 def _crc(t: torch.Tensor) -> int:

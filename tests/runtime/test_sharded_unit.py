@@ -58,3 +58,23 @@ def test_the_repair_ends_after_the_warm_up_once_the_correction_is_spent():
     assert ctx._warm is None
     # SGD without momentum: the restored element moved 1/3 + 2/3 + 1 of the others' 3 steps
     assert p.detach().tolist() == pytest.approx([-0.2, -0.3])
+
+
+@pytest.mark.parametrize("old,new", [((4, 1), (3, 1)), ((4, 2), (3, 1)), ((3, 1), (4, 1)), ((1, 1), (4, 2)),
+                                     ((4, 1), (1, 1)), ((2, 2), (2, 1))])
+def test_a_new_row_is_made_of_exactly_the_old_rows_overlaps(old, new):
+    """The re-shard streams each new row from the old rows' overlaps with it (no full copy):
+    for parameters of every kind of shape (fewer dim-0 slices than rows, 1-D, uneven), every
+    new row comes out as the slice of the flat state it stands for."""
+    from chameleon_ft.runtime.sharded import _Layout, _overlaps
+    shapes = [torch.Size([7, 3]), torch.Size([5]), torch.Size([1, 4]), torch.Size([9, 2]), torch.Size([])]
+    a, b = _Layout(shapes, *old), _Layout(shapes, *new)
+    flat = torch.arange(a.total, dtype=torch.float) + 1
+    rows = {k: torch.cat([flat[s:e] for s, e in a.segments(k)]) for k in range(a.shards)}
+    for r in range(b.shards):
+        got = torch.zeros(b.numel(r))
+        for k, vec in rows.items():
+            for so, do, n in _overlaps(a.segments(k), b.segments(r)):
+                got[do:do + n] = vec[so:so + n]
+        assert torch.equal(got, torch.cat([flat[s:e] for s, e in b.segments(r)]))
+    assert sum(b.numel(r) for r in range(b.shards)) == b.total
