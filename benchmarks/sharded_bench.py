@@ -204,6 +204,11 @@ def memory(work: Path, k: int, hidden: int, steps: int, common: list[str]) -> di
         f = _ours(work / f"mem{snap}", [*common, "--hidden", str(hidden), "--steps", str(steps),
                                         "--snapshot-every", snap])
         out[name] = statistics.median(v["rss_mb"] for v in f.values())
+    # The survivors of a kill re-shard 4 -> 3 (rows streamed one at a time, no full copy).
+    f = _ours(work / "memkill", [*common, "--hidden", str(hidden), "--steps", str(steps),
+                                 "--snapshot-every", str(k)], kill=(2, k + 3))
+    out[f"snapshots every {k}, kill at step {k + 3} (re-shard 4 -> 3)"] = statistics.median(
+        v["rss_mb"] for v in f.values())
     f = _plain(work / "memplain", [*common, "--hidden", str(hidden), "--steps", str(steps)])
     out["plain FSDP2"] = statistics.median(v["rss_mb"] for v in f.values())
     return out
