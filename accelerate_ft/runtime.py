@@ -418,8 +418,7 @@ class AccelerateRuntime:
 
     def eval_goes_local(self) -> bool:
         """True while this member's collectives would return its local value."""
-        c = self.coll
-        return c.world_size > 1 and bool(c.degraded or c.catch_up or c.local_reason or c.realigning)
+        return self.coll.world_size > 1 and self.coll.stays_local
 
     def end_eval(self) -> None:
         if self.coll.realigning and not self.eval_alone:  # a gather gave way: it returned a shard

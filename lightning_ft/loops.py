@@ -101,8 +101,7 @@ class LoopWrappers:
             return loop._cft_run()
         self._eval_runs += 1
         tag = self._eval_runs
-        complete = not (self._coll.degraded or self._coll.catch_up or self._coll.local_reason
-                        or self._coll.realigning)
+        complete = not self._coll.stays_local
         try:
             while True:
                 self._set_eval_complete(trainer, complete)

@@ -262,6 +262,12 @@ class LiveCollectives:
         self.degraded = False
 
     @property
+    def stays_local(self) -> bool:
+        """This member's collectives return its local value for now (the job broke outside a
+        step, it adopted a step, an adapter said why, or it realigns after a mismatch)."""
+        return bool(self.degraded or self.catch_up or self.local_reason or self.realigning)
+
+    @property
     def realigning(self) -> bool:
         """A collective met a different one on a peer: collectives stay local (no header is
         exchanged) until this member's next training step sync."""

@@ -187,6 +187,7 @@ class ShardedContext(RecoveryCore):
         self.k = _DEFAULT_K if snapshot_every is None else snapshot_every
         self.last_shard_decision: Optional[dict] = None
         self._warm: Optional[dict] = None  # rehabilitation's repair of the restored elements' updates
+        self._repair_info: Optional[dict] = None  # this member's part of the last repair (logged)
         self._step_times: list[float] = []
         self._transfer_s = 0.05
         init_mesh, fully_shard, all_gather_cls, reduce_scatter_cls = _fsdp()
@@ -366,11 +367,9 @@ class ShardedContext(RecoveryCore):
         if not w and not restart:
             self._repair_info = {"warmup_steps": 0, "restart_bias_correction": False}
             return
-        old = _Layout(self._shapes, *plan["old"])
         mask = torch.zeros(self.layout.numel(self.row), dtype=torch.bool)
-        for k in plan["decision"]["lost_rows"]:
-            for _, at, n in _overlaps(old.segments(k), self.layout.segments(self.row)):
-                mask[at:at + n] = True
+        for at, n in _restored(plan, self.layout, self.row):
+            mask[at:at + n] = True
         if bool(mask.any()):
             self._warm = {"from": self.step, "mask": mask, "beta": beta, "restart": restart, "w": w}
         self._repair_info = {"warmup_steps": w, "restart_bias_correction": restart,
@@ -379,7 +378,7 @@ class ShardedContext(RecoveryCore):
     def _restored_values(self) -> Optional[torch.Tensor]:
         if self._warm is None:
             return None
-        return torch.cat([t.detach().reshape(-1) for t in self._locals()])[self._warm["mask"]]
+        return _flatten(self._locals(), self._state_local, [], self.dtype)[self._warm["mask"]]
 
     def _repair_update(self, before: torch.Tensor) -> None:
         """Scale the restored elements' update of the ``k``-th step since the repair by
@@ -397,7 +396,7 @@ class ShardedContext(RecoveryCore):
             b = rp["beta"]
             corr = (1.0 - b ** float(t) if t is not None else 1.0) / (1.0 - b ** k)
         locs = self._locals()
-        flat = torch.cat([t.detach().reshape(-1) for t in locs])
+        flat = _flatten(locs, self._state_local, [], self.dtype)
         flat[rp["mask"]] = before + (scale * corr) * (flat[rp["mask"]] - before)
         with torch.no_grad():
             _unflatten_into(flat, locs)
@@ -612,7 +611,7 @@ class ShardedContext(RecoveryCore):
         if plan is None:
             return
         self._warm = None  # a repair in progress ends with the layout it was computed for
-        self._repair_info: Optional[dict] = None
+        self._repair_info = None
         t0 = time.perf_counter()
         new = _Layout(self._shapes, n, self._replicas_for(n))
         row = new.row_of(r)
@@ -713,14 +712,12 @@ class ShardedContext(RecoveryCore):
         """Rehabilitation's optimizer repair on the lost rows' elements of this member's new
         ``row``: first moments (and other momentum-like states) reset, second moments
         (``*sq*``) kept."""
-        old = _Layout(self._shapes, *plan["old"])
         m = new.numel(row)
-        for k in plan["decision"]["lost_rows"]:
-            for _, at, n in _overlaps(old.segments(k), new.segments(row)):
-                for j, key in enumerate(plan["keys"], start=1):
-                    second = "sq" in key
-                    if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):
-                        mine[j * m + at:j * m + at + n] = 0.0
+        for at, n in _restored(plan, new, row):
+            for j, key in enumerate(plan["keys"], start=1):
+                second = "sq" in key
+                if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):
+                    mine[j * m + at:j * m + at + n] = 0.0
 
     def _load_rows(self, mine: torch.Tensor, plan: dict) -> None:
         """This member's row (parameters, then each tensor state) into its sharded model and
@@ -835,6 +832,14 @@ def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tu
             out.append((so + lo - a1, do + lo - a2, hi - lo))
         so, do = so + b1 - a1, do + b2 - a2
     return out
+
+
+def _restored(plan: dict, new: _Layout, row: int) -> list[tuple[int, int]]:
+    """(offset, length) in ``new``'s ``row`` of the elements a rehabilitation restored from a
+    stale snapshot (the plan's lost rows of the old layout)."""
+    old = _Layout(new.shapes, *plan["old"])
+    return [(at, n) for k in plan["decision"]["lost_rows"]
+            for _, at, n in _overlaps(old.segments(k), new.segments(row))]
 
 
 def _crc(t: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ from chameleon_ft.runtime.sharded import ShardedContext
 
 def _ctx(p: torch.nn.Parameter, opt, warm: dict) -> ShardedContext:
     ctx = object.__new__(ShardedContext)
-    ctx.optimizer, ctx.shard_params, ctx.step = opt, [p], warm["from"]
+    ctx.optimizer, ctx.shard_params, ctx.step, ctx.dtype = opt, [p], warm["from"], torch.float32
     ctx._locals = lambda: [p.data]
     ctx._warm = warm
     return ctx
