@@ -338,10 +338,8 @@ class FaultTolerantDDPStrategy(LoopWrappers, DDPStrategy):
         if resume and int(resume["micro_batch"]) != mb:
             raise ConfigError(f"lightning_ft: the checkpoint was trained with batch_size "
                              f"{resume['micro_batch']}, this run uses {mb}")
-        self._handle = UpdateHandle(self.optimizers[0])
-        ctx = _LightningContext(self.lightning_module, self._handle, len(dl.dataset), global_batch, mb,
-                             scheduler=_SchedulerState(self), seed=seed, shuffle=shuffle,
-                             drop_last=dl.drop_last, config=self.ft_config, env=self.env)
+        ctx = self._new_context(len(dl.dataset), global_batch, mb, seed=seed, shuffle=shuffle,
+                                drop_last=dl.drop_last)
         if self.event_log:
             ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
         if resume:
@@ -353,6 +351,11 @@ class FaultTolerantDDPStrategy(LoopWrappers, DDPStrategy):
         self.ctx = ctx
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)
+
+    def _new_context(self, dataset_len: int, global_batch: int, micro_batch: int, **kw) -> ElasticContext:
+        self._handle = UpdateHandle(self.optimizers[0])
+        return _LightningContext(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
+                                 scheduler=_SchedulerState(self), config=self.ft_config, env=self.env, **kw)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None,
                         dataloader_idx: int = 0) -> Any:
@@ -452,7 +455,7 @@ class FaultTolerantDDPStrategy(LoopWrappers, DDPStrategy):
         counts = {len(mbs) for mbs in ctx.sampler.step_plan().values()}
         return len(counts) == 1
 
-    def _extra_microbatch(self, trainer, batch: Any, batch_idx: int, optimizer) -> None:
+    def _extra_microbatch(self, trainer, batch: Any, batch_idx: int, optimizer) -> torch.Tensor:
         """One more micro-batch of this step: ``training_step`` and ``backward`` through
         Lightning's hooks (logging, on_before/after_backward), as its closure would."""
         trainer._logger_connector.on_batch_start(batch)
@@ -463,6 +466,7 @@ class FaultTolerantDDPStrategy(LoopWrappers, DDPStrategy):
             raise RuntimeError("lightning_ft: training_step returned no loss; skipping a micro-batch "
                                "is not supported in fault-tolerant training")
         call._call_strategy_hook(trainer, "backward", loss, optimizer)
+        return loss
 
     def _apply_update(self, optimizer, model, result, kwargs) -> None:
         # Gradients are reduced by now: hooks, clipping and the update see the global gradient.

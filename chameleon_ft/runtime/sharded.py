@@ -133,6 +133,74 @@ class _Layout:
         return [self.world, self.replicas]
 
 
+class FsdpComms:
+    """FSDP2's all-gather and reduce-scatter over one generation's gloo group, failing fast
+    like every collective of the runtime (a dead or hung peer ends them within the abort
+    poll).  ``install`` sets them on every ``FSDPModule`` of a module, with sum reduction and
+    no division (the step's weights make the mean).  ``failure``: the last one that failed
+    (FSDP may wrap the exception it raised)."""
+
+    def __init__(self, gm, world: int, shards: int, rank: int, timeout_s: float):
+        self.gm, self.world, self.shards, self.rank = gm, world, shards, rank
+        self.row = rank % shards
+        self.timeout_s = timeout_s
+        self.failure: Optional[CollectiveFailure] = None
+        _, _, all_gather_cls, reduce_scatter_cls = _fsdp()
+        comms = self
+
+        class _AG(all_gather_cls):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                comms.all_gather(output_tensor, input_tensor)
+
+        class _RS(reduce_scatter_cls):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(*size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                comms.reduce_scatter(output_tensor, input_tensor)
+
+        self._ag, self._rs = _AG(), _RS()
+
+    def install(self, module: torch.nn.Module) -> list:
+        """Our collectives on every FSDP unit of ``module``; returns the units."""
+        from torch.distributed.fsdp import FSDPModule
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_custom_all_gather(self._ag)
+            unit.set_custom_reduce_scatter(self._rs)
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(1.0)
+        return units
+
+    def _run(self, fn) -> None:
+        try:
+            self.gm.collective(fn, self.timeout_s)
+        except CollectiveFailure as exc:
+            self.failure = exc
+            raise
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        n, s = self.world, self.shards
+        if n == s:  # one shard group: gather straight into FSDP's buffer
+            self._run(lambda pg: pg._allgather_base(out, inp.contiguous()))
+            return
+        parts = [torch.empty_like(inp) for _ in range(n)]
+        self._run(lambda pg: pg.allgather([parts], [inp.contiguous()]))
+        base = (self.rank // s) * s
+        for i, chunk in enumerate(out.chunk(s)):
+            chunk.copy_(parts[base + i])
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        buf = inp.detach().clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._run(lambda pg: pg.allreduce([buf], opts))
+        out.copy_(buf.chunk(self.shards)[self.row])
+
+
 class ShardedContext(RecoveryCore):
     """FSDP2 (``replicas=1``) or HSDP (``replicas=R``) training that survives failures (module doc).
 
@@ -166,7 +234,7 @@ class ShardedContext(RecoveryCore):
         self.snapshot_every = snapshot_every
         self.recipe = recipe or RehabRecipe()
         self.paths = frozenset(cfg.shard_recovery or sr.PATHS)
-        self._template = copy.deepcopy(model).to("meta")
+        self._template = self._make_template(model)
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
         self._total = sum(math.prod(s) for s in self._shapes)  # elements of one flat part
@@ -175,12 +243,14 @@ class ShardedContext(RecoveryCore):
         self._opt_groups = [[where[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self.module: Optional[torch.nn.Module] = None  # this generation's sharded model
         self.layout: Optional[_Layout] = None
+        self.comms: Optional[FsdpComms] = None  # this generation's FSDP collectives
         self._keys: list[str] = []  # optimizer tensor states sharded like the parameters
         self._own: list[dict] = []  # this member's last snapshots (oldest first)
         self._held: list[dict] = []  # the predecessor's, held for it
         self._inflight: Optional[dict] = None
         self._grads_ready = False
-        self._comm_failure: Optional[CollectiveFailure] = None
+        self._update: Optional[Callable[[], None]] = None  # the step's optimizer update (commit)
+        self._live_start = False  # a framework sharded the model before start (every row held)
         self.loss_history: list[tuple[int, float]] = []
         self.snapshot_cost_s: Optional[float] = None
         # Steps between snapshots (0: none -- then only heal and the disk checkpoint remain).
@@ -190,51 +260,7 @@ class ShardedContext(RecoveryCore):
         self._repair_info: Optional[dict] = None  # this member's part of the last repair (logged)
         self._step_times: list[float] = []
         self._transfer_s = 0.05
-        init_mesh, fully_shard, all_gather_cls, reduce_scatter_cls = _fsdp()
-        self._init_mesh, self._fully_shard = init_mesh, fully_shard
-        ctx = self
-
-        class _AG(all_gather_cls):
-            def allocate(self, size, *, dtype, device):
-                return torch.empty(*size, dtype=dtype, device=device)
-
-            def __call__(self, output_tensor, input_tensor, group, async_op=False):
-                ctx._all_gather(output_tensor, input_tensor)
-
-        class _RS(reduce_scatter_cls):
-            def allocate(self, size, *, dtype, device):
-                return torch.empty(*size, dtype=dtype, device=device)
-
-            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                ctx._reduce_scatter(output_tensor, input_tensor)
-
-        self._comms = (_AG(), _RS())
-
-    # ---------------------------------------------------------------- FSDP comms
-    def _comm(self, fn) -> None:
-        try:
-            self.gm.collective(fn, self.hang_timeout_s)
-        except CollectiveFailure as exc:
-            self._comm_failure = exc
-            raise
-
-    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        n, s = self.layout.world, self.layout.shards
-        if n == s:  # one shard group: gather straight into FSDP's buffer
-            self._comm(lambda pg: pg._allgather_base(out, inp.contiguous()))
-            return
-        parts = [torch.empty_like(inp) for _ in range(n)]
-        self._comm(lambda pg: pg.allgather([parts], [inp.contiguous()]))
-        base = (self.rank // s) * s
-        for i, chunk in enumerate(out.chunk(s)):
-            chunk.copy_(parts[base + i])
-
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        buf = inp.detach().clone()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self._comm(lambda pg: pg.allreduce([buf], opts))
-        out.copy_(buf.chunk(self.layout.shards)[self.row])
+        self._init_mesh, self._fully_shard = _fsdp()[:2]
 
     # ---------------------------------------------------------------- the model
     def _replicas_for(self, n: int) -> int:
@@ -245,21 +271,13 @@ class ShardedContext(RecoveryCore):
         self.layout = _Layout(self._shapes, n, self._replicas_for(n))
         self.row = self.layout.row_of(rank)  # kept: after a failure the view has new ranks
         _fake_world(rank, n)
-        if self.layout.replicas == 1:
-            mesh = self._init_mesh("cpu", (n,), mesh_dim_names=("shard",))
-        else:
-            mesh = self._init_mesh("cpu", (self.layout.replicas, self.layout.shards),
-                                   mesh_dim_names=("replicate", "shard"))
-        module = copy.deepcopy(self._template)
-        units = [module.get_submodule(name) for name in self._wrap]
-        for unit in units + [module]:
-            self._fully_shard(unit, mesh=mesh)
-            unit.set_custom_all_gather(self._comms[0])
-            unit.set_custom_reduce_scatter(self._comms[1])
-            unit.set_force_sum_reduction_for_comms(True)
-            unit.set_gradient_divide_factor(1.0)
-        module.to_empty(device="cpu")
+        self.comms = FsdpComms(self.gm, n, self.layout.shards, rank, self.hang_timeout_s)
+        module = self._make_module(self._make_mesh(n))
+        self.comms.install(module)
         self.module = module
+        self._bind(module)
+
+    def _bind(self, module: torch.nn.Module) -> None:
         named = dict(module.named_parameters())
         self.shard_params = [named[n] for n in self._names]
         # The same optimizer object, rebound: whoever holds it (the user, an LR scheduler, a
@@ -267,6 +285,29 @@ class ShardedContext(RecoveryCore):
         for g, idx in zip(self.optimizer.param_groups, self._opt_groups):
             g["params"] = [self.shard_params[i] for i in idx]
         self.optimizer.state = collections.defaultdict(dict)
+
+    # Seams for a framework that owns the module (lightning_ft): the template, the mesh, how a
+    # generation's sharded module is made from them, and the module it sharded before start.
+    def _adopt_live(self, n: int, rank: int) -> None:
+        raise NotImplementedError("a live start needs the framework's sharded module")
+
+    def _make_template(self, model: torch.nn.Module):
+        return copy.deepcopy(model).to("meta")
+
+    def _make_mesh(self, n: int):
+        if self.layout.replicas == 1:
+            return self._init_mesh("cpu", (n,), mesh_dim_names=("shard",))
+        return self._init_mesh("cpu", (self.layout.replicas, self.layout.shards),
+                               mesh_dim_names=("replicate", "shard"))
+
+    def _make_module(self, mesh) -> torch.nn.Module:
+        """A fresh sharded copy of the template: one FSDP unit per top-level child with
+        parameters, plus the root; storage uninitialised (``_load_rows`` fills it)."""
+        module = copy.deepcopy(self._template)
+        for unit in [module.get_submodule(name) for name in self._wrap] + [module]:
+            self._fully_shard(unit, mesh=mesh)
+        module.to_empty(device="cpu")
+        return module
 
     def _locals(self) -> list[torch.Tensor]:
         return [p.to_local() for p in self.shard_params]
@@ -302,8 +343,7 @@ class ShardedContext(RecoveryCore):
         """One global step: forward/backward of this member's share (``loss_of(module,
         indices)`` is the mean loss of those samples), then commit.  True when committed;
         False when a failure interrupted it (the job reconfigured; run it again)."""
-        t0 = time.perf_counter()
-        self._step_start = t0
+        t0 = self.begin_step()
         item = self.share()
         weight = item.weight
         indices = item.indices if not item.ghost else ghost_indices
@@ -313,22 +353,50 @@ class ShardedContext(RecoveryCore):
             self.faults.at(self.step, "forward")
             loss = loss_of(self.module, indices)
             (loss * weight).backward()
-            self._grads_ready = True
+        except Exception as exc:
+            return self.interrupted(exc, t0)
+        return self.commit(float(loss.detach()) * weight, t0, len(item.parts), list(item.indices))
+
+    # The step in two halves, for a framework that runs the forward/backward itself
+    # (lightning_ft): ``begin_step``, its passes (any exception through ``interrupted``),
+    # then ``commit``.
+    def begin_step(self) -> float:
+        t0 = time.perf_counter()
+        self._step_start = t0
+        return t0
+
+    def interrupted(self, exc: BaseException, t0: float) -> bool:
+        """An exception of the step's forward/backward: a failed collective (FSDP may wrap the
+        one our comms raised) recovers the job and returns False (redo the step); anything
+        else is re-raised."""
+        failure = exc if isinstance(exc, CollectiveFailure) else (self.comms.failure if self.comms else None)
+        if failure is None:
+            raise exc
+        self.comms.failure = None
+        self._grads_ready = False
+        self._step_start = None
+        self._recover(failure, t0)
+        return False
+
+    def commit(self, weighted_loss: float, t0: float, n_mb: int, ids: list,
+               update: Optional[Callable[[], None]] = None) -> bool:
+        """Commit the step whose gradients this member computed (its ``weighted_loss``: its
+        samples' share of the global mean loss): the snapshot in flight completes, the
+        all-reduce agrees, then ``update`` (default ``optimizer.step()``) runs.  True when
+        committed; False when a failure interrupted it (the job reconfigured; redo)."""
+        self._grads_ready = True
+        self._update = update
+        try:
             self._complete_snapshot()
         except CollectiveFailure as failure:
-            return self._interrupted(failure, t0)
-        except Exception:
-            if self._comm_failure is None:
-                raise
-            return self._interrupted(self._comm_failure, t0)
+            return self.interrupted(failure, t0)
         self._compute_s = time.perf_counter() - t0
-        self._n_mb, self._ids = len(item.parts), list(item.indices)
+        self._n_mb, self._ids = n_mb, ids
         self.faults.at(self.step, "allreduce")
-        lw = float(loss.detach()) * weight
-        if not math.isfinite(lw):
-            raise FloatingPointError(f"worker {self.worker_id}: the loss is {lw} at step {self.step}; "
+        if not math.isfinite(weighted_loss):
+            raise FloatingPointError(f"worker {self.worker_id}: the loss is {weighted_loss} at step {self.step}; "
                                      "nothing was committed (the last snapshot and checkpoint are intact)")
-        parts = torch.tensor([lw, self.snapshot_cost_s or 0.0], dtype=self.dtype)
+        parts = torch.tensor([weighted_loss, self.snapshot_cost_s or 0.0], dtype=self.dtype)
         reduced = self._reduce_step([parts], self._compute_s)
         if reduced is None:
             self._grads_ready = False
@@ -339,23 +407,20 @@ class ShardedContext(RecoveryCore):
         self._after_commit_sharded(float(buf[0]), float(buf[1]) / max(1, self.view.world_size))
         return True
 
-    def _interrupted(self, failure: CollectiveFailure, t0: float) -> bool:
-        self._comm_failure = None
-        self._grads_ready = False
-        self._step_start = None
-        self._recover(failure, t0)
-        return False
-
     def _apply_update(self) -> None:
         self.faults.at(self.step, "optimizer")
         before = self._restored_values()
-        self.optimizer.step()
+        if self._update is not None:
+            self._update()
+        else:
+            self.optimizer.step()
         if before is not None:
             self._repair_update(before)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._grads_ready = False
+        self._update = None
 
     # ---------------------------------------------------------------- rehabilitation's repair
     def _start_repair(self, plan: dict) -> None:
@@ -535,6 +600,8 @@ class ShardedContext(RecoveryCore):
     def _shard_plan(self, view) -> dict:
         """The source's plan for the rows (first start, heal, recompute, rehabilitate)."""
         members = list(view.members)
+        if self._live_start:  # a framework sharded the model over these members: rows in place
+            return {"mode": "live"}
         if self.module is None:  # nobody holds sharded state: the source's unsharded model
             keys = _state_keys(self.optimizer, self.params)
             return {"mode": "init", "from": self.worker_id, "keys": keys,
@@ -612,6 +679,13 @@ class ShardedContext(RecoveryCore):
             return
         self._warm = None  # a repair in progress ends with the layout it was computed for
         self._repair_info = None
+        if plan["mode"] == "live":
+            self._live_start = False
+            self._adopt_live(n, r)
+            self._keys = self._keys or self._tensor_keys()
+            if self.k:
+                self._take_snapshot(wait=True)
+            return
         t0 = time.perf_counter()
         new = _Layout(self._shapes, n, self._replicas_for(n))
         row = new.row_of(r)
@@ -763,6 +837,50 @@ class ShardedContext(RecoveryCore):
         """The whole parameters by name, gathered from the shards (a collective: every member
         calls it at the same point)."""
         return self._split(self._assemble_full(self._live_plan([])), 0)
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The whole parameters by name and the optimizer's whole state in torch's
+        ``state_dict`` format (state by parameter index, ``param_groups``), gathered from the
+        rows (a collective: every member calls it at the same point; a framework's unsharded
+        checkpoint)."""
+        keys = self._keys or self._tensor_keys()
+        full = self._assemble_full(self._live_plan(keys))
+        params = self._split(full, 0)
+        per_key = {key: self._split(full, j) for j, key in enumerate(keys, start=1)}
+        scalars = self._scalars()
+        state = {}
+        order = [i for g in self._opt_groups for i in g]  # torch numbers params across groups
+        for at, i in enumerate(order):
+            if not self.optimizer.state.get(self.shard_params[i]):
+                continue
+            st = {key: per_key[key][self._names[i]] for key in keys}
+            st.update(scalars.get(i, {}))
+            state[at] = st
+        return params, {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}
+
+    def load_full_state(self, params: dict[str, torch.Tensor], optim: Optional[dict]) -> None:
+        """Load a ``full_state`` (whole tensors) into this member's rows of the layout it holds
+        now (no collective: each member keeps its own slices)."""
+        m = self.layout.numel(self.row)
+        keys = sorted({k for st in (optim or {}).get("state", {}).values() for k, v in st.items()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0})
+        order = [i for g in self._opt_groups for i in g]
+        by_param = {order[int(at)]: st for at, st in (optim or {}).get("state", {}).items()}
+        row = torch.zeros((1 + len(keys)) * m, dtype=self.dtype)
+        for j, source in enumerate([params] + [{self._names[i]: by_param.get(i, {}).get(key)
+                                                for i in range(len(self._names))} for key in keys]):
+            d = 0
+            for name, (a, b), off in zip(self._names, self.layout.segments(self.row), self.layout.offsets):
+                t = source.get(name)
+                if t is not None:
+                    row[j * m + d:j * m + d + b - a] = t.reshape(-1)[a - off:b - off].to(self.dtype)
+                d += b - a
+        scalars = {i: {k: v for k, v in st.items() if k not in keys} for i, st in by_param.items()}
+        groups = (optim or {}).get("param_groups") or []
+        self._keys = keys
+        self._load_rows(row, {"keys": keys, "scalars": scalars,
+                              "groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+                              "buffers": None})
 
     def _live_plan(self, keys: list[str]) -> dict:
         """Every row from its holder in replica group 0 (ranks 0..S-1), as it is now."""
