@@ -41,7 +41,8 @@ from chameleon_ft.runtime.env import RESTART_EXIT_CODE
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
 from chameleon_ft.runtime.recovery import ElasticConfig
 from lightning_ft.hooks import StrategyHooks
-from lightning_ft.strategy import FaultTolerantDDPStrategy, LauncherError
+from lightning_ft.sharded import FaultTolerantModelParallelStrategy
+from lightning_ft.strategy import _NOT_LAUNCHED, FaultTolerantDDPStrategy, LauncherError
 
 __all__ = ["FaultToleranceCallback"]
 
@@ -51,10 +52,29 @@ _STATE_VERSION = 1
 
 
 def install_as_ddp() -> None:
-    """Make ``strategy="ddp"`` (and ``"ddp_ft"``) build ``FaultTolerantDDPStrategy``."""
+    """Make ``strategy="ddp"`` (and ``"ddp_ft"``) build ``FaultTolerantDDPStrategy``, and a
+    ``ModelParallelStrategy`` object of a Trainer with this callback become
+    ``FaultTolerantModelParallelStrategy`` before it forms a process group."""
     for name in ("ddp", "ddp_ft"):
         StrategyRegistry.register(name, FaultTolerantDDPStrategy, override=True,
                                   description="fault-tolerant DDP (chameleon-ft)")
+    if not getattr(ModelParallelStrategy.setup_environment, "_cft", False):
+        original = ModelParallelStrategy.setup_environment
+
+        def setup_environment(strategy) -> None:
+            # The strategy object was built before the callback (``strategy=`` comes first in
+            # the Trainer's arguments); the first hook that sees the trainer's callbacks and
+            # runs before any process group is this one.
+            trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
+            if trainer is not None and any(isinstance(cb, FaultToleranceCallback) for cb in trainer.callbacks):
+                if strategy._launcher is not None:
+                    raise LauncherError(_NOT_LAUNCHED)
+                FaultTolerantModelParallelStrategy.adopt(strategy).setup_environment()
+                return
+            original(strategy)
+
+        setup_environment._cft = True
+        ModelParallelStrategy.setup_environment = setup_environment
 
 
 class FaultToleranceCallback(Callback, StrategyHooks):
@@ -73,12 +93,17 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         stragglers: rebalance micro-batches away from a persistently slow worker.
         log_every_n_steps: how often the fault-tolerance metrics go to the loggers (default:
             the Trainer's ``log_every_n_steps``); every recovery is logged at once.
+        snapshot_every: sharded training (``ModelParallelStrategy``): steps between the buddy
+            snapshots of each shard (default: Young/Daly's optimum; 0: none).
+        rehab_recipe: sharded training: how a shard restored from its stale snapshot is
+            repaired (``chameleon_ft.rehab.RehabRecipe``).
     """
 
     def __init__(self, allowed_policies: Optional[Iterable[str]] = None,
                  hang_timeout_s: Optional[float] = None, allow_batch_change: bool = False,
                  event_log: Optional[str] = None, stragglers: bool = True,
-                 log_every_n_steps: Optional[int] = None) -> None:
+                 log_every_n_steps: Optional[int] = None, snapshot_every: Optional[int] = None,
+                 rehab_recipe=None) -> None:
         self._config = adapter_config("lightning_ft", allowed_policies, hang_timeout_s,
                                       allow_batch_change, stragglers=stragglers)
         self.allowed_policies = allowed_policies
@@ -87,6 +112,8 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         self.event_log = event_log
         self.stragglers = stragglers
         self.log_every_n_steps = log_every_n_steps
+        self.snapshot_every = snapshot_every
+        self.rehab_recipe = rehab_recipe
         self.resume_state: Optional[dict] = None
         self._strategy: Optional[FaultTolerantDDPStrategy] = None
         self._seen_recoveries = 0
@@ -98,12 +125,11 @@ class FaultToleranceCallback(Callback, StrategyHooks):
     # ---------------------------------------------------------------- hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Check that the trainer runs the fault-tolerant strategy and settings it supports."""
-        if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+        if isinstance(trainer.strategy, FSDPStrategy):
             raise ConfigError(
-                f"FaultToleranceCallback does not carry sharded training in a Trainer yet (got "
-                f"{type(trainer.strategy).__name__}): its shards would be lost with a worker.  Sharded "
-                "training that survives failures runs through chameleon_ft's ElasticTrainer(..., "
-                "sharding='full' or 'hybrid') (docs/runtime-sharded.md); or use strategy='ddp'")
+                "FaultToleranceCallback does not carry FSDPStrategy (FSDP1; Lightning refuses it on CPU): "
+                "use ModelParallelStrategy(data_parallel_size=<workers>, tensor_parallel_size=1) with "
+                "fully_shard(...) in configure_model (FSDP2), which the callback carries")
         if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
             raise LauncherError(
                 f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "

@@ -51,6 +51,11 @@ def _ignoring(message_start: str):
 class LoopWrappers:
     """Evaluation reruns and the epoch loop's reset (see module doc)."""
 
+    # No slots of its own, and listed after Lightning's strategy among the bases: the
+    # strategies it mixes into keep the memory layout of Lightning's, so that a
+    # ModelParallelStrategy object can become FaultTolerantModelParallelStrategy in place.
+    __slots__ = ()
+
     def _wrap_loops(self, trainer) -> None:
         """The validation/test loops' ``run`` (``_run_evaluation``) and the training epoch
         loop's ``reset`` (``_reset_epoch_loop``), once per loop object."""

@@ -160,7 +160,7 @@ def at_least_one_each(counts, members) -> list[int]:
     return counts
 
 
-class FaultTolerantDDPStrategy(LoopWrappers, DDPStrategy):
+class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
     """Data-parallel training that survives worker failures in place (see module doc).
 
     Args:
