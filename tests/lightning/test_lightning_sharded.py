@@ -1,0 +1,79 @@
+"""Lightning's FSDP2 recipe (``ModelParallelStrategy`` + ``fully_shard`` in ``configure_model``)
+with ``FaultToleranceCallback()`` under ``chameleon-ft run``: 4 real worker processes, gloo, a
+worker SIGKILLed from outside by PID.  Its shard has no other copy: the survivors restore it from
+its buddy's snapshot (rehabilitate), re-shard over 3 and keep training in place; the user's loop
+does not notice (every global step once, the same epochs, the checkpoint saved, validation
+synced), and training ends near the failure-free run."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _helpers.recovery import ScriptJob  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("_workers") / "lit_sharded.py"
+STEPS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples, 4 workers x batch 8
+
+
+def _job(run_dir: Path, *args: str) -> ScriptJob:
+    return ScriptJob(SCRIPT, run_dir, "--mb-sleep", "0.05", *args)
+
+
+def _user_view(finals: dict) -> None:
+    """What the user's code saw, on every worker that finished: every global step's batch
+    end once, the epochs, the synced validation loss per epoch, one whole checkpoint."""
+    first = finals[min(finals)]
+    for f in finals.values():
+        assert f["global_step"] == STEPS_PER_EPOCH * EPOCHS and f["epoch"] == EPOCHS
+        assert sorted(f["losses"]) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))  # after each step
+        assert f["val_losses"] == first["val_losses"] and len(f["val_losses"]) == EPOCHS
+        assert all(f["params"][k].equal(first["params"][k]) for k in first["params"])
+    assert {k: tuple(v.shape) for k, v in first["params"].items()} == {
+        "model.w1.weight": (64, 32), "model.w2.weight": (32, 64), "model.w3.weight": (64, 32),
+        "head.weight": (1, 32), "head.bias": (1,)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = _job(tmp_path_factory.mktemp("sharded_ref"))
+    finals = job.run_to_end(240)
+    assert sorted(finals) == [0, 1, 2, 3]
+    _user_view(finals)
+    return finals[0]
+
+
+def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, reference):
+    rng = random.Random()
+    victim, at = rng.randrange(4), rng.randrange(9, 15)
+    job = _job(tmp_path, "--snapshot-every", "4")  # the snapshot is 0-3 steps stale
+    try:
+        job.start()
+        job.wait_step(at, 180)
+        job.kill(victim)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == sorted(set(range(4)) - {victim}), job.output()[-3000:]
+    _user_view(finals)
+    events = job.events()
+    rec = [e for e in events if e["event"] == "shard_recovery"]
+    assert len(rec) == 1, rec
+    d = rec[0]
+    assert d["chosen"] == "rehabilitate", d
+    assert d["lost_rows"] == [victim] and d["candidates"]["rehabilitate"]["feasible"], d
+    assert "not allowed" in d["candidates"]["recompute"]["reason"]  # Lightning's loop never rolls back
+    assert d["step"] - d["snapshot_step"] in range(4) and d["repair"]["restored_elements"] > 0, d
+    # every committed step once; the survivors ran 3-way after the kill
+    steps = sorted({e["step"] for e in events if e["event"] == "step"})
+    assert steps == list(range(STEPS_PER_EPOCH * EPOCHS))
+    # near the failure-free run: the last validation loss within 10 % of it
+    ref, got = reference["val_losses"][-1], finals[min(finals)]["val_losses"][-1]
+    assert abs(got - ref) <= 0.1 * ref, (got, ref)
