@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
+_UNADOPTED = ("FaultToleranceCallback could not carry this {}: the callback turns a ModelParallelStrategy "
+              "object into FaultTolerantModelParallelStrategy when its set-up starts, and does not turn "
+              "subclasses (their own code would run on the wrong class); pass "
+              "strategy=lightning_ft.FaultTolerantModelParallelStrategy(...) instead")
+
+
 def install_as_ddp() -> None:
     """Make ``strategy="ddp"`` (and ``"ddp_ft"``) build ``FaultTolerantDDPStrategy``, and a
     ``ModelParallelStrategy`` object of a Trainer with this callback become
@@ -67,6 +73,8 @@ def install_as_ddp() -> None:
             # runs before any process group is this one.
             trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
             if trainer is not None and any(isinstance(cb, FaultToleranceCallback) for cb in trainer.callbacks):
+                if type(strategy) is not ModelParallelStrategy:
+                    raise ConfigError(_UNADOPTED.format(type(strategy).__name__))
                 if strategy._launcher is not None:
                     raise LauncherError(_NOT_LAUNCHED)
                 FaultTolerantModelParallelStrategy.adopt(strategy).setup_environment()
@@ -130,6 +138,8 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                 "FaultToleranceCallback does not carry FSDPStrategy (FSDP1; Lightning refuses it on CPU): "
                 "use ModelParallelStrategy(data_parallel_size=<workers>, tensor_parallel_size=1) with "
                 "fully_shard(...) in configure_model (FSDP2), which the callback carries")
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            raise ConfigError(_UNADOPTED.format(type(trainer.strategy).__name__))
         if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
             raise LauncherError(
                 f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "

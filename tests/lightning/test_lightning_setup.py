@@ -101,16 +101,37 @@ def test_evaluation_is_flagged_when_a_member_was_elsewhere(monkeypatch):
     assert (s.eval_reruns, s.eval_partial, ctx.activity) == (0, 1, 0)
 
 
-@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
-def test_a_sharded_strategy_is_refused_with_the_way_that_works(strategy):
-    """Lightning's sharded strategies are not carried yet: a clear error that names the sharded
-    runtime, instead of the generic "needs strategy='ddp'"."""
+def test_fsdp1_and_an_unadopted_model_parallel_strategy_are_refused_with_the_way_that_works():
+    """FSDPStrategy (FSDP1, refused on CPU by Lightning) and a ModelParallelStrategy the callback
+    could not turn into the fault-tolerant one (a subclass with its own set-up): clear errors
+    that name the way that works, instead of the generic "needs strategy='ddp'"."""
     import types
 
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     from chameleon_ft.runtime.errors import ConfigError
-    st = ModelParallelStrategy() if strategy == "model_parallel" else FSDPStrategy()
-    trainer = types.SimpleNamespace(strategy=st, callbacks=[], limit_train_batches=1.0)
-    with pytest.raises(ConfigError, match="sharded.*ElasticTrainer.*sharding="):
-        FaultToleranceCallback().setup(trainer, None, "fit")
+    for st, match in ((FSDPStrategy(), "ModelParallelStrategy.*tensor_parallel_size=1.*fully_shard"),
+                      (ModelParallelStrategy(), "FaultTolerantModelParallelStrategy")):
+        trainer = types.SimpleNamespace(strategy=st, callbacks=[], limit_train_batches=1.0)
+        with pytest.raises(ConfigError, match=match):
+            FaultToleranceCallback().setup(trainer, None, "fit")
+
+
+def test_a_model_parallel_strategy_object_becomes_the_fault_tolerant_one_in_place():
+    """The Trainer holds the user's ModelParallelStrategy object; the callback's hook turns that
+    same object into FaultTolerantModelParallelStrategy with what Lightning set on it (its
+    collectives bound to it, not to a copy), and refuses tensor parallelism clearly."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from chameleon_ft.runtime.errors import ConfigError
+    from lightning_ft import FaultTolerantModelParallelStrategy
+
+    st = ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
+    st.parallel_devices = [torch.device("cpu")] * 4
+    same = FaultTolerantModelParallelStrategy.adopt(st)
+    assert same is st and type(st) is FaultTolerantModelParallelStrategy
+    assert st.parallel_devices == [torch.device("cpu")] * 4 and st._data_parallel_size == 4
+    assert st._coll.gm_fn.__self__ is st  # the live collectives read this object's membership
+    tp = FaultTolerantModelParallelStrategy.adopt(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        tp.setup_environment()
