@@ -77,3 +77,23 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
     # near the failure-free run: the last validation loss within 10 % of it
     ref, got = reference["val_losses"][-1], finals[min(finals)]["val_losses"][-1]
     assert abs(got - ref) <= 0.1 * ref, (got, ref)
+
+
+def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_path, reference):
+    """``trainer.save_checkpoint`` writes the whole model and optimizer state (gathered from the
+    shards; ``weights_only`` loadable); ``fit(ckpt_path=...)`` on 3 workers re-shards it and
+    ends where the uninterrupted 4-worker run ends."""
+    first = _job(tmp_path / "first", "--epochs", "2")
+    f1 = first.run_to_end(240)
+    assert all(f["global_step"] == 2 * STEPS_PER_EPOCH for f in f1.values())
+    second = ScriptJob(SCRIPT, tmp_path / "second", "--mb-sleep", "0.05", "--ckpt",
+                       str(tmp_path / "first" / "last.ckpt"), nproc=3)
+    f2 = second.run_to_end(240)
+    assert sorted(f2) == [0, 1, 2]
+    for f in f2.values():
+        assert f["global_step"] == STEPS_PER_EPOCH * EPOCHS and f["epoch"] == EPOCHS
+        assert sorted(f["losses"]) == list(range(2 * STEPS_PER_EPOCH + 1, EPOCHS * STEPS_PER_EPOCH + 1))
+    got = f2[0]
+    assert abs(got["val_losses"][-1] - reference["val_losses"][-1]) <= 1e-4 * reference["val_losses"][-1]
+    for k, v in reference["params"].items():
+        assert (got["params"][k] - v).abs().max() <= 1e-4, k

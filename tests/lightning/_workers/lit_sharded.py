@@ -8,11 +8,13 @@ At the end each worker writes ``<out>/final_<worker id>.pt``: global step, epoch
 ``train_loss`` per step (what the loggers got), the last validation loss, the whole parameters
 (from the checkpoint it saved, ``<out>/last.ckpt``).  ``--plain`` runs without the callback
 (Lightning's own ``ModelParallelStrategy`` under torchrun-style env: the failure-free
-baseline).  ``--mb-sleep`` pads each training step (accelerator emulation).
+baseline).  ``--mb-sleep`` pads each training step (accelerator emulation).  ``--ckpt`` resumes
+from a checkpoint (on any number of workers).
 """
 
 import argparse
 import faulthandler
+import os
 import signal
 import time
 from pathlib import Path
@@ -94,6 +96,7 @@ def main():
     ap.add_argument("--snapshot-every", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--ckpt", default=None, help="resume: trainer.fit(..., ckpt_path=CKPT)")
     args = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     pl.seed_everything(args.seed)
@@ -103,16 +106,17 @@ def main():
     if not args.plain:
         from lightning_ft import FaultToleranceCallback
         callbacks.append(FaultToleranceCallback(snapshot_every=args.snapshot_every))
-    trainer = pl.Trainer(accelerator="cpu", devices=4, max_epochs=args.epochs, callbacks=callbacks,
-                         strategy=ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1),
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
+    trainer = pl.Trainer(accelerator="cpu", devices=n, max_epochs=args.epochs, callbacks=callbacks,
+                         strategy=ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          num_sanity_val_steps=0, log_every_n_steps=1)
     model = LitModel(args.mb_sleep, str(out / "markers"))
     train = DataLoader(data(256, 1), batch_size=8, shuffle=True)
     val = DataLoader(data(100, 2), batch_size=8)
-    trainer.fit(model, train, val)
+    trainer.fit(model, train, val, ckpt_path=args.ckpt)
     trainer.save_checkpoint(str(out / "last.ckpt"))
-    wid = trainer.global_rank if args.plain else int(__import__("os").environ["CHAMELEON_FT_WORKER_ID"])
+    wid = trainer.global_rank if args.plain else int(os.environ["CHAMELEON_FT_WORKER_ID"])
     ckpt = torch.load(out / "last.ckpt", weights_only=True)
     torch.save({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                 "losses": model.losses, "val_losses": model.val_losses,
