@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,28 @@ def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_pa
     assert abs(got["val_losses"][-1] - reference["val_losses"][-1]) <= 1e-4 * reference["val_losses"][-1]
     for k, v in reference["params"].items():
         assert (got["params"][k] - v).abs().max() <= 1e-4, k
+
+
+def test_kill_inside_validation_reruns_it_over_the_survivors(tmp_path, reference):
+    """Evaluation unshards every unit once at its start (over the live group) and runs its
+    forwards without collectives; a worker killed inside it: the survivors recover (rehabilitate
+    the lost shard), then run that validation again over the 3 of them, and training goes on."""
+    job = _job(tmp_path, "--val-sleep", "0.05", "--snapshot-every", "1")
+    victim = random.randrange(4)
+    marker = tmp_path / "markers" / f"val_w{victim}_e1"
+    try:
+        job.start()
+        job.wait_for(lambda ev: marker.exists(), 180, "the victim's second validation")
+        time.sleep(random.uniform(0.05, 0.15))
+        job.kill(victim)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == sorted(set(range(4)) - {victim}), job.output()[-3000:]
+    _user_view(finals)
+    assert all(f["eval_reruns"] == 1 for f in finals.values()), [f["eval_reruns"] for f in finals.values()]
+    rec = [e for e in job.events() if e["event"] == "shard_recovery"]
+    assert [d["chosen"] for d in rec] == ["rehabilitate"] and rec[0]["lost_rows"] == [victim], rec
+    ref, got = reference["val_losses"][-1], finals[min(finals)]["val_losses"][-1]
+    assert abs(got - ref) <= 0.1 * ref, (got, ref)

@@ -8,7 +8,8 @@ At the end each worker writes ``<out>/final_<worker id>.pt``: global step, epoch
 ``train_loss`` per step (what the loggers got), the last validation loss, the whole parameters
 (from the checkpoint it saved, ``<out>/last.ckpt``).  ``--plain`` runs without the callback
 (Lightning's own ``ModelParallelStrategy`` under torchrun-style env: the failure-free
-baseline).  ``--mb-sleep`` pads each training step (accelerator emulation).  ``--ckpt`` resumes
+baseline).  ``--mb-sleep`` pads each training step (accelerator emulation), ``--val-sleep`` each
+validation batch; ``<out>/markers/val_w<worker>_e<epoch>`` appears when a validation starts.  ``--ckpt`` resumes
 from a checkpoint (on any number of workers).
 """
 
@@ -39,11 +40,11 @@ class FeedForward(torch.nn.Module):
 
 
 class LitModel(pl.LightningModule):
-    def __init__(self, mb_sleep=0.0, markers=None):
+    def __init__(self, mb_sleep=0.0, markers=None, val_sleep=0.0):
         super().__init__()
         self.model = FeedForward(32, 64)
         self.head = torch.nn.Linear(32, 1)
-        self.mb_sleep, self.markers = mb_sleep, markers
+        self.mb_sleep, self.markers, self.val_sleep = mb_sleep, markers, val_sleep
         self.losses = {}  # global step -> logged train loss (this worker's view)
         self.val_losses = []
 
@@ -68,8 +69,15 @@ class LitModel(pl.LightningModule):
         if self.markers is not None:
             Path(self.markers, f"step{self.global_step}_w{self.trainer.global_rank}").touch()
 
+    def on_validation_start(self):
+        if self.markers is not None and not self.trainer.sanity_checking:
+            wid = os.environ.get("CHAMELEON_FT_WORKER_ID", self.trainer.global_rank)
+            Path(self.markers, f"val_w{wid}_e{self.current_epoch}").touch()
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
+        if self.val_sleep:
+            time.sleep(self.val_sleep)
         self.log("val_loss", F.mse_loss(self.head(self.model(x)).squeeze(-1), y), sync_dist=True)
 
     def on_validation_end(self):
@@ -93,6 +101,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--mb-sleep", type=float, default=0.0)
+    ap.add_argument("--val-sleep", type=float, default=0.0)
     ap.add_argument("--snapshot-every", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true")
@@ -111,7 +120,7 @@ def main():
                          strategy=ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          num_sanity_val_steps=0, log_every_n_steps=1)
-    model = LitModel(args.mb_sleep, str(out / "markers"))
+    model = LitModel(args.mb_sleep, str(out / "markers"), args.val_sleep)
     train = DataLoader(data(256, 1), batch_size=8, shuffle=True)
     val = DataLoader(data(100, 2), batch_size=8)
     trainer.fit(model, train, val, ckpt_path=args.ckpt)
@@ -120,6 +129,7 @@ def main():
     ckpt = torch.load(out / "last.ckpt", weights_only=True)
     torch.save({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                 "losses": model.losses, "val_losses": model.val_losses,
+                "eval_reruns": getattr(trainer.strategy, "eval_reruns", 0),
                 "params": ckpt["state_dict"] if ckpt is not None and not args.plain else None},
                out / f"final_{wid}.pt")
 
