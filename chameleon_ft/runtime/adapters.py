@@ -427,4 +427,12 @@ def recovery_line(ctx, who: str) -> str:
     what = f"lost worker(s) {lost} ({', '.join(kinds)})" if lost else str(rec.get("reason") or "reconfigured")
     line = (f"{who}: recovered at step {rec.get('step', ctx.step)}: {what}; engine chose "
             f"{' then '.join(chosen) or 'nothing new'}; {ctx.view.world_size} worker(s) train on")
+    shard = getattr(ctx, "last_shard_decision", None)  # sharded jobs: how the lost rows came back
+    at = rec.get("step", ctx.step)  # the first step committed after the recovery
+    if shard is not None and shard.get("step", -2) in (at - 1, at) and shard.get("lost_rows"):
+        line += f"; shards {shard['lost_rows']}: {shard['chosen']}"
+        if shard.get("snapshot_step") is not None and shard["chosen"] != "heal":
+            line += f" from step {shard['snapshot_step']}'s snapshot"
+        if shard.get("predicted_heal_steps"):
+            line += f" (loss gap predicted to close in {shard['predicted_heal_steps']:.1f} steps)"
     return line + (f"; MTTR {mttr:.3f} s" if mttr is not None else "")

@@ -320,8 +320,15 @@ class ShardedContext(RecoveryCore):
         """This member's row: its parameter shards, then each optimizer tensor state's."""
         return _flatten(self._locals(), self._state_local, self._keys, self.dtype)
 
+    def _current_keys(self) -> list[str]:
+        """The optimizer's states sharded like the parameters: found once they exist (an
+        optimizer has none before its first step), then kept."""
+        if not self._keys:
+            self._keys = self._tensor_keys()
+        return self._keys
+
     def _scalars(self) -> dict:
-        return _scalars(self.optimizer, self.shard_params, self._keys)
+        return _scalars(self.optimizer, self.shard_params, self._current_keys())
 
     def _groups_json(self) -> list[dict]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -492,7 +499,7 @@ class ShardedContext(RecoveryCore):
         self._complete_snapshot()
         t0 = time.perf_counter()
         n, r = self.view.world_size, self.view.rank
-        self._keys = self._keys or self._tensor_keys()
+        self._current_keys()
         own = {"step": self.step, "row": self._row_vector().clone(), "k": self.layout.row_of(r),
                "layout": self.layout.to_json(), "keys": list(self._keys), "scalars": self._scalars(),
                "groups": self._groups_json(), "buffers": self._buffers(), "run": self._run_state()}
@@ -637,7 +644,8 @@ class ShardedContext(RecoveryCore):
             warmup_steps=self.recipe.warmup_steps,
             restart_bias_correction=self.recipe.restart_bias_correction)
         d = sr.choose_recovery(facts)
-        plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._keys), "old": self.layout.to_json()}
+        plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._current_keys()),
+                "old": self.layout.to_json()}
         if d.chosen == "heal":
             plan["rows"] = [[k, min(holders[k]), "live", self.step] for k in range(rows)]
         elif d.chosen == "recompute":
@@ -682,7 +690,7 @@ class ShardedContext(RecoveryCore):
         if plan["mode"] == "live":
             self._live_start = False
             self._adopt_live(n, r)
-            self._keys = self._keys or self._tensor_keys()
+            self._current_keys()
             if self.k:
                 self._take_snapshot(wait=True)
             return
@@ -843,7 +851,7 @@ class ShardedContext(RecoveryCore):
         ``state_dict`` format (state by parameter index, ``param_groups``), gathered from the
         rows (a collective: every member calls it at the same point; a framework's unsharded
         checkpoint)."""
-        keys = self._keys or self._tensor_keys()
+        keys = self._current_keys()
         full = self._assemble_full(self._live_plan(keys))
         params = self._split(full, 0)
         per_key = {key: self._split(full, j) for j, key in enumerate(keys, start=1)}
@@ -900,7 +908,7 @@ class ShardedContext(RecoveryCore):
         the lowest-ranked member writes the whole, unsharded run state (loadable with
         ``weights_only=True``; any world size resumes from it).  A failure during the gather
         recovers like a failed step and leaves the previous checkpoint in place."""
-        self._keys = self._keys or self._tensor_keys()
+        self._current_keys()
         t0 = time.perf_counter()
         try:
             full = self._assemble_full(self._live_plan(self._keys))

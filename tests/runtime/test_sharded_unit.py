@@ -78,3 +78,32 @@ def test_a_new_row_is_made_of_exactly_the_old_rows_overlaps(old, new):
                 got[do:do + n] = vec[so:so + n]
         assert torch.equal(got, torch.cat([flat[s:e] for s, e in b.segments(r)]))
     assert sum(b.numel(r) for r in range(b.shards)) == b.total
+
+
+def test_the_recovery_payload_scalars_never_hold_sharded_optimizer_states():
+    """Before any snapshot after the optimizer's first step (a long Young/Daly interval, a kill
+    at step 20) the sharded states were still unknown and went into the recovery's broadcast as
+    "scalars": DTensors the state broadcast cannot pack (found by Lightning's FSDP2 docs example
+    with a kill).  The keys are found when needed."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from chameleon_ft.runtime.sharded import _fake_world
+    _fake_world(0, 1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
+        fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        ctx = object.__new__(ShardedContext)
+        ctx.optimizer, ctx.shard_params, ctx._keys = opt, list(m.parameters()), []
+        assert ctx._scalars() == {0: {}, 1: {}}  # no state before the first step
+        ctx._keys = []
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        scalars = ctx._scalars()
+        assert ctx._keys == ["exp_avg", "exp_avg_sq"]
+        assert [sorted(s) for s in scalars.values()] == [["step"], ["step"]]
+        assert all(type(v) is torch.Tensor for s in scalars.values() for v in s.values())
+    finally:
+        dist.destroy_process_group()
