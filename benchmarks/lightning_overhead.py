@@ -1,6 +1,11 @@
 """Failure-free overhead of ``FaultToleranceCallback`` against plain ``strategy="ddp"``, and MTTR.
 
     python benchmarks/lightning_overhead.py [--runs 3] [--nproc 4] [--mb-sleep 0.02] [--epochs 2]
+        [--sharded]
+
+``--sharded``: the same with Lightning's FSDP2 recipe (``tests/lightning/_workers/lit_sharded.py``:
+``ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)``, ``fully_shard`` in
+``configure_model``; plain = Lightning's own strategy, a default process group over torchrun).
 
 Runs ``tests/lightning/_workers/lit_train.py`` (a small LightningModule, CSVLogger,
 ModelCheckpoint, StepLR, accumulate_grad_batches=2) with 4 CPU workers:
@@ -34,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from chameleon_ft.localjob import LocalJob  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "lightning" / "_workers" / "lit_train.py"
+SHARDED = ROOT / "tests" / "lightning" / "_workers" / "lit_sharded.py"
 
 
 def _env() -> dict:
@@ -50,15 +56,17 @@ def _fit_seconds(out: Path) -> float:
 
 def run_plain(a, out: Path) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc),
-           "--master-port", str(29500 + os.getpid() % 1000), str(SCRIPT), "--plain", "--out", str(out),
-           "--epochs", str(a.epochs), "--mb-sleep", str(a.mb_sleep), "--devices", str(a.nproc)]
+           "--master-port", str(29500 + os.getpid() % 1000), str(a.script), "--plain", "--out", str(out),
+           "--epochs", str(a.epochs), "--mb-sleep", str(a.mb_sleep)]
+    if not a.sharded:
+        cmd += ["--devices", str(a.nproc)]
     subprocess.run(cmd, check=True, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    timeout=600)
     return _fit_seconds(out)
 
 
 def run_ft(a, out: Path, kill_at: int | None = None) -> tuple[float, list[dict]]:
-    job = LocalJob(out, SCRIPT, ["--out", str(out), "--epochs", str(a.epochs),
+    job = LocalJob(out, a.script, ["--out", str(out), "--epochs", str(a.epochs),
                                  "--mb-sleep", str(a.mb_sleep)], nproc=a.nproc, env=_env())
     try:
         job.start()
@@ -78,7 +86,10 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--mb-sleep", type=float, default=0.02, help="accelerator emulation (s per micro-batch)")
+    p.add_argument("--sharded", action="store_true", help="Lightning's FSDP2 recipe (ModelParallelStrategy)")
     a = p.parse_args()
+    a.script = SHARDED if a.sharded else SCRIPT
+    name = "model_parallel (FSDP2)" if a.sharded else "ddp"
     mode = f"accelerator emulation ({a.mb_sleep * 1000:.0f} ms per micro-batch)" if a.mb_sleep else "plain CPU"
     plain, ft = [], []
     with tempfile.TemporaryDirectory(prefix="lightning-overhead-") as tmp:
@@ -91,8 +102,8 @@ def main() -> None:
     print(f"\n{a.nproc} CPU workers, {a.epochs} epochs x 8 steps, {mode}; trainer.fit seconds, "
           f"median of {a.runs}")
     print("| strategy | fit (s) | ratio |\n| --- | --- | --- |")
-    print(f"| ddp (plain) | {mp:.3f} | 1.000 |")
-    print(f"| ddp + FaultToleranceCallback | {mf:.3f} | {mf / mp:.3f} |")
+    print(f"| {name} (plain) | {mp:.3f} | 1.000 |")
+    print(f"| {name} + FaultToleranceCallback | {mf:.3f} | {mf / mp:.3f} |")
     print(f"failure-free overhead: {100 * (mf / mp - 1):+.1f} %")
     for rec in (e for e in events if e["event"] == "recovery"):
         mttr = rec["mttr"]

@@ -123,14 +123,17 @@ def main():
     model = LitModel(args.mb_sleep, str(out / "markers"), args.val_sleep)
     train = DataLoader(data(256, 1), batch_size=8, shuffle=True)
     val = DataLoader(data(100, 2), batch_size=8)
+    t0 = time.perf_counter()
     trainer.fit(model, train, val, ckpt_path=args.ckpt)
-    trainer.save_checkpoint(str(out / "last.ckpt"))
+    fit_s = time.perf_counter() - t0
+    if not args.plain:  # Lightning's own strategy writes a distributed checkpoint (a directory)
+        trainer.save_checkpoint(str(out / "last.ckpt"))
     wid = trainer.global_rank if args.plain else int(os.environ["CHAMELEON_FT_WORKER_ID"])
-    ckpt = torch.load(out / "last.ckpt", weights_only=True)
-    torch.save({"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+    ckpt = None if args.plain else torch.load(out / "last.ckpt", weights_only=True)
+    torch.save({"fit_s": fit_s, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
                 "losses": model.losses, "val_losses": model.val_losses,
                 "eval_reruns": getattr(trainer.strategy, "eval_reruns", 0),
-                "params": ckpt["state_dict"] if ckpt is not None and not args.plain else None},
+                "params": ckpt["state_dict"] if ckpt is not None else None},
                out / f"final_{wid}.pt")
 
 
