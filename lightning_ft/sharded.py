@@ -54,7 +54,6 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from chameleon_ft.rehab import RehabRecipe
@@ -292,17 +291,10 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
             self._mb = None
             self._coll.local_reason = None
             update = functools.partial(self._apply_update, optimizer, model, result, kwargs)
-            if ctx.commit(loss_w, t0, len(mine), [i for mb in mine for i in mb.indices], update=update):
+            ids = [i for mb in mine for i in mb.indices]
+            if ctx.commit(loss_w, t0, len(mine), ids, update=update) or self._commit_failed(ctx, step):
                 break
-            self._after_reconfiguration()
-            if ctx.step > step:  # a peer committed it; its state is ours now
-                self.adopted_steps += 1
-                self._coll.catch_up = True
-                break
-            self.redone_steps += 1
-        if not ran_closure and isinstance(closure, Closure):
-            closure._result = ClosureResult(None)
-        self._batch_key = None
+        self._close_step(closure, ran_closure)
         self.last_step = {"step_s": time.perf_counter() - t_first, "compute_s": ctx._compute_s,
                           "data_wait_s": 0.0, "sync_s": ctx._prev_comm}
         return result

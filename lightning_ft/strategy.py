@@ -424,22 +424,30 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             self._coll.local_reason = None
             self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)
             ts = time.perf_counter()
-            if ctx.sync_and_step():
+            if ctx.sync_and_step() or self._commit_failed(ctx, step):
                 break
-            # A failure interrupted the step; the runtime has reconfigured the job.
-            self._after_reconfiguration()
-            if ctx.step > step:  # a peer committed it; its state is ours now
-                self.adopted_steps += 1
-                self._coll.catch_up = True
-                break
-            self.redone_steps += 1
-        if not ran_closure and isinstance(closure, Closure):
-            closure._result = ClosureResult(None)  # nothing of this step ran through Lightning's batch
-        self._batch_key = None
+        self._close_step(closure, ran_closure)
         end = time.perf_counter()
         self.last_step = {"step_s": end - t0, "compute_s": compute - data_wait, "data_wait_s": data_wait,
                           "sync_s": end - ts}
         return result
+
+    def _commit_failed(self, ctx, step: int) -> bool:
+        """A failure interrupted the step's commit and the runtime reconfigured the job: True
+        when a peer had committed it (its state is ours now: the step is done), else the step
+        is redone."""
+        self._after_reconfiguration()
+        if ctx.step > step:
+            self.adopted_steps += 1
+            self._coll.catch_up = True
+            return True
+        self.redone_steps += 1
+        return False
+
+    def _close_step(self, closure, ran_closure: bool) -> None:
+        if not ran_closure and isinstance(closure, Closure):
+            closure._result = ClosureResult(None)  # nothing of this step ran through Lightning's batch
+        self._batch_key = None
 
     def _step_collectives_line_up(self) -> bool:
         """Whether collectives inside ``training_step`` (``self.log(..., sync_dist=True)`` on

@@ -41,6 +41,22 @@ def _user_view(finals: dict) -> None:
         "head.weight": (1, 32), "head.bias": (1,)}
 
 
+def _kill(job: ScriptJob, victim: int, wait) -> dict:
+    """Start ``job``, ``wait()``, SIGKILL ``victim`` from outside by PID; the survivors end
+    cleanly and saw what the user's code expects (``_user_view``)."""
+    try:
+        job.start()
+        wait()
+        job.kill(victim)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == sorted(set(range(4)) - {victim}), job.output()[-3000:]
+    _user_view(finals)
+    return finals
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     job = _job(tmp_path_factory.mktemp("sharded_ref"))
@@ -54,16 +70,7 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
     rng = random.Random()
     victim, at = rng.randrange(4), rng.randrange(9, 15)
     job = _job(tmp_path, "--snapshot-every", "4")  # the snapshot is 0-3 steps stale
-    try:
-        job.start()
-        job.wait_step(at, 180)
-        job.kill(victim)
-        assert job.wait(240) == [0], job.output()[-4000:]
-        finals = job.final()
-    finally:
-        job.cleanup()
-    assert sorted(finals) == sorted(set(range(4)) - {victim}), job.output()[-3000:]
-    _user_view(finals)
+    finals = _kill(job, victim, lambda: job.wait_step(at, 180))
     events = job.events()
     rec = [e for e in events if e["event"] == "shard_recovery"]
     assert len(rec) == 1, rec
@@ -108,17 +115,11 @@ def test_kill_inside_validation_reruns_it_over_the_survivors(tmp_path, reference
     job = _job(tmp_path, "--val-sleep", "0.05", "--snapshot-every", "1")
     victim = random.randrange(4)
     marker = tmp_path / "markers" / f"val_w{victim}_e1"
-    try:
-        job.start()
+
+    def inside_validation():
         job.wait_for(lambda ev: marker.exists(), 180, "the victim's second validation")
         time.sleep(random.uniform(0.05, 0.15))
-        job.kill(victim)
-        assert job.wait(240) == [0], job.output()[-4000:]
-        finals = job.final()
-    finally:
-        job.cleanup()
-    assert sorted(finals) == sorted(set(range(4)) - {victim}), job.output()[-3000:]
-    _user_view(finals)
+    finals = _kill(job, victim, inside_validation)
     assert all(f["eval_reruns"] == 1 for f in finals.values()), [f["eval_reruns"] for f in finals.values()]
     rec = [e for e in job.events() if e["event"] == "shard_recovery"]
     assert [d["chosen"] for d in rec] == ["rehabilitate"] and rec[0]["lost_rows"] == [victim], rec
