@@ -23,7 +23,8 @@ Event types and their fields:
 Several processes may append to one file: it is opened with ``O_APPEND`` and each line goes
 out in a single ``os.write``, which Linux applies atomically at the end of a regular file, so
 lines do not interleave and a process killed between writes leaves no partial line.  A crash
-*inside* a write (or a full disk) can still leave a truncated line; ``read_events`` skips it.
+*inside* a write (or a full disk) can still leave a truncated line -- a SIGKILL can stop a
+write longer than a page at a page boundary -- ; ``read_events`` skips it.
 
 Limits, honestly: no fsync by default (a machine crash may lose the last lines; pass
 ``fsync=True`` to pay for durability); ``ts`` is wall-clock time from each writer, so ordering

@@ -52,7 +52,12 @@ def test_concurrent_appends_from_four_processes_give_whole_lines(tmp_path):
     assert all(e["pad"] == PAYLOAD for e in events)
 
 
-def test_writer_killed_mid_run_leaves_only_whole_lines(tmp_path):
+def test_writer_killed_mid_run_leaves_whole_lines_and_at_most_a_torn_last_one(tmp_path):
+    """A SIGKILL between two writes leaves whole lines only; one that lands inside a write of a
+    line longer than a page can cut it (Linux stops a regular-file write at a page boundary
+    once a fatal signal is pending: seen once in ~50 runs of this test on a loaded machine).
+    So: every line but the last is whole, the last is whole or a torn prefix, and the
+    readers skip a torn last line -- strict reading included (it is not corruption)."""
     path = tmp_path / "events.jsonl"
     code = (
         "import sys\n"
@@ -75,9 +80,14 @@ def test_writer_killed_mid_run_leaves_only_whole_lines(tmp_path):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert path.read_bytes().endswith(b"\n")
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    whole, tail = lines[:-1], lines[-1]  # tail: b"" when the file ends with a newline
+    for line in whole:
+        json.loads(line)  # every line but the last is whole
+    assert tail == b"" or b"\n" not in tail  # at most a torn prefix of one line
     events = read_events(path, strict=True)
-    assert len(events) >= 50
+    assert len(events) == len(whole) >= 50
     assert [e["step"] for e in events] == list(range(len(events)))
 
 
