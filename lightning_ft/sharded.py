@@ -59,7 +59,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from chameleon_ft.rehab import RehabRecipe
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.sharded import FsdpComms, ShardedContext, _fake_world, _Layout
-from lightning_ft.strategy import (_UNEVEN, FaultTolerantDDPStrategy, _SchedulerState, at_least_one_each)
+from lightning_ft.strategy import _UNEVEN, AtLeastOneEach, FaultTolerantDDPStrategy, _SchedulerState
 
 __all__ = ["FaultTolerantModelParallelStrategy"]
 
@@ -70,7 +70,7 @@ LIGHTNING_SHARD_PATHS = frozenset({"rehabilitate", "restart"})
 _Ghost = namedtuple("_Ghost", "weight index")
 
 
-class _LightningShardedContext(ShardedContext):
+class _LightningShardedContext(AtLeastOneEach, ShardedContext):
     """``ShardedContext`` over the user's LightningModule (module doc): the module is kept,
     its children are re-made from the template per generation and the user's units are
     sharded again; at start every member already holds its row (``_adopt_live``)."""
@@ -89,7 +89,7 @@ class _LightningShardedContext(ShardedContext):
         return None  # the children's templates were taken before configure_model
 
     def _make_mesh(self, n: int):
-        return self._mesh_fn(n, self.row)
+        return self._mesh_fn(n, self.row)  # one replica group: the row is the rank
 
     def _make_module(self, mesh):
         lm = self.model
@@ -113,13 +113,6 @@ class _LightningShardedContext(ShardedContext):
         if self.resume_full is not None:
             self.load_full_state(*self.resume_full)
             self.resume_full = None
-
-    def _apply_allocation(self) -> None:
-        super()._apply_allocation()
-        s = self.sampler
-        counts = at_least_one_each(s.allocation, s.members)
-        if counts != list(s.allocation):
-            s.set_allocation(list(s.members), counts)
 
 
 class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
@@ -313,26 +306,20 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
 
     def _evaluate_unsharded(self, run) -> Any:
         """Every unit unsharded once (one all-gather each, over the live group), the loop's
-        forwards without collectives, then resharded (local)."""
+        forwards without collectives, then resharded (local) with its own setting back."""
         from torch.distributed.fsdp import FSDPModule
-        units = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        units = [(n, m) for n, m in self.lightning_module.named_modules() if isinstance(m, FSDPModule)]
         try:
-            for u in units:
+            for _, u in units:
                 u.set_reshard_after_forward(False)
             with torch.no_grad():
-                for u in units:
+                for _, u in units:
                     u.unshard()
             return run()
         finally:
-            for u in units:
+            for name, u in units:
                 u.reshard()
-            for u, (name, reshard) in zip(units, self._unit_flags(units)):
-                u.set_reshard_after_forward(reshard)
-
-    def _unit_flags(self, units) -> list:
-        lm = self.lightning_module
-        names = {id(m): n for n, m in lm.named_modules()}
-        return [(names.get(id(u), ""), self._units.get(names.get(id(u), ""), True)) for u in units]
+                u.set_reshard_after_forward(self._units.get(name, True))
 
     # ---------------------------------------------------------------- checkpoints
     def _full_state(self) -> tuple[dict, dict]:

@@ -129,9 +129,9 @@ class _SchedulerState:
         self.snapshot = copy.deepcopy(state["schedulers"])
 
 
-class _LightningContext(ElasticContext):
-    """``ElasticContext`` that leaves no member without a micro-batch in a step (while the
-    step has at least one per member).  Lightning's logging is per ``training_step`` call: a
+class AtLeastOneEach:
+    """A context mixin that leaves no member without a micro-batch in a step (while the step
+    has at least one per member).  Lightning's logging is per ``training_step`` call: a
     member that ran no ``training_step`` in an epoch holds none of the epoch's logged
     metrics, so it would skip their epoch-end sync while its peers run it (mismatched
     collectives, a watchdog timeout, local metrics).  The engine may give a straggler nothing
@@ -144,6 +144,10 @@ class _LightningContext(ElasticContext):
         counts = at_least_one_each(s.allocation, s.members)
         if counts != list(s.allocation):
             s.set_allocation(list(s.members), counts)
+
+
+class _LightningContext(AtLeastOneEach, ElasticContext):
+    """The data-parallel context of a Lightning job."""
 
 
 def at_least_one_each(counts, members) -> list[int]:
