@@ -68,7 +68,10 @@ def reference(tmp_path_factory):
 
 def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, reference):
     rng = random.Random()
-    victim, at = rng.randrange(4), rng.randrange(9, 15)
+    # Steps 9-13 of epoch 1 (steps 8-15): the kill lands in step 13 or 14, never in the commit of
+    # the epoch's last step, after which the validation of a member that adopted that step is
+    # partial (docs/lightning.md's limits; the kill-inside-validation test covers evaluation).
+    victim, at = rng.randrange(4), rng.randrange(9, 14)
     job = _job(tmp_path, "--snapshot-every", "4")  # the snapshot is 0-3 steps stale
     finals = _kill(job, victim, lambda: job.wait_step(at, 180))
     events = job.events()
