@@ -139,6 +139,9 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         self._template: Optional[dict] = None
         self._units: dict = {}
         self._pre_comms: Optional[FsdpComms] = None
+        self._resume_params: Optional[dict] = None  # a checkpoint's whole state, loaded at start
+        self._resume_optim: Optional[dict] = None
+        self._full_cache: tuple = (None, None)  # ((step, generation), whole state) of the last gather
 
     @classmethod
     def adopt(cls, strategy: ModelParallelStrategy) -> "FaultTolerantModelParallelStrategy":
@@ -239,7 +242,8 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
             self.lightning_module, self._template, self._units, self._mesh, self.optimizers[0], dataset_len,
             global_batch, micro_batch, snapshot_every=self.snapshot_every, recipe=self.recipe,
             scheduler=_SchedulerState(self), config=cfg, env=self.env, **kw)
-        ctx.resume_full = getattr(self, "_resume_full", None)
+        if self._resume_params is not None:
+            ctx.resume_full = (self._resume_params, self._resume_optim)
         return ctx
 
     # ---------------------------------------------------------------- the step
@@ -327,7 +331,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         module's and the optimizer's state separately)."""
         ctx = self.ctx
         key = (ctx.step, ctx.view.token)
-        if getattr(self, "_full_cache", (None,))[0] != key:
+        if self._full_cache[0] != key:
             self._full_cache = (key, self._collective(ctx.full_state, ctx.full_state))
         return self._full_cache[1]
 
@@ -346,7 +350,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         # Loaded into the rows once the runtime starts (every member keeps its own slices).
-        self._resume_full = (dict(checkpoint["state_dict"]), getattr(self, "_resume_full", (None, None))[1])
+        self._resume_params = dict(checkpoint["state_dict"])
         lm = self.lightning_module
         bufs = dict(lm.named_buffers())
         with torch.no_grad():
@@ -356,8 +360,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         states = checkpoint.get("optimizer_states") or []
-        params = getattr(self, "_resume_full", (None, None))[0]
-        self._resume_full = (params, states[0] if states else None)
+        self._resume_optim = states[0] if states else None
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

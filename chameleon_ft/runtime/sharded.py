@@ -42,6 +42,14 @@ restart (``shard_recovery.choose_recovery``) and every member carries the choice
   steps to close the loss gap are logged.
 * restart: the launcher restarts from the last disk checkpoint (the fallback).
 
+**A framework that owns the module** (``lightning_ft``'s ``ModelParallelStrategy``) uses the
+seams: ``_make_template`` / ``_make_mesh`` / ``_make_module`` (how a generation's sharded module
+is made: there, the user's LightningModule with its children re-made and its own FSDP units
+re-sharded), ``_adopt_live`` (the module the framework sharded before start: every member holds
+its row, nothing moves), the step in two halves (``begin_step``, its forward/backward passes,
+``interrupted`` for an exception of theirs, ``commit(update=...)`` with the framework's own
+optimizer update) and ``full_state`` / ``load_full_state`` (whole checkpoints in torch's format).
+
 Limits, honestly: one FSDP unit per top-level child with parameters plus the root; parameters
 of one dtype; optimizers whose per-parameter state is tensors of the parameter's shape plus
 scalars (SGD, Adam, AdamW, ...); the repair of restored elements scales their updates (torch's
