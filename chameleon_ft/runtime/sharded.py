@@ -387,7 +387,8 @@ class ShardedContext(RecoveryCore):
         failure = exc if isinstance(exc, CollectiveFailure) else (self.comms.failure if self.comms else None)
         if failure is None:
             raise exc
-        self.comms.failure = None
+        if self.comms is not None:
+            self.comms.failure = None
         self._grads_ready = False
         self._step_start = None
         self._recover(failure, t0)
