@@ -29,6 +29,15 @@ def _steps(c: ProtoCluster, wid: int) -> list[dict]:
     return [e for e in c.events(wid) if e["event"] == "step"]
 
 
+def _reconfigurations(c: ProtoCluster, workers) -> dict:
+    """Each worker's views, failures and rebuilds (what a failed check needs: the run's files
+    are gone by the time CI output is read)."""
+    keep = ("view", "failure", "rebuilt", "error")
+    return {w: [{k: v for k, v in e.items() if k in ("event", "phase", "generation", "members", "kind",
+                                                      "where", "step", "suspects", "message")}
+                for e in c.events(w) if e["event"] in keep] for w in workers}
+
+
 def _check_survivors(c: ProtoCluster, survivors, members_at_end, steps: int) -> None:
     """Every step correct; at each step all survivors used the same generation/members;
     everyone finished with ``members_at_end``."""
@@ -38,7 +47,7 @@ def _check_survivors(c: ProtoCluster, survivors, members_at_end, steps: int) -> 
         bad = [e for e in evs.values() if not e["ok"]]
         assert not bad, f"worker {w} got wrong all-reduce results: {bad[:2]}"
         done = [e for e in c.events(w) if e["event"] == "done"]
-        assert done and done[-1]["members"] == list(members_at_end), done
+        assert done and done[-1]["members"] == list(members_at_end), (done, _reconfigurations(c, survivors))
     for s in range(steps):
         seen = {(by_worker[w][s]["token"], tuple(by_worker[w][s]["members"])) for w in survivors}
         assert len(seen) == 1, f"survivors disagree at step {s}: {seen}"
