@@ -53,12 +53,12 @@ from collections import namedtuple
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from chameleon_ft.rehab import RehabRecipe
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.sharded import FsdpComms, ShardedContext, _fake_world, _Layout
+from chameleon_ft.runtime.sharded import FsdpComms, ShardedContext, _fake_world
 from lightning_ft.strategy import _UNEVEN, AtLeastOneEach, FaultTolerantDDPStrategy, _SchedulerState
 
 __all__ = ["FaultTolerantModelParallelStrategy"]
@@ -103,13 +103,10 @@ class _LightningShardedContext(AtLeastOneEach, ShardedContext):
         return lm
 
     def _adopt_live(self, n: int, rank: int) -> None:
-        self.layout = _Layout(self._shapes, n, 1)
-        self.row = self.layout.row_of(rank)
-        self.comms = FsdpComms(self.gm, n, n, rank, self.hang_timeout_s)
+        self._set_layout(n, rank)
         self.comms.install(self.model)
         self.module = self.model
-        named = dict(self.model.named_parameters())
-        self.shard_params = [named[n] for n in self._names]
+        self._bind(self.model)  # the optimizer already holds these parameters and no state
         if self.resume_full is not None:
             self.load_full_state(*self.resume_full)
             self.resume_full = None
@@ -273,7 +270,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                         self._mb = mb if mb is not None else _Ghost(0.0, -1)
                         source = mb if mb is not None else (mine or [m for v in plan.values() for m in v])[0]
                         batch = self._prepare(self._loader.fetch(step, source))
-                        batch = self.batch_to_device_plain(batch)
+                        batch = Strategy.batch_to_device(self, batch)
                         with _quiet(model, mb is None):
                             loss = self._extra_microbatch(trainer, batch, batch_idx, optimizer)
                     if mb is not None and loss is not None:
@@ -295,10 +292,6 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         self.last_step = {"step_s": time.perf_counter() - t_first, "compute_s": ctx._compute_s,
                           "data_wait_s": 0.0, "sync_s": ctx._prev_comm}
         return result
-
-    def batch_to_device_plain(self, batch: Any) -> Any:
-        from lightning.pytorch.strategies import Strategy
-        return Strategy.batch_to_device(self, batch)
 
     # ---------------------------------------------------------------- evaluation
     def _wrap_loops(self, trainer) -> None:

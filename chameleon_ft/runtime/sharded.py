@@ -276,14 +276,18 @@ class ShardedContext(RecoveryCore):
 
     def _build(self, n: int, rank: int) -> None:
         """This generation's sharded model (uninitialised storage) and optimizer."""
-        self.layout = _Layout(self._shapes, n, self._replicas_for(n))
-        self.row = self.layout.row_of(rank)  # kept: after a failure the view has new ranks
+        self._set_layout(n, rank)
         _fake_world(rank, n)
-        self.comms = FsdpComms(self.gm, n, self.layout.shards, rank, self.hang_timeout_s)
         module = self._make_module(self._make_mesh(n))
         self.comms.install(module)
         self.module = module
         self._bind(module)
+
+    def _set_layout(self, n: int, rank: int) -> None:
+        """This generation's layout, this member's row and the comms over its group."""
+        self.layout = _Layout(self._shapes, n, self._replicas_for(n))
+        self.row = self.layout.row_of(rank)  # kept: after a failure the view has new ranks
+        self.comms = FsdpComms(self.gm, n, self.layout.shards, rank, self.hang_timeout_s)
 
     def _bind(self, module: torch.nn.Module) -> None:
         named = dict(module.named_parameters())
@@ -750,12 +754,7 @@ class ShardedContext(RecoveryCore):
             segs, m = dst.segments(r), dst.numel(r)
             buf = torch.zeros(parts * m, dtype=self.dtype)
             for k, vec in sources:
-                mk = src.numel(k)
-                # A snapshot taken before the optimizer had state carries the parameters only.
-                avail = min(parts, vec.numel() // mk) if mk else 0
-                for so, do, n in _overlaps(src.segments(k), segs):
-                    for j in range(avail):
-                        buf[j * m + do:j * m + do + n] = vec[j * mk + so:j * mk + so + n]
+                _copy_overlaps(buf, m, segs, vec, src.numel(k), src.segments(k), parts)
             self._store_op(lambda b=buf: self.gm.allreduce(b, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
             sink(r, buf)
 
@@ -866,8 +865,7 @@ class ShardedContext(RecoveryCore):
         per_key = {key: self._split(full, j) for j, key in enumerate(keys, start=1)}
         scalars = self._scalars()
         state = {}
-        order = [i for g in self._opt_groups for i in g]  # torch numbers params across groups
-        for at, i in enumerate(order):
+        for at, i in enumerate(self._torch_order()):
             if not self.optimizer.state.get(self.shard_params[i]):
                 continue
             st = {key: per_key[key][self._names[i]] for key in keys}
@@ -878,26 +876,29 @@ class ShardedContext(RecoveryCore):
     def load_full_state(self, params: dict[str, torch.Tensor], optim: Optional[dict]) -> None:
         """Load a ``full_state`` (whole tensors) into this member's rows of the layout it holds
         now (no collective: each member keeps its own slices)."""
-        m = self.layout.numel(self.row)
         keys = sorted({k for st in (optim or {}).get("state", {}).values() for k, v in st.items()
                        if isinstance(v, torch.Tensor) and v.dim() > 0})
-        order = [i for g in self._opt_groups for i in g]
+        order = self._torch_order()
         by_param = {order[int(at)]: st for at, st in (optim or {}).get("state", {}).items()}
+        state = lambda i, key: by_param.get(i, {}).get(key)  # noqa: E731
+        whole = _Layout(self._shapes, 1, 1)
+        tensors = [params[n].to(self.dtype) if n in params else torch.zeros(shape, dtype=self.dtype)
+                   for n, shape in zip(self._names, self._shapes)]
+        full = _flatten(tensors, state, keys, self.dtype)
+        m = self.layout.numel(self.row)
         row = torch.zeros((1 + len(keys)) * m, dtype=self.dtype)
-        for j, source in enumerate([params] + [{self._names[i]: by_param.get(i, {}).get(key)
-                                                for i in range(len(self._names))} for key in keys]):
-            d = 0
-            for name, (a, b), off in zip(self._names, self.layout.segments(self.row), self.layout.offsets):
-                t = source.get(name)
-                if t is not None:
-                    row[j * m + d:j * m + d + b - a] = t.reshape(-1)[a - off:b - off].to(self.dtype)
-                d += b - a
+        _copy_overlaps(row, m, self.layout.segments(self.row), full, whole.total, whole.segments(0), 1 + len(keys))
         scalars = {i: {k: v for k, v in st.items() if k not in keys} for i, st in by_param.items()}
         groups = (optim or {}).get("param_groups") or []
         self._keys = keys
         self._load_rows(row, {"keys": keys, "scalars": scalars,
                               "groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
                               "buffers": None})
+
+    def _torch_order(self) -> list[int]:
+        """Our parameter index of each of torch's (its ``state_dict`` numbers parameters
+        across the param groups, in order)."""
+        return [i for g in self._opt_groups for i in g]
 
     def _live_plan(self, keys: list[str]) -> dict:
         """Every row from its holder in replica group 0 (ranks 0..S-1), as it is now."""
@@ -967,6 +968,17 @@ def _overlaps(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[tu
             out.append((so + lo - a1, do + lo - a2, hi - lo))
         so, do = so + b1 - a1, do + b2 - a2
     return out
+
+
+def _copy_overlaps(dst: torch.Tensor, m: int, dst_segs, src: torch.Tensor, mk: int, src_segs,
+                   parts: int) -> None:
+    """Copy into ``dst`` (``parts`` blocks of ``m``: parameters, then each state) what the
+    source row ``src`` (blocks of ``mk``) shares with it.  A snapshot taken before the
+    optimizer had state carries the parameters only: its missing blocks are left alone."""
+    avail = min(parts, src.numel() // mk) if mk else 0
+    for so, do, n in _overlaps(src_segs, dst_segs):
+        for j in range(avail):
+            dst[j * m + do:j * m + do + n] = src[j * mk + so:j * mk + so + n]
 
 
 def _restored(plan: dict, new: _Layout, row: int) -> list[tuple[int, int]]:
