@@ -198,7 +198,8 @@ class PipelineCalibrator:
       so the time is the transfer, not the sender's compute (:func:`fit_p2p`);
     * the step's all-reduce over ``n`` members of ``nbytes`` (the fastest member's time: the
       others include waiting for the last to arrive) -> :func:`fit_link`;
-    * migrations: (rounds, bytes of the largest transfer of each round summed, seconds);
+    * migrations: (transfers on the critical path, their bytes, seconds) -- the restorer's
+      ``critical_path``: rounds are an order, not barriers;
     * per task (a stage's forward or backward of one micro-batch), the seconds beyond its
       blocks' compute, the wait for its input and the wire: the runtime's per-task cost;
     * the optimizer step's seconds per parameter updated;
@@ -215,7 +216,7 @@ class PipelineCalibrator:
         self.out_bytes: dict[int, int] = {}
         self.p2p: deque = deque(maxlen=8 * self.window)  # (bytes, seconds)
         self.collectives: deque[CollectiveSample] = deque(maxlen=self.window)
-        self.migrations: deque = deque(maxlen=8)  # (rounds, bytes, seconds)
+        self.migrations: deque = deque(maxlen=8)  # (critical-path transfers, their bytes, seconds)
         self.residuals: deque = deque(maxlen=self.window)
         self.hop_residuals: deque = deque(maxlen=self.window)
         self.task_costs: deque = deque(maxlen=self.window)
@@ -250,9 +251,9 @@ class PipelineCalibrator:
                 and sample.nbytes >= 0:
             self.collectives.append(sample)
 
-    def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
-        if rounds > 0 and seconds > 0 and math.isfinite(seconds) and math.isfinite(nbytes) and nbytes >= 0:
-            self.migrations.append((int(rounds), float(nbytes), float(seconds)))
+    def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
+        if hops > 0 and seconds > 0 and math.isfinite(seconds) and math.isfinite(nbytes) and nbytes >= 0:
+            self.migrations.append((int(hops), float(nbytes), float(seconds)))
 
     def observe_residual(self, seconds: float, slots: int = 0) -> None:
         """Measured step minus the model's step without overheads (may be negative: noise).

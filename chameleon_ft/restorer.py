@@ -11,8 +11,10 @@
    then the least loaded sender).  Ranges that no survivor holds are reported as ``lost``: they
    need a snapshot (recompute or rehabilitate).
 3. **Rounds** — transfers that share a device conflict; a DSATUR colouring of the conflict graph
-   (networkx) gives rounds in which no device appears twice.  Transition time is the sum over
-   rounds of the slowest transfer in each.
+   (networkx) gives rounds in which no device appears twice.  Rounds are an order, not
+   barriers: the runtime starts a transfer as soon as both its ends are done with their
+   transfers of earlier rounds, so the transition time is the critical path of that order
+   (:func:`critical_path`), at most the sum over rounds of the slowest transfer in each.
 
 Limits: bandwidth of concurrent transfers on one node's NIC is not shared out; a sharded slot
 can only be served by the same shard index or a full replica.
@@ -57,7 +59,7 @@ class MigrationPlan:
 
     @property
     def seconds(self) -> float:
-        return sum(max(t.seconds for t in r) for r in self.rounds if r)
+        return critical_path(self.rounds, lambda t: (t.src, t.dst, t.seconds))[0]
 
     def summary(self) -> dict:
         return {
@@ -265,6 +267,19 @@ def transfers_to(plan: Plan, holdings: dict[int, list[tuple[int, int]]], workloa
                     out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.state_link(src_id, d).transfer_s(nbytes)))
                     at = stop
     return MigrationPlan(plan, {}, out, schedule_rounds(out), lost)
+
+
+def critical_path(rounds, ends: Callable) -> tuple[float, list]:
+    """Time to carry out ``rounds`` when each transfer starts as soon as both its ends finished
+    their transfers of earlier rounds (rounds are an order, not barriers), and the transfers
+    on the path that sets it.  ``ends(t)`` gives ``(src, dst, seconds)``."""
+    done: dict[Hashable, tuple[float, list]] = {}  # device -> (free at, the chain that got it there)
+    for r in rounds:
+        for t in r:
+            src, dst, sec = ends(t)
+            start, chain = max(done.get(src, (0.0, [])), done.get(dst, (0.0, [])), key=lambda x: x[0])
+            done[src] = done[dst] = (start + sec, chain + [t])
+    return max(done.values(), key=lambda x: x[0], default=(0.0, []))
 
 
 def schedule_rounds(transfers: list[Transfer]) -> list[list[Transfer]]:

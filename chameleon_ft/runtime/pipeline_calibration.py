@@ -32,10 +32,10 @@ class PipelineCalibration:
         for nbytes, sec in p2p:
             self.pipe_cal.observe_p2p(nbytes, sec)
 
-    def observe_migration(self, rounds: int, nbytes: float, seconds: float) -> None:
-        """A migration that was carried out: rounds, bytes of each round's largest transfer
-        summed, and the seconds it took (the slowest member's)."""
-        self.pipe_cal.observe_migration(rounds, nbytes, seconds)
+    def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
+        """A migration that was carried out: the transfers on its critical path
+        (``restorer.critical_path``), their bytes, and the seconds it took (this member's)."""
+        self.pipe_cal.observe_migration(hops, nbytes, seconds)
         self._refit()
 
     def _refit(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 from chameleon_ft.cluster import Link
 from chameleon_ft.perf import Coefficients, estimate, ring_allreduce_s
 from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.restorer import migrate
+from chameleon_ft.restorer import critical_path, migrate
 from chameleon_ft.selector import heal_seconds
 from chameleon_ft.workload import Workload
 
@@ -133,7 +133,7 @@ def test_migrate_prices_transfers_on_the_migration_link_when_set():
         assert t.seconds == approx(plain_cluster.link(t.src, t.dst).transfer_s(t.nbytes))
     for t in mig.transfers:
         assert t.seconds == approx(MIGRATION.transfer_s(t.nbytes))
-    assert mig.seconds == approx(sum(max(MIGRATION.transfer_s(t.nbytes) for t in r) for r in mig.rounds if r))
+    assert mig.seconds == approx(critical_path(mig.rounds, lambda t: (t.src, t.dst, MIGRATION.transfer_s(t.nbytes)))[0])
     assert mig.seconds > plain.seconds
 
 

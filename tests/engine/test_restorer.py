@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from chameleon_ft.cluster import Cluster, Device
 from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.restorer import Transfer, migrate, schedule_rounds
+from chameleon_ft.restorer import Transfer, critical_path, migrate, schedule_rounds
 from chameleon_ft.workload import Layer, Workload
 
 from .conftest import ENGINE, INTER, INTRA, held_layers, usable
@@ -139,8 +139,14 @@ def test_transfers_come_from_real_holders_and_rounds_do_not_conflict(case):
     for r in mig.rounds:
         used = [d for t in r for d in (t.src, t.dst)]
         assert len(used) == len(set(used)), f"a device appears twice in round {r}"
-    # transition = sum over rounds of the slowest transfer in each
-    assert mig.seconds == pytest.approx(sum(max(t.seconds for t in r) for r in mig.rounds))
+    # transition = the critical path of the rounds' order: no shorter than any device's own
+    # transfers back to back, no longer than the rounds taken as barriers
+    busy: dict = {}
+    for t in mig.transfers:
+        for d in (t.src, t.dst):
+            busy[d] = busy.get(d, 0.0) + t.seconds
+    assert max(busy.values(), default=0.0) - 1e-9 <= mig.seconds
+    assert mig.seconds <= sum(max(t.seconds for t in r) for r in mig.rounds) + 1e-9
     # lost state has no surviving holder
     for a, b, q, kk in mig.lost:
         for d in alive - set(empty):
@@ -210,7 +216,7 @@ def test_fsdp_shard_served_by_same_shard_index_only():
     assert len(mig.transfers) == 1 and mig.transfers[0].src == 2
 
 
-def test_transition_is_sum_of_per_round_max_over_links():
+def test_transition_is_the_slowest_link_of_one_round():
     c = Cluster((Device(0, 0), Device(1, 0), Device(2, 1), Device(3, 1)), intra=INTRA, inter=INTER)
     old = Plan((Pipeline((0,), (0, 4), 2), Pipeline((1,), (0, 4), 2)))
     new = Plan(tuple(Pipeline((d,), (0, 4), 1) for d in range(4)))
@@ -218,6 +224,21 @@ def test_transition_is_sum_of_per_round_max_over_links():
     assert len(mig.transfers) == 2 and {t.dst for t in mig.transfers} == {2, 3}
     nbytes = W.total_params * W.state_bytes_per_param
     assert all(t.seconds == pytest.approx(INTER.transfer_s(nbytes)) for t in mig.transfers)
-    assert mig.seconds == pytest.approx(sum(max(t.seconds for t in r) for r in mig.rounds))
+    assert mig.seconds == pytest.approx(INTER.transfer_s(nbytes))
     assert len(mig.rounds) == 1  # two different senders, two receivers: one round
     assert mig.summary()["bytes"] == pytest.approx(2 * nbytes)
+
+
+def test_critical_path_rounds_are_an_order_not_barriers():
+    # (src, dst, seconds): round 1 has a slow 0->1 and a fast 2->3; round 2's 3->4 needs only
+    # worker 3, free after 1 s, so it ends at 2 s; 1->5 waits for the slow transfer (3 + 1 s).
+    rounds = [[(0, 1, 3.0), (2, 3, 1.0)], [(3, 4, 1.0), (1, 5, 1.0)]]
+    seconds, path = critical_path(rounds, lambda t: t)
+    assert seconds == pytest.approx(4.0)
+    assert path == [(0, 1, 3.0), (1, 5, 1.0)]
+    # the rounds taken as barriers would add round 2's slow transfer after round 1's: 5.5 s
+    rounds = [[(0, 1, 3.0), (2, 3, 1.0)], [(3, 4, 2.5), (1, 5, 1.0)]]
+    seconds, path = critical_path(rounds, lambda t: t)
+    assert seconds == pytest.approx(4.0) and path == [(0, 1, 3.0), (1, 5, 1.0)]
+    assert sum(max(t[2] for t in r) for r in rounds) == pytest.approx(5.5)
+    assert critical_path([], lambda t: t) == (0.0, [])

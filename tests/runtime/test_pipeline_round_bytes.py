@@ -23,8 +23,15 @@ def _ctx(stateful: bool) -> PipelineContext:
     return ctx
 
 
-def test_round_bytes_count_the_optimizer_state_only_once_it_exists():
+def test_path_bytes_count_the_optimizer_state_only_once_it_exists():
     rounds = [[[0, 1, 0, 2], [2, 3, 2, 3]], [[1, 0, 3, 4]]]  # (src, dst, lo, hi)
-    # round 1: max(blocks 0-1 = 30, block 2 = 30) elements; round 2: block 3 = 40 elements
-    assert _ctx(stateful=False)._round_bytes(rounds) == (30 + 40) * 4
-    assert _ctx(stateful=True)._round_bytes(rounds) == (30 + 40) * (4 + 8)
+    # 0->1 (blocks 0-1: 30 elements) then 1->0 (block 3: 40): the path; 2->3 runs beside it
+    assert _ctx(stateful=False)._path_bytes(rounds) == (2, (30 + 40) * 4)
+    assert _ctx(stateful=True)._path_bytes(rounds) == (2, (30 + 40) * (4 + 8))
+
+
+def test_path_bytes_follow_the_chain_not_the_rounds():
+    # Round 2's 2->3 does not wait for round 1's 0->1: the critical path is 0->1, then 1->0
+    # (one chain through workers 0 and 1), not the sum of each round's largest transfer.
+    rounds = [[[0, 1, 0, 1], [2, 3, 3, 4]], [[1, 0, 1, 2], [3, 2, 2, 3]]]
+    assert _ctx(stateful=False)._path_bytes(rounds) == (2, (40 + 30) * 4)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from chameleon_ft.plan import Plan
-from chameleon_ft.restorer import held_state, transfers_to
+from chameleon_ft.restorer import critical_path, held_state, transfers_to
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.pipeline import migration
@@ -345,7 +345,7 @@ class PipelineContext(RecoveryCore):
                                    "predicted_bytes": plan.get("predicted_bytes"),
                                    "predicted_s": plan.get("predicted_s")}
             if plan["rounds"]:
-                self.policy.observe_migration(len(plan["rounds"]), self._round_bytes(plan["rounds"]),
+                self.policy.observe_migration(*self._path_bytes(plan["rounds"]),
                                               self.last_migration["seconds"])
             # Every member reports its own share; the test sums them across members.
             if self.log:
@@ -353,16 +353,21 @@ class PipelineContext(RecoveryCore):
         if self.fresh is False and not self.held and want:
             raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
 
-    def _round_bytes(self, rounds) -> float:
-        """Bytes of each round's largest transfer, summed (what bounds a migration's time), as
-        they were sent: the optimizer's state travels only once it exists (the start-up
-        migration, before the first step, carries weights alone: counting the state there made
-        the calibrated migration bandwidth 3x too high and a re-plan's transition ~2.7x too
-        short).  Every member decides from the same facts (every block optimizer steps at
-        every step)."""
+    def _path_bytes(self, rounds) -> tuple[int, float]:
+        """The transfers on the migration's critical path (``restorer.critical_path``, priced by
+        bytes) and their bytes, as they were sent: what bounds its time, for the calibration.
+        The optimizer's state travels only once it exists (the start-up migration, before the
+        first step, carries weights alone: counting the state there made the calibrated
+        migration bandwidth 3x too high and a re-plan's transition ~2.7x too short).  Every
+        member decides from the same facts (every block optimizer steps at every step)."""
         stateful = any(self.block_opt[b].state for b in self.held)
         per = self.policy.weight_bytes + (self.policy.optim_bytes if stateful else 0)
-        return float(sum(max(sum(self.block_numel[lo:hi]) * per for _, _, lo, hi in r) for r in rounds if r))
+
+        def nbytes(t) -> float:
+            return float(sum(self.block_numel[t[2]:t[3]]) * per)
+        # One byte per hop breaks ties towards the path with more transfers (latency).
+        _, path = critical_path(rounds, lambda t: (t[0], t[1], nbytes(t) + 1.0))
+        return len(path), sum(nbytes(t) for t in path)
 
     def _reset_step(self) -> None:
         self._measured_step = None
