@@ -281,7 +281,8 @@ def run_ft(a) -> None:
                                  a.micro_batch, shuffle=False, stages=a.stages, seed=3, on_step=on_step,
                                  config=ElasticConfig(allowed_policies=allowed, log_samples=False,
                                                       emulate_link=tuple(map(float, a.emulate_link.split(":")))
-                                                      if a.emulate_link else None))
+                                                      if a.emulate_link else None,
+                                                      device_memory_bytes=a.device_memory))
         trainer.fit(max_steps=a.steps)
         if writer:
             write(a.out, "ft", stamps, predicted)
@@ -308,6 +309,8 @@ if __name__ == "__main__":
     ap.add_argument("--emulate-link", default=None,
                     help="ft: LATENCY_S:BANDWIDTH_BPS, the emulated network of messages between stages and "
                          "migrations (ElasticConfig.emulate_link)")
+    ap.add_argument("--device-memory", type=float, default=None,
+                    help="ft: each emulated device's memory for the engine (ElasticConfig.device_memory_bytes)")
     ap.add_argument("--slow", default=None, metavar="WORKER:FACTOR:FROM_STEP",
                     help="straggler: that worker's emulated compute FACTOR x longer from that step on")
     ap.add_argument("--ckpt-dir", default=None, help="torch: checkpoint-restart directory (see the doc)")

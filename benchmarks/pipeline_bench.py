@@ -56,6 +56,11 @@ SCRIPT = Path(__file__).with_name("_pipe_bench.py")
 POLICIES = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}
 PHASES = ["detect", "membership", "rebuild", "state_transfer", "first_step"]
 MODE = "accelerator emulation"
+# Emulated device memory (bytes): a stage holds at most two 4160-parameter blocks with their
+# weights and Adam state (12 bytes per parameter), or three with the small first block.  Without
+# it the engine's best plan for 8 workers is 8 x PP1, twice as fast as the job's 2 x PP4, and
+# every re-plan would improve on the user's layout instead of recovering from a loss.
+DEVICE_MEMORY = 120e3
 
 
 # ---------------------------------------------------------------- pure metrics
@@ -179,6 +184,8 @@ def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = 
         args += ["--diag", diag]
     if kill_step is not None and a.emulate_link:
         args += ["--emulate-link", a.emulate_link]
+    if kill_step is not None and a.device_memory:
+        args += ["--device-memory", str(a.device_memory)]
     if kill_step is not None:
         args.append("--predict")
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
@@ -285,6 +292,10 @@ def main(argv=None) -> int:
                     help="kill runs: the emulated network between workers (LATENCY_S:BANDWIDTH_BPS) for "
                          "messages between stages and migrations, so that a migration costs several steps as on "
                          "a real cluster ('' for none; the overhead runs never emulate it)")
+    ap.add_argument("--device-memory", type=float, default=DEVICE_MEMORY,
+                    help="kill runs: each emulated device's memory for the engine (bytes; 0 for none): the "
+                         "default holds at most two of the model's blocks with their optimizer state, so that the "
+                         "model needs its pipeline stages as on real accelerators")
     ap.add_argument("--adaptive-mttf", default="0.3,3",
                     help="adaptive kill runs with D = these factors x the predicted crossover D* ('' for none)")
     ap.add_argument("--global-batch", type=int, default=64)

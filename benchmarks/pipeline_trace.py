@@ -86,7 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
-from pipeline_bench import SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
+from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
 from harness.systems import free_port  # noqa: E402
 
 MODE = "accelerator emulation"
@@ -284,6 +284,8 @@ def run_ft(a, root: Path, allowed: Optional[str], trace: Optional[Trace], steps:
     args = ["--mode", "ft", *worker_args(a, out, steps, trace)] + (["--allowed", allowed] if allowed else [])
     if a.emulate_link:
         args += ["--emulate-link", a.emulate_link]
+    if a.device_memory:
+        args += ["--device-memory", str(a.device_memory)]
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
                    max_replacements=trace.replacements() if trace else 0,
                    launch_args=["--mttf", str(a.mttf)] if a.mttf else ())
@@ -457,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chameleon-ft systems: LATENCY_S:BANDWIDTH_BPS of an emulated network for messages "
                          "between stages and migrations (ElasticConfig.emulate_link); the torchrun baseline's "
                          "restart is not network-bound and runs without it")
+    ap.add_argument("--device-memory", type=float, default=DEVICE_MEMORY,
+                    help="chameleon-ft systems: each emulated device's memory for the engine (bytes; 0 for none; "
+                         "see pipeline_bench.DEVICE_MEMORY): the model needs its pipeline stages")
     ap.add_argument("--mttf", type=float, default=None,
                     help="chameleon-ft systems: D, the expected time to the next failure the engine decides with "
                          "(chameleon-ft run --mttf); default: its estimate from the fleet prior and this run")

@@ -103,8 +103,13 @@ class EnginePolicy(PipelineCalibration):
                  mttf_s: Optional[float] = None, rebuild_s: float = 0.1, restart_s: float = 60.0,
                  stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
                  straggler_options: Optional[dict] = None, items_per_step: int = 0,
-                 stages: int = 1, max_replacements: Optional[int] = None):
+                 stages: int = 1, max_replacements: Optional[int] = None,
+                 memory_bytes: Optional[float] = None):
         self.items_per_step = int(items_per_step)
+        # Each device's memory for the engine's fit checks (None: the cluster model's default).
+        if memory_bytes is not None and not memory_bytes > 0:
+            raise ConfigError(f"device_memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+        self.memory_bytes = memory_bytes
         # Pipeline jobs (``stages`` > 1): the first plan has pipelines of that depth, and the
         # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
         self.stages = max(1, int(stages))
@@ -185,7 +190,8 @@ class EnginePolicy(PipelineCalibration):
         n = max(ids) + 1 if ids else 1
         # ``unflag``: devices whose slowdown the event itself carries (not to count it twice).
         speeds = {d: 1.0 / max(s, 1.0) for d, s in self.detector.flagged.items() if d not in unflag}
-        cluster = homogeneous(n, per_node=self.per_node)
+        cluster = homogeneous(n, per_node=self.per_node,
+                              **({"memory_bytes": self.memory_bytes} if self.memory_bytes else {}))
         fit = self.fit
         if fit is not None:
             # Measured: device speeds, and the links of this job's messages, all-reduce and
@@ -260,7 +266,15 @@ class EnginePolicy(PipelineCalibration):
         chunks = [members[i:i + p] for i in range(0, len(members) - len(members) % p, p)]
         bounds = balance_layers(w, [1.0] * p)
         alloc = even_split(w.num_microbatches, len(chunks))
-        return Plan(tuple(Pipeline(tuple(c), bounds, m) for c, m in zip(chunks, alloc)))
+        plan = Plan(tuple(Pipeline(tuple(c), bounds, m) for c, m in zip(chunks, alloc)))
+        if self.memory_bytes:
+            need = estimate(plan, w, homogeneous(max(members) + 1, per_node=self.per_node,
+                                                 memory_bytes=self.memory_bytes), self.coefficients()).peak_memory
+            if need > self.memory_bytes:
+                raise ConfigError(f"{p} pipeline stages need {need:.0f} bytes on a device (the engine's estimate: "
+                                  f"weights, optimizer state, activations in flight), more than "
+                                  f"device_memory_bytes={self.memory_bytes:.0f}: use more stages or more memory")
+        return plan
 
     def on_membership(self, members: Sequence[int], hang: bool, step: int,
                       steps_since_checkpoint: int = 0) -> list[Decision]:

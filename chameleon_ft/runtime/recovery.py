@@ -99,6 +99,11 @@ class ElasticConfig:
         bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
     shard_recovery: sharded jobs: the ways back the engine may choose from (``heal``,
         ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
+    device_memory_bytes: each device's memory, for the engine's fit checks: a plan whose
+        estimated per-device peak (weights, optimizer state, activations in flight) exceeds it
+        is never chosen, and a first pipeline plan that exceeds it is a ``ConfigError``.  None:
+        the cluster model's default (80 GB).  In accelerator-emulation benchmarks it stands for
+        the memory that makes a model need pipeline stages.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -121,6 +126,7 @@ class ElasticConfig:
     min_replicas: int = 2
     emulate_link: Optional[tuple[float, float]] = None
     shard_recovery: Optional[frozenset] = None
+    device_memory_bytes: Optional[float] = None
 
 
 class Joined(NamedTuple):
@@ -209,7 +215,7 @@ class RecoveryCore:
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
             allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
-            stages=stages)
+            stages=stages, memory_bytes=self.cfg.device_memory_bytes)
         self._startup_s = process_age_s()  # this process's start-up so far (before joining)
         self.recoveries = 0
         self.predictions: list[dict] = []  # predicted vs measured, per failure/join Decision
