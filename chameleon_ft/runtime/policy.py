@@ -266,15 +266,7 @@ class EnginePolicy(PipelineCalibration):
         chunks = [members[i:i + p] for i in range(0, len(members) - len(members) % p, p)]
         bounds = balance_layers(w, [1.0] * p)
         alloc = even_split(w.num_microbatches, len(chunks))
-        plan = Plan(tuple(Pipeline(tuple(c), bounds, m) for c, m in zip(chunks, alloc)))
-        if self.memory_bytes:
-            need = estimate(plan, w, homogeneous(max(members) + 1, per_node=self.per_node,
-                                                 memory_bytes=self.memory_bytes), self.coefficients()).peak_memory
-            if need > self.memory_bytes:
-                raise ConfigError(f"{p} pipeline stages need {need:.0f} bytes on a device (the engine's estimate: "
-                                  f"weights, optimizer state, activations in flight), more than "
-                                  f"device_memory_bytes={self.memory_bytes:.0f}: use more stages or more memory")
-        return plan
+        return Plan(tuple(Pipeline(tuple(c), bounds, m) for c, m in zip(chunks, alloc)))
 
     def on_membership(self, members: Sequence[int], hang: bool, step: int,
                       steps_since_checkpoint: int = 0) -> list[Decision]:

@@ -101,9 +101,10 @@ class ElasticConfig:
         ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
     device_memory_bytes: each device's memory, for the engine's fit checks: a plan whose
         estimated per-device peak (weights, optimizer state, activations in flight) exceeds it
-        is never chosen, and a first pipeline plan that exceeds it is a ``ConfigError``.  None:
-        the cluster model's default (80 GB).  In accelerator-emulation benchmarks it stands for
-        the memory that makes a model need pipeline stages.
+        is never chosen.  The first plan is the user's (``stages``), not checked: before the
+        first step the engine's bytes per parameter are a prior.  None: the cluster model's
+        default (80 GB).  In accelerator-emulation benchmarks it stands for the memory that
+        makes a model need pipeline stages.
     """
 
     hang_timeout_s: Optional[float] = None
