@@ -202,7 +202,8 @@ def plot_accuracy(records: Sequence[dict], path: Path, title: str) -> None:
 
 
 # ---------------------------------------------------------------- report
-def markdown(curves: Optional[dict], adaptive: Sequence[dict], records: Sequence[dict], mode: str) -> list[str]:
+def markdown(curves: Optional[dict], adaptive: Sequence[dict], records: Sequence[dict], mode: str,
+             img: str = "pipeline") -> list[str]:
     lines: list[str] = []
     if curves:
         fmt = lambda x: "-" if x is None else f"{x:.2f} s"  # noqa: E731
@@ -215,7 +216,7 @@ def markdown(curves: Optional[dict], adaptive: Sequence[dict], records: Sequence
                   f"* predicted step / transition: reroute {curves['reroute']['predicted_step_s'] * 1e3:.0f} ms / "
                   f"{curves['reroute']['predicted_transition_s'] * 1e3:.0f} ms, replan "
                   f"{curves['replan']['predicted_step_s'] * 1e3:.0f} ms / {curves['replan']['predicted_transition_s'] * 1e3:.0f} ms",
-                  "", "![crossover](img/pipeline-crossover.png)", ""]
+                  "", f"![crossover](img/{img}-crossover.png)", ""]
     if adaptive:
         lines += ["Adaptive runs of the same job and kill with `D` fixed (`chameleon-ft run --mttf D`): the engine's "
                   "choice, and whether the measured goodput over `D` of the fixed runs orders the two policies "
@@ -249,5 +250,5 @@ def markdown(curves: Optional[dict], adaptive: Sequence[dict], records: Sequence
                          f"{r['measured_step_s'] * 1e3:.0f} ms | {100 * r['step_error']:+.1f} % | "
                          f"{(r.get('predicted_transition_s') or 0) * 1e3:.0f} ms | {r['measured_transition_s'] * 1e3:.0f} ms | "
                          f"{'-' if te is None else f'{100 * te:+.1f} %'} |")
-        lines += ["", "![accuracy](img/pipeline-accuracy.png)", ""]
+        lines += ["", f"![accuracy](img/{img}-accuracy.png)", ""]
     return lines
