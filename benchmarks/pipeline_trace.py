@@ -405,12 +405,46 @@ def markdown(res: dict) -> str:
         lines.append(f"* {name}: {seq or '-'}")
         if s.get("error"):
             lines.append(f"  * did not complete: `{s['error'].strip().splitlines()[-1][:200]}`")
+    lines += why_lines(res)
     if res.get("plot"):
         lines += ["", f"![throughput timeline per system]({res['plot_rel']})"]
     lines += ["", "Not here: a Bamboo-like redundant-computation system is not built on the runtime; the "
               "simulator's stand-in (`redundant`) is in the table below.", ""]
     lines += trace_sim.markdown(res.get("simulated"), MODE)
     return "\n".join(lines)
+
+
+def choice_rows(res: dict) -> list[dict]:
+    """Per adaptive decision (in order): its event, the candidates' scores, the best one, and the
+    choice each fixed chameleon-ft system made at the same point of the trace (its decision of
+    the same index)."""
+    chosen = {name: [d["chosen"] for d in (s.get("metrics") or {}).get("decisions") or []]
+              for name, s in res["systems"].items() if name in FT_ALLOWED}
+    rows = []
+    for i, d in enumerate(((res["systems"].get("adaptive") or {}).get("metrics") or {}).get("decisions") or []):
+        scores = {c["policy"]: c["score"] for c in d["candidates"] if c.get("feasible") and c.get("score")}
+        fixed = {name: seq[i] if i < len(seq) else None for name, seq in chosen.items() if name != "adaptive"}
+        rows.append({"kind": d.get("kind"), "chosen": d["chosen"], "scores": scores, "fixed": fixed})
+    return rows
+
+
+def why_lines(res: dict) -> list[str]:
+    """Where the adaptive run could gain on each fixed policy, from the logged decisions: only at
+    decisions where a fixed system chose differently (the same choice gives the same run)."""
+    rows = choice_rows(res)
+    if not rows:
+        return []
+    lines = ["", "Where adaptive can gain, from the logged decisions (the engine's scores: samples/s expected over D; "
+             "a fixed system that makes the adaptive choice at a decision runs the same from there):", ""]
+    for r in rows:
+        sc = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["scores"].items(), key=lambda kv: -kv[1]))
+        fx = ", ".join(f"always-{k}: {v or '-'}" for k, v in r["fixed"].items())
+        lines.append(f"* {r['kind']}: adaptive chose **{r['chosen']}** (scores {sc or '-'}); {fx or 'no fixed system ran'}")
+    for name in sorted({k for r in rows for k in r["fixed"]}):
+        differ = sum(1 for r in rows if r["fixed"].get(name) != r["chosen"])
+        lines.append(f"* always-{name} chose differently at {differ} of {len(rows)} decisions"
+                     + (": on this trace adaptive can only tie it" if differ == 0 else ""))
+    return lines
 
 
 def plot(res: dict, path: Path) -> None:

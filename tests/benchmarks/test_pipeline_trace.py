@@ -151,3 +151,23 @@ def test_tiny_trace_real_run(tmp_path):
     assert len(kill) == 1 and kill[0]["mttr_s"] is not None  # recovered: a new step after the kill
     assert s["metrics"]["throughput"] > 0 and s["metrics"]["ff_throughput"] > 0
     assert s["metrics"]["decisions"] and s["metrics"]["timeline"]
+
+
+def test_why_lines_count_the_decisions_where_a_fixed_system_differs():
+    def dec(chosen, kind="fail_stop", cands=()):
+        return {"ts": 0.0, "chosen": chosen, "kind": kind,
+                "candidates": [{"policy": p, "feasible": True, "score": sc} for p, sc in cands]}
+    res = {"systems": {
+        "adaptive": {"metrics": {"decisions": [dec("replan", cands=[("replan", 150.0), ("reroute", 80.0)]),
+                                               dec("reroute", cands=[("replan", 90.0), ("reroute", 110.0)])]}},
+        "replan": {"metrics": {"decisions": [dec("replan"), dec("replan")]}},
+        "reroute": {"metrics": {"decisions": [dec("reroute")]}},
+        "restart": {"metrics": {"decisions": [dec("restart")]}}}}
+    rows = pt.choice_rows(res)
+    assert [r["fixed"] for r in rows] == [{"replan": "replan", "reroute": "reroute"},
+                                         {"replan": "replan", "reroute": None}]
+    text = "\n".join(pt.why_lines(res))
+    assert "adaptive chose **replan** (scores replan 150, reroute 80)" in text
+    assert "always-replan chose differently at 1 of 2 decisions" in text
+    assert "always-reroute chose differently at 2 of 2 decisions" in text
+    assert pt.why_lines({"systems": {}}) == []
