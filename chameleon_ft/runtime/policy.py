@@ -43,6 +43,7 @@ measured per layer.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from statistics import median
@@ -88,7 +89,8 @@ class EnginePolicy(PipelineCalibration):
         global_batch, micro_batch: the sampler's sizes.
         per_node: workers per node (``LOCAL_WORLD_SIZE``), for the cluster and node losses.
         replacement_eta_s: when the launcher can still start replacements, how soon one is
-            expected (enables ``wait``/``heal``); None otherwise.
+            expected (enables ``wait``/``heal``); None otherwise.  A prior: once a replacement
+            joined, the median of the observed loss -> join delays takes its place.
         max_replacements: replacements each node's launcher may start (``--max-replacements``):
             once a node's are used up (counted from the joins seen), a failure there expects none.
         mttf_s: fixed ``D`` (seconds); default: the failure-rate estimator's.
@@ -129,6 +131,10 @@ class EnginePolicy(PipelineCalibration):
         self.replacement_eta_s = replacement_eta_s
         self.max_replacements = max_replacements
         self.replacements_used: dict[int, int] = {}  # node -> replacements that joined
+        # Seconds from a worker's loss (as the survivors saw it) to its replacement joining, as
+        # observed in this job: once there is one, the ETA is their median, not the prior.
+        self.replacement_delays: list[float] = []
+        self._lost_at: dict[int, float] = {}  # worker -> wall time its loss was agreed
         self.mttf_s = mttf_s
         self.rebuild_s = rebuild_s
         self.restart_s = restart_s
@@ -280,6 +286,15 @@ class EnginePolicy(PipelineCalibration):
         if dead or joined:  # a rebalance's gain can no longer be told from the change
             self._check = None
             self._recent.clear()
+        now = time.time()
+        for d in dead:
+            self._lost_at[d] = now
+        for d in joined:
+            lost = self._lost_at.pop(d, None)
+            if lost is not None:
+                self.replacement_delays.append(max(0.0, now - lost))
+                if self.replacement_eta_s is not None:
+                    self.replacement_eta_s = median(self.replacement_delays)
         if dead:
             if self.plan is None or not set(self.plan.devices) & members:
                 self.start(sorted(members))  # nothing of the old plan survives: start over
@@ -500,6 +515,8 @@ class EnginePolicy(PipelineCalibration):
             "pipeline_refit": [self._steps_since_fit, list(self._residual_key) if self._residual_key else None],
             "agree_s": self.agree_s,
             "replacements_used": [[n, k] for n, k in sorted(self.replacements_used.items())],
+            "replacement": {"eta_s": self.replacement_eta_s, "delays": list(self.replacement_delays),
+                            "lost_at": [[d, t] for d, t in sorted(self._lost_at.items())]},
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -524,6 +541,11 @@ class EnginePolicy(PipelineCalibration):
         self.migrating_from = Plan.from_json(s["migrating_from"]) if s.get("migrating_from") else None
         self.agree_s = float(s.get("agree_s", 0.0))
         self.replacements_used = {int(n): int(k) for n, k in s.get("replacements_used", [])}
+        rep = s.get("replacement")
+        if rep is not None:
+            self.replacement_eta_s = rep["eta_s"]
+            self.replacement_delays = [float(x) for x in rep["delays"]]
+            self._lost_at = {int(d): float(t) for d, t in rep["lost_at"]}
         if s.get("pipeline_calibration") is not None:
             self.pipe_cal.load_state_dict(s["pipeline_calibration"])
             self.fit = PipelineFit.from_json(s["pipeline_fit"]) if s.get("pipeline_fit") else None
