@@ -6,7 +6,10 @@
 
 Every run is ``benchmarks/_pipe_bench.py`` (8 CPU workers, 2 pipelines x 4 stages of an 8-block
 MLP) in **accelerator-emulation mode**: each block's forward padded by ``--block-sleep`` s, its
-backward by twice that, so that a step's time follows the schedule and the worker count.
+backward by twice that, so that a step's time follows the schedule and the worker count; the
+chameleon-ft systems' engine is told an emulated device memory (``--device-memory``, default
+``pipeline_bench.DEVICE_MEMORY``: a device holds two blocks with their state), so that the model
+needs its stages and a re-plan recovers from a loss instead of improving on the user's layout.
 
 A *trace* (``TRACES``) is a list of faults by global step.  ``realistic`` (170 steps): SIGKILL
 worker 1 (pipeline 0, stage 1) at step 30, and a replacement arrives for it (the launcher's
