@@ -257,7 +257,7 @@ class PipelineCalibrator:
 
     def observe_residual(self, seconds: float, slots: int = 0) -> None:
         """Measured step minus the model's step without overheads (may be negative: noise).
-        ``slots``: the 1F1B slots (``m + p - 1``) of the running plan's slowest pipeline when it
+        ``slots``: the 1F1B slots (``m + e + p - 1``) of the running plan's slowest pipeline when it
         has several stages -- the residual is then read as a per-slot cost of the hand-off
         between stages (a plan without stages cannot tell it apart, and vice versa); 0: a
         per-step overhead."""

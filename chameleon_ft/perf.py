@@ -1,9 +1,15 @@
 """Unified performance model: step time and memory of a plan, with a breakdown.
 
-For each pipeline (``p`` stages, ``m`` micro-batches) the 1F1B time is
-``(m + p - 1) · (c_max + x_max)`` where ``c_max`` is the slowest stage's forward+backward time per
-micro-batch and ``x_max`` the slowest boundary transfer (activation out and gradient back).
-The breakdown calls ``m · c_max`` compute, ``(p - 1) · c_max`` bubble and the rest p2p.  The
+For each pipeline (``p`` stages, ``m`` micro-batches) the 1F1B time is the first micro-batch's
+round trip plus ``m - 1`` steady-state periods: ``Σ_s c_s + 2 (p - 1) h + (m - 1) · T`` with
+``c_s`` stage ``s``'s forward+backward seconds per micro-batch, ``h`` the slowest boundary's one
+hop (activation out or gradient back) and ``T = max(c_max, max_s (Σ_{t >= s} c_t + 2 (p - 1 - s) h)
+/ (p - s))``: stage ``s`` keeps at most ``p - s`` micro-batches in flight, so hops are hidden
+where later stages leave slack and exposed where they do not (until 2026-12-01 the form was
+``(m + p - 1) · (c_max + 2h)``: +5 % on a balanced 2 x PP4 and +10 % on an unbalanced PP3 + PP4 of
+the pipeline benchmark, where this one is within 2 %).  The breakdown calls the busiest stage's
+own work compute (``m · c_max`` without rerouting), the rest of the time without hop costs
+bubble (fill, drain, waiting), and what the hops add p2p.  The
 step is the slowest pipeline plus the exposed gradient synchronisation: a ring all-reduce per
 group of devices holding the same layers (``2(n-1)·α + 2(n-1)/n · bytes/β``; one all-reduce of
 the whole model over every device when ``workload.grad_sync == "model"``), and under FSDP
@@ -14,16 +20,16 @@ data-parallel worker whose share is merged into ``workload.items_per_step`` loop
 ``ceil(m / items_per_step)``).
 
 Rerouting is modelled without changing the plan: ``dead`` devices do no work and hold no state,
-and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  That work lands
-on the pipeline's critical path once: the pipeline takes ``max_s(e_s · c_s)`` longer (exact for
-data parallelism, where a rank simply accumulates ``m + e`` micro-batches; conservative for
-ReCycle, which hides part of it in the pipeline bubbles).
+and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  That work
+lengthens the stream of its stage: the pipeline runs ``m + max_s e_s`` periods (exact for data
+parallelism, where a rank simply accumulates ``m + e`` micro-batches; conservative for ReCycle,
+which hides part of it in the pipeline bubbles).
 
 A fixed ``task_overhead_s`` per micro-batch and stage (measured by the pipeline runtime: what
 a forward/backward task costs beyond its layers and the wire) is added to every stage's compute;
 the optimizer step costs ``optimizer_s_per_param`` times the parameters of the busiest device
 (part of the breakdown's overhead); a multi-stage pipeline pays ``hop_overhead_s`` more per
-1F1B slot (with the transfer).
+1F1B slot (``m + e + p - 1`` of them).
 
 Limits: communication is not overlapped with compute (calibration folds overlap into
 ``comm_scale``); tensor parallelism is folded into a device; the optimizer step is part of
@@ -164,19 +170,25 @@ def estimate(
         dead_m = dead_mask_flat[idx]
         e = extra_flat[idx]
         c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms, coeffs.task_overhead_s)
-        if p > 1:
-            x_max = x_max + coeffs.hop_overhead_s
         c = np.where(dead_m, 0.0, c)
         c_max = c.max(axis=1)
-        rerouted = (e * c).max(axis=1)  # extra micro-batches lengthen the critical path once
         mm = m[:, 0]
+        n = mm + e.max(axis=1)  # micro-batches through the busiest stage (its own + rerouted)
+        rerouted = (e * c).max(axis=1)
         busy = (mm > 0) | (rerouted > 0)
-        fill = np.where(mm > 0, mm + p - 1, 0.0)  # a pipeline with only rerouted work has no fill
-        t = np.where(busy, fill * (c_max + x_max) + rerouted, 0.0)
+        fill, period = _fill_and_period(c, x_max / 2.0)
+        bare_fill, bare_period = _fill_and_period(c, np.zeros_like(x_max))  # the same without hops
+        hop = coeffs.hop_overhead_s if p > 1 else 0.0
+        # A pipeline with only rerouted work has no fill: its peers' stages take it in turn.
+        t = np.where(mm > 0, fill + (n - 1) * period + hop * (n + p - 1), rerouted)
+        bare = np.where(mm > 0, bare_fill + (n - 1) * bare_period, rerouted)
+        t, bare = np.where(busy, t, 0.0), np.where(busy, bare, 0.0)
         times[members] = t
-        parts[members, 0] = np.where(busy, mm * c_max + rerouted, 0.0)
-        parts[members, 1] = np.where(busy & (mm > 0), (p - 1) * c_max, 0.0)
-        parts[members, 2] = np.where(busy, fill * x_max, 0.0)
+        # Breakdown: the busiest stage's own work, waiting without any hop cost, what hops add.
+        compute = np.where(busy, ((m + e) * c).max(axis=1), 0.0)
+        parts[members, 0] = compute
+        parts[members, 1] = bare - compute
+        parts[members, 2] = t - bare
 
         state = np.array([workload.params_in(bounds[s], bounds[s + 1]) for s in range(p)]) * per_param_state
         if k > 1:  # one gathered layer of full weights at a time
@@ -245,8 +257,23 @@ def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, speed, node,
     return c, x.max(axis=1)
 
 
+def _fill_and_period(c: np.ndarray, hop_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1F1B of pipelines (rows) with per-micro-batch stage seconds ``c`` (forward + backward)
+    and one hop's seconds ``hop_s`` (an activation out or a gradient back): the first
+    micro-batch's round trip (every stage's work + 2 (p - 1) hops) and the steady-state period.
+    Stage ``s`` keeps at most ``p - s`` micro-batches in flight, and a micro-batch leaves it for
+    the work of stages ``s..p-1`` and ``2 (p - 1 - s)`` hops before its backward comes back:
+    the period is the slowest stage's work, or that round trip shared by ``p - s`` micro-batches
+    when it is longer (hops are hidden where later stages leave slack, exposed where they do not)."""
+    p = c.shape[1]
+    suffix = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]  # per micro-batch, stages s..p-1
+    hops = 2.0 * (p - 1 - np.arange(p))[None, :] * hop_s[:, None]
+    period = np.maximum(c.max(axis=1), ((suffix + hops) / (p - np.arange(p))[None, :]).max(axis=1))
+    return suffix[:, 0] + 2.0 * (p - 1) * hop_s, period
+
+
 def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coefficients = Coefficients()) -> np.ndarray:
-    """Seconds one micro-batch adds to each pipeline in steady state (slowest stage + transfer)."""
+    """Seconds one micro-batch adds to each pipeline in steady state (the 1F1B period)."""
     arrays = cluster.arrays()
     out = np.zeros(len(pipelines))
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -256,7 +283,7 @@ def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coeffici
         idx = arrays.index[np.array([pipelines[j].devices for j in members], dtype=np.int64)]
         c, x_max = _stage_times(bounds, idx, workload, cluster, arrays.speed, arrays.node,
                                 coeffs.compute_scale, coeffs.comm_scale, coeffs.task_overhead_s)
-        out[members] = c.max(axis=1) + x_max + (coeffs.hop_overhead_s if len(bounds) > 2 else 0.0)
+        out[members] = _fill_and_period(c, x_max / 2.0)[1] + (coeffs.hop_overhead_s if len(bounds) > 2 else 0.0)
     return out
 
 

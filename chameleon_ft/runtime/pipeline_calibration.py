@@ -86,13 +86,13 @@ class PipelineCalibration:
             self.search_s = max(d.search_s, 1e-6)
 
     def _slots(self) -> int:
-        """1F1B slots (``m + p - 1``) of the running plan's deepest pipeline with micro-batches
-        when it has several stages, else 0."""
-        deep = [p for p in self.plan.pipelines if p.depth > 1 and p.microbatches > 0]
-        if not deep:
-            return 0
-        p = max(deep, key=lambda q: (q.microbatches + q.depth, q.depth))
-        return p.microbatches + p.depth - 1
+        """1F1B slots (``m + e + p - 1``, ``e`` the micro-batches rerouted through its busiest
+        stage) of the running plan's longest multi-stage pipeline, else 0: what the model
+        charges ``hop_overhead_s`` for."""
+        extra = self._rerouted_extra()
+        slots = [p.microbatches + max(extra.get(d, 0.0) for d in p.devices) + p.depth - 1
+                 for p in self.plan.pipelines if p.depth > 1 and p.microbatches > 0]
+        return int(round(max(slots))) if slots else 0
 
     def calibration_json(self) -> dict:
         """The fitted pipeline terms and the running plan's predicted step (the event log's

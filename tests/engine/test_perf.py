@@ -19,6 +19,17 @@ approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)  # noqa: E731
 COSTS = [2.0, 4.0, 6.0, 3.0]
 
 
+def one_f_one_b(c: list[float], hop: float, m: int) -> float:
+    """1F1B by hand: the first micro-batch's round trip (every stage, 2 (p - 1) hops), then m - 1
+    periods; stage s keeps p - s micro-batches in flight, so the period is the slowest stage or
+    the round trip from stage s on, shared by p - s micro-batches, whichever is longer."""
+    p = len(c)
+    period = max(c)
+    for s in range(p):
+        period = max(period, (sum(c[s:]) + 2 * (p - 1 - s) * hop) / (p - s))
+    return sum(c) + 2 * (p - 1) * hop + (m - 1) * period
+
+
 # -- collectives -----------------------------------------------------------------------
 def test_ring_allreduce_hand_computed():
     link = Link(0.001, 1e9)
@@ -42,34 +53,47 @@ def test_single_pipeline_1f1b_with_breakdown():
     c = cluster(2)  # one node: intra link 1 ms, 1 GB/s
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4),))
     est = estimate(plan, w, c)
-    x = 2 * (0.001 + 100_000 / 1e9)  # activation out + gradient back across the one boundary
-    # (m + p - 1) · (c_max + x_max)
-    assert est.step_time == approx((4 + 2 - 1) * (9 + x))
+    h = 0.001 + 100_000 / 1e9  # one hop: the activation out (or the gradient back)
+    # round trip 6 + 9 + 2h, then 3 periods of the slower stage (its hops hidden by stage 0's slack)
+    assert est.step_time == approx(6 + 9 + 2 * h + 3 * 9) and est.step_time == approx(one_f_one_b([6, 9], h, 4))
     assert est.compute == approx(4 * 9)
-    assert est.bubble == approx(1 * 9)
-    assert est.p2p == approx(5 * x)
+    assert est.bubble == approx(6)
+    assert est.p2p == approx(2 * h)
     assert est.allreduce == 0.0 and est.fsdp == 0.0 and est.overhead == 0.0
     assert sum(est.breakdown().values()) == approx(est.step_time)
     assert est.pipeline_times == (approx(est.step_time),)
-    assert unit_times(plan.pipelines, w, c)[0] == approx(9 + x)
+    assert unit_times(plan.pipelines, w, c)[0] == approx(9)
+
+
+def test_balanced_stages_expose_their_hops_every_period():
+    # Equal stages leave no slack: stage 0's round trip (both stages + 2 hops) shared by its 2
+    # micro-batches in flight is longer than a stage's work, and sets the period.
+    w = chain([3.0, 3.0, 3.0, 3.0], outs=[0, 1_000_000, 0, 0], microbatches=6)
+    c = cluster(2)
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 6),))
+    h = 0.001 + 1_000_000 / 1e9
+    est = estimate(plan, w, c)
+    assert est.step_time == approx(12 + 2 * h + 5 * (6 + h)) and est.step_time == approx(one_f_one_b([6, 6], h, 6))
+    assert unit_times(plan.pipelines, w, c)[0] == approx(6 + h)
 
 
 def test_p2p_across_nodes_uses_the_inter_link():
     w = chain(COSTS, outs=[0, 100_000, 0, 0], microbatches=4)
     c = cluster(2, per_node=1)
     est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
-    x = 2 * (INTER.latency_s + 100_000 / INTER.bandwidth_Bps)
-    assert est.step_time == approx(5 * (9 + x))
+    h = INTER.latency_s + 100_000 / INTER.bandwidth_Bps
+    assert est.step_time == approx(one_f_one_b([6, 9], h, 4))
+    assert est.p2p == approx(2 * h)
 
 
 def test_heterogeneous_speed_device_slows_its_stage():
     w = chain(COSTS, microbatches=4)
     c = cluster(2, speeds=[1.0, 0.5])  # stage 1 runs at half speed: 9 s -> 18 s
     est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
-    assert est.step_time == approx(5 * 18)
+    assert est.step_time == approx(6 + 18 + 3 * 18)
     c = cluster(2, speeds=[0.25, 1.0])  # stage 0: 6 s -> 24 s
     est = estimate(Plan((Pipeline((0, 1), (0, 2, 4), 4),)), w, c)
-    assert est.step_time == approx(5 * 24)
+    assert est.step_time == approx(24 + 9 + 3 * 24)
 
 
 def test_coefficients_scale_compute_comm_and_add_overhead():
@@ -77,8 +101,9 @@ def test_coefficients_scale_compute_comm_and_add_overhead():
     c = cluster(2)
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4),))
     est = estimate(plan, w, c, Coefficients(compute_scale=2.0, comm_scale=3.0, step_overhead_s=0.5))
-    x = 3 * 2 * (0.001 + 100_000 / 1e9)
-    assert est.step_time == approx(5 * (18 + x) + 0.5)
+    h = 3 * (0.001 + 100_000 / 1e9)
+    assert est.step_time == approx(one_f_one_b([12, 18], h, 4) + 0.5)
+    assert est.p2p == approx(2 * h)
     assert est.overhead == 0.5
 
 
@@ -92,7 +117,7 @@ def test_dp_times_pp_step_is_slowest_pipeline_plus_allreduce():
     # each stage's gradients are all-reduced between its 2 holders; the slowest stage counts
     ar = max(ring_allreduce_s(2, 3_000_000 * 4, INTRA), ring_allreduce_s(2, 1_000_000 * 4, INTRA))
     assert est.allreduce == approx(ar)
-    assert est.step_time == approx(5 * 9 + ar)
+    assert est.step_time == approx(one_f_one_b([6, 9], 0.0, 4) + ar)
 
 
 def test_pure_dp_allreduce_over_nodes_uses_inter_link():
@@ -109,9 +134,9 @@ def test_unequal_pipelines_step_is_the_slowest():
     c = cluster(3)
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2,), (0, 4), 2)))
     est = estimate(plan, w, c)
-    # PP2: (4+1)·9 = 45; PP1: 2·15 = 30
-    assert est.pipeline_times[0] == approx(45) and est.pipeline_times[1] == approx(30)
-    assert est.step_time == approx(45 + est.allreduce)
+    # PP2: 6 + 9 + 3·9 = 42; PP1: 2·15 = 30
+    assert est.pipeline_times[0] == approx(42) and est.pipeline_times[1] == approx(30)
+    assert est.step_time == approx(42 + est.allreduce)
 
 
 # -- FSDP / HSDP -----------------------------------------------------------------------
@@ -204,22 +229,24 @@ def test_reroute_merged_into_loop_items_holds_more_activations():
     assert estimate(plan, w, small, dead={0}, extra={1: 1, 2: 1}).over_memory == (1, 2)
 
 
-def test_reroute_in_pipelines_adds_max_extra_times_stage_cost():
+def test_reroute_in_pipelines_adds_periods_for_the_extra_micro_batches():
     w = chain(COSTS, params=[1000] * 4, microbatches=8)
     c = cluster(4)
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
     base = estimate(plan, w, c)
     est = estimate(plan, w, c, dead={0}, extra={2: 4})
-    # pipeline 1 takes pipeline 0's 4 micro-batches on stage 0: + max_s(e_s · c_s) = 4 · 6
-    assert est.pipeline_times[1] == approx(base.pipeline_times[1] + 4 * 6)
-    assert est.pipeline_times[0] == approx(5 * 9)  # stage 1 of the broken pipeline still runs
-    assert est.compute == approx(4 * 9 + 4 * 6)
+    # pipeline 1 takes pipeline 0's 4 micro-batches at stage 0: its stream runs 4 + 4 micro-batches,
+    # 4 more periods of its 1F1B (9 s: the slower stage sets the pace)
+    assert est.pipeline_times[1] == approx(base.pipeline_times[1] + 4 * 9)
+    assert est.pipeline_times[0] == approx(9 + 3 * 9)  # stage 1 of the broken pipeline still runs
+    assert est.compute == approx(8 * 6)  # the busiest stage's work: device 2's 8 micro-batches
+    assert est.bubble == approx(est.pipeline_times[1] - 8 * 6) and est.p2p == 0.0  # no hop costs here
     # stage 0 now has one holder (nothing to all-reduce), stage 1 still two
     assert est.allreduce == approx(ring_allreduce_s(2, 2000 * 4, INTRA))
-    # extra on both stages: the larger product wins
+    # a dead stage on each side: each pipeline's survivor runs 8 micro-batches at its own pace
     est = estimate(plan, w, c, dead={0, 3}, extra={2: 4, 1: 4})
-    assert est.pipeline_times[0] == approx(5 * 9 + 4 * 9)
-    assert est.pipeline_times[1] == approx(5 * 6 + 4 * 6)
+    assert est.pipeline_times[0] == approx(8 * 9)
+    assert est.pipeline_times[1] == approx(8 * 6)
 
 
 def test_dead_device_absent_from_the_cluster_holds_nothing():

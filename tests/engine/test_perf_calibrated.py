@@ -76,12 +76,12 @@ def test_task_overhead_adds_m_plus_p_minus_1_tasks_to_a_pipeline(m, task):
     base = estimate(plan, w, c)
     est = estimate(plan, w, c, Coefficients(task_overhead_s=task))
     p = 2
-    x = 2 * (0.001 + 100_000 / 1e9)
-    # (m + p - 1) · (c_max + x_max), c_max = 9 s + task
-    assert est.step_time == approx((m + p - 1) * (9 + task + x))
+    h = 0.001 + 100_000 / 1e9
+    # every stage's task pays it: the round trip 6 + 9 + 2 tasks + 2h, then m - 1 periods of 9 s + task
+    assert est.step_time == approx(6 + 9 + 2 * task + 2 * h + (m - 1) * (9 + task))
     assert est.step_time - base.step_time == approx((m + p - 1) * task)
     assert est.compute == approx(m * (9 + task))
-    assert est.bubble == approx((p - 1) * (9 + task))
+    assert est.bubble == approx(6 + task)
     assert sum(est.breakdown().values()) == approx(est.step_time)
 
 
@@ -89,7 +89,8 @@ def test_task_overhead_is_not_scaled_by_compute_scale():
     w = chain(COSTS, microbatches=4)
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4),))
     est = estimate(plan, w, cluster(2), Coefficients(compute_scale=2.0, task_overhead_s=0.5))
-    assert est.step_time == approx(5 * (2 * 9 + 0.5))
+    # stages 2 · 6 + 0.5 and 2 · 9 + 0.5: the round trip, then 3 periods of the slower
+    assert est.step_time == approx(12.5 + 18.5 + 3 * 18.5)
 
 
 # -- optimizer seconds per parameter ------------------------------------------------------------

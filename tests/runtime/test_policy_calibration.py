@@ -106,10 +106,13 @@ def test_predicted_step_matches_the_formula_and_the_measured_step(calibrated):
     pipe = calibrated.plan.pipelines[0]
     m, p = pipe.microbatches, pipe.depth
     stage = [sum(FWD[b] + BWD[b] for b in range(pipe.bounds[s], pipe.bounds[s + 1])) for s in range(p)]
-    c_max = max(stage[s] / (0.5 if pipe.devices[s] == 2 else 1.0) + 2 * TASK_S for s in range(p))
-    x_max = max(2 * P2P.transfer_s(OUT[pipe.bounds[s + 1] - 1]) for s in range(p - 1))
+    c = [stage[s] / (0.5 if pipe.devices[s] == 2 else 1.0) + 2 * TASK_S for s in range(p)]
+    hop = max(P2P.transfer_s(OUT[pipe.bounds[s + 1] - 1]) for s in range(p - 1))
+    # 1F1B: the first micro-batch's round trip, then m - 1 periods (the slowest stage, or the
+    # round trip from stage s on shared by its p - s micro-batches in flight)
+    period = max([max(c)] + [(sum(c[s:]) + 2 * (p - 1 - s) * hop) / (p - s) for s in range(p)])
     busiest = max(sum(PARAMS[pipe.bounds[s]:pipe.bounds[s + 1]]) for s in range(p))
-    expected = (m + p - 1) * (c_max + x_max) + ALLREDUCE_S + busiest * OPT_S_PER_PARAM
+    expected = sum(c) + 2 * (p - 1) * hop + (m - 1) * period + ALLREDUCE_S + busiest * OPT_S_PER_PARAM
     assert calibrated.predicted_step(overhead=False) == pytest.approx(expected, rel=1e-6)
     # the residual median, per 1F1B slot of the pipeline, closes the gap to what the job measured
     assert calibrated.coefficients().hop_overhead_s == pytest.approx((STEP_S - expected) / (m + p - 1), rel=1e-6)
