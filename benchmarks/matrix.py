@@ -1,6 +1,6 @@
 """Benchmark matrix: chameleon-ft against the baselines users would otherwise pick (issue 6).
 
-    python benchmarks/matrix.py                         # the full matrix (FULL_PLAN, <= 20 min on 2 cores)
+    python benchmarks/matrix.py                         # the full matrix (FULL_PLAN: 72 runs, 1320 s on 2 cores, 2026-12-01)
     python benchmarks/matrix.py --short                 # 4 workers x {failure-free, kill} x systems (-> docs/benchmarks-short.md)
     python benchmarks/matrix.py --reduced               # REDUCED_PLAN: the core of the full plan, ~30 min on a loaded machine
     python benchmarks/matrix.py --systems chameleon-ft,torchft+fix --scenarios kill --repeats 3
