@@ -171,7 +171,6 @@ def estimate(
         e = extra_flat[idx]
         c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms, coeffs.task_overhead_s)
         c = np.where(dead_m, 0.0, c)
-        c_max = c.max(axis=1)
         mm = m[:, 0]
         n = mm + e.max(axis=1)  # micro-batches through the busiest stage (its own + rerouted)
         rerouted = (e * c).max(axis=1)

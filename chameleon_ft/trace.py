@@ -264,10 +264,12 @@ def default_redundant_overhead(plan: Plan, workload: Workload, cluster: Cluster,
                                coeffs: Coefficients = Coefficients()) -> float:
     """``1 +`` the redundant forward work that no stage's idle time absorbs, as a share of the
     step.  Stage ``h`` runs the forward of every stage it shadows for each of its pipeline's
-    ``m`` micro-batches; under 1F1B it idles ``(m + p − 1)·c_max − m·c_h`` per step."""
-    step = estimate(plan, workload, cluster, coeffs).step_time
+    ``m`` micro-batches; under 1F1B it idles its pipeline's time (``perf.estimate``) − ``m·c_h``
+    per step."""
+    est = estimate(plan, workload, cluster, coeffs)
+    step = est.step_time
     worst = 0.0
-    for pipe in plan.pipelines:
+    for j, pipe in enumerate(plan.pipelines):
         p, m = pipe.depth, pipe.microbatches
         if p == 1 or m == 0:
             continue
@@ -277,7 +279,7 @@ def default_redundant_overhead(plan: Plan, workload: Workload, cluster: Cluster,
         fwd = [sum(layer.fwd_s for layer in workload.layers[lo:hi]) for lo, hi in spans]
         for h in range(p):
             redundant = m * sum(fwd[s] for s in range(p) if _shadow(s) == h) / speed[h]
-            idle = (m + p - 1) * max(c) - m * c[h]
+            idle = est.pipeline_times[j] - m * c[h]
             worst = max(worst, redundant - idle)
     return 1.0 + worst / step if step > 0 else 1.0
 
