@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
-from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants  # noqa: E402  (pipeline_bench is not edited here)
+from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants, memory_phrase  # noqa: E402
 from harness.systems import free_port  # noqa: E402
 
 MODE = "accelerator emulation"
@@ -376,8 +376,7 @@ def markdown(res: dict) -> str:
     emu = (f"{MODE}: {c['block_sleep'] * 1e3:g} ms forward + {2 * c['block_sleep'] * 1e3:g} ms backward per block, "
            f"8 blocks, 8 workers = 2 pipelines x 4 stages, global batch {c['global_batch']}, micro-batch {c['micro_batch']}"
            + (f"; chameleon-ft systems: emulated network {c['emulate_link']} (s:B/s)" if c.get("emulate_link") else "")
-           + (f", emulated device memory {c['device_memory'] / 1e3:g} kB (the model needs its stages)"
-              if c.get("device_memory") else ""))
+           + (f", {memory_phrase(c)}" if c.get("device_memory") else ""))
     fl = "; ".join(f"step {f['step']}: " + (f"SIGKILL worker {f['worker']}" + (" (a replacement arrives)" if f["replaced"] else "")
                                             if f["kind"] == "kill" else f"worker {f['worker']} {f['factor']:g}x slower from here")
                    for f in tr["faults"])
