@@ -38,8 +38,8 @@ from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
-from accelerate_ft.runtime import AccelerateRuntime
-from chameleon_ft.runtime.adapters import adapter_config
+from accelerate_ft.step_protocol import StepProtocol
+from chameleon_ft.runtime.adapter_kit import adapter_config
 from chameleon_ft.runtime.recovery import ElasticConfig
 
 __all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
@@ -67,7 +67,7 @@ class _FTOptimizer(AcceleratedOptimizer):
     """The prepared optimizer: ``step()`` commits the global step after the member's last
     micro-batch (a no-op otherwise); the runtime zeroes the gradients after each commit."""
 
-    _ft_rt: AccelerateRuntime
+    _ft_rt: StepProtocol
 
     def step(self, closure=None):
         if closure is not None:
@@ -186,7 +186,7 @@ class FaultTolerantAccelerator(Accelerator):
                  allow_batch_change: bool = False, event_log: Optional[str] = None,
                  require_launcher: bool = False, **kwargs: Any) -> None:
         cfg = _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change)
-        self._ft: Optional[AccelerateRuntime] = None
+        self._ft: Optional[StepProtocol] = None
         env = launch_env()
         if env is None:
             if require_launcher:
@@ -198,12 +198,12 @@ class FaultTolerantAccelerator(Accelerator):
         _refuse_accelerators(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)))
         _refuse_sharding(kwargs)
         super().__init__(*args, **kwargs)
-        self._ft = AccelerateRuntime(self, env, cfg, event_log)
+        self._ft = StepProtocol(self, env, cfg, event_log)
 
     # ---------------------------------------------------------------- introspection
     @property
     def ft_context(self):
-        """The worker's ``ElasticContext`` (None before the training loader is first iterated)."""
+        """The worker's ``DataParallelExecutor`` (None before the training loader is first iterated)."""
         return self._ft.ctx if self._ft is not None else None
 
     @property
@@ -499,5 +499,5 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
     if accelerator._models or accelerator._optimizers or accelerator._dataloaders or accelerator._schedulers:
         raise ConfigError("wrap() must come before accelerator.prepare(...)")
     accelerator.__class__ = FaultTolerantAccelerator
-    accelerator._ft = AccelerateRuntime(accelerator, env, cfg, event_log)
+    accelerator._ft = StepProtocol(accelerator, env, cfg, event_log)
     return accelerator

@@ -6,7 +6,7 @@ the step, so ``len()``, the items of an epoch, ``sync_gradients`` and the user's
 ``optimizer.step()`` calls are those of the failure-free run.  The global batch is fixed at
 launch (workers x ``batch_size`` x ``gradient_accumulation_steps``) and comes from the
 runtime's exactly-once ``ElasticSampler``; a member's share of a step is cut into the items by
-``ElasticContext.items``: while everyone is alive one item is one micro-batch; after this member
+``DataParallelExecutor.items``: while everyone is alive one item is one micro-batch; after this member
 took over a dead member's micro-batches, an item holds several of them, collated together by the
 user's ``collate_fn`` (its activations grow accordingly: the memory trade-off is in
 docs/accelerate.md); with fewer micro-batches than items (a rebalanced straggler), micro-batches
@@ -21,7 +21,7 @@ computed outside the model, in which case the redo takes one more item.
 usual ``len(train_dl) / gradient_accumulation_steps`` scheduler arithmetic keeps its meaning.
 
 ``ElasticEvalLoader`` (any other prepared loader): at each ``iter()`` the dataset is split over
-the *current* members by ``chameleon_ft.runtime.adapters.eval_batches``: the same number of
+the *current* members by ``chameleon_ft.runtime.adapter_kit.eval_batches``: the same number of
 batches on every member, every sample exactly once, no padding; ``gather_for_metrics`` drops
 the ghost sample a member may get in the last round and returns the results in dataset order.
 
@@ -39,7 +39,7 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.adapters import MicroBatchSource, eval_batches
+from chameleon_ft.runtime.adapter_kit import MicroBatchSource, eval_batches
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class ElasticEvalLoader:
     the evaluation, the survivors recover at once (in ``gather_for_metrics``) and go on from
     the first sample that not all of them have gathered, re-split over the new members --
     or, when not every survivor was in this evaluation, each finishes it alone -- so that
-    every member's gathered results cover every sample once (``AccelerateRuntime.eval_*``)."""
+    every member's gathered results cover every sample once (``StepProtocol.eval_*``)."""
 
     def __init__(self, runtime, dataloader: DataLoader, device_placement: bool) -> None:
         if dataloader.batch_size is None:

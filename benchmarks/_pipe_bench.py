@@ -2,7 +2,7 @@
 (``--mode torch``) or chameleon-ft's DP x PP runtime (``--mode ft``).
 
     python -m torch.distributed.run --standalone --nproc-per-node 8 benchmarks/_pipe_bench.py --mode torch --out F
-    python -m chameleon_ft.launch --nproc-per-node 8 --run-dir D benchmarks/_pipe_bench.py --mode ft --out F
+    python -m chameleon_ft.cli.launch --nproc-per-node 8 --run-dir D benchmarks/_pipe_bench.py --mode ft --out F
 
 Same model (``--blocks`` MLP blocks), data, global batch, micro-batches, layout (2 pipelines x
 ``--stages`` stages, blocks split evenly) and emulated compute on both sides: accelerator
@@ -246,7 +246,7 @@ def _diag_blocking_p2p() -> None:
 
 def run_ft(a) -> None:
     from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.worker import ElasticConfig
+    from chameleon_ft.runtime.recovery import ElasticConfig
 
     if a.diag == "no-start-check":
         _diag_no_start_check()
@@ -268,7 +268,7 @@ def run_ft(a) -> None:
             stamps.append([ctx.step, time.time()])
             SLOW["factor"] = slow_factor(a.slow, worker, ctx.step + 1)
             if writer and a.predict:
-                from chameleon_ft.perf import estimate
+                from chameleon_ft.engine.perf import estimate
                 pol = ctx.policy
                 dead = frozenset(set(pol.plan.devices) - set(pol.alive))
                 est = estimate(pol.plan, pol.workload(), pol.cluster(), pol.calibrator.coefficients(), dead)

@@ -73,7 +73,7 @@ def main() -> None:
         extra = {}
     else:
         from chameleon_ft.runtime.trainer import ElasticTrainer
-        from chameleon_ft.runtime.worker import ElasticConfig
+        from chameleon_ft.runtime.recovery import ElasticConfig
 
         def on_step(ctx):
             rows.append([ctx.step, time.time(), ctx.loss_history[-1][1]])

@@ -17,11 +17,11 @@ import sys
 import time
 from dataclasses import replace
 
-from chameleon_ft.cluster import Link, homogeneous
-from chameleon_ft.failures import Event, EventKind
-from chameleon_ft.planner import SearchSpace, plan_search
-from chameleon_ft.selector import JobState, SelectorConfig, select
-from chameleon_ft.workload import transformer
+from chameleon_ft.engine.cluster import Link, homogeneous
+from chameleon_ft.engine.failures import Event, EventKind
+from chameleon_ft.engine.planner import SearchSpace, plan_search
+from chameleon_ft.engine.selector import JobState, SelectorConfig, select
+from chameleon_ft.engine.workload import transformer
 
 TARGETS_S = {1024: 0.010, 131072: 1.0}
 

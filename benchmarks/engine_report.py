@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import decision_latency  # noqa: E402
 
-from chameleon_ft.sim import ADAPTIVE, BATCH_CHANGING, PRESETS, deployed, model_error_cost, simulate  # noqa: E402
+from chameleon_ft.sim.simulator import ADAPTIVE, BATCH_CHANGING, PRESETS, deployed, model_error_cost, simulate  # noqa: E402
 
 
 def machine() -> str:

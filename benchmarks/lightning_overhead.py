@@ -36,7 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from chameleon_ft.localjob import LocalJob  # noqa: E402
+from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "lightning" / "_workers" / "lit_train.py"
 SHARDED = ROOT / "tests" / "lightning" / "_workers" / "lit_sharded.py"

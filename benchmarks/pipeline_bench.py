@@ -10,7 +10,7 @@ Both sides run ``benchmarks/_pipe_bench.py``: 8 CPU workers, 2 pipelines x 4 sta
 seconds, its backward by twice that; see the worker's doc).
 
 * **Overhead**: steady-state steps/s (after ``--warmup`` steps) of the chameleon-ft runtime
-  (``python -m chameleon_ft.launch``) and of the baseline (``python -m torch.distributed.run``:
+  (``python -m chameleon_ft.cli.launch``) and of the baseline (``python -m torch.distributed.run``:
   ``PipelineStage`` + ``Schedule1F1B`` per pipeline, gradient all-reduce between same-stage
   ranks), alternating, median of ``--repeats`` runs each; ratio = ours / baseline.
 * **One kill**: per policy set ({reroute}, {replan}, adaptive {reroute, replan}) a run whose
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from chameleon_ft.localjob import LocalJob, kill_processes
+from chameleon_ft.cli.localjob import LocalJob, kill_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_crossover as xo  # noqa: E402

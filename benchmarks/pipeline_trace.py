@@ -23,7 +23,7 @@ of the step before it starts.
 
 Systems (each at its best on this job):
 
-* ``adaptive``: chameleon-ft ``ElasticTrainer(stages=4)`` under ``python -m chameleon_ft.launch``,
+* ``adaptive``: chameleon-ft ``ElasticTrainer(stages=4)`` under ``python -m chameleon_ft.cli.launch``,
   the engine choosing among all its policies (``--allowed`` unset).
 * ``reroute``: the same runtime restricted to ``reroute,heal,wait,restart,keep`` -- ReCycle-like
   rerouting, plus what rerouting alone would still do well: heal the arriving replacement in
@@ -87,7 +87,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trace_sim  # noqa: E402  (benchmarks/, next to this file)
-from chameleon_ft.localjob import LocalJob, kill_processes  # noqa: E402
+from chameleon_ft.cli.localjob import LocalJob, kill_processes  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
 from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants, memory_phrase  # noqa: E402
 from harness.systems import free_port  # noqa: E402

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chameleon_ft.localjob import LocalJob
+from chameleon_ft.cli.localjob import LocalJob
 
 SCRIPT = Path(__file__).with_name("_train_bench.py")
 PHASES = ["detect", "membership", "rebuild", "state_transfer", "first_step"]

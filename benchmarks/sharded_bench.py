@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "_shard_bench.py"
 sys.path.insert(0, str(ROOT))
 
-from chameleon_ft.localjob import LocalJob  # noqa: E402
+from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness.systems import free_port  # noqa: E402
 

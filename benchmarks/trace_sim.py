@@ -1,6 +1,6 @@
 """The simulator on the trace the benchmark ran: the same failures, on the coefficients the live
 job calibrated, side by side with what the real systems measured (8 workers), and the same
-trace on a 32-device job (``chameleon_ft.trace.scale_trace``/``trace_setting``).
+trace on a 32-device job (``chameleon_ft.sim.trace.scale_trace``/``trace_setting``).
 
 ``setup_from_run`` turns a ``pipeline_trace.py`` result into a ``TraceSetup``:
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from chameleon_ft.planner import SearchSpace
-from chameleon_ft.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
+from chameleon_ft.engine.planner import SearchSpace
+from chameleon_ft.sim.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
                                 workload_from_json)
 
 SIM_POLICY = {"adaptive": "adaptive", "reroute": "reroute", "replan": "replan", "restart": "restart"}

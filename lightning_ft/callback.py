@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 
-from chameleon_ft.runtime.adapters import adapter_config, ft_metrics, recovery_line
+from chameleon_ft.runtime.adapter_kit import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
 from chameleon_ft.runtime.recovery import ElasticConfig
@@ -104,7 +104,7 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         snapshot_every: sharded training (``ModelParallelStrategy``): steps between the buddy
             snapshots of each shard (default: Young/Daly's optimum; 0: none).
         rehab_recipe: sharded training: how a shard restored from its stale snapshot is
-            repaired (``chameleon_ft.rehab.RehabRecipe``).
+            repaired (``chameleon_ft.engine.rehab.RehabRecipe``).
     """
 
     def __init__(self, allowed_policies: Optional[Iterable[str]] = None,

@@ -19,7 +19,7 @@ custom ``batch_sampler``) and a plain random or sequential order (a custom sampl
 cannot be kept exactly-once under membership changes); the samples of a micro-batch that is
 redone by another member after a failure are loaded in the main process.  The loading itself
 (``MicroBatchSource``) and the shards are shared with accelerate_ft in
-``chameleon_ft/runtime/adapters.py``.
+``chameleon_ft/runtime/adapter_kit.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 from torch.utils.data import DataLoader
 
-from chameleon_ft.runtime.adapters import MicroBatchSource
-from chameleon_ft.runtime.adapters import ShardSampler as _ShardSampler
+from chameleon_ft.runtime.adapter_kit import MicroBatchSource
+from chameleon_ft.runtime.adapter_kit import ShardSampler as _ShardSampler
 from chameleon_ft.runtime.sampler import MicroBatch
 
 __all__ = ["StepLoader", "ShardSampler", "NoMicroBatch"]

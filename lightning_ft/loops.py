@@ -91,7 +91,7 @@ class LoopWrappers:
     def _run_evaluation_ft(self, loop) -> Any:
         """Run a validation/test loop so that a worker lost inside it cannot leave partial
         metrics behind.  A failed collective (metric sync, ``sync_dist``, ``all_gather``,
-        barrier) unwinds the loop; the job recovers at once (``ElasticContext.recover``: the
+        barrier) unwinds the loop; the job recovers at once (``DataParallelExecutor.recover``: the
         survivors agree, form their group, re-shard the evaluation data) and, when every
         member recovered from this same evaluation, they run it again from its start over
         the survivors, so the metrics cover every sample once.  When a member was elsewhere

@@ -18,12 +18,12 @@ collectives over the live group, the loop wrappers):
   to the meta device before ``configure_model`` (the template); the FSDP units the user made
   are recorded by name.  After a failure each generation replaces those children with fresh
   copies of the template, applies ``fully_shard`` to the same units on the new mesh and loads
-  this member's rows (``ShardedContext``); the optimizer is the same object, rebound in place,
+  this member's rows (``ShardedExecutor``); the optimizer is the same object, rebound in place,
   so Lightning's optimizers and LR schedulers need no rebuild.
 * **The step.**  Every member runs as many forward/backward passes as the member with the most
   micro-batches (FSDP's collectives must pair up): its own micro-batches (the first through
   Lightning's closure), then zero-weight passes with logging off.  Then the runtime's commit
-  (``ShardedContext.commit``), whose update is Lightning's own (precision plugin, hooks,
+  (``ShardedExecutor.commit``), whose update is Lightning's own (precision plugin, hooks,
   ``optimizer.step``).  A failed FSDP collective redoes the step.
 * **Recovery** is the engine's choice between *rehabilitate* (the lost rows from their
   buddy's stale snapshot, repaired; no rollback) and *restart* from the last checkpoint.
@@ -32,7 +32,7 @@ collectives over the live group, the loop wrappers):
 * **Evaluation** unshards every unit once at its start (one collective per unit, over the live
   group) and runs the forwards without collectives, so that members with different numbers of
   evaluation batches (every sample once, no padding) do not mismatch FSDP's all-gathers.
-* **Checkpoints** are whole (``ShardedContext.full_state``: parameters and the optimizer's
+* **Checkpoints** are whole (``ShardedExecutor.full_state``: parameters and the optimizer's
   state in torch's format), written by the live rank 0 and loadable with ``weights_only=True``
   on any number of workers; Lightning's own gather would run over the fake group.
 
@@ -56,9 +56,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from chameleon_ft.rehab import RehabRecipe
+from chameleon_ft.engine.rehab import RehabRecipe
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.sharded import FsdpComms, ShardedContext, _fake_world
+from chameleon_ft.runtime.executors.sharded.executor import FsdpComms, ShardedExecutor, _fake_world
 from lightning_ft.strategy import _UNEVEN, AtLeastOneEach, FaultTolerantDDPStrategy, _SchedulerState
 
 __all__ = ["FaultTolerantModelParallelStrategy"]
@@ -70,8 +70,8 @@ LIGHTNING_SHARD_PATHS = frozenset({"rehabilitate", "restart"})
 _Ghost = namedtuple("_Ghost", "weight index")
 
 
-class _LightningShardedContext(AtLeastOneEach, ShardedContext):
-    """``ShardedContext`` over the user's LightningModule (module doc): the module is kept,
+class _LightningShardedContext(AtLeastOneEach, ShardedExecutor):
+    """``ShardedExecutor`` over the user's LightningModule (module doc): the module is kept,
     its children are re-made from the template per generation and the user's units are
     sharded again; at start every member already holds its row (``_adopt_live``)."""
 

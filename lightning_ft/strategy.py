@@ -6,7 +6,7 @@ What it changes against ``DDPStrategy`` and why:
 
 * **No default process group, no DDP wrapper.**  ``setup_environment`` joins the job's
   membership (``join_job``) and forms a gloo group per membership generation; gradients are
-  reduced by ``ElasticContext.sync_and_step`` (one fail-fast all-reduce per step) instead of
+  reduced by ``DataParallelExecutor.sync_and_step`` (one fail-fast all-reduce per step) instead of
   DDP's hooks, because a default group cannot be re-formed after a death.
 * **One Lightning batch per global step.**  The training DataLoader becomes a ``StepLoader``
   over the exactly-once ``ElasticSampler`` (global batch = workers at launch x ``batch_size``
@@ -66,12 +66,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.adapters import LiveCollectives, UpdateHandle, training_order
+from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.recovery import ElasticConfig, Joined, join_job
-from chameleon_ft.runtime.dp import ElasticContext
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from lightning_ft.data import ShardSampler, StepLoader
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.loops import LoopWrappers
@@ -82,7 +82,7 @@ __all__ = ["FaultTolerantDDPStrategy", "LauncherError"]
 
 _NOT_LAUNCHED = (
     "fault-tolerant training needs the chameleon-ft launcher: start the script with "
-    "`chameleon-ft run --nproc-per-node N train.py` (or `python -m chameleon_ft.launch ...`). "
+    "`chameleon-ft run --nproc-per-node N train.py` (or `python -m chameleon_ft.cli.launch ...`). "
     "Lightning's own launcher runs rank 0 inside your `python train.py` process and torchrun "
     "restarts every worker on a failure, so neither can keep the survivors training in place. "
     "Without it, train with strategy='ddp' and a ModelCheckpoint, and after a failure rerun with "
@@ -102,7 +102,7 @@ class LauncherError(ConfigError, RuntimeError):
 
 
 class _SchedulerState:
-    """What ``ElasticContext`` sees as the scheduler.  Lightning steps the LR schedulers itself
+    """What ``DataParallelExecutor`` sees as the scheduler.  Lightning steps the LR schedulers itself
     (after the step, by interval and frequency); the runtime only needs their state *at the
     commit* so that a worker that adopts a step its peers committed ends up where they are
     once its own Lightning loop has stepped the schedulers for that step."""
@@ -146,7 +146,7 @@ class AtLeastOneEach:
             s.set_allocation(list(s.members), counts)
 
 
-class _LightningContext(AtLeastOneEach, ElasticContext):
+class _LightningContext(AtLeastOneEach, DataParallelExecutor):
     """The data-parallel context of a Lightning job."""
 
 
@@ -179,7 +179,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         super().__init__(*args, **kwargs)
         self.ft_config = ft_config
         self.event_log = event_log
-        self.ctx: Optional[ElasticContext] = None
+        self.ctx: Optional[DataParallelExecutor] = None
         self.env: Optional[WorkerEnv] = None
         self._joined: Optional[Joined] = None
         self._loader: Optional[StepLoader] = None
@@ -356,7 +356,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)
 
-    def _new_context(self, dataset_len: int, global_batch: int, micro_batch: int, **kw) -> ElasticContext:
+    def _new_context(self, dataset_len: int, global_batch: int, micro_batch: int, **kw) -> DataParallelExecutor:
         self._handle = UpdateHandle(self.optimizers[0])
         return _LightningContext(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
                                  scheduler=_SchedulerState(self), config=self.ft_config, env=self.env, **kw)
@@ -533,7 +533,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
 
     def _recover_off_step(self, failure: CollectiveFailure) -> None:
         """A worker was lost while this member was between training steps: agree on the
-        survivors, form their group and agree on the state now (``ElasticContext.recover``), so
+        survivors, form their group and agree on the state now (``DataParallelExecutor.recover``), so
         that the new rank 0 writes what the lost one would have (a checkpoint, the epoch's
         logs).  The members may have met the failure in different collectives of this window,
         so until its next training step this member's collectives return its local value

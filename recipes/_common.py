@@ -52,7 +52,7 @@ def launch_if_needed(a, script: str) -> None:
     argv = [a for a in sys.argv[1:]]
     if "--out" not in argv:
         argv += ["--out", out]
-    cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(a.workers),
+    cmd = [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", str(a.workers),
            "--run-dir", out, "--hang-timeout", str(a.hang_timeout), "--faults", faults(a), script, *argv]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")

@@ -2,7 +2,7 @@
 killed mid-run.
 
     python recipes/gpt_pipeline.py --workers 8 --stages 4 --kill-worker 2 --at-step 6 --policy replan
-    python -m chameleon_ft.launch --nproc-per-node 8 recipes/gpt_pipeline.py --out DIR   # no kill
+    python -m chameleon_ft.cli.launch --nproc-per-node 8 recipes/gpt_pipeline.py --out DIR   # no kill
 
 Model (built from flags, no download): ``nn.Sequential`` of blocks -- an embedding block
 (token + position embeddings), ``--layers`` pre-LN transformer blocks (causal self-attention with
@@ -123,7 +123,7 @@ def worker(a: argparse.Namespace) -> None:
     from torch.nn import functional as F
 
     from chameleon_ft.runtime.trainer import ElasticTrainer
-    from chameleon_ft.runtime.worker import ElasticConfig
+    from chameleon_ft.runtime.recovery import ElasticConfig
 
     torch.set_num_threads(1)
     data, vocab = dataset(a.max_samples)
@@ -180,7 +180,7 @@ def worker(a: argparse.Namespace) -> None:
 def summarize(out: Path) -> dict:
     """Complete ``result.json`` with the event log: decisions, migration, MTTR, block norms."""
     sys.path.insert(0, str(ROOT))
-    from chameleon_ft.report import wall_throughput
+    from chameleon_ft.cli.report import wall_throughput
     from chameleon_ft.runtime.eventlog import read_events
 
     events = read_events(out / "events.jsonl")
@@ -213,7 +213,7 @@ def launch(a: argparse.Namespace) -> int:
     import tempfile
 
     sys.path.insert(0, str(ROOT))
-    from chameleon_ft.localjob import LocalJob
+    from chameleon_ft.cli.localjob import LocalJob
 
     out = Path(a.out or tempfile.mkdtemp(prefix="chameleon-gpt-pipeline-")).resolve()
     argv = [x for x in sys.argv[1:]]
@@ -248,7 +248,7 @@ def launch(a: argparse.Namespace) -> int:
         print(f"recipe: the job ended with {code}; see {log}", flush=True)
         return 1 if code is None else code
     r = summarize(out)
-    from chameleon_ft.report import describe_layout
+    from chameleon_ft.cli.report import describe_layout
 
     for d in r["decisions"]:
         plan = next((c.get("plan") for c in d["candidates"] if c["policy"] == d["chosen"]), None)

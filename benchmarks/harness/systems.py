@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from chameleon_ft.localjob import kill_processes
+from chameleon_ft.cli.localjob import kill_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "benchmarks" / "baselines"
@@ -169,7 +169,7 @@ def start_chameleon(policy: Optional[str] = None) -> Callable[[Job], None]:
         if policy == "restart":  # checkpoint-restart: the launcher relaunches, the script resumes
             launch += ["--max-restarts", "3"]
             extra += ["--ckpt", str(job.run_dir / "ckpt.pt"), "--ckpt-every", "10"]
-        cmd = [sys.executable, "-m", "chameleon_ft.launch", "--nproc-per-node", str(job.nproc),
+        cmd = [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", str(job.nproc),
                "--run-dir", str(job.run_dir), "--hang-timeout", "5", *launch, str(BASE / "chameleon.py"),
                *job.script_args(), *extra]
         job.spawn(cmd, job.env(), "launcher")

@@ -24,7 +24,7 @@ import torch
 
 from chameleon_ft.examples.demo_train import Blobs
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 
 class Block(torch.nn.Module):

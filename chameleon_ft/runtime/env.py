@@ -62,7 +62,7 @@ class WorkerEnv:
         missing = [k for k in (STORE, LIGHTHOUSE, WORKER_ID) if not env.get(k)]
         if missing:
             raise EnvError(f"{', '.join(missing)} not set: start this script with "
-                           "`chameleon-ft run [flags] script.py` (python -m chameleon_ft.launch)")
+                           "`chameleon-ft run [flags] script.py` (python -m chameleon_ft.cli.launch)")
 
         def num(name: str, default, kind=int):
             raw = env.get(name)

@@ -41,8 +41,8 @@ def exit_code_for(exc: BaseException) -> Optional[int]:
     script (its traceback is the clearest report)."""
     # Imported here: these modules import torch.distributed; this one is imported early.
     from chameleon_ft.runtime.membership import MembershipError
-    from chameleon_ft.runtime.policy import RestartRequested
-    from chameleon_ft.runtime.state import CheckpointError
+    from chameleon_ft.runtime.engine_bridge import RestartRequested
+    from chameleon_ft.runtime.codec import CheckpointError
     from chameleon_ft.runtime.recovery import NothingToHeal, WorldTooSmall
     if isinstance(exc, ConfigError):
         return CONFIG_EXIT_CODE

@@ -1,8 +1,8 @@
 """The recovery core shared by every executor: one worker's membership, group, commit
 protocol, engine bridge and state agreement.
 
-``RecoveryCore`` is what every kind of training (``dp.ElasticContext`` for data parallelism,
-``pipeline.context.PipelineContext`` for DP x PP) is built on; an executor adds how a step is
+``RecoveryCore`` is what every kind of training (``dp.DataParallelExecutor`` for data parallelism,
+``pipeline.context.PipelineExecutor`` for DP x PP) is built on; an executor adds how a step is
 computed and committed, and how a Decision's layout is carried out (``_after_sync``).
 
 **Commit protocol.**  Every member holds a committed step counter.  A step ends with one
@@ -48,10 +48,10 @@ from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
-from chameleon_ft.runtime.policy import EnginePolicy, RestartRequested
+from chameleon_ft.runtime.engine_bridge import EngineBridge, RestartRequested
 from chameleon_ft.runtime.predictions import PredictionTracker
 from chameleon_ft.runtime.sampler import ElasticSampler
-from chameleon_ft.runtime import state as run_state
+from chameleon_ft.runtime import codec as run_state
 
 __all__ = ["ElasticConfig", "RecoveryCore", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
@@ -87,7 +87,7 @@ class ElasticConfig:
     mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
         --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
     straggler_options: the straggler detector's and rebalance check's knobs (see
-        ``EnginePolicy``); None: the defaults.
+        ``EngineBridge``); None: the defaults.
     items_per_step: set by an adapter that may merge a worker's share of a step into this
         many loop items (the engine's memory check then counts the merged activations).
     min_replicas: pipeline jobs: a re-plan keeps at least this many pipelines, i.e. copies of
@@ -141,7 +141,7 @@ class Joined(NamedTuple):
 def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float] = None) -> Joined:
     """Join the job's membership and form the first generation's group.
 
-    ``ElasticContext.start`` does this itself; an adapter whose framework needs collectives
+    ``DataParallelExecutor.start`` does this itself; an adapter whose framework needs collectives
     before the model, optimizer and data exist (Lightning: logger versions, checkpoint
     directories, the sanity check) calls it early and passes the result to ``start``."""
     timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
@@ -155,7 +155,7 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
     try:
         gm.rebuild(view)
     except CollectiveFailure:
-        pass  # the generation is aborted; ElasticContext.start recovers from it
+        pass  # the generation is aborted; DataParallelExecutor.start recovers from it
     return Joined(membership, gm, view)
 
 
@@ -208,7 +208,7 @@ class RecoveryCore:
         if len(dtypes) != 1:
             raise ConfigError(f"trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
-        self.policy = EnginePolicy(
+        self.policy = EngineBridge(
             layer_params(model), global_batch, micro_batch, per_node=self.env.local_world_size,
             warmup_steps=self.cfg.warmup_steps, mttf_s=self.env.mttf_s or self.cfg.mttf_s,
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,

@@ -1,4 +1,4 @@
-"""``ElasticTrainer``: a plain training loop on ``ElasticContext``, and ``elastic_main``.
+"""``ElasticTrainer``: a plain training loop on ``DataParallelExecutor``, and ``elastic_main``.
 
 For scripts started by ``chameleon-ft run``::
 
@@ -11,7 +11,7 @@ For scripts started by ``chameleon-ft run``::
 ``loss_fn(model, batch)`` returns the mean loss of one micro-batch; ``batch`` is
 ``collate_fn([dataset[i] for i in micro_batch.indices])`` (``default_collate`` by default).
 Every member of the job runs the same loop; failures, replacements and stragglers are
-handled inside ``ElasticContext.sync_and_step`` -- the loop only asks again what to compute.
+handled inside ``DataParallelExecutor.sync_and_step`` -- the loop only asks again what to compute.
 
 Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (an
 ``nn.Sequential``) and ``stages=P``; the engine's plan then decides the layout (pipelines of
@@ -40,7 +40,7 @@ from torch.utils.data import default_collate
 
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
 from chameleon_ft.runtime.recovery import ElasticConfig
-from chameleon_ft.runtime.dp import ElasticContext
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 
 __all__ = ["ElasticTrainer", "elastic_main"]
 
@@ -71,22 +71,22 @@ class ElasticTrainer:
         if self.sharded and self.pipeline:
             raise ConfigError("sharding and pipeline stages together are not supported")
         if self.sharded:
-            from chameleon_ft.runtime.sharded import ShardedContext
-            self.ctx = ShardedContext(model, optimizer, len(dataset), global_batch, micro_batch,
+            from chameleon_ft.runtime.executors.sharded.executor import ShardedExecutor
+            self.ctx = ShardedExecutor(model, optimizer, len(dataset), global_batch, micro_batch,
                                       replicas=replicas if sharding == "hybrid" else 1,
                                       snapshot_every=snapshot_every, recipe=recipe,
                                       scheduler=scheduler, seed=seed, shuffle=shuffle,
                                       drop_last=drop_last, config=config)
         elif self.pipeline:
-            from chameleon_ft.runtime.pipeline.context import PipelineContext
+            from chameleon_ft.runtime.executors.pipeline.executor import PipelineExecutor
             if checkpoint:
                 raise ConfigError("checkpoints of pipeline jobs are not written yet")
-            self.ctx = PipelineContext(model, optimizer, dataset, loss_fn, global_batch, micro_batch,
+            self.ctx = PipelineExecutor(model, optimizer, dataset, loss_fn, global_batch, micro_batch,
                                        stages, input_fn=input_fn, collate_fn=collate_fn,
                                        scheduler=scheduler, seed=seed, shuffle=shuffle,
                                        drop_last=drop_last, config=config)
         else:
-            self.ctx = ElasticContext(model, optimizer, len(dataset), global_batch, micro_batch,
+            self.ctx = DataParallelExecutor(model, optimizer, len(dataset), global_batch, micro_batch,
                                       scheduler=scheduler, seed=seed, shuffle=shuffle,
                                       drop_last=drop_last, config=config)
         self.checkpoint = checkpoint

@@ -2,7 +2,7 @@
 
 The engine gives a member fewer micro-batches (``rebalance``) or none at all, and a partial last
 global batch leaves slots empty; the fidelity trials need those states on demand, at any
-membership.  ``force_allocations(spec)`` wraps ``ElasticContext._apply_allocation`` (where every
+membership.  ``force_allocations(spec)`` wraps ``DataParallelExecutor._apply_allocation`` (where every
 allocation the engine decides -- start, failure, straggler -- reaches the sampler) so that each
 one is then skewed deterministically: every member applies the same change to the same
 allocation, as the runtime requires.  An adapter's own correction (Lightning's
@@ -15,7 +15,7 @@ Spec ``KIND:POS`` (POS counts members in the allocation's order, modulo their nu
 
 from __future__ import annotations
 
-from chameleon_ft.runtime.worker import ElasticContext
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 
 
 def skew(counts: list[int], spec: str) -> list[int]:
@@ -42,7 +42,7 @@ def force_allocations(spec: str | None) -> None:
     if not spec:
         return
     skew([1, 1], spec)  # validate before any worker starts
-    original = ElasticContext._apply_allocation
+    original = DataParallelExecutor._apply_allocation
 
     def _apply_allocation(self) -> None:
         original(self)
@@ -51,4 +51,4 @@ def force_allocations(spec: str | None) -> None:
         if counts != list(s.allocation):
             s.set_allocation(list(s.members), counts)
 
-    ElasticContext._apply_allocation = _apply_allocation
+    DataParallelExecutor._apply_allocation = _apply_allocation

@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from chameleon_ft.localjob import LocalJob
+from chameleon_ft.cli.localjob import LocalJob
 from chameleon_ft.runtime.eventlog import committed_attempts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chameleon_ft.runtime.state import load_checkpoint
+from chameleon_ft.runtime.codec import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402

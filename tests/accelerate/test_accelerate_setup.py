@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from accelerate_ft import NOT_LAUNCHED, FaultTolerantAccelerator, LauncherError, wrap
-from chameleon_ft.runtime.adapters import eval_batches, shard_indices
+from chameleon_ft.runtime.adapter_kit import eval_batches, shard_indices
 
 
 @pytest.fixture(autouse=True)
@@ -70,16 +70,16 @@ def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):
 
 
 def _eval_runtime(catch_up: bool):
-    """An ``AccelerateRuntime`` as member 1 of 3 (no job joined): the real evaluation loader and
+    """An ``StepProtocol`` as member 1 of 3 (no job joined): the real evaluation loader and
     the real ``LiveCollectives`` over a stand-in group whose collectives record what they gather."""
     import types
 
     from accelerate_ft.data import ElasticEvalLoader
-    from accelerate_ft.runtime import AccelerateRuntime
-    from chameleon_ft.runtime.adapters import LiveCollectives
+    from accelerate_ft.step_protocol import StepProtocol
+    from chameleon_ft.runtime.adapter_kit import LiveCollectives
 
     view = types.SimpleNamespace(rank=1, world_size=3)
-    rt = object.__new__(AccelerateRuntime)
+    rt = object.__new__(StepProtocol)
     rt.ctx, rt.joined = None, types.SimpleNamespace(view=view, gm=types.SimpleNamespace(realigning=None))
     rt.acc = types.SimpleNamespace(device=torch.device("cpu"))
     rt.coll = LiveCollectives(rt.gm, rt.view, lambda: 5.0, who="accelerate_ft")

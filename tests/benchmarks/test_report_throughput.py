@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from chameleon_ft import report
+from chameleon_ft.cli import report
 
 
 def _step(ts, worker, step, samples, token, compute=0.1):
@@ -52,7 +52,7 @@ def test_wall_clock_throughput_before_and_after_the_failure(tmp_path, capsys):
 def test_demo_kill_lowers_wall_clock_throughput(tmp_path):
     """A real demo (4 workers, 20 ms per micro-batch, worker 2 SIGKILLed from outside): with 3
     survivors doing 4 workers' work, fewer samples are committed per second after the kill."""
-    from chameleon_ft import demo
+    from chameleon_ft.cli import demo
 
     run = tmp_path / "demo"
     assert demo.main(["--epochs", "1", "--at-step", "8", "--run-dir", str(run)]) == 0

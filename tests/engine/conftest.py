@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
-from chameleon_ft.cluster import Cluster, Device, Link
-from chameleon_ft.plan import Plan
-from chameleon_ft.workload import Layer, Workload
+from chameleon_ft.engine.cluster import Cluster, Device, Link
+from chameleon_ft.engine.plan import Plan
+from chameleon_ft.engine.workload import Layer, Workload
 
 # Per-test settings (not a global profile, so other test folders are left alone): no deadline
 # (2 shared cores), and the same examples every run: the suite is a regression gate, not a fuzzer.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from chameleon_ft.calibrate import Calibrator, CollectiveSample, StepSample, fit_coefficients, fit_link
-from chameleon_ft.cluster import Link
-from chameleon_ft.perf import Coefficients
+from chameleon_ft.engine.calibrate import Calibrator, CollectiveSample, StepSample, fit_coefficients, fit_link
+from chameleon_ft.engine.cluster import Link
+from chameleon_ft.engine.perf import Coefficients
 
 
 def synthetic_steps(rng, n, cs, ms, overhead, noise=0.02):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from chameleon_ft.failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind, FailureRateEstimator
-from chameleon_ft.rehab import LossTrend, extrapolate, rehab_cost
+from chameleon_ft.engine.failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind, FailureRateEstimator
+from chameleon_ft.engine.rehab import LossTrend, extrapolate, rehab_cost
 
 
 # -- D ---------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from chameleon_ft.cluster import Cluster, Device, Link
-from chameleon_ft.perf import Coefficients, estimate, ring_allgather_s, ring_allreduce_s, unit_times
-from chameleon_ft.plan import Pipeline, Plan
+from chameleon_ft.engine.cluster import Cluster, Device, Link
+from chameleon_ft.engine.perf import Coefficients, estimate, ring_allgather_s, ring_allreduce_s, unit_times
+from chameleon_ft.engine.plan import Pipeline, Plan
 
 from .conftest import INTER, INTRA, chain, cluster
 

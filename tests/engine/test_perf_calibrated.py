@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from chameleon_ft.cluster import Link
-from chameleon_ft.perf import Coefficients, estimate, ring_allreduce_s
-from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.restorer import critical_path, migrate
-from chameleon_ft.selector import heal_seconds
-from chameleon_ft.workload import Workload
+from chameleon_ft.engine.cluster import Link
+from chameleon_ft.engine.perf import Coefficients, estimate, ring_allreduce_s
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.engine.migration import critical_path, migrate
+from chameleon_ft.engine.selector import heal_seconds
+from chameleon_ft.engine.workload import Workload
 
 from .conftest import INTER, INTRA, chain, cluster
 

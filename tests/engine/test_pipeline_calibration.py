@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from chameleon_ft.calibrate import CollectiveSample, PipelineCalibrator, PipelineFit, fit_p2p
-from chameleon_ft.cluster import Link
+from chameleon_ft.engine.calibrate import CollectiveSample, PipelineCalibrator, PipelineFit, fit_p2p
+from chameleon_ft.engine.cluster import Link
 
 # 8 blocks; forward seconds per micro-batch at speed 1.0 (backward = 2x forward, plus a bit).
 FWD = [0.010, 0.012, 0.008, 0.020, 0.015, 0.011, 0.009, 0.014]

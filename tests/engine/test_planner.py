@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleon_ft.cluster import Cluster, Device
-from chameleon_ft.perf import estimate
-from chameleon_ft.plan import Pipeline, Plan, PlanError, even_split, validate
-from chameleon_ft.planner import SearchSpace, allocate_microbatches, balance_layers, plan_search
-from chameleon_ft.workload import Layer, Workload
+from chameleon_ft.engine.cluster import Cluster, Device
+from chameleon_ft.engine.perf import estimate
+from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, even_split, validate
+from chameleon_ft.engine.planner import SearchSpace, allocate_microbatches, balance_layers, plan_search
+from chameleon_ft.engine.workload import Layer, Workload
 
 from .conftest import ENGINE, INTER, INTRA, chain, cluster
 

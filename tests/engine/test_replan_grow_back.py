@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from chameleon_ft.cluster import homogeneous
-from chameleon_ft.failures import Event
-from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.planner import SearchSpace, balance_layers
-from chameleon_ft.selector import JobState, SelectorConfig, phased_score, select
-from chameleon_ft.workload import Layer, Workload
+from chameleon_ft.engine.cluster import homogeneous
+from chameleon_ft.engine.failures import Event
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.engine.planner import SearchSpace, balance_layers
+from chameleon_ft.engine.selector import JobState, SelectorConfig, phased_score, select
+from chameleon_ft.engine.workload import Layer, Workload
 
 
 def job(speeds=None):

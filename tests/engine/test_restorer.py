@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleon_ft.cluster import Cluster, Device
-from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.restorer import Transfer, critical_path, migrate, schedule_rounds
-from chameleon_ft.workload import Layer, Workload
+from chameleon_ft.engine.cluster import Cluster, Device
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.engine.migration import Transfer, critical_path, migrate, schedule_rounds
+from chameleon_ft.engine.workload import Layer, Workload
 
 from .conftest import ENGINE, INTER, INTRA, held_layers, usable
 

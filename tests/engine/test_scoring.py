@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chameleon_ft.failures import LLAMA3_RATE_PER_DEVICE_S, PRIOR_JOB_S, FailureRateEstimator
-from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.runtime.policy import EnginePolicy
-from chameleon_ft.selector import heal_seconds, phased_score, reroute_load, score
+from chameleon_ft.engine.failures import LLAMA3_RATE_PER_DEVICE_S, PRIOR_JOB_S, FailureRateEstimator
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.runtime.engine_bridge import EngineBridge
+from chameleon_ft.engine.selector import heal_seconds, phased_score, reroute_load, score
 
 from .conftest import ENGINE, cluster
 from .test_selector import CROSS_PLAN, CROSS_W, cross_decide
@@ -66,7 +66,7 @@ def test_eight_workers_losing_four_reroute_to_two_each():
 
 
 def test_the_runtime_allocation_inherits_the_even_reroute():
-    p = EnginePolicy([100], global_batch=8, micro_batch=1, allowed={"reroute"})
+    p = EngineBridge([100], global_batch=8, micro_batch=1, allowed={"reroute"})
     p.start(range(8))
     d = p.on_membership([0, 1, 2, 3], hang=False, step=5)[0]
     assert d.chosen == "reroute" and p.allocation == {0: 2, 1: 2, 2: 2, 3: 2}
@@ -123,7 +123,7 @@ def test_prior_is_worth_a_day_of_this_job_and_one_failure_moves_d():
 
 
 def test_engine_policy_sizes_the_prior_to_its_workers_and_observes_the_run():
-    p = EnginePolicy([1088, 260], global_batch=64, micro_batch=8)
+    p = EngineBridge([1088, 260], global_batch=64, micro_batch=8)
     p.start(range(4))
     assert p.estimator.prior_device_s == 4 * PRIOR_JOB_S
     for s in range(10):
@@ -132,13 +132,13 @@ def test_engine_policy_sizes_the_prior_to_its_workers_and_observes_the_run():
     d = p.on_membership([0, 1, 3], hang=False, step=10)[0]
     assert p.estimator.failures == 1
     assert d.mttf_s == pytest.approx(p.estimator.mttf(3)) and d.mttf_s < 1e6
-    again = EnginePolicy([1088, 260], global_batch=64, micro_batch=8)
+    again = EngineBridge([1088, 260], global_batch=64, micro_batch=8)
     again.load_state_dict(p.state_dict())
     assert again.estimator == p.estimator and again.search_s == p.search_s
 
 
 def test_measured_search_time_is_charged_to_the_next_decision():
-    p = EnginePolicy([1088, 260], global_batch=64, micro_batch=8)
+    p = EngineBridge([1088, 260], global_batch=64, micro_batch=8)
     p.start(range(4))
     assert p.selector_config(0).search_s == 0.0
     d = p.on_membership([0, 1, 3], hang=False, step=10)[0]
@@ -149,10 +149,10 @@ def test_measured_search_time_is_charged_to_the_next_decision():
     assert rp.transition_s == pytest.approx(d.search_s + rp.migration.seconds + p.rebuild_s)
 
 
-def _demo_policy(mttf_s=None) -> EnginePolicy:
+def _demo_policy(mttf_s=None) -> EngineBridge:
     """The demo's job: 4 workers, Linear(16,64)-ReLU-Linear(64,4), 64 samples in micro-batches
     of 8, ~20 ms per micro-batch, one replacement allowed (the runtime's configured 5 s eta)."""
-    p = EnginePolicy([16 * 64 + 64, 64 * 4 + 4], 64, 8, replacement_eta_s=5.0, mttf_s=mttf_s)
+    p = EngineBridge([16 * 64 + 64, 64 * 4 + 4], 64, 8, replacement_eta_s=5.0, mttf_s=mttf_s)
     p.start(range(4))
     for s in range(12):
         p.observe_step({w: (0.04, 2, 0.002, 0.045) for w in range(4)}, s)

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleon_ft.failures import Event, EventKind
-from chameleon_ft.plan import Pipeline, Plan
-from chameleon_ft.planner import SearchSpace, plan_search
-from chameleon_ft.rehab import LossTrend
-from chameleon_ft.selector import (
+from chameleon_ft.engine.failures import Event, EventKind
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.engine.planner import SearchSpace, plan_search
+from chameleon_ft.engine.rehab import LossTrend
+from chameleon_ft.engine.selector import (
     POLICIES, JobState, SelectorConfig, crossover_mttf, reroute_load, score, select, unreplicated,
 )
-from chameleon_ft.workload import Layer, Workload
+from chameleon_ft.engine.workload import Layer, Workload
 
 from .conftest import ENGINE, chain, cluster
 

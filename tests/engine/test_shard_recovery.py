@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from chameleon_ft.rehab import LossTrend
-from chameleon_ft.shard_recovery import (ShardFacts, choose_recovery, common_snapshot, loss_trend,
+from chameleon_ft.engine.rehab import LossTrend
+from chameleon_ft.engine.shard_recovery import (ShardFacts, choose_recovery, common_snapshot, loss_trend,
                                          snapshot_interval)
 
 
@@ -98,7 +98,7 @@ def test_the_first_moment_reset_is_priced():
 def test_the_repair_recipe_is_priced_as_it_is_carried_out():
     """A restarted bias correction makes the reset moment's updates full-size at once; a W-step
     linear warm-up then costs (W - 1) / 2 steps of the restored part; both off: the ramp."""
-    from chameleon_ft.rehab import repair_steps
+    from chameleon_ft.engine.rehab import repair_steps
     assert repair_steps(0.25, 0.9, warmup_steps=10, restart_bias_correction=True) == pytest.approx(0.25 * 4.5)
     assert repair_steps(0.25, 0.9) == pytest.approx(0.25 * 9, rel=1e-6)
     assert repair_steps(0.25, 0.0, warmup_steps=1) == 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from chameleon_ft.sim import FIXED, POLICY_NAMES, PRESETS, TrueModel, draw_events, model_error_cost, simulate
+from chameleon_ft.sim.simulator import FIXED, POLICY_NAMES, PRESETS, TrueModel, draw_events, model_error_cost, simulate
 
 TOL = 1e-9  # float noise only: "at least as high"
 

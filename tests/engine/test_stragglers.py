@@ -1,7 +1,7 @@
 """Straggler detection, the min-one-micro-batch allocation, and the runtime policy's straggler
 path (flag, rebalance, measured-gain check, undo, clear) on simulated step timings.
 
-The policy tests drive ``EnginePolicy`` with the timings a data-parallel job would report for
+The policy tests drive ``EngineBridge`` with the timings a data-parallel job would report for
 its current allocation: each member's compute is its micro-batches times its per-micro-batch
 seconds (times its slowdown), plus any fixed per-step delay.
 """
@@ -14,10 +14,10 @@ import random
 import pytest
 from hypothesis import given, strategies as st
 
-from chameleon_ft.failures import EventKind
-from chameleon_ft.planner import allocate_microbatches
-from chameleon_ft.runtime.policy import EnginePolicy
-from chameleon_ft.stragglers import StragglerDetector
+from chameleon_ft.engine.failures import EventKind
+from chameleon_ft.engine.planner import allocate_microbatches
+from chameleon_ft.runtime.engine_bridge import EngineBridge
+from chameleon_ft.engine.stragglers import StragglerDetector
 
 from .conftest import ENGINE
 from hypothesis import settings
@@ -236,7 +236,7 @@ class SimJob:
     """Timings a data-parallel job reports for the policy's allocation."""
 
     def __init__(self, workers=4, global_batch=32, micro_batch=4, mb_s=0.1, **kw):
-        self.policy = EnginePolicy([1000, 1000], global_batch, micro_batch, mttf_s=86400.0, **kw)
+        self.policy = EngineBridge([1000, 1000], global_batch, micro_batch, mttf_s=86400.0, **kw)
         self.policy.start(list(range(workers)))
         self.mb_s = mb_s
         self.step, self.prev = 0, 0.0
@@ -357,9 +357,9 @@ def test_policy_state_round_trip_keeps_the_check():
     job = SimJob(straggler_options={"verify_steps": 3, "window": 4})
     job.run(9, fixed={1: 3.0})
     assert job.policy._check is not None
-    other = EnginePolicy([1000, 1000], 32, 4, mttf_s=86400.0,
+    other = EngineBridge([1000, 1000], 32, 4, mttf_s=86400.0,
                          straggler_options={"verify_steps": 3, "window": 4})
     other.load_state_dict(job.policy.state_dict())
     assert other.state_dict() == job.policy.state_dict()
     with pytest.raises(ValueError, match="unknown straggler options"):
-        EnginePolicy([1], 32, 4, straggler_options={"patience": 3})
+        EngineBridge([1], 32, 4, straggler_options={"patience": 3})

@@ -2,7 +2,7 @@
 
 Straggler Decisions are taken by every member on its own, from the all-reduced timings and its
 engine state; they only agree if the states agree.  Before the fix the recovery's source kept
-its own ``EnginePolicy`` while the others loaded its ``state_dict()`` -- which does not carry
+its own ``EngineBridge`` while the others loaded its ``state_dict()`` -- which does not carry
 everything (the straggler detector's hysteresis counters, the policy's prediction cache).  So a
 straggler that was one or two slow steps from being flagged when a worker died was flagged by
 the source a step or two before the others: for those steps the source ran one allocation and

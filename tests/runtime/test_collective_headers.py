@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.localjob import kill_processes
+from chameleon_ft.cli.localjob import kill_processes
 from chameleon_ft.runtime.groups import (HEADER_LEN, CollectiveMismatch, describe_header,
                                          encode_header)
 

@@ -36,7 +36,7 @@ def test_demo_with_a_short_mttf_reroutes_instead_of_waiting(tmp_path):
 
 
 def test_mttf_flag_reaches_the_worker_env_and_bad_values_are_refused():
-    from chameleon_ft.launch import LaunchError, Launcher, build_parser
+    from chameleon_ft.cli.launch import LaunchError, Launcher, build_parser
     from chameleon_ft.runtime import env as E
 
     base = {E.STORE: "127.0.0.1:1", E.LIGHTHOUSE: "http://127.0.0.1:2", E.WORKER_ID: "0"}

@@ -141,7 +141,7 @@ def test_bad_launcher_input(tmp_path):
     import subprocess
 
     def run(*args, timeout=30):
-        return subprocess.run([sys.executable, "-m", "chameleon_ft.launch", *args],
+        return subprocess.run([sys.executable, "-m", "chameleon_ft.cli.launch", *args],
                               capture_output=True, text=True, timeout=timeout)
 
     worker = str(Path(__file__).with_name("_workers") / "mlp_worker.py")

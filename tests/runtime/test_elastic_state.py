@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
-from chameleon_ft.runtime.policy import EnginePolicy
-from chameleon_ft.runtime.state import (CheckpointError, decode, encode, load_checkpoint,
+from chameleon_ft.runtime.engine_bridge import EngineBridge
+from chameleon_ft.runtime.codec import (CheckpointError, decode, encode, load_checkpoint,
                                         save_checkpoint)
-from chameleon_ft.runtime.worker import ElasticContext, layer_params
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
+from chameleon_ft.runtime.recovery import layer_params
 
 ENV = WorkerEnv(store="127.0.0.1:1", lighthouse="http://127.0.0.1:2", worker_id=0, rank=0,
                 local_rank=0, world_size=1, local_world_size=1, node_rank=0)
@@ -74,12 +75,12 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
 
 def test_context_state_dict_moves_the_whole_run(tmp_path):
     model, opt, sched = _trained(0)
-    ctx = ElasticContext(model, opt, 64, 16, 4, scheduler=sched, env=ENV)
+    ctx = DataParallelExecutor(model, opt, 64, 16, 4, scheduler=sched, env=ENV)
     ctx.step, ctx.sampler.cursor = 3, 3
     ctx.policy.start([0, 1])
     save_checkpoint(tmp_path / "run.pt", ctx.state_dict())
     model2, opt2, sched2 = _trained(1)
-    other = ElasticContext(model2, opt2, 64, 16, 4, scheduler=sched2, env=ENV)
+    other = DataParallelExecutor(model2, opt2, 64, 16, 4, scheduler=sched2, env=ENV)
     other.load_checkpoint(str(tmp_path / "run.pt"))
     assert other.step == 3 and other.sampler.cursor == 3
     assert _equal(model2.state_dict(), model.state_dict())
@@ -102,7 +103,7 @@ def test_env_contract_errors_clearly():
 
 
 def test_policy_reroutes_keeps_the_global_batch_and_round_trips():
-    p = EnginePolicy([100, 50], global_batch=32, micro_batch=4, per_node=2)
+    p = EngineBridge([100, 50], global_batch=32, micro_batch=4, per_node=2)
     assert p.start([0, 1, 2, 3]) == {0: 2, 1: 2, 2: 2, 3: 2}
     for s in range(4):
         p.observe_step({w: (0.02, 2, 0.001, 0.03) for w in range(4)}, s)
@@ -111,13 +112,13 @@ def test_policy_reroutes_keeps_the_global_batch_and_round_trips():
     assert set(p.allocation) == {0, 1, 3}
     [d] = p.on_membership([0, 1], hang=False, step=5)
     assert d.event.kind.value == "fail_stop" and p.allocation == {0: 4, 1: 4}
-    q = EnginePolicy([100, 50], 32, 4, per_node=2)
+    q = EngineBridge([100, 50], 32, 4, per_node=2)
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.allocation == p.allocation and q.alive == p.alive
 
 
 def test_policy_names_a_lost_node():
-    p = EnginePolicy([10], global_batch=16, micro_batch=4, per_node=2)
+    p = EngineBridge([10], global_batch=16, micro_batch=4, per_node=2)
     p.start([0, 1, 2, 3])
     [d] = p.on_membership([0, 1], hang=False, step=1)
     assert d.event.kind.value == "node_loss"

@@ -23,9 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers import recovery  # noqa: E402
 
-from chameleon_ft.cluster import Link  # noqa: E402
+from chameleon_ft.engine.cluster import Link  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_events  # noqa: E402
-from chameleon_ft.selector import crossover_mttf  # noqa: E402
+from chameleon_ft.engine.selector import crossover_mttf  # noqa: E402
 
 WORKER = Path(__file__).with_name("_workers") / "pipe_worker.py"
 FWD, BWD = 0.025, 0.050  # emulated seconds per block (framework costs stay well below 10 %)

@@ -5,11 +5,11 @@ import types
 
 import torch
 
-from chameleon_ft.runtime.pipeline.context import PipelineContext
+from chameleon_ft.runtime.executors.pipeline.executor import PipelineExecutor
 
 
-def _ctx(stateful: bool) -> PipelineContext:
-    ctx = object.__new__(PipelineContext)
+def _ctx(stateful: bool) -> PipelineExecutor:
+    ctx = object.__new__(PipelineExecutor)
     ctx.block_numel = [10, 20, 30, 40]
     ctx.policy = types.SimpleNamespace(weight_bytes=4, optim_bytes=8)
     opts = {}

@@ -1,4 +1,4 @@
-"""EnginePolicy's pipeline calibration, without processes: synthetic per-(device, block)
+"""EngineBridge's pipeline calibration, without processes: synthetic per-(device, block)
 timings, messages, all-reduces and migrations go in; the workload, cluster and coefficients
 the engine decides with come out, and survive the state a joiner receives."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from chameleon_ft.cluster import Link
-from chameleon_ft.perf import ring_allreduce_s
-from chameleon_ft.runtime.policy import EnginePolicy
+from chameleon_ft.engine.cluster import Link
+from chameleon_ft.engine.perf import ring_allreduce_s
+from chameleon_ft.runtime.engine_bridge import EngineBridge
 
 PARAMS = [1000, 2000, 1000, 3000, 1000, 1000, 2000, 1000]
 FWD = [0.010, 0.012, 0.008, 0.020, 0.015, 0.011, 0.009, 0.014]
@@ -22,11 +22,11 @@ ALLREDUCE_S = 0.05
 STEP_S = 2.0
 
 
-def make_policy() -> EnginePolicy:
-    return EnginePolicy(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=4, mttf_s=3600.0)
+def make_policy() -> EngineBridge:
+    return EngineBridge(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=4, mttf_s=3600.0)
 
 
-def feed_step(pol: EnginePolicy, step: int, speeds: dict[int, float], step_s: float = STEP_S) -> None:
+def feed_step(pol: EngineBridge, step: int, speeds: dict[int, float], step_s: float = STEP_S) -> None:
     """One committed step as the pipeline runtime reports it (every member's share)."""
     times = {}
     for pipe in pol.plan.pipelines:
@@ -42,7 +42,7 @@ def feed_step(pol: EnginePolicy, step: int, speeds: dict[int, float], step_s: fl
     pol.observe_step({d: (0.1, 4, ALLREDUCE_S, step_s) for d in sorted(pol.alive)}, step)
 
 
-def calibrated_policy() -> EnginePolicy:
+def calibrated_policy() -> EngineBridge:
     pol = make_policy()
     pol.start(range(8))
     for step in range(1, 9):  # refits at step 3 (first fit) and step 8 (with the residuals)
@@ -51,7 +51,7 @@ def calibrated_policy() -> EnginePolicy:
 
 
 @pytest.fixture(scope="module")
-def calibrated() -> EnginePolicy:
+def calibrated() -> EngineBridge:
     return calibrated_policy()  # read-only: tests that change a policy build their own
 
 
@@ -144,7 +144,7 @@ def test_calibration_json_is_json_and_has_the_predicted_step(calibrated):
     assert out["agree_s"] == 0.0 and out["rebuild_s"] == calibrated.rebuild_s
 
 
-def roundtrip(pol: EnginePolicy) -> EnginePolicy:
+def roundtrip(pol: EngineBridge) -> EngineBridge:
     other = make_policy()
     other.load_state_dict(json.loads(json.dumps(pol.state_dict())))
     return other

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from chameleon_ft.perf import estimate
+from chameleon_ft.engine.perf import estimate
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.policy import EnginePolicy
+from chameleon_ft.runtime.engine_bridge import EngineBridge
 
 from test_policy_calibration import PARAMS, feed_step
 
 STATE = 12  # bytes per parameter the engine counts: fp32 weights + Adam's two moments
 
 
-def policy(memory=None, **kw) -> EnginePolicy:
-    pol = EnginePolicy(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=4, mttf_s=3600.0,
+def policy(memory=None, **kw) -> EngineBridge:
+    pol = EngineBridge(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=4, mttf_s=3600.0,
                        memory_bytes=memory, allowed={"replan"}, **kw)
     pol.start(range(8))
     for step in range(1, 9):
@@ -24,7 +24,7 @@ def policy(memory=None, **kw) -> EnginePolicy:
     return pol
 
 
-def replan_after_losing_worker_1(pol: EnginePolicy):
+def replan_after_losing_worker_1(pol: EngineBridge):
     (d,) = pol.on_membership([m for m in range(8) if m != 1], hang=False, step=9)
     assert d.chosen == "replan"
     return pol.plan
@@ -32,7 +32,7 @@ def replan_after_losing_worker_1(pol: EnginePolicy):
 
 def test_device_memory_must_be_positive():
     with pytest.raises(ConfigError, match="positive"):
-        EnginePolicy(PARAMS, 16, 2, stages=4, memory_bytes=0)
+        EngineBridge(PARAMS, 16, 2, stages=4, memory_bytes=0)
 
 
 def _biggest_stage(plan) -> int:

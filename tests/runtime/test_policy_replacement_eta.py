@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import chameleon_ft.runtime.policy as policy_mod
-from chameleon_ft.runtime.policy import EnginePolicy
+import chameleon_ft.runtime.engine_bridge as policy_mod
+from chameleon_ft.runtime.engine_bridge import EngineBridge
 
 from test_policy_calibration import PARAMS, feed_step
 
@@ -19,8 +19,8 @@ def clock(monkeypatch):
     return now
 
 
-def make(eta=13.0) -> EnginePolicy:
-    pol = EnginePolicy(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=8, mttf_s=3600.0,
+def make(eta=13.0) -> EngineBridge:
+    pol = EngineBridge(PARAMS, global_batch=16, micro_batch=2, stages=4, per_node=8, mttf_s=3600.0,
                        replacement_eta_s=eta, max_replacements=3)
     pol.start(range(8))
     for step in range(1, 9):

@@ -1,14 +1,14 @@
-"""``ShardedContext``'s repair of rehabilitated elements, in-process (the optimizer's real step;
+"""``ShardedExecutor``'s repair of rehabilitated elements, in-process (the optimizer's real step;
 the live recovery paths are in ``test_sharded_recovery.py``)."""
 
 import pytest
 import torch
 
-from chameleon_ft.runtime.sharded import ShardedContext
+from chameleon_ft.runtime.executors.sharded.executor import ShardedExecutor
 
 
-def _ctx(p: torch.nn.Parameter, opt, warm: dict) -> ShardedContext:
-    ctx = object.__new__(ShardedContext)
+def _ctx(p: torch.nn.Parameter, opt, warm: dict) -> ShardedExecutor:
+    ctx = object.__new__(ShardedExecutor)
     ctx.optimizer, ctx.shard_params, ctx.step, ctx.dtype = opt, [p], warm["from"], torch.float32
     ctx._locals = lambda: [p.data]
     ctx._warm = warm
@@ -66,7 +66,7 @@ def test_a_new_row_is_made_of_exactly_the_old_rows_overlaps(old, new):
     """The re-shard streams each new row from the old rows' overlaps with it (no full copy):
     for parameters of every kind of shape (fewer dim-0 slices than rows, 1-D, uneven), every
     new row comes out as the slice of the flat state it stands for."""
-    from chameleon_ft.runtime.sharded import _Layout, _overlaps
+    from chameleon_ft.runtime.executors.sharded.executor import _Layout, _overlaps
     shapes = [torch.Size([7, 3]), torch.Size([5]), torch.Size([1, 4]), torch.Size([9, 2]), torch.Size([])]
     a, b = _Layout(shapes, *old), _Layout(shapes, *new)
     flat = torch.arange(a.total, dtype=torch.float) + 1
@@ -88,14 +88,14 @@ def test_the_recovery_payload_scalars_never_hold_sharded_optimizer_states():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from chameleon_ft.runtime.sharded import _fake_world
+    from chameleon_ft.runtime.executors.sharded.executor import _fake_world
     _fake_world(0, 1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         m = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
         fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        ctx = object.__new__(ShardedContext)
+        ctx = object.__new__(ShardedExecutor)
         ctx.optimizer, ctx.shard_params, ctx._keys = opt, list(m.parameters()), []
         assert ctx._scalars() == {0: {}, 1: {}}  # no state before the first step
         ctx._keys = []

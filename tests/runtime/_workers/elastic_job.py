@@ -1,4 +1,4 @@
-"""Test harness: run ``python -m chameleon_ft.launch ... mlp_worker.py`` and inspect the run.
+"""Test harness: run ``python -m chameleon_ft.cli.launch ... mlp_worker.py`` and inspect the run.
 
 Everything the tests kill is found by PID from the event log (workers log their pid in
 ``run_start``); ``cleanup`` kills the launcher's and every worker's process group, so a test
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from chameleon_ft.localjob import LocalJob
+from chameleon_ft.cli.localjob import LocalJob
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
 from _helpers import recovery as _recovery  # noqa: E402

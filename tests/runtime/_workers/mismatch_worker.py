@@ -1,4 +1,4 @@
-"""Test worker: ``mlp_worker``'s model and data in a plain ``ElasticContext`` loop, plus
+"""Test worker: ``mlp_worker``'s model and data in a plain ``DataParallelExecutor`` loop, plus
 deliberately mismatched collectives through ``LiveCollectives`` (what an adapter gives the
 user's ``wait_for_everyone`` / ``gather`` / ``reduce``):
 
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from chameleon_ft.runtime.adapters import LiveCollectives
+from chameleon_ft.runtime.adapter_kit import LiveCollectives
 from chameleon_ft.runtime.trainer import elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig, ElasticContext
+from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_worker import Synthetic  # noqa: E402
@@ -43,7 +44,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = Synthetic()
     ce = torch.nn.CrossEntropyLoss()
-    ctx = ElasticContext(model, opt, len(data), 32, 4, seed=3,
+    ctx = DataParallelExecutor(model, opt, len(data), 32, 4, seed=3,
                          config=ElasticConfig(stragglers=False))
     coll = LiveCollectives(lambda: ctx.gm, lambda: ctx.view, lambda: ctx.hang_timeout_s,
                            who="mismatch_worker")

@@ -2,7 +2,7 @@
 ``ElasticTrainer`` under ``chameleon-ft run``.  At the end each worker saves its final
 parameters and optimizer state to ``<out>/final_<worker id>.pt`` for the tests to compare.
 
-    python -m chameleon_ft.launch --nproc-per-node 4 --run-dir D mlp_worker.py --out D
+    python -m chameleon_ft.cli.launch --nproc-per-node 4 --run-dir D mlp_worker.py --out D
 """
 
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
 from _helpers.allocation import force_allocations  # noqa: E402

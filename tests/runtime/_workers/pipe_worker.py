@@ -2,7 +2,7 @@
 ``chameleon-ft run``.  At the end each worker saves the blocks it holds (weights and optimizer
 state) to ``<out>/final_<worker id>.pt`` and its last migration to ``migration_<id>.json``.
 
-    python -m chameleon_ft.launch --nproc-per-node 8 --run-dir D pipe_worker.py --out D --stages 4
+    python -m chameleon_ft.cli.launch --nproc-per-node 8 --run-dir D pipe_worker.py --out D --stages 4
 """
 
 import argparse
@@ -13,7 +13,7 @@ import time
 import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 from mlp_worker import Synthetic  # the same seeded data as the data-parallel tests
 
 

@@ -3,7 +3,7 @@
 parameters (gathered from the shards), its loss history and the shard recovery it took to
 ``<out>/final_<worker id>.pt``.
 
-    python -m chameleon_ft.launch --nproc-per-node 4 --run-dir D shard_worker.py --out D
+    python -m chameleon_ft.cli.launch --nproc-per-node 4 --run-dir D shard_worker.py --out D
 """
 
 import argparse
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from chameleon_ft.rehab import RehabRecipe
+from chameleon_ft.engine.rehab import RehabRecipe
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.worker import ElasticConfig
+from chameleon_ft.runtime.recovery import ElasticConfig
 
 
 def synthetic(n=512, dim=16, out=4, seed=1234) -> torch.utils.data.TensorDataset:

@@ -1,0 +1,343 @@
+"""Calibration: fit the performance model's coefficients to step timings the job observed.
+
+The model predicts, for a step, compute seconds and communication seconds; the job measures
+the same phases.  :func:`fit_coefficients` solves two least-squares problems through the origin
+(observed compute = ``compute_scale`` · predicted compute, observed communication =
+``comm_scale`` · predicted communication) and takes the per-step overhead as the median
+residual of whole steps.  :func:`fit_link` fits a link's alpha (latency) and beta (bandwidth)
+from timed all-reduces of known sizes with non-negative least squares.  :class:`Calibrator`
+keeps a bounded window of recent samples so estimates follow the real job as it changes.
+:class:`PipelineCalibrator` fits the pipeline terms the same way, online: per-block forward and
+backward seconds and per-device speeds from what every stage measured, the effective links of
+point-to-point messages, of the step's all-reduce and of migrations, and the per-step overhead.
+
+Limits: a phase that was never observed keeps its prior coefficient; with fewer than
+``min_samples`` samples nothing is fitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from chameleon_ft.engine.cluster import Link
+from chameleon_ft.engine.perf import Coefficients
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One observed step: what the model predicted and what the job measured (seconds)."""
+
+    predicted_compute: float
+    predicted_comm: float
+    observed_compute: float
+    observed_comm: float
+    observed_step: float
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """One timed ring all-reduce over ``n`` participants of ``nbytes``."""
+
+    n: int
+    nbytes: float
+    observed_s: float
+
+
+def _ratio_fit(pred: np.ndarray, obs: np.ndarray, prior: float) -> float:
+    """Least-squares slope through the origin; the prior when nothing was predicted."""
+    denom = float(pred @ pred)
+    return float(pred @ obs) / denom if denom > 0 else prior
+
+
+def fit_coefficients(
+    samples: Sequence[StepSample], prior: Coefficients = Coefficients(), min_samples: int = 3
+) -> Coefficients:
+    if len(samples) < min_samples:
+        return prior
+    pc = np.array([s.predicted_compute for s in samples])
+    oc = np.array([s.observed_compute for s in samples])
+    pm = np.array([s.predicted_comm for s in samples])
+    om = np.array([s.observed_comm for s in samples])
+    st = np.array([s.observed_step for s in samples])
+    if not all(np.all(np.isfinite(a)) for a in (pc, oc, pm, om, st)):
+        raise ValueError("predicted and observed step timings must be finite numbers")
+    if any(np.any(a < 0) for a in (pc, oc, pm, om, st)):
+        raise ValueError("predicted and observed step timings must be non-negative")
+    cs = _ratio_fit(pc, oc, prior.compute_scale)
+    ms = _ratio_fit(pm, om, prior.comm_scale)
+    overhead = float(np.median(st - cs * pc - ms * pm))
+    return Coefficients(compute_scale=max(cs, 1e-9), comm_scale=max(ms, 0.0), step_overhead_s=max(overhead, 0.0))
+
+
+def fit_link(samples: Iterable[CollectiveSample], prior: Link | None = None) -> Link:
+    """Alpha-beta fit of a ring all-reduce: t = alpha·2(n-1) + (1/beta)·2(n-1)/n·bytes."""
+    rows, obs = [], []
+    for s in samples:
+        if s.n > 1:
+            rows.append([2 * (s.n - 1), 2 * (s.n - 1) / s.n * s.nbytes])
+            obs.append(s.observed_s)
+    if len(rows) < 2:
+        if prior is None:
+            raise ValueError("need at least two all-reduce samples over 2+ participants to fit a link")
+        return prior
+    (alpha, inv_bw), _ = nnls(np.array(rows), np.array(obs))
+    if inv_bw <= 0:
+        # Sizes too small to see bandwidth: keep the prior's, or call it effectively infinite.
+        bw = prior.bandwidth_Bps if prior else 1e15
+    else:
+        bw = 1.0 / inv_bw
+    return Link(latency_s=float(alpha), bandwidth_Bps=float(bw))
+
+
+class Calibrator:
+    """A sliding window of step samples; ``coefficients()`` refits on demand."""
+
+    def __init__(self, prior: Coefficients = Coefficients(), window: int = 50, min_samples: int = 3):
+        self.prior = prior
+        self.min_samples = min_samples
+        self.samples: deque[StepSample] = deque(maxlen=window)
+        self.collectives: deque[CollectiveSample] = deque(maxlen=window)
+
+    def observe(self, sample: StepSample) -> None:
+        self.samples.append(sample)
+
+    def observe_collective(self, sample: CollectiveSample) -> None:
+        self.collectives.append(sample)
+
+    def coefficients(self) -> Coefficients:
+        return fit_coefficients(list(self.samples), self.prior, self.min_samples)
+
+    def link(self, prior: Link) -> Link:
+        return fit_link(self.collectives, prior)
+
+
+def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None = None) -> Link:
+    """Alpha-beta fit of point-to-point messages: ``t = alpha + bytes / beta`` (non-negative
+    least squares).  With one message size the two cannot be told apart: the time is then
+    charged to ``beta`` (the prior's latency kept, or none), which predicts that size exactly."""
+    x = np.asarray(sizes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if len(x) == 0:
+        if prior is None:
+            raise ValueError("need point-to-point samples to fit a link")
+        return prior
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))) or np.any(x < 0) or np.any(t < 0):
+        raise ValueError("message sizes and times must be finite and non-negative")
+    if np.ptp(x) > 0.1 * max(float(x.max()), 1.0):
+        (alpha, inv_bw), _ = nnls(np.column_stack([np.ones_like(x), x]), t)
+        if inv_bw > 0:
+            return Link(latency_s=float(alpha), bandwidth_Bps=float(1.0 / inv_bw))
+    alpha = min(prior.latency_s if prior else 0.0, float(np.median(t)))
+    rest = float(np.median(t)) - alpha
+    size = float(np.median(x))
+    if rest <= 0 or size <= 0:  # all latency: bandwidth effectively infinite
+        return Link(latency_s=float(np.median(t)), bandwidth_Bps=1e18)
+    return Link(latency_s=alpha, bandwidth_Bps=size / rest)
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    """What :class:`PipelineCalibrator` measured: per-block forward/backward seconds per
+    micro-batch on a speed-1.0 device, each block's output bytes, each device's speed, the
+    effective links of point-to-point messages, of the step's all-reduce and of migrations
+    (None: not observed yet) and the per-step overhead the model does not explain."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    out_bytes: tuple[int, ...]
+    speeds: dict[int, float]
+    p2p: Link | None
+    collective: Link | None
+    migration: Link | None
+    step_overhead_s: float
+    task_overhead_s: float = 0.0  # per forward or backward task, beyond compute and wire
+    optimizer_s_per_param: float = 0.0
+    hop_overhead_s: float = 0.0  # per 1F1B slot of a multi-stage pipeline, unexplained otherwise
+
+    def to_json(self) -> dict:
+        def link(l: Link | None):
+            return None if l is None else {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth_Bps}
+        return {"blocks": [[f, b, o] for f, b, o in zip(self.fwd_s, self.bwd_s, self.out_bytes)],
+                "speeds": {str(d): s for d, s in sorted(self.speeds.items())},
+                "p2p": link(self.p2p), "collective": link(self.collective),
+                "migration": link(self.migration), "step_overhead_s": self.step_overhead_s,
+                "task_overhead_s": self.task_overhead_s, "optimizer_s_per_param": self.optimizer_s_per_param,
+                "hop_overhead_s": self.hop_overhead_s}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineFit":
+        def link(x):
+            return None if x is None else Link(float(x["latency_s"]), float(x["bandwidth_Bps"]))
+        blocks = d.get("blocks", [])
+        return cls(tuple(float(b[0]) for b in blocks), tuple(float(b[1]) for b in blocks),
+                   tuple(int(b[2]) for b in blocks), {int(k): float(v) for k, v in d.get("speeds", {}).items()},
+                   link(d.get("p2p")), link(d.get("collective")), link(d.get("migration")),
+                   float(d.get("step_overhead_s", 0.0)), float(d.get("task_overhead_s", 0.0)),
+                   float(d.get("optimizer_s_per_param", 0.0)), float(d.get("hop_overhead_s", 0.0)))
+
+
+class PipelineCalibrator:
+    """Online calibration of the pipeline terms of the performance model, from the live job.
+
+    Fed once per committed step with what every member measured (shared by the step's
+    all-reduce, so every member holds the same figures):
+
+    * ``blocks``: per (device, block) the summed forward and backward seconds and the number of
+      micro-batches, and the block's output bytes.  A block's cost is the *fastest* holder's
+      median time per micro-batch over the window (the fastest copy runs at nominal speed); a
+      device's speed is the median over its blocks of cost / its own time.  Devices are compared
+      through the blocks they share: a slowdown of every holder of a block is read as the
+      block's cost until a re-plan mixes holders (stated limit).
+    * point-to-point messages: (bytes, seconds) of sends whose receiver was already waiting,
+      so the time is the transfer, not the sender's compute (:func:`fit_p2p`);
+    * the step's all-reduce over ``n`` members of ``nbytes`` (the fastest member's time: the
+      others include waiting for the last to arrive) -> :func:`fit_link`;
+    * migrations: (transfers on the critical path, their bytes, seconds) -- the restorer's
+      ``critical_path``: rounds are an order, not barriers;
+    * per task (a stage's forward or backward of one micro-batch), the seconds beyond its
+      blocks' compute, the wait for its input and the wire: the runtime's per-task cost;
+    * the optimizer step's seconds per parameter updated;
+    * the step's measured seconds with the model's prediction from the fitted terms: the median
+      residual is a per-slot cost of the hand-off between stages while the plan has
+      multi-stage pipelines, else the per-step overhead (framework, Python).
+
+    The window keeps the last ``window`` steps, so the figures follow the job (a straggler
+    that appears, a re-plan that changes who holds what)."""
+
+    def __init__(self, window: int = 20, min_steps: int = 3):
+        self.window, self.min_steps = int(window), int(min_steps)
+        self.blocks: deque = deque(maxlen=self.window)  # {(d, b): (fwd per mb, bwd per mb)}
+        self.out_bytes: dict[int, int] = {}
+        self.p2p: deque = deque(maxlen=8 * self.window)  # (bytes, seconds)
+        self.collectives: deque[CollectiveSample] = deque(maxlen=self.window)
+        self.migrations: deque = deque(maxlen=8)  # (critical-path transfers, their bytes, seconds)
+        self.residuals: deque = deque(maxlen=self.window)
+        self.hop_residuals: deque = deque(maxlen=self.window)
+        self.task_costs: deque = deque(maxlen=self.window)
+        self.optimizer_costs: deque = deque(maxlen=self.window)
+
+    def observe_step(self, times: dict[tuple[int, int], tuple[float, float, int]],
+                     out_bytes: dict[int, int] | None = None, tasks: tuple[float, int] = (0.0, 0),
+                     optimizer: tuple[float, float] = (0.0, 0.0)) -> None:
+        """``times[(device, block)] = (forward seconds, backward seconds, micro-batches)``;
+        ``tasks``: (seconds of the step's tasks beyond compute and waiting, number of tasks);
+        ``optimizer``: (optimizer seconds, parameters updated), summed over the members."""
+        if tasks[1] > 0 and math.isfinite(tasks[0]) and tasks[0] >= 0:
+            self.task_costs.append(tasks[0] / tasks[1])
+        if optimizer[1] > 0 and math.isfinite(optimizer[0]) and optimizer[0] > 0:
+            self.optimizer_costs.append(optimizer[0] / optimizer[1])
+        per_mb = {}
+        for key, (f, b, n) in times.items():
+            if n > 0 and f >= 0 and b >= 0 and math.isfinite(f) and math.isfinite(b):
+                per_mb[key] = (f / n, b / n)
+        if per_mb:
+            self.blocks.append(per_mb)
+        for blk, nb in (out_bytes or {}).items():
+            if nb > 0:
+                self.out_bytes[int(blk)] = int(nb)
+
+    def observe_p2p(self, nbytes: float, seconds: float) -> None:
+        if math.isfinite(nbytes) and math.isfinite(seconds) and nbytes >= 0 and seconds >= 0:
+            self.p2p.append((float(nbytes), float(seconds)))
+
+    def observe_collective(self, sample: CollectiveSample) -> None:
+        if sample.observed_s > 0 and math.isfinite(sample.observed_s) and math.isfinite(sample.nbytes) \
+                and sample.nbytes >= 0:
+            self.collectives.append(sample)
+
+    def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
+        if hops > 0 and seconds > 0 and math.isfinite(seconds) and math.isfinite(nbytes) and nbytes >= 0:
+            self.migrations.append((int(hops), float(nbytes), float(seconds)))
+
+    def observe_residual(self, seconds: float, slots: int = 0) -> None:
+        """Measured step minus the model's step without overheads (may be negative: noise).
+        ``slots``: the 1F1B slots (``m + e + p - 1``) of the running plan's slowest pipeline when it
+        has several stages -- the residual is then read as a per-slot cost of the hand-off
+        between stages (a plan without stages cannot tell it apart, and vice versa); 0: a
+        per-step overhead."""
+        if math.isfinite(seconds):
+            if slots > 0:
+                self.hop_residuals.append(float(seconds) / slots)
+            else:
+                self.residuals.append(float(seconds))
+
+    @property
+    def ready(self) -> bool:
+        return len(self.blocks) >= self.min_steps
+
+    def block_costs(self, num_blocks: int) -> tuple[list[float], list[float], dict[int, float]]:
+        """(forward s, backward s per block at speed 1.0, speed per device)."""
+        samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for step in self.blocks:
+            for key, v in step.items():
+                samples.setdefault(key, []).append(v)
+        med = {k: (float(np.median([f for f, _ in v])), float(np.median([b for _, b in v])))
+               for k, v in samples.items()}
+        fwd, bwd = [0.0] * num_blocks, [0.0] * num_blocks
+        for b in range(num_blocks):
+            holders = [(f + bw, f, bw) for (d, bb), (f, bw) in med.items() if bb == b]
+            if holders:
+                _, fwd[b], bwd[b] = min(holders)
+        speeds: dict[int, float] = {}
+        for d in sorted({d for d, _ in med}):
+            ratios = [(fwd[b] + bwd[b]) / (f + bw) for (dd, b), (f, bw) in med.items()
+                      if dd == d and f + bw > 0 and fwd[b] + bwd[b] > 0]
+            if ratios:
+                speeds[d] = float(min(1.0, np.median(ratios)))
+        return fwd, bwd, speeds
+
+    def fit(self, num_blocks: int, prior_p2p: Link | None = None) -> PipelineFit | None:
+        if not self.ready:
+            return None
+        fwd, bwd, speeds = self.block_costs(num_blocks)
+        p2p = fit_p2p(*zip(*self.p2p), prior=prior_p2p) if self.p2p else None
+        coll = fit_link(self.collectives, None) if sum(s.n > 1 for s in self.collectives) >= 2 else None
+        mig = None
+        if self.migrations:
+            rows = np.array([[r, nb] for r, nb, _ in self.migrations], dtype=float)
+            (alpha, inv_bw), _ = nnls(rows, np.array([s for *_, s in self.migrations]))
+            if inv_bw > 0:
+                mig = Link(latency_s=float(alpha), bandwidth_Bps=float(1 / inv_bw))
+            else:
+                mig = Link(latency_s=float(alpha), bandwidth_Bps=1e15)
+        overhead = float(np.median(self.residuals)) if self.residuals else 0.0
+        task = float(np.median(self.task_costs)) if self.task_costs else 0.0
+        opt = float(np.median(self.optimizer_costs)) if self.optimizer_costs else 0.0
+        hop = float(np.median(self.hop_residuals)) if self.hop_residuals else 0.0
+        return PipelineFit(tuple(fwd), tuple(bwd), tuple(self.out_bytes.get(b, 0) for b in range(num_blocks)),
+                           speeds, p2p, coll, mig, max(0.0, overhead), task, opt, max(0.0, hop))
+
+    def state_dict(self) -> dict:
+        return {"blocks": [[[d, b, f, bw] for (d, b), (f, bw) in step.items()] for step in self.blocks],
+                "out_bytes": [[b, n] for b, n in sorted(self.out_bytes.items())],
+                "p2p": [list(x) for x in self.p2p],
+                "collectives": [[s.n, s.nbytes, s.observed_s] for s in self.collectives],
+                "migrations": [list(x) for x in self.migrations],
+                "residuals": list(self.residuals), "task_costs": list(self.task_costs),
+                "optimizer_costs": list(self.optimizer_costs), "hop_residuals": list(self.hop_residuals)}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.blocks.clear()
+        for step in s.get("blocks", []):
+            self.blocks.append({(int(d), int(b)): (float(f), float(bw)) for d, b, f, bw in step})
+        self.out_bytes = {int(b): int(n) for b, n in s.get("out_bytes", [])}
+        self.p2p.clear()
+        self.p2p.extend(tuple(x) for x in s.get("p2p", []))
+        self.collectives.clear()
+        self.collectives.extend(CollectiveSample(int(n), float(nb), float(t)) for n, nb, t in s.get("collectives", []))
+        self.migrations.clear()
+        self.migrations.extend((int(r), float(nb), float(t)) for r, nb, t in s.get("migrations", []))
+        self.residuals.clear()
+        self.residuals.extend(float(x) for x in s.get("residuals", []))
+        self.task_costs.clear()
+        self.task_costs.extend(float(x) for x in s.get("task_costs", []))
+        self.optimizer_costs.clear()
+        self.optimizer_costs.extend(float(x) for x in s.get("optimizer_costs", []))
+        self.hop_residuals.clear()
+        self.hop_residuals.extend(float(x) for x in s.get("hop_residuals", []))

@@ -1,0 +1,206 @@
+"""Execution plans: which device runs which layers on how many micro-batches.
+
+A :class:`Plan` is a set of pipelines over device ids.  Pipeline ``j`` has ``p_j`` stages (one
+device each); ``bounds`` splits the layer chain among them (stage ``s`` runs layers
+``bounds[s]:bounds[s+1]``); it processes ``microbatches`` micro-batches per step under 1F1B.
+Pipelines may differ in length and split.  Data parallelism is "many pipelines"; plain DDP is
+"many one-stage pipelines".  FSDP/HSDP is expressed with ``shard_degree``: consecutive groups
+of ``shard_degree`` pipelines shard their stages' parameters, gradients and optimizer state
+(replicate × shard); ``shard_degree == len(pipelines)`` is plain FSDP/ZeRO-3.
+
+Plans are immutable values; :func:`validate` rejects an invalid one with a clear
+:class:`PlanError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator
+
+from chameleon_ft.engine.workload import Workload
+
+
+class PlanError(ValueError):
+    """The plan cannot run: it says which rule it breaks."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    devices: tuple[int, ...]
+    bounds: tuple[int, ...]  # len(devices) + 1 layer boundaries, 0 ... num_layers
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "bounds", tuple(self.bounds))
+
+    @property
+    def depth(self) -> int:
+        return len(self.devices)
+
+    def stage_of(self, device: int) -> int:
+        return self.devices.index(device)
+
+    def layers_of_stage(self, stage: int) -> tuple[int, int]:
+        return self.bounds[stage], self.bounds[stage + 1]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a device sits in a plan and what state it holds."""
+
+    pipeline: int
+    stage: int
+    layers: tuple[int, int]
+    shard: int  # index within its shard group
+    shard_degree: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    pipelines: tuple[Pipeline, ...]
+    shard_degree: int = 1
+    _where: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _devices: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+
+    # -- construction -------------------------------------------------------------------
+    @staticmethod
+    def data_parallel(devices: Iterable[int], workload: Workload, shard_degree: int = 1) -> "Plan":
+        """One single-stage pipeline per device, micro-batches spread as evenly as possible."""
+        devs = tuple(devices)
+        alloc = even_split(workload.num_microbatches, len(devs))
+        return Plan(
+            tuple(Pipeline((d,), (0, workload.num_layers), m) for d, m in zip(devs, alloc)),
+            shard_degree=shard_degree,
+        )
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def devices(self) -> tuple[int, ...]:
+        if not self._devices:
+            self._devices.append(tuple(d for p in self.pipelines for d in p.devices))
+        return self._devices[0]
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(p.microbatches for p in self.pipelines)
+
+    @property
+    def max_depth(self) -> int:
+        return max(p.depth for p in self.pipelines)
+
+    def locate(self, device: int) -> tuple[int, int] | None:
+        """(pipeline, stage) of ``device``, or None when the plan does not use it."""
+        if not self._where:
+            for j, pipe in enumerate(self.pipelines):
+                for s, dev in enumerate(pipe.devices):
+                    self._where[dev] = (j, s)
+        return self._where.get(device)
+
+    def slot(self, device: int) -> Slot:
+        where = self.locate(device)
+        if where is None:
+            raise KeyError(f"device {device} is not in the plan")
+        j, s = where
+        return Slot(j, s, self.pipelines[j].layers_of_stage(s), j % self.shard_degree, self.shard_degree)
+
+    def slots(self) -> dict[int, Slot]:
+        return {d: self.slot(d) for d in self.devices}
+
+    def shard_groups(self) -> Iterator[tuple[int, ...]]:
+        """Pipeline indices of each shard group (replicas of one full copy of the model)."""
+        k = self.shard_degree
+        for g in range(0, len(self.pipelines), k):
+            yield tuple(range(g, g + k))
+
+    def with_microbatches(self, alloc: Iterable[int]) -> "Plan":
+        return replace(
+            self,
+            pipelines=tuple(replace(p, microbatches=m) for p, m in zip(self.pipelines, alloc)),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "shard_degree": self.shard_degree,
+            "pipelines": [
+                {"devices": list(p.devices), "bounds": list(p.bounds), "microbatches": p.microbatches}
+                for p in self.pipelines
+            ],
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "Plan":
+        return Plan(
+            tuple(
+                Pipeline(tuple(p["devices"]), tuple(p["bounds"]), int(p["microbatches"]))
+                for p in data["pipelines"]
+            ),
+            shard_degree=int(data.get("shard_degree", 1)),
+        )
+
+    def describe(self) -> str:
+        depths: dict[int, int] = {}
+        for p in self.pipelines:
+            depths[p.depth] = depths.get(p.depth, 0) + 1
+        shape = " + ".join(f"{n}x PP{d}" for d, n in sorted(depths.items()))
+        shard = f", shard {self.shard_degree}" if self.shard_degree > 1 else ""
+        return f"{shape}{shard} on {len(self.devices)} devices"
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` integers differing by at most one, larger ones first."""
+    if parts <= 0:
+        raise PlanError("cannot split work over zero parts")
+    q, r = divmod(total, parts)
+    return [q + 1 if i < r else q for i in range(parts)]
+
+
+def validate(
+    plan: Plan,
+    workload: Workload,
+    available: Iterable[int] | None = None,
+    num_microbatches: int | None = None,
+) -> None:
+    """Raise :class:`PlanError` unless ``plan`` can run ``workload`` on ``available`` devices.
+
+    ``num_microbatches`` defaults to the workload's (global batch conserved exactly)."""
+    if not plan.pipelines:
+        raise PlanError("the plan has no pipelines")
+    for j, pipe in enumerate(plan.pipelines):
+        if pipe.depth == 0:
+            raise PlanError(f"pipeline {j} has no stages")
+        if len(pipe.bounds) != pipe.depth + 1:
+            raise PlanError(
+                f"pipeline {j}: {pipe.depth} stages need {pipe.depth + 1} layer bounds, got {len(pipe.bounds)}"
+            )
+        if pipe.bounds[0] != 0 or pipe.bounds[-1] != workload.num_layers:
+            raise PlanError(f"pipeline {j}: layer bounds must cover 0..{workload.num_layers}, got {pipe.bounds}")
+        if any(b >= c for b, c in zip(pipe.bounds, pipe.bounds[1:])):
+            raise PlanError(f"pipeline {j}: every stage needs at least one layer, bounds {pipe.bounds}")
+        if pipe.microbatches < 0:
+            raise PlanError(f"pipeline {j}: negative micro-batch count")
+    devices = plan.devices
+    seen = set(devices)
+    if len(seen) != len(devices):
+        counts: dict[int, int] = {}
+        for d in devices:
+            counts[d] = counts.get(d, 0) + 1
+        raise PlanError(f"device {min(d for d, n in counts.items() if n > 1)} is used more than once")
+    if available is not None:
+        extra = seen - set(available)
+        if extra:
+            raise PlanError(f"the plan uses devices that are not available: {sorted(extra)}")
+    want = workload.num_microbatches if num_microbatches is None else num_microbatches
+    if plan.num_microbatches != want:
+        raise PlanError(
+            f"the plan runs {plan.num_microbatches} micro-batches per step, the global batch needs {want}"
+        )
+    k = plan.shard_degree
+    if k < 1 or len(plan.pipelines) % k:
+        raise PlanError(f"shard degree {k} must divide the number of pipelines ({len(plan.pipelines)})")
+    for group in plan.shard_groups():
+        if len({plan.pipelines[j].bounds for j in group}) != 1:
+            raise PlanError(f"pipelines {group} shard the same state and need the same layer split")

@@ -1,0 +1,633 @@
+"""The selector: for one event, build every candidate response, score it, pick one.
+
+Candidates (each with predicted step time, transition time, memory, global batch and score, or
+the reason it is ruled out):
+
+* ``reroute`` — keep the layout; a dead device's micro-batches go to its same-stage data-parallel
+  peers (devices in other pipelines holding the same layers).  Ruled out when a stage lost all of
+  its replicas.  Transition: the group rebuild only.
+* ``replan`` — dynamic parallelism: the planner's best plan over the survivors and the restorer's
+  migration.  Transition: search + migration + rebuild.  When a replacement is expected (and the
+  plans have stages), scored over two phases like ``wait``: the re-planned layout until it
+  arrives, then grown back.
+* ``shrink`` — drop the broken replicas and their micro-batches (smaller global batch; learning
+  rate scaled linearly, ``lr · B'/B``).  Only when the user allows the global batch to change.
+* ``wait`` — a replacement is expected within ``replacement_eta_s``: reroute until it arrives,
+  then pause to heal it from a peer, then run the full plan (scored over both phases).
+* ``restart`` — checkpoint-restart over the survivors: restart cost plus the steps since the
+  checkpoint, redone.  The fallback when nothing in place is feasible.
+* ``recompute`` / ``rehabilitate`` — only when some state has no surviving replica (see
+  :mod:`chameleon_ft.engine.rehab`).
+* ``keep`` / ``rebalance`` — for stragglers: carry on, or give the slow device fewer micro-batches
+  (and re-split layers); ``keep`` / ``heal`` / ``grow`` for a device that joined: ignore it, put
+  it into a slot that a rerouted-around device left (its state copied from a peer), or re-plan
+  over everyone.
+
+Score = ``(B / t_step) · (D − t_transition) / D``: samples per second over the expected time to
+the next failure ``D``, discounted by the time spent getting there.  An option that goes through
+phases (``wait``: rerouted, a pause to heal, the full plan) scores the samples of every phase
+that falls within ``D``, divided by ``D`` (:func:`phased_score`).  Ties go to the shorter
+transition, then to the candidate listed first (the order above).  Decisions are deterministic for the same inputs and serialise
+to JSON.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from chameleon_ft.engine.cluster import Cluster
+from chameleon_ft.engine.failures import Event, EventKind
+from chameleon_ft.engine.perf import Coefficients, estimate
+from chameleon_ft.engine.plan import Pipeline, Plan, PlanError
+from chameleon_ft.engine.planner import SearchSpace, plan_search
+from chameleon_ft.engine.rehab import LossTrend, rehab_cost
+from chameleon_ft.engine.migration import MigrationPlan, migrate
+from chameleon_ft.engine.workload import Workload
+
+POLICIES = ("reroute", "replan", "shrink", "wait", "restart", "recompute", "rehabilitate",
+            "keep", "rebalance", "heal", "grow")
+BATCH_CHANGING = frozenset({"shrink"})
+
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    allowed: frozenset[str] = frozenset(POLICIES)
+    allow_batch_change: bool = False
+    replacement_eta_s: float | None = None  # a replacement is expected this soon (None: not expected)
+    rebuild_s: float = 0.1  # re-forming process groups in place
+    restart_s: float = 60.0  # checkpoint-restart: relaunch, re-import, load, re-form
+    snapshot_load_s: float = 1.0  # loading lost state from an in-memory/disk snapshot
+    steps_since_checkpoint: int = 0
+    steps_since_snapshot: int = 0
+    mttf_s: float | None = None  # override D (else the caller's estimate)
+    # Un-overlapped plan-search time charged to re-planning candidates.  A constant (the runtime
+    # passes the last measured one) so that a decision is a pure function of its inputs.
+    search_s: float = 0.0
+    space: SearchSpace = SearchSpace()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.allowed) - set(POLICIES)
+        if unknown:
+            raise ValueError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+        object.__setattr__(self, "allowed", frozenset(self.allowed))
+        for name in ("rebuild_s", "restart_s", "snapshot_load_s", "search_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.replacement_eta_s is not None and self.replacement_eta_s < 0:
+            raise ValueError("replacement_eta_s must be >= 0")
+
+
+@dataclass
+class JobState:
+    """What the selector needs to know about the running job."""
+
+    workload: Workload
+    cluster: Cluster  # every device the job knows, alive or not
+    plan: Plan  # the plan running when the event happened
+    alive: frozenset[int]
+    coeffs: Coefficients = Coefficients()
+    loss: LossTrend | None = None
+    lr: float | None = None
+
+
+@dataclass
+class Option:
+    policy: str
+    feasible: bool
+    reason: str = ""
+    step_time: float | None = None
+    transition_s: float | None = None
+    peak_memory: float | None = None
+    global_batch: int | None = None
+    lr_scale: float = 1.0
+    score: float = 0.0
+    plan: Plan | None = None
+    dead: frozenset[int] = frozenset()
+    extra: dict[int, float] = field(default_factory=dict)
+    migration: MigrationPlan | None = None
+    breakdown: dict[str, float] = field(default_factory=dict)
+    # Piecewise throughput over the horizon: (from s, until s, step time, global batch) per
+    # phase, nothing processed between phases.  None: one phase, from transition_s on.
+    phases: tuple[tuple[float, float, float, int], ...] | None = None
+
+    @property
+    def throughput(self) -> float | None:
+        if not self.feasible or not self.step_time or not self.global_batch:
+            return None
+        return self.global_batch / self.step_time
+
+    def to_json(self, with_plan: bool) -> dict:
+        out = {
+            "policy": self.policy,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "step_time_s": self.step_time,
+            "transition_s": self.transition_s,
+            "throughput": self.throughput,
+            "peak_memory_bytes": self.peak_memory,
+            "global_batch": self.global_batch,
+            "lr_scale": self.lr_scale,
+            "score": self.score,
+        }
+        if self.breakdown:
+            out["breakdown"] = self.breakdown
+        if self.phases:
+            out["phases"] = [{"from_s": a, "until_s": None if math.isinf(b) else b, "step_time_s": t,
+                              "global_batch": n} for a, b, t, n in self.phases]
+        if self.plan is not None:
+            out["plan"] = self.plan.to_json() if with_plan else self.plan.describe()
+        if self.extra and with_plan:
+            out["extra_microbatches"] = {str(k): v for k, v in sorted(self.extra.items())}
+        if self.migration is not None:
+            out["migration"] = self.migration.summary()
+        return out
+
+
+@dataclass
+class Decision:
+    event: Event
+    mttf_s: float
+    options: list[Option]
+    chosen: str | None
+    decide_s: float = 0.0
+    search_s: float = 0.0  # measured: plan search and migration pricing within decide_s
+
+    @property
+    def choice(self) -> Option | None:
+        return next((o for o in self.options if o.policy == self.chosen), None)
+
+    def option(self, policy: str) -> Option:
+        return next(o for o in self.options if o.policy == policy)
+
+    def to_json(self, max_plan_devices: int = 64) -> dict:
+        small = all(o.plan is None or len(o.plan.devices) <= max_plan_devices for o in self.options)
+        return {
+            "event": self.event.to_json(),
+            "mttf_s": self.mttf_s,
+            "chosen": self.chosen,
+            "decide_s": self.decide_s,
+            "search_s": self.search_s,
+            "candidates": [o.to_json(with_plan=small) for o in self.options],
+        }
+
+
+def score(global_batch: int, step_time: float, transition_s: float, mttf_s: float) -> float:
+    """Samples per second, discounted by the share of ``D`` spent in transition."""
+    return phased_score(((transition_s, math.inf, step_time, global_batch),), mttf_s)
+
+
+def phased_score(phases, mttf_s: float) -> float:
+    """Samples processed within ``D`` divided by ``D``, for a run that goes through
+    ``phases`` = (from s, until s, step time, global batch); with one phase from
+    ``t_transition`` on this is ``(B / t_step) · (D − t_transition) / D``."""
+    if mttf_s <= 0:
+        return 0.0
+    samples = 0.0
+    for start, stop, step_time, batch in phases:
+        if step_time <= 0:
+            return 0.0
+        samples += batch / step_time * max(0.0, min(stop, mttf_s) - start)
+    return samples / mttf_s
+
+
+def crossover_mttf(t_reroute: float, t_replan: float, trans_reroute: float, trans_replan: float) -> float:
+    """``D`` at which reroute and replan score the same; with ``trans_reroute = 0`` this is
+    ``trans_replan / (1 - t_replan / t_reroute)``."""
+    inv = 1 / t_replan - 1 / t_reroute
+    if inv <= 0:
+        return float("inf")
+    return (trans_replan / t_replan - trans_reroute / t_reroute) / inv
+
+
+def _stage_counts(plan: Plan, alive: set[int]) -> dict[tuple, int]:
+    """Alive devices per (layer bounds, shard index, stage) — grouped by pipeline template so
+    that this costs O(pipelines + dead devices), not O(devices)."""
+    k = plan.shard_degree
+    counts: dict[tuple, int] = {}
+    for j, pipe in enumerate(plan.pipelines):
+        for s in range(pipe.depth):
+            key = (pipe.bounds, j % k, s)
+            counts[key] = counts.get(key, 0) + 1
+    for d in set(plan.devices) - alive:
+        j, s = plan.locate(d)
+        counts[(plan.pipelines[j].bounds, j % k, s)] -= 1
+    return counts
+
+
+def unreplicated(plan: Plan, alive: Iterable[int]) -> list[tuple[int, int, int, int]]:
+    """State of ``plan`` that no alive device holds: (first layer, stop, shard, degree)."""
+    k = plan.shard_degree
+    counts = _stage_counts(plan, set(alive))
+    n = plan.pipelines[0].bounds[-1]
+    lost = []
+    for q in range(k):
+        covered = sorted((b[s], b[s + 1]) for (b, qq, s), c in counts.items() if qq == q and c > 0)
+        at = 0
+        for a, b in covered:
+            if a > at:
+                lost.append((at, a, q, k))
+            at = max(at, b)
+        if at < n:
+            lost.append((at, n, q, k))
+    return lost
+
+
+def reroute_load(plan: Plan, dead: set[int], alive: set[int]) -> tuple[dict[int, float], str]:
+    """Extra micro-batches per same-stage peer, or ({}, why rerouting is impossible).
+
+    Peers of a dead device are the alive devices of other pipelines that hold exactly its
+    layers (same split, same stage, same shard).  The dead devices' micro-batches of one such
+    peer group are pooled and handed out one at a time to the peer with the lowest load (its
+    pipeline's micro-batches plus what it already took; ties to the lower device id), which
+    makes the most loaded peer as light as possible -- per dead device, one peer could end up
+    with a whole remainder (8 workers losing 4: ``{5,1,1,1}`` instead of ``{2,2,2,2}``)."""
+    k = plan.shard_degree
+    by_template: dict[tuple, list[int]] = {}
+    for j, pipe in enumerate(plan.pipelines):
+        by_template.setdefault((pipe.bounds, j % k), []).append(j)
+    work: dict[tuple, int] = {}  # (template, stage) -> micro-batches to reroute
+    for d in sorted(dead):
+        where = plan.locate(d)
+        if where is None:
+            continue
+        j, s = where
+        pipe = plan.pipelines[j]
+        key = (pipe.bounds, j % k, s)
+        if not any(plan.pipelines[i].devices[s] in alive for i in by_template[key[:2]] if i != j):
+            lo, hi = pipe.layers_of_stage(s)
+            return {}, f"stage with layers {lo}-{hi} lost all of its replicas"
+        work[key] = work.get(key, 0) + pipe.microbatches
+    extra: dict[int, float] = {}
+    for key, total in sorted(work.items()):
+        s = key[2]
+        heap = [(plan.pipelines[i].microbatches, plan.pipelines[i].devices[s]) for i in by_template[key[:2]]
+                if plan.pipelines[i].devices[s] in alive]
+        heapq.heapify(heap)
+        for _ in range(total):
+            load, peer = heapq.heappop(heap)
+            extra[peer] = extra.get(peer, 0.0) + 1
+            heapq.heappush(heap, (load + 1, peer))
+    return extra, ""
+
+
+def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfig(), mttf_s: float | None = None) -> Decision:
+    """Every candidate for ``event``, scored, and the choice."""
+    t0 = time.perf_counter()
+    if config.mttf_s is not None:
+        mttf_s = config.mttf_s
+    if mttf_s is None or mttf_s <= 0:
+        raise ValueError("select() needs the expected time to the next failure (mttf_s > 0)")
+    unknown = set(event.devices) - set(state.cluster.ids)
+    if unknown:
+        raise ValueError(f"event names unknown devices {sorted(unknown)}")
+    B = state.workload.global_batch
+    if event.removes_devices:
+        options, search_s = _failure_options(event, state, config, mttf_s)
+    elif event.kind == EventKind.STRAGGLER:
+        options, search_s = _straggler_options(event, state, config)
+    else:
+        options, search_s = _join_options(event, state, config)
+    for o in options:
+        if o.feasible and o.policy not in config.allowed:
+            o.feasible, o.reason = False, "not in the allowed policies"
+        if o.feasible and o.policy in BATCH_CHANGING and not config.allow_batch_change:
+            o.feasible, o.reason = False, "changes the global batch (allow_batch_change is off)"
+        if o.feasible:
+            o.score = (phased_score(o.phases, mttf_s) if o.phases
+                       else score(o.global_batch or B, o.step_time, o.transition_s, mttf_s))
+    # Equal scores (e.g. a replacement that would arrive after D makes wait = reroute): the
+    # shorter transition wins, as less can go wrong during it; then the listed order.
+    feasible = [o for o in options if o.feasible]
+    best = max(feasible, key=lambda o: (o.score, -o.transition_s), default=None)
+    return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0, search_s)
+
+
+def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3):
+    """The searched plan that scores best once its migration is priced in (a faster plan can
+    cost more to reach).  Small jobs weigh the ``top`` fastest; large ones only the fastest,
+    to stay within the decision budget."""
+    k = top if len(alive) <= 4 * cfg.space.global_limit else 1
+    best = None
+    for cand in result.candidates[:k] or [result.best]:
+        mig = migrate(plan, cand.plan, w, cluster, alive)
+        value = score(w.global_batch, cand.estimate.step_time, cfg.search_s + mig.seconds + cfg.rebuild_s, mttf_s)
+        if best is None or value > best[0]:
+            best = (value, cand, mig)
+    return best[1], best[2]
+
+
+def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster, **kw) -> Option:
+    est = estimate(plan, state.workload, cluster, state.coeffs, kw.pop("dead", frozenset()), kw.get("extra"))
+    if not est.fits:
+        return Option(policy, False, f"needs more memory than devices {list(est.over_memory[:4])} have")
+    return Option(policy, True, step_time=est.step_time, peak_memory=est.peak_memory,
+                  plan=plan, breakdown=est.breakdown(), **kw)
+
+
+def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s: float) -> tuple[list[Option], float]:
+    w, plan = state.workload, state.plan
+    alive = set(state.alive) - set(event.devices)
+    dead = set(plan.devices) - alive  # earlier reroutes may have left dead devices in the plan
+    wanted = cfg.allowed
+    B = w.global_batch
+    survivors = state.cluster.without(set(state.cluster.ids) - alive)
+    lost = unreplicated(plan, alive)
+    lost_msg = ""
+    if lost:
+        lost_msg = "no surviving replica of " + ", ".join(f"layers {a}-{b} shard {q}/{k}" for a, b, q, k in lost[:3])
+    options: list[Option] = []
+
+    # reroute
+    extra, why = reroute_load(plan, dead, alive)
+    if "reroute" not in wanted:
+        options.append(Option("reroute", False, "not in the allowed policies"))
+    elif lost or why:
+        options.append(Option("reroute", False, lost_msg or why))
+    else:
+        o = _option_from_plan("reroute", plan, state, state.cluster, dead=frozenset(dead), extra=extra)
+        o.transition_s, o.global_batch = cfg.rebuild_s, _plan_batch(state)
+        o.dead = frozenset(dead)
+        options.append(o)
+
+    # replan (also the layout every other over-the-survivors option restarts with)
+    best = mig = None
+    search_s = cfg.search_s
+    replan_why = "not in the allowed policies"
+    t0 = time.perf_counter()
+    if wanted & {"replan", "restart", "recompute", "rehabilitate"}:
+        try:
+            result = plan_search(w, survivors, state.coeffs, cfg.space, survivors=alive, base=plan)
+            best, mig = _best_by_score(result, plan, w, survivors, alive, cfg, mttf_s)
+        except PlanError as e:
+            replan_why = str(e)
+    measured = time.perf_counter() - t0
+    if best is None:
+        options.append(Option("replan", False, replan_why))
+    elif lost:
+        options.append(Option("replan", False, lost_msg))
+    else:
+        o = Option(
+            "replan", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
+            transition_s=search_s + mig.seconds + cfg.rebuild_s, global_batch=B, plan=mig.plan,
+            migration=mig, breakdown=best.estimate.breakdown(),
+        )
+        if cfg.replacement_eta_s is not None and max(plan.max_depth, mig.plan.max_depth) > 1:
+            _grow_back(o, plan, dead, state, cfg)
+        options.append(o)
+
+    # shrink: drop every pipeline that lost a device (whole shard groups under FSDP)
+    k = plan.shard_degree
+    broken_groups = {plan.locate(d)[0] // k for d in dead if plan.locate(d) is not None}
+    kept = [p for j, p in enumerate(plan.pipelines) if j // k not in broken_groups]
+    if not kept:
+        options.append(Option("shrink", False, "no intact replica is left"))
+    else:
+        # Idle survivors (of this and earlier broken replicas) re-form whole replicas, never
+        # beyond the batch the plan ran before this failure.
+        formed: set[int] = set()
+        if k == 1:
+            kept, formed = _reform(kept, alive, survivors, plan.num_microbatches)
+        shrunk = Plan(tuple(kept), shard_degree=k)
+        o = _option_from_plan("shrink", shrunk, state, survivors)
+        if o.feasible:
+            nb = shrunk.num_microbatches * w.micro_batch  # lr_scale is relative to the workload's batch
+            heal = heal_seconds(shrunk, formed, w, survivors) if formed else 0.0
+            o.transition_s, o.global_batch, o.lr_scale = heal + cfg.rebuild_s, nb, nb / B
+            o.reason = f"global batch {B} -> {nb}, learning rate x{nb / B:.3g} (linear scaling rule)"
+            if formed:
+                o.reason += f"; {len(formed)} idle devices re-form replicas"
+        options.append(o)
+
+    # wait for a replacement: carried out as reroute until it arrives, then healed from a peer
+    if cfg.replacement_eta_s is None:
+        options.append(Option("wait", False, "no replacement is expected (replacement_eta_s not set)"))
+    elif lost or why:
+        options.append(Option("wait", False, lost_msg or why))
+    else:
+        options.append(_wait_option(plan, dead, extra, state, cfg, mttf_s))
+
+    # checkpoint-restart over the survivors
+    if "restart" not in wanted:
+        options.append(Option("restart", False, "not in the allowed policies"))
+    elif best is None:
+        options.append(Option("restart", False, f"no plan over the survivors ({replan_why}): restart needs replacements"))
+    else:
+        redo = cfg.steps_since_checkpoint * best.estimate.step_time
+        options.append(Option(
+            "restart", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
+            transition_s=cfg.restart_s + redo, global_batch=B, plan=best.plan,
+            reason=f"restart {cfg.restart_s:g} s + {cfg.steps_since_checkpoint} steps redone",
+            breakdown=best.estimate.breakdown(),
+        ))
+
+    # state without a surviving replica: roll everyone back, or restore only the lost part
+    if lost and best is not None:
+        layers = sum(w.params_in(a, b) / kk for a, b, _, kk in lost)
+        fraction = layers / max(w.total_params, 1)
+        outcome = rehab_cost(cfg.steps_since_snapshot, fraction, state.loss)
+        base_s = search_s + mig.seconds + cfg.rebuild_s + cfg.snapshot_load_s
+        t = best.estimate.step_time
+        options.append(Option(
+            "recompute", True, step_time=t, peak_memory=best.estimate.peak_memory,
+            transition_s=base_s + outcome.recompute_steps * t, global_batch=B, plan=mig.plan,
+            migration=mig, reason=f"roll back {cfg.steps_since_snapshot} steps",
+        ))
+        if outcome.rehab_steps is None:
+            options.append(Option("rehabilitate", False, outcome.reason))
+        else:
+            options.append(Option(
+                "rehabilitate", True, step_time=t, peak_memory=best.estimate.peak_memory,
+                transition_s=base_s + outcome.rehab_steps * t, global_batch=B, plan=mig.plan,
+                migration=mig, reason=f"{outcome.rehab_steps:.1f} extra steps ({outcome.reason}); "
+                f"{fraction:.1%} of the model restored from the snapshot",
+            ))
+    elif lost:
+        for name in ("recompute", "rehabilitate"):
+            why = "not in the allowed policies" if name not in wanted else f"no plan over the survivors ({replan_why})"
+            options.append(Option(name, False, why))
+    return options, measured
+
+
+def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: int) -> tuple[list[Pipeline], set[int]]:
+    """Re-form whole replicas of the most common pipeline shape out of idle alive devices, each
+    with that shape's micro-batch count, until the plan's micro-batches reach ``budget``."""
+    missing = budget - sum(p.microbatches for p in pipes)
+    if missing <= 0 or not pipes:
+        return pipes, set()
+    shapes: dict[tuple, int] = {}
+    for p in pipes:
+        shapes[(p.bounds, p.microbatches)] = shapes.get((p.bounds, p.microbatches), 0) + 1
+    bounds, m = max(shapes, key=lambda k: (shapes[k], k[1]))
+    used = {d for p in pipes for d in p.devices}
+    loose = sorted((d for d in alive if d not in used), key=lambda d: (cluster[d].node, d))
+    depth = len(bounds) - 1
+    out, added = list(pipes), set()
+    while missing > 0 and len(loose) >= depth and m > 0:
+        take, loose = loose[:depth], loose[depth:]
+        out.append(Pipeline(tuple(take), bounds, min(m, missing)))
+        missing -= out[-1].microbatches
+        added.update(take)
+    return out, added
+
+
+def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Cluster, alive: set[int]) -> Option:
+    """Put joined devices back without re-planning: into slots that rerouted-around devices left,
+    then, while the global batch is below the workload's (after a shrink), as whole replicas of
+    the most common pipeline shape.  Every device that comes in receives its state from peers."""
+    w, plan = state.workload, state.plan
+    vacant = sorted(d for d in plan.devices if d not in state.alive)
+    rename: dict[int, int] = {d: d for d in event.devices if d in vacant}  # own slot back first
+    free = [v for v in vacant if v not in rename]
+    for d in event.devices:
+        if d not in rename.values() and free:
+            rename[free.pop(0)] = d
+    pipes = [replace(p, devices=tuple(rename.get(x, x) for x in p.devices)) for p in plan.pipelines]
+    added: set[int] = set(rename.values())
+    if plan.shard_degree == 1:
+        pipes, formed = _reform(pipes, alive, grown, w.num_microbatches)
+        added |= formed
+    if not added:
+        return Option("heal", False, "no slot left by a failed device and no dropped replica to re-form")
+    healed = Plan(tuple(pipes), plan.shard_degree)
+    still = {d for d in healed.devices if d not in alive}
+    extra, why = reroute_load(healed, still, alive) if still else ({}, "")
+    if why:
+        return Option("heal", False, why)
+    o = _option_from_plan("heal", healed, state, grown, dead=frozenset(still), extra=extra)
+    if o.feasible:
+        o.transition_s = heal_seconds(healed, added, w, grown) + cfg.rebuild_s
+        o.global_batch = healed.num_microbatches * w.micro_batch
+        o.dead, o.extra = frozenset(still), extra
+        o.reason = f"{len(added)} device(s) healed from peers"
+    return o
+
+
+def _plan_batch(state: JobState) -> int:
+    """Global batch the running plan processes (smaller than the workload's after a shrink)."""
+    return state.plan.num_microbatches * state.workload.micro_batch
+
+
+def _rerouted(state: JobState) -> tuple[frozenset[int], dict[int, float]]:
+    """Dead devices still in the plan (after reroutes) and the extra load they put on peers."""
+    alive = set(state.alive)
+    dead = frozenset(set(state.plan.devices) - alive)
+    extra, _ = reroute_load(state.plan, set(dead), alive) if dead else ({}, "")
+    return dead, extra
+
+
+def heal_seconds(plan: Plan, dead: set[int], w: Workload, cluster: Cluster) -> float:
+    """Each replacement receives its predecessor's layers from a peer, all in parallel."""
+    worst = 0.0
+    for d in dead:
+        where = plan.locate(d)
+        if where is None:
+            continue
+        lo, hi = plan.pipelines[where[0]].layers_of_stage(where[1])
+        nbytes = w.params_in(lo, hi) * w.state_bytes_per_param / plan.shard_degree
+        worst = max(worst, (cluster.migration or cluster.inter).transfer_s(nbytes))
+    return worst
+
+
+def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: JobState,
+                 cfg: SelectorConfig, mttf_s: float) -> Option:
+    """Reroute until the replacement arrives (``replacement_eta_s``), then pause to heal it from
+    a peer and re-form the groups, then run the healed plan.  Scored by the samples both phases
+    process within ``D``, divided by ``D``."""
+    w = state.workload
+    rerouted = _option_from_plan("wait", plan, state, state.cluster, dead=frozenset(dead), extra=extra)
+    healed = estimate(plan, w, state.cluster, state.coeffs)
+    if not rerouted.feasible or not healed.fits:
+        return rerouted if not rerouted.feasible else Option("wait", False, "the healed plan does not fit in memory")
+    eta, rebuild = cfg.replacement_eta_s, cfg.rebuild_s
+    heal = heal_seconds(plan, dead, w, state.cluster)
+    resume = max(eta, rebuild) + heal + rebuild
+    B = _plan_batch(state)
+    rerouted.transition_s, rerouted.global_batch = rebuild, B
+    rerouted.dead, rerouted.extra = frozenset(dead), extra
+    rerouted.phases = ((rebuild, eta, rerouted.step_time, B), (resume, math.inf, healed.step_time, B))
+    rerouted.reason = (f"reroute {rerouted.step_time:.4g} s/step until the replacement arrives "
+                       f"(in {eta:g} s), pause {heal + rebuild:.3g} s to heal it, then "
+                       f"{healed.step_time:.4g} s/step" + (f"; D = {mttf_s:.3g} s ends before that"
+                                                           if resume >= mttf_s else ""))
+    rerouted.breakdown = {**rerouted.breakdown, "healed_step_s": healed.step_time,
+                          "arrival_s": eta, "heal_s": heal}
+    return rerouted
+
+
+def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: SelectorConfig) -> None:
+    """A replacement is expected: a pipeline re-plan runs until it arrives, then the job grows
+    back to the plan before the failure (this migration the other way, and the replacement
+    healed) -- the phases ``wait`` is scored over too, so that the two compare like for like.
+    (A data-parallel re-plan is carried out as a reroute: ``wait`` already prices it.)"""
+    full = estimate(plan, state.workload, state.cluster, state.coeffs)
+    if not full.fits or full.step_time >= o.step_time:
+        return  # the re-planned layout is as fast as the old one: it stays when the replacement comes
+    B = o.global_batch
+    start = o.transition_s
+    heal = heal_seconds(plan, dead, state.workload, state.cluster)
+    back = max(cfg.replacement_eta_s, start) + o.migration.seconds + heal + cfg.rebuild_s
+    o.phases = ((start, max(cfg.replacement_eta_s, start), o.step_time, B), (back, math.inf, full.step_time, B))
+    o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s}
+
+
+def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
+    """``keep`` the running plan with the measured speeds, or ``rebalance``: the best plan for
+    them.  The event's slowdown applies to its devices on top of ``state.cluster``'s speeds; a
+    slowdown of 1 (a flag cleared, a rebalance undone) re-plans for the speeds as they are.
+    The plan's batch is conserved (also after a shrink); ``cfg.space.min_microbatches`` keeps a
+    slow device measurable."""
+    w, plan = state.workload, state.plan
+    speeds = {d: state.cluster[d].speed / event.slowdown for d in event.devices}
+    slowed = state.cluster.with_speeds(speeds)
+    dead, extra = _rerouted(state)
+    keep = _option_from_plan("keep", plan, state, slowed, dead=dead, extra=extra)
+    keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
+    options = [keep]
+    alive = set(state.alive)
+    t0 = time.perf_counter()
+    try:
+        result = plan_search(w, slowed.without(set(slowed.ids) - alive), state.coeffs,
+                             cfg.space, survivors=alive, base=plan,
+                             num_microbatches=plan.num_microbatches)
+        best = result.best
+        mig = migrate(plan, best.plan, w, slowed, alive)
+        options.append(Option(
+            "rebalance", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
+            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=_plan_batch(state),
+            plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown(),
+            reason=event.detail or f"devices {list(event.devices)} measured {event.slowdown:.2f}x slower",
+        ))
+    except PlanError as e:
+        options.append(Option("rebalance", False, str(e)))
+    return options, time.perf_counter() - t0
+
+
+def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[list[Option], float]:
+    w, plan = state.workload, state.plan
+    B = w.global_batch
+    before = frozenset(state.alive) - set(event.devices)  # the joiners hold nothing yet
+    state = replace(state, alive=before)
+    dead, extra = _rerouted(state)
+    keep = _option_from_plan("keep", plan, state, state.cluster, dead=dead, extra=extra)
+    keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
+    options = [keep]
+    alive = set(state.alive) | set(event.devices)
+    grown = state.cluster.without(set(state.cluster.ids) - alive)
+    options.append(_heal_option(event, state, cfg, grown, alive))
+    t0 = time.perf_counter()
+    try:
+        result = plan_search(w, grown, state.coeffs, cfg.space, survivors=alive, base=plan)
+        best = result.best
+        mig = migrate(plan, best.plan, w, grown, alive, empty=set(event.devices))
+        options.append(Option(
+            "grow", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
+            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=B,
+            plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown(),
+        ))
+    except PlanError as e:
+        options.append(Option("grow", False, str(e)))
+    return options, time.perf_counter() - t0

@@ -1,0 +1,190 @@
+"""Sharded state after a failure: heal from a replica, recompute, rehabilitate, or restart.
+
+When a worker of a sharded job (FSDP / HSDP) dies, the rows of the flat parameter and optimizer
+state it held may have no current copy among the survivors.  Four ways back, each priced as the
+*training time it loses* (seconds) so the cheapest is chosen:
+
+* **heal** -- every lost row still has a current copy in another replica group (HSDP): copy it.
+  Exact; loses only the copy (``transfer_s``).
+* **recompute** -- everyone rolls back to the latest step ``t_c`` at which every row has a
+  surviving snapshot (their own for the survivors' rows, the buddy's copy for the lost ones) and
+  redoes the ``t_f - t_c`` steps.  Exact; loses ``transfer_s + (t_f - t_c) * step_s``.
+* **rehabilitate** -- the survivors keep their step-``t_f`` rows; only the lost rows come back
+  from their last (stale) snapshot, repaired (``rehab.RehabRecipe``); training heals the gap.
+  Loses ``transfer_s + rehab_steps * step_s`` with ``rehab_steps`` from ``rehab.rehab_cost``
+  (the live loss trend, plus what the optimizer repair costs: ``rehab.repair_steps``); ruled
+  out where that function rules it out.  ``predicted_heal_steps`` is the point estimate (no
+  safety factor): the steps of progress the rehabilitated run is expected to lag behind.
+* **restart** -- the launcher restarts the job from the last disk checkpoint (the fallback):
+  ``restart_s + (t_f - t_ckpt) * step_s``.
+
+``snapshot_interval`` is Young/Daly's optimum for how often to take the snapshots that make
+recompute and rehabilitation possible, from their measured cost and the failure rate.
+
+Pure logic: the runtime (``runtime/sharded.py``) gathers the facts and carries the choice out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from chameleon_ft.engine.rehab import LossTrend, rehab_cost, repair_steps
+
+__all__ = ["PATHS", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot", "stale_snapshot",
+           "snapshot_interval", "loss_trend"]
+
+PATHS = ("heal", "recompute", "rehabilitate", "restart")
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """What the survivors know at a failure (every figure in seconds or steps).
+
+    ``rows``: shard rows of the old layout; ``current``: rows some survivor holds at step
+    ``step`` (its own, or a replica's); ``snapshots``: row -> the steps at which a survivor holds
+    a snapshot of it (own for the survivors' rows, the buddy's copy for the others)."""
+
+    step: int
+    rows: int
+    current: frozenset
+    snapshots: dict
+    step_s: float
+    transfer_s: float = 0.0
+    lost_fraction: float = 0.0
+    trend: Optional[LossTrend] = None
+    checkpoint_step: Optional[int] = None
+    restart_s: float = 60.0
+    allowed: frozenset = frozenset(PATHS)
+    momentum: float = 0.0  # the optimizer's first-moment decay (Adam's beta1, SGD momentum) when reset
+    warmup_steps: int = 0  # the restored part's learning-rate warm-up (rehab.RehabRecipe)
+    restart_bias_correction: bool = False  # the restored part's first-moment bias correction restarts
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        return tuple(k for k in range(self.rows) if k not in self.current)
+
+
+@dataclass
+class ShardDecision:
+    chosen: str
+    candidates: dict = field(default_factory=dict)  # path -> {feasible, lost_s, steps, reason}
+    rollback_to: Optional[int] = None  # recompute: the step everyone returns to
+    snapshot_step: Optional[int] = None  # rehabilitate: the lost rows' snapshot step
+    predicted_heal_steps: Optional[float] = None  # rehabilitate: steps to close the loss gap
+    lost_rows: tuple = ()
+
+    def to_json(self) -> dict:
+        return {"chosen": self.chosen, "candidates": self.candidates, "rollback_to": self.rollback_to,
+                "snapshot_step": self.snapshot_step, "predicted_heal_steps": self.predicted_heal_steps,
+                "lost_rows": list(self.lost_rows)}
+
+
+def common_snapshot(rows: int, snapshots: dict, not_after: int) -> Optional[int]:
+    """The latest step (at most ``not_after``) at which every row has a snapshot, or None."""
+    common = None
+    for k in range(rows):
+        steps = {s for s in snapshots.get(k, ()) if s <= not_after}
+        common = steps if common is None else common & steps
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def stale_snapshot(lost: Sequence[int], snapshots: dict, not_after: int) -> Optional[int]:
+    """The step rehabilitation restores the ``lost`` rows from: the oldest of their latest
+    snapshots (at most ``not_after``); None when a lost row has none (or nothing is lost)."""
+    have = [max((s for s in snapshots.get(k, ()) if s <= not_after), default=None) for k in lost]
+    return None if not have or any(s is None for s in have) else min(have)
+
+
+def choose_recovery(f: ShardFacts) -> ShardDecision:
+    """Price every path on ``f`` and choose the one that loses the least training time
+    (heal, then recompute, win ties: they are exact)."""
+    lost = f.lost
+    cands: dict[str, dict] = {}
+
+    def put(path: str, lost_s: Optional[float], reason: str, steps: Optional[float] = None) -> None:
+        ok = lost_s is not None and path in f.allowed
+        if lost_s is not None and path not in f.allowed:
+            reason = f"not allowed by the configuration ({reason})"
+        cands[path] = {"feasible": ok, "lost_s": lost_s, "steps": steps, "reason": reason}
+
+    if not lost:
+        put("heal", f.transfer_s, "every lost row has a current replica", 0.0)
+    else:
+        put("heal", None, f"rows {list(lost)} have no surviving current copy")
+    t_c = common_snapshot(f.rows, f.snapshots, f.step)
+    if t_c is None:
+        put("recompute", None, "no step at which every row has a surviving snapshot")
+    else:
+        redo = f.step - t_c
+        put("recompute", f.transfer_s + redo * f.step_s, f"roll back to step {t_c}, redo {redo} steps", redo)
+    snap = stale_snapshot(lost, f.snapshots, f.step)
+    heal_steps = None
+    if not lost:
+        put("rehabilitate", None, "nothing was lost")
+    elif snap is None:
+        put("rehabilitate", None, "a lost row has no snapshot")
+    else:
+        out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
+                         repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
+                                             f.restart_bias_correction))
+        if out.rehab_steps is None:
+            put("rehabilitate", None, out.reason)
+        else:
+            heal_steps = out.heal_steps
+            put("rehabilitate", f.transfer_s + out.rehab_steps * f.step_s,
+                f"restore rows {list(lost)} from step {snap}; {out.reason}", out.rehab_steps)
+    if f.checkpoint_step is None:
+        put("restart", None, "no disk checkpoint")
+    else:
+        redo = f.step - f.checkpoint_step
+        put("restart", f.restart_s + redo * f.step_s, f"restart from the checkpoint of step "
+            f"{f.checkpoint_step}, redo {redo} steps", redo)
+    order = {p: i for i, p in enumerate(PATHS)}
+    feasible = sorted((c["lost_s"], order[p], p) for p, c in cands.items() if c["feasible"])
+    chosen = feasible[0][2] if feasible else "restart"
+    return ShardDecision(chosen, cands, rollback_to=t_c if chosen == "recompute" else None,
+                         snapshot_step=snap if chosen == "rehabilitate" else None,
+                         predicted_heal_steps=heal_steps if chosen == "rehabilitate" else None,
+                         lost_rows=lost)
+
+
+def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, hi: int = 200) -> int:
+    """Steps between snapshots: Daly's higher-order refinement of Young's optimum
+    ``sqrt(2 C M)`` for a snapshot costing ``cost_s`` and a mean time to failure ``mttf_s``,
+    in steps of ``step_s``; clamped to [lo, hi]."""
+    if step_s <= 0 or not math.isfinite(step_s):
+        return lo
+    c, m = max(cost_s, 0.0), max(mttf_s, 1e-9)
+    if c <= 0:
+        return lo
+    if c < 2 * m:
+        tau = math.sqrt(2 * c * m) * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m)) - c
+    else:
+        tau = m
+    return int(min(hi, max(lo, round(tau / step_s))))
+
+
+def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapshot: Optional[int] = None) -> Optional[LossTrend]:
+    """The recent slope of the loss (least squares over the last ``window`` committed steps),
+    the loss now, and the loss at step ``at_snapshot`` (when recorded)."""
+    pts = [(s, v) for s, v in history if math.isfinite(v)][-window:]
+    if len(pts) < 3:
+        return None
+    n = len(pts)
+    ms = sum(s for s, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((s - ms) ** 2 for s, _ in pts)
+    if var == 0:
+        return None
+    slope = sum((s - ms) * (v - mv) for s, v in pts) / var
+    # The fitted value at the last step: one step's loss is noisy.
+    now = mv + slope * (pts[-1][0] - ms)
+    snap = None
+    if at_snapshot is not None:
+        near = [v for s, v in history if abs(s - at_snapshot) <= 1]
+        snap = sum(near) / len(near) if near else None
+    return LossTrend(slope=slope, loss_now=now, loss_at_snapshot=snap)

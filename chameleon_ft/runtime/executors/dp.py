@@ -1,0 +1,212 @@
+"""``DataParallelExecutor``: the data-parallel executor on the shared recovery core.
+
+A framework-agnostic core that the trainer and the Lightning/Accelerate adapters wrap::
+
+    ctx = DataParallelExecutor(model, optimizer, len(dataset), global_batch=32, micro_batch=4)
+    ctx.start()                                   # join, form the group, get the state
+    while ctx.epoch < epochs:
+        for mb in ctx.microbatches():             # this member's share of the current step
+            loss = loss_fn(model, batch(mb.indices))
+            ctx.backward(loss, mb)                # (loss * mb.weight).backward()
+        ctx.sync_and_step()                       # all-reduce + commit, or recover and redo
+
+A step: compute the member's micro-batches (gradients weighted by their share of the global
+batch's samples), flatten all gradients plus the timing tail into one buffer, all-reduce, step.
+The commit protocol, recovery and Decisions are the core's (``recovery.py``); this module adds
+the micro-batch loop, the loop-shaped items of the adapters, and the salvage of an interrupted
+step (only the dead members' micro-batches are recomputed).
+
+Limits, honestly: the model is a replica per worker (no sharding).
+"""
+
+from __future__ import annotations
+
+from chameleon_ft._compat import renamed_getattr
+
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from chameleon_ft.engine.plan import even_split
+from chameleon_ft.runtime.recovery import RecoveryCore, seed_generators
+from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
+
+__all__ = ["DataParallelExecutor"]
+
+
+class DataParallelExecutor(RecoveryCore):
+    """Data-parallel training that survives failures in place (see module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Slots of the current step whose gradients this member holds (kept across a failed
+        # all-reduce), and the slots it still has to compute when a failure interrupted it.
+        self._done_slots: list[int] = []
+        self._redo_slots: Optional[list[int]] = None
+        self._spilled: list[MicroBatch] = []  # see items(spill=True)
+        self._home_slots: Optional[frozenset] = None  # slots of this member under its first allocation
+
+    def _reset_step(self) -> None:
+        self._done_slots, self._redo_slots = [], None
+
+    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+        self._salvage(top, n, r)
+
+    # ---------------------------------------------------------------- one step
+    def microbatches(self) -> Iterator[MicroBatch]:
+        """This member's micro-batches of the current step (possibly none), in slot order.
+
+        Before each one: the fault injector's ``forward`` hook and, with
+        ``seed_microbatches``, a per-(step, slot) seed."""
+        for item in self.items(None):
+            yield item.parts[0]
+
+    def items(self, n_items: Optional[int],
+              spill: Optional[Callable[[int], bool]] = None) -> Iterator[StepItem]:
+        """This member's share of the current step as ``n_items`` items (``sampler.step_items``:
+        merged micro-batches, parts of one, or ghosts), for adapters whose loop is the user's
+        and must make the same number of iterations per step whatever the share; ``None``:
+        one item per micro-batch.
+
+        ``spill(i)``, asked before item ``i`` when the share is larger than ``n_items``: True
+        makes that item one micro-batch and leaves the surplus for ``spilled()`` (an adapter
+        that can compute it itself, inside the step); False merges the rest evenly into the
+        remaining items.  Before each item: the ``forward`` fault hook and the per-(step, slot)
+        seed of its first micro-batch; after it, its completed slots count as computed (kept
+        across a failed all-reduce)."""
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+            if self._redo_slots is None:
+                self._compute_s, self._n_mb, self._ids, self._done_slots = 0.0, 0, [], []
+            self.faults.at(self.step, "step_start")
+        todo = self.pending_microbatches()
+        self._redo_slots = None
+        self._spilled = []
+        if self._home_slots is None:  # the first step this member runs: its launch share
+            self._home_slots = frozenset(mb.index for mb in self.sampler.local_microbatches(self.worker_id))
+        if spill is None or n_items is None or len(todo) <= n_items:
+            yield from self._run(step_items(todo, n_items))
+            return
+        # The member's own slots first: its loop then sees the items it would have seen without
+        # the failure, and the adopted micro-batches are the surplus.
+        todo.sort(key=lambda mb: (mb.index not in self._home_slots, mb.index))
+        for i in range(n_items):
+            left = n_items - i
+            take = 1 if spill(i) else (len(todo) if left == 1 else -(-len(todo) // left))
+            group, todo = todo[:take], todo[take:]
+            yield from self._run(step_items(group, 1))
+        self._spilled = todo
+
+    def spilled(self) -> Iterator[MicroBatch]:
+        """The micro-batches ``items(..., spill=True)`` left over, one at a time (seeded and
+        counted like the items)."""
+        todo, self._spilled = self._spilled, []
+        for item in self._run(step_items(todo, None)):
+            yield item.parts[0]
+
+    def unspill(self) -> list[int]:
+        """Hand the surplus left by ``items(..., spill=...)`` back as slots still to compute in
+        this step (the next ``items()``/``microbatches()`` yields them); returns them."""
+        slots, self._spilled = [mb.index for mb in self._spilled], []
+        if slots:
+            self._redo_slots = slots
+        return slots
+
+    def _run(self, items: list[StepItem]) -> Iterator[StepItem]:
+        for item in items:
+            self.faults.at(self.step, "forward")
+            if self.cfg.seed_microbatches and not item.ghost:
+                seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
+            t0 = time.perf_counter()
+            yield item
+            self._compute_s += time.perf_counter() - t0
+            self._n_mb += len(item.completes)
+            self._done_slots.extend(item.completes)
+            if self.cfg.log_samples:
+                self._ids.extend(item.indices)
+
+    def pending_microbatches(self) -> list[MicroBatch]:
+        """What the next ``microbatches()`` yields: this member's share of the current step or,
+        after a failure interrupted the step, only the orphaned slots it was given (adapters
+        whose loop is the user's code need to know where a step ends)."""
+        if self._redo_slots is not None:
+            wanted = set(self._redo_slots)
+            return [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
+        return self.sampler.local_microbatches(self.worker_id)
+
+    def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
+        """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""
+        self.faults.at(self.step, "backward")
+        (loss * mb.weight).backward()
+
+    def sync_and_step(self) -> bool:
+        """All-reduce the accumulated gradients and commit the step.
+
+        Returns True when the step committed; False when a failure interrupted it: the
+        gradients were discarded, the job reconfigured, and the caller simply runs the (same
+        or next) step again with ``microbatches()``."""
+        if self._step_start is None:  # a member that had nothing to do this step
+            self._step_start = time.perf_counter()
+            if self._redo_slots is None:
+                self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+            self._redo_slots = None
+        self.faults.at(self.step, "allreduce")
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.dtype)
+                 for p in self.params]
+        reduced = self._reduce_step(grads, self._compute_s)
+        if reduced is None:
+            return False  # this member's gradients are kept for the redone step (see _salvage)
+        buf, timings, comm = reduced
+        at = 0
+        for p in self.params:
+            g = buf[at:at + p.numel()].view_as(p)
+            at += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        self.faults.at(self.step, "optimizer")
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._done_slots = []
+        self._finish_step(timings, comm)
+        return True
+
+    def _salvage(self, top: int, n: int, r: int) -> None:
+        """Redo an interrupted step without recomputing what survivors already computed.
+
+        Every member at the agreed step reports the slots whose gradients it still holds (one
+        small all-reduce); the slots nobody holds -- the dead members' share -- are split over
+        the members in order, and each member computes only its part before the all-reduce.
+        The step's samples and their weights are unchanged, so the update is the one the
+        failure-free run makes (up to summation order).  Members that adopted a committed step
+        or hold nothing simply compute their part from zero."""
+        mine = self._done_slots if (self.step == top and self._step_had_work()) else []
+        covered = torch.zeros(self.sampler.num_microbatches, dtype=torch.int64)
+        if mine:
+            covered[mine] = 1
+        self._store_op(lambda: self.gm.allreduce(covered, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        if not mine:
+            self._discard()
+        if not bool(covered.any()):
+            self._discard()
+            return
+        slots = [mb.index for mb in self.sampler.microbatches(self.sampler.cursor)]
+        orphans = [j for j in slots if covered[j] == 0]
+        lo = 0
+        for i, share in enumerate(even_split(len(orphans), n)):
+            if i == r:
+                self._redo_slots = orphans[lo:lo + share]
+            lo += share
+
+    def _step_had_work(self) -> bool:
+        return bool(self._done_slots) and any(p.grad is not None for p in self.params)
+
+
+
+# The old name, kept working with a deprecation warning.
+__getattr__ = renamed_getattr(__name__, {"ElasticContext": "DataParallelExecutor"})

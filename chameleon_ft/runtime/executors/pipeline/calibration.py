@@ -1,0 +1,112 @@
+"""The pipeline half of the runtime's engine bridge: feeding ``calibrate.PipelineCalibrator``
+with what a pipeline job's steps measured, and reading the fit back as the engine's inputs.
+
+Mixed into ``EngineBridge`` (policy.py), whose state (plan, alive, allocation, workload,
+cluster) it uses; kept apart so that each module stays one concept.  Every input comes from
+the step's all-reduce (the same on every member) and the fit travels with the engine state,
+so every member holds the same figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from chameleon_ft.engine.calibrate import CollectiveSample
+from chameleon_ft.engine.failures import Event, EventKind
+from chameleon_ft.engine.perf import estimate
+from chameleon_ft.engine.selector import select
+
+__all__ = ["PipelineCalibration"]
+
+_REFIT_EVERY = 5  # steps between refits of the pipeline terms (each costs a few ms of Python)
+
+
+class PipelineCalibration:
+    def observe_pipeline(self, times: dict, out_bytes: dict, p2p, tasks=(0.0, 0), optimizer=(0.0, 0.0)) -> None:
+        """One committed step's pipeline measurements, shared by every member: per (device,
+        block) (forward s, backward s, micro-batches), block output bytes, (bytes, seconds)
+        of waited-for messages, (per-task overhead seconds, tasks) and (optimizer seconds,
+        parameters updated) summed over members."""
+        self.pipe_cal.observe_step(times, out_bytes, tasks, optimizer)
+        for nbytes, sec in p2p:
+            self.pipe_cal.observe_p2p(nbytes, sec)
+
+    def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
+        """A migration that was carried out: the transfers on its critical path
+        (``restorer.critical_path``), their bytes, and the seconds it took (this member's)."""
+        self.pipe_cal.observe_migration(hops, nbytes, seconds)
+        self._refit()
+
+    def _refit(self) -> None:
+        self.fit = self.pipe_cal.fit(len(self.layer_params), prior_p2p=None)
+        self._predicted = None
+        self._steps_since_fit = 0
+
+    def _rerouted_extra(self) -> dict[int, float]:
+        return {d: float(n - self._plan_share(d)) for d, n in self.allocation.items() if n > self._plan_share(d)}
+
+    def predicted_step(self, overhead: bool = True) -> Optional[float]:
+        """The model's step time of the running plan and load (None before a plan)."""
+        if self.plan is None:
+            return None
+        dead = frozenset(set(self.plan.devices) - self.alive)
+        coeffs = self.coefficients()
+        if not overhead:
+            coeffs = replace(coeffs, step_overhead_s=0.0, hop_overhead_s=0.0)
+        return estimate(self.plan, self.workload(), self.cluster(), coeffs, dead, self._rerouted_extra()).step_time
+
+    def _calibrate_pipeline(self, timings) -> None:
+        """Feed the step's all-reduce and the step time's unexplained part; refit."""
+        if self.plan is None:
+            return
+        n = len(timings)
+        comm = [c for _, _, c, _ in timings.values() if c > 0]
+        if n > 1 and comm:
+            # The fastest member's time: the others also waited for the last one to arrive.
+            nbytes = sum(self.layer_params) * 4
+            self.pipe_cal.observe_collective(CollectiveSample(n, float(nbytes), min(comm)))
+        steps = [s for *_, s in timings.values() if s > 0]
+        key = (repr(self.plan.to_json()), tuple(sorted(self.alive)))
+        if steps and self.fit is not None and key == self._residual_key:
+            # The previous step's seconds, against the same plan's prediction without overhead
+            # (cached until the next refit).
+            if self._predicted is None or self._predicted[0] != key:
+                self._predicted = (key, self.predicted_step(overhead=False), float(self._slots()))
+            self.pipe_cal.observe_residual(max(steps) - self._predicted[1], int(self._predicted[2]))
+        self._residual_key = key
+        self._steps_since_fit += 1
+        if self.fit is None or self._steps_since_fit >= _REFIT_EVERY:
+            self._refit()
+        if self.search_s == 0.0 and self.fit is not None and len(self.alive) > 2:
+            # What a failure's plan search costs this job, before the first failure measures
+            # it: price the loss of one worker once (no state changes).
+            probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
+            d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
+            self.search_s = max(d.search_s, 1e-6)
+
+    def _slots(self) -> int:
+        """1F1B slots (``m + e + p - 1``, ``e`` the micro-batches rerouted through its busiest
+        stage) of the running plan's longest multi-stage pipeline, else 0: what the model
+        charges ``hop_overhead_s`` for."""
+        extra = self._rerouted_extra()
+        slots = [p.microbatches + max(extra.get(d, 0.0) for d in p.devices) + p.depth - 1
+                 for p in self.plan.pipelines if p.depth > 1 and p.microbatches > 0]
+        return int(round(max(slots))) if slots else 0
+
+    def calibration_json(self) -> dict:
+        """The fitted pipeline terms and the running plan's predicted step (the event log's
+        ``calibration`` record)."""
+        from chameleon_ft.sim.trace import cluster_to_json, coefficients_to_json, workload_to_json
+
+        out = self.fit.to_json() if self.fit else {}
+        out["predicted_step_s"] = self.predicted_step()
+        out["plan"] = self.plan.describe() if self.plan else None
+        out["agree_s"], out["rebuild_s"], out["search_s"] = self.agree_s, self.rebuild_s, self.search_s
+        # The engine's inputs as the simulator reads them (``chameleon-ft simulate --trace``).
+        out["setup"] = {"workload": workload_to_json(self.workload()), "cluster": cluster_to_json(self.cluster()),
+                        "coefficients": coefficients_to_json(self.coefficients()),
+                        "plan": self.plan.to_json() if self.plan else None, "mttf_s": self.mttf()}
+        return out
+
+

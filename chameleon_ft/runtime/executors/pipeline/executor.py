@@ -1,0 +1,549 @@
+"""``PipelineExecutor``: one worker of a DP x PP job that survives failures in place.
+
+The user gives the model as an ordered list of blocks (an ``nn.Sequential``: embedding, N
+transformer blocks, head); the engine's plan decides the layout -- pipelines of stages holding
+contiguous blocks, possibly of different depths and splits, and how many micro-batches each
+pipeline runs.  Every worker builds all blocks (the user's constructor) and keeps only those of
+its slot; the others are released to the ``meta`` device, so a block a worker newly holds
+really arrives from a peer.
+
+A step (``train_step``): the schedule's routes (``schedule.py``) and this worker's 1F1B task
+order run in ``executor.run_step``; then every member all-reduces *one* buffer with the gradient
+of every block (zeros for the blocks it does not hold) -- each pipeline holds each block once,
+so the sum is the gradient of each block over the whole global batch -- plus the step's loss
+and timings; then each held block's own optimizer steps.  A buffer over the whole model makes
+the commit atomic in the same way as data parallelism (``worker.py``): a member that a failure
+left one step behind receives the reduced buffer of that step from the source and applies it
+to its own blocks (roll-forward), so no step is half applied anywhere.
+
+Recovery is the shared protocol (membership, group rebuild, step agreement, the engine's
+Decision shipped by the source).  The recovery all-reduce carries which blocks each member holds;
+the source turns the new plan into transfers: the restorer's own migration for a re-plan
+(optimal assignment, colouring rounds) when the holdings are those of the old plan, otherwise
+``restorer.transfers_to`` (a replacement, or a migration a second failure interrupted).  Every
+member then runs the rounds (``migration.py``: weights, optimizer and scheduler state of whole
+blocks, point to point, only what is missing) and drops the blocks its slot no longer has.
+Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
+
+Limits, honestly: the gradient all-reduce moves the whole model per member (the pipelines'
+sum needs no per-block groups, and gives the roll-forward above); the migration runs during
+recovery, not overlapped with rerouted steps; straggler rebalancing and batch-changing
+policies (shrink) are off for pipeline jobs; checkpoints are not written (a restart starts the
+job over); gradient clipping over the whole model is not offered (each block's optimizer is
+its own).
+"""
+
+from __future__ import annotations
+
+from chameleon_ft._compat import renamed_getattr
+
+import inspect
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import default_collate
+
+from chameleon_ft.engine.plan import Plan
+from chameleon_ft.engine.migration import critical_path, held_state, transfers_to
+from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.executors.pipeline import migration
+from chameleon_ft.runtime.executors.pipeline.step import run_step
+from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
+from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
+
+__all__ = ["PipelineExecutor"]
+
+class _HeldOptimizers:
+    """The per-block optimizers of the blocks a worker holds, seen as one optimizer by the
+    shared recovery code (``zero_grad`` after a discarded step)."""
+
+    def __init__(self, ctx: "PipelineExecutor"):
+        self.ctx = ctx
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.ctx.held:
+            for p in self.ctx.blocks[b].parameters():
+                p.grad = None
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.ctx.block_opt.values() for g in o.param_groups]
+
+
+def _optimizer_factory(optimizer) -> Callable:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != 1:
+            raise ConfigError("a pipeline job rebuilds the optimizer per block from its class and "
+                              "defaults: give one parameter group, or a factory fn(params)")
+        cls = type(optimizer)
+        # Only what the constructor takes (``defaults`` may hold derived entries, e.g. AdamW's
+        # ``decoupled_weight_decay``).
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return lambda params: cls(params, **defaults)
+    if callable(optimizer):
+        return optimizer
+    raise ConfigError(f"optimizer must be a torch optimizer or fn(params), got {type(optimizer).__name__}")
+
+
+class PipelineExecutor(RecoveryCore):
+    """One worker of an elastic DP x PP job (see module doc).
+
+    Args:
+        blocks: the model's ordered blocks (an ``nn.Sequential`` or a list of modules); every
+            worker builds them identically, the first plan's holders broadcast nothing: the
+            lowest worker's blocks are sent to every other holder once at start.
+        optimizer: an optimizer over the model (its class and defaults are reused per block)
+            or ``fn(params) -> optimizer``.
+        dataset, collate_fn: micro-batch ``i`` is ``collate_fn([dataset[k] for k in ids])``.
+        input_fn: the first block's input from a batch (default ``batch[0]``).
+        loss_fn: ``loss_fn(last block's output, batch)``, the micro-batch's mean loss.
+        stages: depth of the first plan's pipelines.
+        scheduler: optional ``fn(optimizer) -> LR scheduler`` (one per block, stepped together).
+    """
+
+    def __init__(self, blocks, optimizer, dataset, loss_fn: Callable, global_batch: int,
+                 micro_batch: int, stages: int, *, input_fn: Optional[Callable] = None,
+                 collate_fn: Callable = default_collate, scheduler: Optional[Callable] = None,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 config: Optional[ElasticConfig] = None, env=None):
+        model = blocks if isinstance(blocks, torch.nn.Module) else torch.nn.Sequential(*blocks)
+        self.blocks = list(model.children())
+        if not self.blocks:
+            raise ConfigError("a pipeline job needs the model as an ordered list of blocks")
+        cfg = config or ElasticConfig()
+        # Policies this executor cannot carry out (module doc).  ``restart`` is not a choice
+        # either: without pipeline checkpoints it would start the job over (it stays the
+        # fallback when nothing in place is feasible).
+        allowed = (cfg.allowed_policies or frozenset({"reroute", "replan", "wait", "heal",
+                                                     "grow", "keep"})) - {"shrink", "rebalance", "restart"}
+        cfg = ElasticConfig(**{**vars(cfg), "allowed_policies": allowed, "stragglers": False})
+        self.make_optimizer = _optimizer_factory(optimizer)
+        self.make_scheduler = scheduler
+        super().__init__(model, _HeldOptimizers(self), len(dataset), global_batch, micro_batch,
+                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env,
+                         stages=stages)
+        self.dataset, self.collate_fn, self.loss_fn = dataset, collate_fn, loss_fn
+        self.input_fn = input_fn or (lambda batch: batch[0])
+        self.device = next(model.parameters()).device
+        sizes = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
+        self.block_numel = sizes
+        self.policy.layer_params = [max(1, n) for n in sizes]
+        self.policy.min_replicas = max(1, int(cfg.min_replicas))
+        self.policy.allowed = allowed
+        self.held: set[int] = set(range(len(self.blocks)))  # all built; trimmed at the first sync
+        # Blocks whose state is the job's (received, or kept through a completed migration);
+        # a block only built here is not, until the first migration agrees on one copy.
+        self.agreed: set[int] = set()
+        self.block_opt: dict[int, torch.optim.Optimizer] = {}
+        self.block_sched: dict = {}
+        for b in self.held:
+            self._new_optimizer(b)
+        self.last_loss: Optional[float] = None
+        self.last_migration: Optional[dict] = None  # measured, on every member that moved state
+        self._last_reduced: Optional[torch.Tensor] = None
+        self._measured = False
+        self._schedule_key = None
+        self._routes, self._orders = [], {}
+        self._measured_step = None  # the executor's StepResult of the step being committed
+        self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
+        self._last_commit: Optional[float] = None
+        link = self.cfg.emulate_link
+        if link is not None:
+            lat, bw = float(link[0]), float(link[1])
+            if lat < 0 or bw <= 0:
+                raise ConfigError(f"emulate_link must be (latency_s >= 0, bandwidth_Bps > 0), got {link}")
+            self._link_delay = lambda nbytes: lat + nbytes / bw
+        else:
+            self._link_delay = None
+
+    # ---------------------------------------------------------------- blocks and state
+    def _new_optimizer(self, b: int) -> None:
+        params = list(self.blocks[b].parameters())
+        self.block_opt[b] = self.make_optimizer(params)
+        if self.make_scheduler is not None:
+            self.block_sched[b] = self.make_scheduler(self.block_opt[b])
+
+    def slot_blocks(self, plan: Optional[Plan] = None) -> set[int]:
+        """The blocks this worker's slot in ``plan`` (default: the running one) holds."""
+        plan = plan or self.policy.plan
+        where = plan.locate(self.worker_id) if plan else None
+        if where is None:
+            return set()
+        lo, hi = plan.pipelines[where[0]].layers_of_stage(where[1])
+        return set(range(lo, hi))
+
+    def block_state(self, b: int) -> dict:
+        """Weights, optimizer and scheduler state of held block ``b`` (what a migration moves)."""
+        return {"params": self.blocks[b].state_dict(), "optim": self.block_opt[b].state_dict(),
+                "sched": self.block_sched[b].state_dict() if b in self.block_sched else None}
+
+    def state_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s parameters and of its optimizer state shaped like them (the
+        restorer's weights + optimizer state; scalar counters are left out)."""
+        total = 0
+        opt = self.block_opt[b]
+        for p in self.blocks[b].parameters():
+            total += p.numel() * p.element_size()
+            for t in opt.state.get(p, {}).values():
+                if isinstance(t, torch.Tensor) and t.shape == p.shape:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def put_block(self, b: int, state: dict) -> None:
+        """Hold block ``b`` with ``state`` (from a peer)."""
+        block = self.blocks[b]
+        if b not in self.held:
+            block.to_empty(device=self.device)
+        block.load_state_dict(state["params"])
+        self._new_optimizer(b)
+        self.block_opt[b].load_state_dict(state["optim"])
+        if state.get("sched") is not None and b in self.block_sched:
+            self.block_sched[b].load_state_dict(state["sched"])
+        self.held.add(b)
+        self.agreed.add(b)
+
+    def drop_block(self, b: int) -> None:
+        self.blocks[b].to("meta")
+        self.held.discard(b)
+        self.agreed.discard(b)
+        self.block_opt.pop(b, None)
+        self.block_sched.pop(b, None)
+
+    def block_states(self) -> dict[int, dict]:
+        """Every held block's state (tests compare replicas with it)."""
+        return {b: self.block_state(b) for b in sorted(self.held)}
+
+    def state_dict(self) -> dict:
+        """The run state without the blocks (they move by migration), plus the last reduced
+        gradient buffer: a member one step behind applies it (roll-forward)."""
+        return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step,
+                "lr_scale": self.lr_scale, "sampler": self.sampler.state_dict(),
+                "engine": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()},
+                "reduced": self._last_reduced}
+
+    def load_state_dict(self, s: dict) -> None:
+        if not self.fresh and s.get("reduced") is not None and self.step == int(s["step"]) - 1:
+            self._apply_update(s["reduced"])
+        self.sampler.load_state_dict(s["sampler"])
+        self.policy.load_state_dict(s["engine"])
+        torch.set_rng_state(s["rng"]["torch"])
+        self.step = int(s["step"])
+        self.last_checkpoint_step = int(s["last_checkpoint_step"])
+        self._last_reduced = s.get("reduced")
+
+    def save_checkpoint(self, path: str) -> None:
+        raise ConfigError("checkpoints of pipeline jobs are not written yet (each worker holds "
+                          "only its blocks); run without a checkpoint path")
+
+    load_checkpoint = save_checkpoint
+
+    # ---------------------------------------------------------------- recovery hooks
+    def _sync_fields(self) -> list[int]:
+        """Per block: 2 = this member holds the job's state of it, 1 = only built here, 0 = no."""
+        return [2 if b in self.agreed else int(b in self.held) for b in range(len(self.blocks))]
+
+    def _holdings(self, members) -> dict[int, list[tuple[int, int]]]:
+        """Layer ranges each member holds at the agreed step (from the recovery all-reduce).
+        Before the first step a block nobody holds agreed state of is taken from the lowest
+        member that built it (every copy is a valid initialisation; one must win)."""
+        top = max(self.peer_steps)
+        own: dict[int, set[int]] = {w: set() for w in members}
+        for b in range(len(self.blocks)):
+            flags = [f[b] for f in self.peer_fields]
+            if 2 in flags:
+                for w, f in zip(members, flags):
+                    if f == 2:
+                        own[w].add(b)
+            elif top == 0 and 1 in flags:
+                own[members[flags.index(1)]].add(b)
+        out = {}
+        for w, blocks in own.items():
+            ranges, lo = [], None
+            for b in range(len(self.blocks) + 1):
+                if b in blocks and lo is None:
+                    lo = b
+                elif b not in blocks and lo is not None:
+                    ranges.append((lo, b))
+                    lo = None
+            out[w] = ranges
+        return out
+
+    @staticmethod
+    def _covers(plan: Plan, holdings: dict) -> bool:
+        """Every alive device of ``plan`` holds its slot's blocks."""
+        for pipe in plan.pipelines:
+            for s, d in enumerate(pipe.devices):
+                if d in holdings:
+                    lo, hi = pipe.layers_of_stage(s)
+                    have = {b for a, c in holdings[d] for b in range(a, c)}
+                    if not set(range(lo, hi)) <= have:
+                        return False
+        return True
+
+    def _decide(self, view, info) -> dict:
+        members = view.members
+        holdings = self._holdings(members)
+        prev = self.policy.migrating_from
+        if prev is not None:
+            # A failure interrupted the last migration before every member confirmed it:
+            # nobody dropped a block, so the survivors still hold the layout before it.
+            if not self._covers(self.policy.plan, holdings):
+                self.policy.plan = prev
+            self.policy.migrating_from = None
+        old_plan = self.policy.plan
+        payload = super()._decide(view, info)
+        if payload["restart"]:
+            return payload
+        workload, cluster = self.policy.workload(), self.policy.cluster(members)
+        mig = self.policy.last_migration
+        expected = None
+        if mig is not None and old_plan is not None:
+            expected = {d: [(a, b)] for d, (a, b, _, _) in held_state(old_plan, set(members)).items()}
+            expected.update({w: [] for w in members if w not in expected})
+        if mig is None or holdings != expected:
+            mig = transfers_to(self.policy.plan, holdings, workload, cluster)
+        if mig.lost:
+            lost = ", ".join(f"blocks {a}-{b}" for a, b, _, _ in mig.lost)
+            payload["restart"] = True
+            payload["decisions"].append({"chosen": "restart", "reason": f"no survivor holds {lost}"})
+            return payload
+        self.policy.last_migration = None
+        if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
+            self.policy.migrating_from = old_plan
+            payload["engine"] = self.policy.state_dict()
+        payload["migration"] = {"rounds": [[[t.src, t.dst, t.layers[0], t.layers[1]] for t in r]
+                                           for r in mig.rounds],
+                                "predicted_bytes": mig.total_bytes, "predicted_s": mig.seconds}
+        return payload
+
+    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+        self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
+        self._last_commit = None  # the next commit interval would include this recovery
+        plan = payload.get("migration") or {"rounds": []}
+        want = self.slot_blocks()
+        t0 = time.perf_counter()
+        if plan["rounds"] and self._is_source and self.log:
+            self.log.write("migration", step=self.step, phase="start", rounds=plan["rounds"],
+                           predicted_bytes=plan.get("predicted_bytes"))
+        moved = migration.run(self, plan["rounds"], self.hang_timeout_s)
+        if plan["rounds"]:
+            # Confirm that every member has its blocks before anyone drops the old ones.
+            done = torch.ones(1, dtype=torch.int64)
+            self._store_op(lambda: self.gm.allreduce(done, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                                                     header="sync", label="migrated"))
+        self.policy.migrating_from = None
+        for b in sorted(self.held - want):
+            self.drop_block(b)
+        self.agreed = set(self.held)
+        self._schedule_key = None
+        if plan["rounds"] or "predicted_bytes" in plan:
+            self.last_migration = {"bytes": moved["state_bytes"], "wire_bytes": moved["wire_bytes"],
+                                   "seconds": time.perf_counter() - t0,
+                                   "transfers": moved["transfers"], "rounds": len(plan["rounds"]),
+                                   "predicted_bytes": plan.get("predicted_bytes"),
+                                   "predicted_s": plan.get("predicted_s")}
+            if plan["rounds"]:
+                self.policy.observe_migration(*self._path_bytes(plan["rounds"]),
+                                              self.last_migration["seconds"])
+            # Every member reports its own share; the test sums them across members.
+            if self.log:
+                self.log.write("migration", step=self.step, phase="end", **self.last_migration)
+        if self.fresh is False and not self.held and want:
+            raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
+
+    def _path_bytes(self, rounds) -> tuple[int, float]:
+        """The transfers on the migration's critical path (``restorer.critical_path``, priced by
+        bytes) and their bytes, as they were sent: what bounds its time, for the calibration.
+        The optimizer's state travels only once it exists (the start-up migration, before the
+        first step, carries weights alone: counting the state there made the calibrated
+        migration bandwidth 3x too high and a re-plan's transition ~2.7x too short).  Every
+        member decides from the same facts (every block optimizer steps at every step)."""
+        stateful = any(self.block_opt[b].state for b in self.held)
+        per = self.policy.weight_bytes + (self.policy.optim_bytes if stateful else 0)
+
+        def nbytes(t) -> float:
+            return float(sum(self.block_numel[t[2]:t[3]]) * per)
+        # One byte per hop breaks ties towards the path with more transfers (latency).
+        _, path = critical_path(rounds, lambda t: (t[0], t[1], nbytes(t) + 1.0))
+        return len(path), sum(nbytes(t) for t in path)
+
+    def _reset_step(self) -> None:
+        self._measured_step = None
+
+    def _apply_allocation(self) -> None:
+        # The sampler's per-member allocation is data parallel's; routes come from the plan.
+        if self.sampler.global_batch != self.policy.current_batch:
+            self.sampler.set_global_batch(self.policy.current_batch)
+
+    # ---------------------------------------------------------------- one step
+    def _schedule(self):
+        plan = self.policy.plan
+        key = (repr(plan.to_json()), tuple(sorted(self.policy.alive)))
+        if key != self._schedule_key:
+            self._routes = routes(plan, self.policy.alive)
+            self._orders = worker_orders(self._routes)
+            self._schedule_key = key
+        return self._routes, self._orders.get(self.worker_id, [])
+
+    def train_step(self) -> bool:
+        """Run this worker's part of the current step and commit it.  False: a failure
+        interrupted it; the job reconfigured and the caller runs the step again."""
+        t_start = time.perf_counter()
+        self._step_start = t_start
+        self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+        self.faults.at(self.step, "step_start")
+        mbs = {mb.index: mb for mb in self.sampler.microbatches(self.sampler.cursor)}
+        rs, order = self._schedule()
+        rank_of = {w: i for i, w in enumerate(self.view.members)}
+        base = (self.seed * 1_000_003 + self.step) * 65_537
+
+        def on_task(task) -> None:
+            self.faults.at(self.step, "forward" if task.kind == "F" else "backward")
+
+        try:
+            res = run_step(
+                self.gm, rank_of, self.worker_id, self.blocks, rs, order,
+                batch_of=lambda slot: self.collate_fn([self.dataset[i] for i in mbs[slot].indices]),
+                input_fn=self.input_fn, loss_fn=self.loss_fn, weight_of=lambda slot: mbs[slot].weight,
+                seed_of=lambda slot, b: (base + slot) * 1_009 + b,
+                seed_fn=seed_generators if self.cfg.seed_microbatches else (lambda s: None),
+                timeout_s=self.hang_timeout_s, device=self.device, on_task=on_task,
+                link_delay=self._link_delay)
+        except CollectiveFailure as failure:
+            self._step_start = None
+            self._recover(failure, t_start)
+            return False
+        self._compute_s, self._n_mb = res.compute_s, res.microbatches
+        self._measured_step = res
+        self._ids = [i for r in rs if r.hops[0].worker == self.worker_id for i in mbs[r.slot].indices]
+        return self.sync_and_step(res.loss)
+
+    def sync_and_step(self, loss: float = 0.0) -> bool:
+        self.faults.at(self.step, "allreduce")
+        held_numel = sum(self.block_numel[b] for b in self.held)
+        frac = held_numel / max(1, sum(self.block_numel))
+        parts = []
+        for b, block in enumerate(self.blocks):
+            for p in block.parameters():
+                if b in self.held and p.grad is not None:
+                    parts.append(p.grad.detach().reshape(-1).to("cpu", self.dtype))
+                else:
+                    parts.append(torch.zeros(p.numel(), dtype=self.dtype))
+        parts.append(torch.tensor([loss], dtype=self.dtype))
+        parts.append(self._calibration_row())
+        # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
+        # seconds scaled by the share of the model it runs.
+        reduced = self._reduce_step(parts, self._compute_s / frac if frac else 0.0)
+        if reduced is None:
+            return False
+        buf, timings, comm = reduced
+        total = sum(self.block_numel)
+        self.faults.at(self.step, "optimizer")
+        t_opt = time.perf_counter()
+        self._apply_update(buf[:total])
+        # Shared with the next step's calibration row: (seconds, parameters updated).
+        self._optimizer_s = (time.perf_counter() - t_opt, float(held_numel))
+        self._last_reduced = buf[:total]
+        if not self._measured and self.held:
+            self._measure_state_bytes()
+        self.last_loss = float(buf[total])
+        self._observe_calibration(buf[total + 1:])
+        self._finish_step(timings, comm)
+        # Pipeline jobs report commit-to-commit seconds (what the engine's step time is checked
+        # against); the step's own seconds when a recovery came between.
+        now = time.perf_counter()
+        if self._last_commit is not None:
+            self._prev_step = now - self._last_commit
+        self._last_commit = now
+        return True
+
+    # ---------------------------------------------------------------- calibration
+    _P2P_SLOTS = 8  # waited-for message samples each member shares per step
+
+    def _row_width(self) -> int:
+        """Per block 4 figures, then task overhead, tasks, optimizer s, parameters, then the
+        message samples (bytes, seconds)."""
+        return 4 * len(self.blocks) + 4 + 2 * self._P2P_SLOTS
+
+    def _calibration_row(self) -> torch.Tensor:
+        """This member's row of the step's calibration matrix (every member's row is zero
+        elsewhere, so the all-reduce hands everyone every row): per block forward s, backward s,
+        micro-batches and output bytes, then up to ``_P2P_SLOTS`` (bytes, seconds) messages."""
+        nb, n, r = len(self.blocks), self.view.world_size, self.view.rank
+        width = self._row_width()
+        row = torch.zeros(n * width, dtype=torch.float64)
+        res = self._measured_step
+        if res is not None:
+            mine = row[r * width:(r + 1) * width]
+            for b, (f, bw, cnt) in res.block_times.items():
+                mine[4 * b:4 * b + 3] = torch.tensor([f, bw, cnt], dtype=torch.float64)
+            for b, nbytes in res.out_bytes.items():
+                mine[4 * b + 3] = nbytes
+            mine[4 * nb:4 * nb + 4] = torch.tensor([res.task_overhead_s, res.tasks, *self._optimizer_s],
+                                                   dtype=torch.float64)
+            p2p = sorted(res.p2p, key=lambda x: x[1])
+            if len(p2p) > self._P2P_SLOTS:  # keep an even spread of the step's samples
+                p2p = [p2p[i * len(p2p) // self._P2P_SLOTS] for i in range(self._P2P_SLOTS)]
+            for i, (nbytes, sec) in enumerate(p2p):
+                at = 4 * nb + 4 + 2 * i
+                mine[at:at + 2] = torch.tensor([nbytes, sec], dtype=torch.float64)
+        return row.to(self.dtype)
+
+    def _observe_calibration(self, flat: torch.Tensor) -> None:
+        nb, members = len(self.blocks), self.view.members
+        width = self._row_width()
+        rows = flat[:len(members) * width].double().view(len(members), width).tolist()
+        times, out_bytes, p2p, overhead, tasks, opt_s, opt_params = {}, {}, [], 0.0, 0, 0.0, 0.0
+        for w, row in zip(members, rows):
+            for b in range(nb):
+                f, bw, cnt, ob = row[4 * b:4 * b + 4]
+                if cnt > 0:
+                    times[(w, b)] = (f, bw, int(round(cnt)))
+                    out_bytes[b] = int(round(ob))
+            overhead += row[4 * nb]
+            tasks += int(round(row[4 * nb + 1]))
+            opt_s, opt_params = opt_s + row[4 * nb + 2], opt_params + row[4 * nb + 3]
+            for i in range(self._P2P_SLOTS):
+                nbytes, sec = row[4 * nb + 4 + 2 * i:4 * nb + 6 + 2 * i]
+                if nbytes > 0 and sec > 0:
+                    p2p.append((nbytes, sec))
+        self.policy.observe_pipeline(times, out_bytes, p2p, (overhead, tasks), (opt_s, opt_params))
+        self._measured_step = None
+
+    def _apply_update(self, reduced: torch.Tensor) -> None:
+        """Set each held block's gradients from the reduced buffer and step its optimizer."""
+        at = 0
+        for b, block in enumerate(self.blocks):
+            params = list(block.parameters())
+            if b not in self.held:
+                at += self.block_numel[b]
+                continue
+            for p in params:
+                p.grad = reduced[at:at + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+                at += p.numel()
+            self.block_opt[b].step()
+            if b in self.block_sched:
+                self.block_sched[b].step()
+            for p in params:
+                p.grad = None
+
+    def _measure_state_bytes(self) -> None:
+        """Bytes per parameter of weights and of optimizer state, as the engine's workload
+        (the restorer then predicts the bytes a migration really moves).  Every holder measures
+        the same numbers: the optimizer is the same class everywhere."""
+        b = min(self.held)
+        numel = max(1, self.block_numel[b])
+        p0 = next(self.blocks[b].parameters(), None)
+        wb = p0.element_size() if p0 is not None else 4
+        ob = (self.state_bytes(b) - numel * wb) / numel
+        self.policy.weight_bytes, self.policy.optim_bytes = int(wb), int(round(ob))
+        self.policy._predicted = None
+        self._measured = True
+
+
+# The old name, kept working with a deprecation warning.
+__getattr__ = renamed_getattr(__name__, {"PipelineContext": "PipelineExecutor"})

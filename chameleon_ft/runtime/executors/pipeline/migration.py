@@ -1,0 +1,95 @@
+"""Carry out a migration: move whole blocks' state between workers, point to point, in rounds.
+
+A migration is the restorer's transfers ``(src, dst, first block, stop block)`` grouped into
+rounds in which no worker appears twice (``restorer.schedule_rounds``).  Every member walks the
+rounds in order and takes part in the transfers that name it: the sender encodes each block's
+weights, optimizer state and scheduler state (``state.encode``: a JSON skeleton and raw tensor
+bytes, nothing pickled), the receiver materialises the block and loads it.  Transfers of one
+round run at once on different pairs; a member with nothing in a round goes on to the next, and
+the tags keep messages of different rounds apart.  Under an emulated network
+(``ElasticConfig.emulate_link``) sender and receiver are both held for latency + bytes /
+bandwidth per transfer (a link carries one transfer at a time).
+
+A failure during a migration (a peer dies) raises ``CollectiveFailure`` like any collective; the
+recovery protocol then gathers what every survivor holds *now* (blocks received so far count,
+old blocks are only dropped after the migration) and plans the transfers again from there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from chameleon_ft.runtime import codec as run_state
+
+__all__ = ["run"]
+
+_NOMINAL_BPS = 1e6  # fault injection only (see run)
+_BASE_TAG = 1 << 30  # above every tag a pipeline step uses (gloo tags are C ints)
+
+
+def _send_tree(gm, dst_rank: int, tag: int, tree, timeout_s: float) -> int:
+    skeleton, tensors = run_state.encode(tree)
+    blob = json.dumps({"tree": skeleton, "specs": run_state._specs(tensors)}).encode()
+    body = run_state._pack(tensors)
+    meta = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    sizes = torch.tensor([meta.numel(), body.numel()], dtype=torch.int64)
+    works = [gm.send(sizes, dst_rank, tag), gm.send(meta, dst_rank, tag + 1)]
+    if body.numel():
+        works.append(gm.send(body, dst_rank, tag + 2))
+    gm.wait_p2p(works, timeout_s)
+    return int(body.numel())
+
+
+def _recv_tree(gm, src_rank: int, tag: int, timeout_s: float):
+    sizes = torch.zeros(2, dtype=torch.int64)
+    gm.wait_p2p([gm.recv(sizes, src_rank, tag)], timeout_s)
+    meta = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    body = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    works = [gm.recv(meta, src_rank, tag + 1)]
+    if body.numel():
+        works.append(gm.recv(body, src_rank, tag + 2))
+    gm.wait_p2p(works, timeout_s)
+    info = json.loads(bytes(meta.numpy()).decode())
+    return run_state.decode(info["tree"], run_state._unpack(body, info["specs"])), int(body.numel())
+
+
+def run(ctx, rounds: list, timeout_s: float) -> dict:
+    """Take part in ``rounds`` (lists of ``[src, dst, lo, hi]``) as ``ctx.worker_id``; returns
+    what this member moved: ``state_bytes`` (weights + optimizer state shaped like them, as
+    the restorer counts them; summed over the member's sends), ``wire_bytes`` and
+    ``transfers`` (sent)."""
+    me = ctx.worker_id
+    rank_of = {w: i for i, w in enumerate(ctx.view.members)}
+    out = {"state_bytes": 0, "wire_bytes": 0, "transfers": 0}
+    for k, rnd in enumerate(rounds):
+        for i, (src, dst, lo, hi) in enumerate(rnd):
+            tag = _BASE_TAG + (k * 4096 + i) * 4
+            nbytes = 0
+            if src == me:
+                missing = [b for b in range(lo, hi) if b not in ctx.held]
+                if missing:
+                    raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
+                tree = {str(b): ctx.block_state(b) for b in range(lo, hi)}
+                nbytes = _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
+                delay = getattr(ctx, "_link_delay", None)
+                if delay is not None:  # the emulated link is busy for the sender too
+                    time.sleep(delay(nbytes))
+                out["wire_bytes"] += nbytes
+                out["state_bytes"] += sum(ctx.state_bytes(b) for b in range(lo, hi))
+                out["transfers"] += 1
+            elif dst == me:
+                tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
+                delay = getattr(ctx, "_link_delay", None)
+                if delay is not None:  # the emulated network (ElasticConfig.emulate_link)
+                    time.sleep(delay(nbytes))
+                for b in range(lo, hi):
+                    ctx.put_block(b, tree[str(b)])
+            if me in (src, dst):
+                # A ``slow`` fault at this phase stretches the transfer by a multiple of its
+                # nominal time at _NOMINAL_BPS (not of the measured time: that includes waiting
+                # for a partner that may be stretched too, and would compound).
+                ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
+    return out

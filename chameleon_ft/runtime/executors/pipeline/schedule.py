@@ -1,0 +1,161 @@
+"""Which worker runs which blocks of which micro-batch, and in what order: pure, no torch.
+
+A step of a pipeline plan is a set of *routes*: micro-batch ``slot`` passes through *hops*
+``(worker, first block, stop block)`` that cover the block chain ``0..L`` in order.  Without a
+failure a route is its pipeline's stages.  Under rerouting (the engine's plan keeps dead
+devices, see ``selector.reroute_load``) the hop of a dead stage goes to a same-stage peer in
+another pipeline (same layer split, alive), so activations and gradients cross pipelines and
+the global batch stays the failure-free one.
+
+Each worker runs its tasks -- ``F`` (forward of its hop) and ``B`` (backward) per route -- in a
+1F1B order: ``w`` warm-up forwards (the most hops that follow it on any of its routes), then one
+forward and one backward alternately, then the remaining backwards.  Sends are asynchronous and
+receives block, so the workers' local orders must be consistent: ``check`` simulates them and
+``worker_orders`` falls back to all-forwards-then-all-backwards (GPipe order, always
+consistent: the worker graph of monotone block chains is acyclic) where 1F1B would wait on
+itself.  Every member computes the same schedule from the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from chameleon_ft.engine.plan import Plan
+from chameleon_ft.engine.selector import reroute_load
+
+__all__ = ["Hop", "Route", "Task", "routes", "worker_orders", "check", "ScheduleError"]
+
+
+class ScheduleError(RuntimeError):
+    """The plan cannot be run by the survivors (a stage lost every copy)."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    worker: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Route:
+    slot: int  # the micro-batch's position in the global batch
+    hops: tuple[Hop, ...]
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "F" or "B"
+    slot: int
+    hop: int  # index of the hop in its route
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.slot}.{self.hop}"
+
+
+def slots_of(plan: Plan) -> list[list[int]]:
+    """Global-batch slots of each pipeline: pipeline ``j`` takes the next ``m_j`` slots."""
+    out, at = [], 0
+    for p in plan.pipelines:
+        out.append(list(range(at, at + p.microbatches)))
+        at += p.microbatches
+    return out
+
+
+def routes(plan: Plan, alive: Iterable[int]) -> list[Route]:
+    """Every micro-batch's route under ``plan`` with only ``alive`` workers.
+
+    A dead stage's micro-batches are handed to its same-stage peers in the counts the engine's
+    ``reroute_load`` gives them (each peer takes a contiguous run, peers by id)."""
+    alive = set(alive)
+    dead = set(plan.devices) - alive
+    extra, why = reroute_load(plan, dead, alive) if dead else ({}, "")
+    if why:
+        raise ScheduleError(why)
+    slots = slots_of(plan)
+    # (bounds, stage) -> slots whose hop there has to go to a peer, in slot order
+    orphaned: dict[tuple, list[int]] = {}
+    for j, pipe in enumerate(plan.pipelines):
+        for s, d in enumerate(pipe.devices):
+            if d in dead:
+                orphaned.setdefault((pipe.bounds, s), []).extend(slots[j])
+    peer_of: dict[tuple[int, int], int] = {}  # (slot, stage) -> worker
+    for (bounds, s), todo in orphaned.items():
+        peers = sorted(p.devices[s] for p in plan.pipelines
+                       if p.bounds == bounds and p.devices[s] in alive and int(extra.get(p.devices[s], 0)) > 0)
+        todo = sorted(todo)
+        at = 0
+        for peer in peers:
+            n = int(round(extra[peer]))
+            for slot in todo[at:at + n]:
+                peer_of[(slot, s)] = peer
+            at += n
+        if at != len(todo):  # reroute_load pools per (template, stage): counts must add up
+            raise ScheduleError(f"rerouting gives {at} of {len(todo)} micro-batches of layers "
+                                f"{bounds[s]}-{bounds[s + 1]} a peer")
+    out = []
+    for j, pipe in enumerate(plan.pipelines):
+        for slot in slots[j]:
+            hops = tuple(Hop(peer_of.get((slot, s), d), pipe.bounds[s], pipe.bounds[s + 1])
+                         for s, d in enumerate(pipe.devices))
+            out.append(Route(slot, hops))
+    return sorted(out, key=lambda r: r.slot)
+
+
+def _tasks_by_worker(rs: Sequence[Route]) -> dict[int, list[tuple[Route, int]]]:
+    by: dict[int, list[tuple[Route, int]]] = {}
+    for r in rs:
+        for i, h in enumerate(r.hops):
+            by.setdefault(h.worker, []).append((r, i))
+    return by
+
+
+def _one_f_one_b(mine: list[tuple[Route, int]]) -> list[Task]:
+    fwd = [Task("F", r.slot, i) for r, i in mine]
+    bwd = [Task("B", r.slot, i) for r, i in mine]
+    warm = min(len(fwd), max(len(r.hops) - i - 1 for r, i in mine))
+    order = fwd[:warm]
+    for k in range(warm, len(fwd)):
+        order += [fwd[k], bwd[k - warm]]
+    return order + bwd[len(fwd) - warm:]
+
+
+def _gpipe(mine: list[tuple[Route, int]]) -> list[Task]:
+    return [Task("F", r.slot, i) for r, i in mine] + [Task("B", r.slot, i) for r, i in mine]
+
+
+def check(rs: Sequence[Route], orders: dict[int, list[Task]]) -> bool:
+    """Whether the workers' local orders can all run to the end (no wait on each other)."""
+    hops = {r.slot: len(r.hops) for r in rs}
+    done: set[Task] = set()
+    at = {w: 0 for w in orders}
+    progress = True
+    while progress:
+        progress = False
+        for w, order in orders.items():
+            while at[w] < len(order):
+                t = order[at[w]]
+                if t.kind == "F":
+                    ready = t.hop == 0 or Task("F", t.slot, t.hop - 1) in done
+                else:
+                    ready = Task("F", t.slot, t.hop) in done and (
+                        t.hop == hops[t.slot] - 1 or Task("B", t.slot, t.hop + 1) in done)
+                if not ready:
+                    break
+                done.add(t)
+                at[w] += 1
+                progress = True
+    return all(at[w] == len(o) for w, o in orders.items())
+
+
+def worker_orders(rs: Sequence[Route]) -> dict[int, list[Task]]:
+    """Each worker's tasks in 1F1B order, or GPipe order where 1F1B would not be consistent."""
+    by = _tasks_by_worker(rs)
+    orders = {w: _one_f_one_b(mine) for w, mine in by.items()}
+    if check(rs, orders):
+        return orders
+    orders = {w: _gpipe(mine) for w, mine in by.items()}
+    if not check(rs, orders):  # cannot happen for monotone routes; a bug if it does
+        raise ScheduleError("no consistent schedule for these routes")
+    return orders
