@@ -34,13 +34,14 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
-from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
 from accelerate_ft.step_protocol import StepProtocol
 from chameleon_ft.runtime.adapter_kit import adapter_config
 from chameleon_ft.runtime.recovery import ElasticConfig
+from typing_extensions import override
 
 __all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
 
@@ -51,11 +52,6 @@ NOT_LAUNCHED = (
     "at start when a checkpoint exists, and launch with `accelerate launch --max_restarts N` "
     "(checkpoint-restart).  For survivors that keep training in place run "
     "`chameleon-ft run --nproc-per-node N train.py`.")
-
-
-class LauncherError(ConfigError, RuntimeError):
-    """Fault tolerance was required but the process was not started by ``chameleon-ft run``,
-    or an existing Accelerator cannot be wrapped."""
 
 
 def _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change=False) -> ElasticConfig:
@@ -69,11 +65,13 @@ class _FTOptimizer(AcceleratedOptimizer):
 
     _ft_rt: StepProtocol
 
+    @override
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("accelerate_ft: optimizer closures (LBFGS) are not supported")
         self._ft_rt.optimizer_step()
 
+    @override
     def zero_grad(self, set_to_none=None):
         if self._ft_rt.ctx is None:
             super().zero_grad(set_to_none=set_to_none)
@@ -81,6 +79,7 @@ class _FTOptimizer(AcceleratedOptimizer):
         # kept for the redone step, and the runtime zeroes them after every commit.
 
     @property
+    @override
     def step_was_skipped(self) -> bool:
         return False
 
@@ -89,6 +88,7 @@ class _FTScheduler(AcceleratedScheduler):
     """The prepared scheduler: stepped by the runtime once per committed step when it steps
     with the optimizer (the default), so the user's ``scheduler.step()`` is a no-op."""
 
+    @override
     def step(self, *args, **kwargs):
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
@@ -212,14 +212,17 @@ class FaultTolerantAccelerator(Accelerator):
         return self._ft.metrics() if self._ft is not None else {}
 
     @property
+    @override
     def is_local_main_process(self) -> bool:
         return self._ft.is_local_main() if self._ft is not None else super().is_local_main_process
 
+    @override
     def print(self, *args, **kwargs):
         if self.is_local_main_process:
             print(*args, **kwargs)
 
     # ---------------------------------------------------------------- prepare
+    @override
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None,
                             training: Optional[bool] = None):
         """``training``: whether this is the training loader (default: the first DataLoader
@@ -238,12 +241,14 @@ class FaultTolerantAccelerator(Accelerator):
             return ElasticTrainLoader(rt, data_loader, placement)
         return ElasticEvalLoader(rt, data_loader, placement)
 
+    @override
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self._ft is not None and not evaluation_mode:
             self._ft.add_model(model)
         return model
 
+    @override
     def prepare_optimizer(self, optimizer, device_placement=None):
         opt = super().prepare_optimizer(optimizer, device_placement=device_placement)
         if self._ft is not None and not isinstance(opt, _FTOptimizer):
@@ -254,6 +259,7 @@ class FaultTolerantAccelerator(Accelerator):
             self._ft.optimizer = opt
         return opt
 
+    @override
     def prepare_scheduler(self, scheduler):
         sched = super().prepare_scheduler(scheduler)
         if self._ft is not None and not isinstance(sched, _FTScheduler):
@@ -261,6 +267,7 @@ class FaultTolerantAccelerator(Accelerator):
             self._ft.schedulers.append(sched)
         return sched
 
+    @override
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """The training loader without its first ``num_batches`` items: after ``load_state``
         those are the checkpoint's steps of the epoch, handed out again without training."""
@@ -271,17 +278,20 @@ class FaultTolerantAccelerator(Accelerator):
         return super().skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------- the step
+    @override
     def backward(self, loss, **kwargs):
         if self._ft is None:
             return super().backward(loss, **kwargs)
         self._ft.backward(loss, **kwargs)
 
+    @override
     def _do_sync(self):
         if self._ft is None:
             return super()._do_sync()
         # The training loader sets sync_gradients: True on the member's last item of a step.
 
     @contextlib.contextmanager
+    @override
     def accumulate(self, *models):
         if self._ft is None:
             with super().accumulate(*models):
@@ -290,6 +300,7 @@ class FaultTolerantAccelerator(Accelerator):
         yield  # the step boundaries come from the training loader; there is no DDP to silence
 
     @contextlib.contextmanager
+    @override
     def no_sync(self, model):
         if self._ft is None:
             with super().no_sync(model):
@@ -297,6 +308,7 @@ class FaultTolerantAccelerator(Accelerator):
             return
         yield
 
+    @override
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Inside a training step the clipping is applied to the *reduced* gradients just before
         the update; the returned tensor is filled with the total norm when the step commits."""
@@ -306,12 +318,14 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft.defer(lambda: out.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)))
         return out
 
+    @override
     def clip_grad_value_(self, parameters, clip_value):
         if self._ft is None or not self._ft.in_step:
             return super().clip_grad_value_(parameters, clip_value)
         params = list(parameters)
         self._ft.defer(lambda: torch.nn.utils.clip_grad_value_(params, clip_value))
 
+    @override
     def unscale_gradients(self, optimizer=None):
         if self._ft is None:
             return super().unscale_gradients(optimizer)
@@ -321,6 +335,7 @@ class FaultTolerantAccelerator(Accelerator):
         parts = self._ft.coll.all_gather(t.unsqueeze(0) if t.ndim == 0 else t, what="gather")
         return torch.cat(parts, dim=0)
 
+    @override
     def gather(self, tensor):
         """Every current member's tensor(s), concatenated in rank order (shapes may differ in
         the first dimension)."""
@@ -339,6 +354,7 @@ class FaultTolerantAccelerator(Accelerator):
             self._ft.eval_complete = False
             return local()
 
+    @override
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """Like ``gather``, over the current members; inside an evaluation loader every sample
         comes back exactly once, in dataset order (the ghost a member may get is dropped).  When
@@ -366,6 +382,7 @@ class FaultTolerantAccelerator(Accelerator):
             out = rt.eval_received(out, _drop)
         return out
 
+    @override
     def reduce(self, tensor, reduction="sum", scale=1.0):
         if self._ft is None:
             return super().reduce(tensor, reduction, scale)
@@ -375,6 +392,7 @@ class FaultTolerantAccelerator(Accelerator):
                                           else self._ft.coll.allreduce(t, reduction), tensor),
                              lambda: tensor)
 
+    @override
     def wait_for_everyone(self):
         if self._ft is None:
             return super().wait_for_everyone()
@@ -382,6 +400,7 @@ class FaultTolerantAccelerator(Accelerator):
             self._in_eval(self._ft.coll.barrier, lambda: None)
 
     @contextlib.contextmanager
+    @override
     def main_process_first(self):
         if self._ft is None:
             with super().main_process_first():
@@ -394,11 +413,13 @@ class FaultTolerantAccelerator(Accelerator):
             self.wait_for_everyone()
 
     @contextlib.contextmanager
+    @override
     def local_main_process_first(self):
         with self.main_process_first():
             yield
 
     # ---------------------------------------------------------------- trackers
+    @override
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None):
         """Started on the live rank 0; a worker that becomes rank 0 after a failure starts them."""
         if self._ft is None:
@@ -406,6 +427,7 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft.tracker_args = (project_name, config, init_kwargs)
         self._ft.ensure_trackers()
 
+    @override
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
         """Logged by the live rank 0, with the ``ft/*`` metrics added on the same ``step``
         (after a recovery also its ``ft/mttr_s`` and ``ft/policy/<chosen>``)."""
@@ -416,11 +438,13 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft.ensure_trackers()
         super().log(self._ft.log_values(values), step, log_kwargs)
 
+    @override
     def end_training(self):
         if self._ft is None or self.is_main_process:
             super().end_training()
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
         """Call on every member at the same point: the main process writes Accelerate's folder
         plus the runtime's state (sampler cursor, engine, loss recipe); returns the folder.
@@ -454,6 +478,7 @@ class FaultTolerantAccelerator(Accelerator):
             if rt.barrier_or_redo():
                 return folder
 
+    @override
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
         """Every member loads the same folder; training resumes at the saved sampler cursor, on
         however many workers are running now."""

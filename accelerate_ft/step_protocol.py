@@ -43,7 +43,7 @@ from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.sampler import ElasticSampler, StepItem
 from chameleon_ft.runtime.codec import CheckpointError
-from chameleon_ft.runtime.recovery import ElasticConfig, join_job
+from chameleon_ft.runtime.recovery import ElasticConfig, StepEnd, join_job
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from accelerate_ft.replay import LossReplay
 
@@ -99,7 +99,7 @@ class StepProtocol:
                                "state cannot be replayed): run `chameleon-ft run` without --max-replacements")
         self.joined = join_job(env, cfg)
         self.ctx: Optional[DataParallelExecutor] = None
-        self.coll = LiveCollectives(self.gm, self.view, self.timeout, self._log_deferred, who="accelerate_ft")
+        self.coll = LiveCollectives(self.gm, self.view, self.timeout, lambda: self.ctx, who="accelerate_ft")
         self.model: Optional[torch.nn.Module] = None
         self.optimizer = None  # the prepared (FaultTolerant)AcceleratedOptimizer
         self.schedulers: list = []
@@ -134,7 +134,6 @@ class StepProtocol:
         self.eval_alone = False  # this evaluation runs over every sample on this member
         self.eval_complete: Optional[bool] = None  # of the last evaluation
         self.saves = 0  # save_state calls (their activity tag, see barrier_or_redo)
-        self.redone_steps = self.adopted_steps = 0
         self.last_step: dict = {}
         # trackers
         self.tracker_args: Optional[tuple] = None
@@ -173,12 +172,6 @@ class StepProtocol:
         lws = max(1, self.env.local_world_size)
         mine = [w for w in self.view().members if w // lws == self.env.worker_id // lws]
         return bool(mine) and min(mine) == self.env.worker_id
-
-    def _log_deferred(self, what: str, failure: CollectiveFailure) -> None:
-        if self.ctx is not None and self.ctx.log is not None:
-            self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
-                               detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
-                               collective=what, deferred=not self.coll.reraise)
 
     # ---------------------------------------------------------------- prepared objects
     def add_model(self, model: torch.nn.Module) -> None:
@@ -344,16 +337,12 @@ class StepProtocol:
         self._compute_extra(ctx.spilled(), ctx.sampler.cursor)
         ts = time.perf_counter()
         while True:
-            ok = ctx.sync_and_step()
-            committed = ctx.step > step
-            if ok:
+            end = ctx.end_of_step(ctx.sync_and_step(), step)
+            committed = end is not StepEnd.REDO
+            if end is StepEnd.COMMITTED:
                 break
-            if committed:
-                self.adopted_steps += 1
-            else:
-                self.redone_steps += 1
             self.after_reconfiguration()
-            if committed:
+            if end is StepEnd.ADOPTED:
                 self.coll.catch_up = True  # peers are a step ahead until our next step
                 break
             if not self.replay.ready:
@@ -450,10 +439,9 @@ class StepProtocol:
             self.coll.degraded, self.eval_complete = True, False
             self.coll.reraise = False
             return
-        ctx.recover(failure)
+        same = ctx.recover_off_step(failure, ctx.activity)
         self.after_reconfiguration()
         self.eval_seen = max(self.eval_seen, self.eval_position)
-        same = all(a == ctx.activity for a in ctx.peer_activity)
         start = self.eval_position
         if same:
             try:
@@ -475,20 +463,17 @@ class StepProtocol:
             self.coll.barrier()
             return True
         self.saves += 1
-        before, ctx.activity = ctx.activity, _SAVE_TAG + self.saves
         self.coll.reraise = True
         try:
             self.coll.barrier()
             return True
         except CollectiveFailure as failure:
-            ctx.recover(failure)
+            again = ctx.recover_off_step(failure, _SAVE_TAG + self.saves)
             self.after_reconfiguration()
-            again = all(a == ctx.activity for a in ctx.peer_activity)
             if again:
                 self.saves -= 1  # the same save, written again: peers count it once too
             return not again
         finally:
-            ctx.activity = before
             self.coll.reraise = self.in_eval
 
     # ---------------------------------------------------------------- trackers
@@ -501,7 +486,7 @@ class StepProtocol:
     def metrics(self, recovered: bool = False) -> dict:
         if self.ctx is None or self.ctx.view is None:
             return {}
-        m = ft_metrics(self.ctx, self.last_step, self.redone_steps, self.adopted_steps, recovered)
+        m = ft_metrics(self.ctx, self.last_step, recovered)
         if self.eval_complete is not None:
             m["ft/eval_complete"] = float(self.eval_complete)
         return m
@@ -560,7 +545,7 @@ class StepProtocol:
 
     def close(self) -> None:
         if self.ctx is not None:
-            self.ctx.close(redone_steps=self.redone_steps, adopted_steps=self.adopted_steps)
+            self.ctx.close(redone_steps=self.ctx.redone_steps, adopted_steps=self.ctx.adopted_steps)
             self.ctx = None
         elif self.joined is not None:
             self.joined.membership.close()

@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-from chameleon_ft.engine.selector import crossover_mttf
+from chameleon_ft.engine.decision import crossover_mttf
 
 
 def decision_of(events: list[dict]) -> Optional[dict]:

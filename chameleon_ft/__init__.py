@@ -36,7 +36,7 @@ _compat.install()
 _EXPORTS = {
     "ElasticTrainer": "chameleon_ft.runtime.trainer",
     "elastic_main": "chameleon_ft.runtime.trainer",
-    "ElasticConfig": "chameleon_ft.runtime.recovery",
+    "ElasticConfig": "chameleon_ft.runtime.config",
     "ConfigError": "chameleon_ft.runtime.errors",
     "ElasticSampler": "chameleon_ft.runtime.sampler",
     "ChameleonFTDeprecationWarning": "chameleon_ft._compat",

@@ -43,6 +43,7 @@ from chameleon_ft.runtime.recovery import ElasticConfig
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.sharded import FaultTolerantModelParallelStrategy
 from lightning_ft.strategy import _NOT_LAUNCHED, FaultTolerantDDPStrategy, LauncherError
+from typing_extensions import override
 
 __all__ = ["FaultToleranceCallback"]
 
@@ -131,6 +132,7 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         return replace(self._config)
 
     # ---------------------------------------------------------------- hooks
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Check that the trainer runs the fault-tolerant strategy and settings it supports."""
         if isinstance(trainer.strategy, FSDPStrategy):
@@ -153,6 +155,7 @@ class FaultToleranceCallback(Callback, StrategyHooks):
             raise ConfigError("FaultToleranceCallback: limit_train_batches must be 1.0 (an epoch is "
                              "every sample exactly once)")
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """After each global step: one console line per recovery (live rank 0), and the
         fault-tolerance metrics to the loggers every ``log_every_n_steps`` steps and at once
@@ -174,14 +177,16 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
         if not trainer.loggers or (not recovered and trainer.global_step % every):
             return
-        m = ft_metrics(ctx, s.last_step, s.redone_steps, s.adopted_steps, recovered)
+        m = ft_metrics(ctx, s.last_step, recovered)
         m.update({"ft/eval_reruns": float(s.eval_reruns), "ft/eval_partial": float(s.eval_partial)})
         trainer._logger_connector.log_metrics(m)
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._strategy is not None and self._strategy.ctx is not None:
             self._strategy.ctx.last_checkpoint_step = self._strategy.ctx.step
 
+    @override
     def state_dict(self) -> dict:
         ctx = self._strategy.ctx if self._strategy is not None else None
         if ctx is None:
@@ -190,12 +195,14 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                 "micro_batch": ctx.sampler.micro_batch, "step": ctx.step,
                 "sampler": ctx.sampler.state_dict(), "engine": ctx.policy.state_dict()}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict and state_dict.get("version") != _STATE_VERSION:
             raise ConfigError(f"FaultToleranceCallback: checkpoint state version "
                              f"{state_dict.get('version')!r} is not {_STATE_VERSION}")
         self.resume_state = dict(state_dict) or None
 
+    @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """End the worker with the code ``chameleon-ft run`` acts on (75: checkpoint-restart,
         3: coordinator lost, 78: configuration error; ``chameleon_ft.runtime.errors``)."""

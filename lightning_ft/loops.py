@@ -120,11 +120,11 @@ class LoopWrappers:
                 try:
                     return loop._cft_run()
                 except CollectiveFailure as failure:
-                    ctx.activity, self._coll.reraise = tag, False
-                    ctx.recover(failure)
+                    self._coll.reraise = False
+                    everyone_here = ctx.recover_off_step(failure, tag)
                     self._after_reconfiguration()
                     self._reset_evaluation(loop, modes, updates)
-                    if all(t == tag for t in ctx.peer_activity):
+                    if everyone_here:
                         self.eval_reruns += 1
                         log.warning("lightning_ft: a worker was lost during %s; it runs again over "
                                     "the %d survivors", trainer.state.stage.value, ctx.view.world_size)

@@ -58,8 +58,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from chameleon_ft.engine.rehab import RehabRecipe
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.runtime.executors.sharded.executor import FsdpComms, ShardedExecutor, _fake_world
-from lightning_ft.strategy import _UNEVEN, AtLeastOneEach, FaultTolerantDDPStrategy, _SchedulerState
+from chameleon_ft.runtime.executors.sharded.comms import FsdpComms, no_comm_world
+from chameleon_ft.runtime.executors.sharded.executor import ShardedExecutor
+from lightning_ft.strategy import _UNEVEN, FaultTolerantDDPStrategy, _SchedulerState
+from typing_extensions import override
 
 __all__ = ["FaultTolerantModelParallelStrategy"]
 
@@ -70,14 +72,14 @@ LIGHTNING_SHARD_PATHS = frozenset({"rehabilitate", "restart"})
 _Ghost = namedtuple("_Ghost", "weight index")
 
 
-class _LightningShardedContext(AtLeastOneEach, ShardedExecutor):
+class _LightningShardedContext(ShardedExecutor):
     """``ShardedExecutor`` over the user's LightningModule (module doc): the module is kept,
     its children are re-made from the template per generation and the user's units are
     sharded again; at start every member already holds its row (``_adopt_live``)."""
 
     # Lightning runs control collectives (metric syncs, barriers) between two steps: the
     # commit keeps its header so that a stray one gives way.
-    _step_header = "step"
+    step_header = "step"
 
     def __init__(self, module, template: dict, units: dict, mesh_fn, *args, **kwargs):
         self._children_template, self._units, self._mesh_fn = template, units, mesh_fn
@@ -160,6 +162,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         return self.lightning_module._device_mesh if self.lightning_module is not None else None
 
     # ---------------------------------------------------------------- set-up
+    @override
     def setup_environment(self) -> None:
         if self._tensor_parallel_size != 1:
             raise ConfigError(
@@ -178,12 +181,13 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         """A data_parallel x tensor_parallel (n x 1) mesh over a fake default group; also the
         LightningModule's ``device_mesh`` (what ``configure_model`` reads)."""
         from torch.distributed.device_mesh import init_device_mesh
-        _fake_world(rank, n)
+        no_comm_world(rank, n)
         mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         self.lightning_module._device_mesh = mesh
         return mesh
 
     @contextlib.contextmanager
+    @override
     def model_sharded_context(self):
         # Entered by Lightning around configure_model: the children's templates, before the
         # user shards them (every generation re-makes them from these).
@@ -193,6 +197,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                               if any(True for _ in child.parameters())}
         yield
 
+    @override
     def setup(self, trainer) -> None:
         from torch.distributed.fsdp import FSDPModule
         lm = self.lightning_module
@@ -235,6 +240,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         self.recipe = self.recipe or getattr(cb, "rehab_recipe", None)
         cfg = copy.copy(self.ft_config)
         cfg.shard_recovery = LIGHTNING_SHARD_PATHS & frozenset(cfg.shard_recovery or LIGHTNING_SHARD_PATHS)
+        cfg.one_microbatch_each = True  # as the DDP strategy (ElasticConfig.one_microbatch_each)
         ctx = _LightningShardedContext(
             self.lightning_module, self._template, self._units, self._mesh, self.optimizers[0], dataset_len,
             global_batch, micro_batch, snapshot_every=self.snapshot_every, recipe=self.recipe,
@@ -279,14 +285,13 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                 self._mb = None
                 self._coll.local_reason = None
                 ctx.interrupted(exc, t0)  # re-raises anything but a failed collective
-                self._after_reconfiguration()
-                self.redone_steps += 1
+                self._step_ended(ctx, False, step)  # nobody committed a step still computing
                 continue
             self._mb = None
             self._coll.local_reason = None
             update = functools.partial(self._apply_update, optimizer, model, result, kwargs)
             ids = [i for mb in mine for i in mb.indices]
-            if ctx.commit(loss_w, t0, len(mine), ids, update=update) or self._commit_failed(ctx, step):
+            if self._step_ended(ctx, ctx.commit(loss_w, t0, len(mine), ids, update=update), step):
                 break
         self._close_step(closure, ran_closure)
         self.last_step = {"step_s": time.perf_counter() - t_first, "compute_s": ctx._compute_s,
@@ -328,6 +333,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
             self._full_cache = (key, self._collective(ctx.full_state, ctx.full_state))
         return self._full_cache[1]
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         lm = self.lightning_module
         if self.ctx is None or self.ctx.module is None:
@@ -338,9 +344,11 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
             out[name] = params[name] if name in params else (t.full_tensor() if hasattr(t, "full_tensor") else t)
         return out
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return self._full_state()[1]
 
+    @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         # Loaded into the rows once the runtime starts (every member keeps its own slices).
         self._resume_params = dict(checkpoint["state_dict"])
@@ -351,15 +359,18 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                 if name in bufs:
                     bufs[name].copy_(t)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         states = checkpoint.get("optimizer_states") or []
         self._resume_optim = states[0] if states else None
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return True
 

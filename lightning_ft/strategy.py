@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import logging
 import os
 import time
@@ -65,16 +66,17 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
-from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.recovery import ElasticConfig, Joined, join_job
+from chameleon_ft.runtime.recovery import ElasticConfig, Joined, StepEnd, join_job
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from lightning_ft.data import ShardSampler, StepLoader
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.loops import LoopWrappers
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +97,6 @@ _UNEVEN = ("inside training_step while the members run different numbers of micr
 
 # Why collectives are local after a recovery between steps (see _recover_off_step).
 _OFF_STEP = "until its next training step (a worker was lost between training steps)"
-
-
-class LauncherError(ConfigError, RuntimeError):
-    """The process was not started by ``chameleon-ft run``."""
 
 
 class _SchedulerState:
@@ -129,41 +127,6 @@ class _SchedulerState:
         self.snapshot = copy.deepcopy(state["schedulers"])
 
 
-class AtLeastOneEach:
-    """A context mixin that leaves no member without a micro-batch in a step (while the step
-    has at least one per member).  Lightning's logging is per ``training_step`` call: a
-    member that ran no ``training_step`` in an epoch holds none of the epoch's logged
-    metrics, so it would skip their epoch-end sync while its peers run it (mismatched
-    collectives, a watchdog timeout, local metrics).  The engine may give a straggler nothing
-    (rebalance); every member applies the same deterministic correction to the same
-    allocation, one micro-batch at a time from the largest share (highest worker id first)."""
-
-    def _apply_allocation(self) -> None:
-        super()._apply_allocation()
-        s = self.sampler
-        counts = at_least_one_each(s.allocation, s.members)
-        if counts != list(s.allocation):
-            s.set_allocation(list(s.members), counts)
-
-
-class _LightningContext(AtLeastOneEach, DataParallelExecutor):
-    """The data-parallel context of a Lightning job."""
-
-
-def at_least_one_each(counts, members) -> list[int]:
-    """``counts`` (micro-batches per member) with every zero raised to one, taken one at a time
-    from the largest share (the highest worker id among equals); unchanged when there are
-    fewer micro-batches than members."""
-    counts = list(counts)
-    if 0 not in counts or sum(counts) < len(counts):
-        return counts
-    while 0 in counts:
-        j = max(range(len(counts)), key=lambda k: (counts[k], members[k]))
-        counts[j] -= 1
-        counts[counts.index(0)] += 1
-    return counts
-
-
 class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
     """Data-parallel training that survives worker failures in place (see module doc).
 
@@ -183,15 +146,13 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         self.env: Optional[WorkerEnv] = None
         self._joined: Optional[Joined] = None
         self._loader: Optional[StepLoader] = None
-        self._coll = LiveCollectives(self._gm, self._view, self._op_timeout, self._log_deferred,
+        self._coll = LiveCollectives(self._gm, self._view, self._op_timeout, lambda: self.ctx,
                                      who="lightning_ft")
         self._batch_key: Optional[tuple] = None
         self._mb = None
         self._in_step = False  # inside optimizer_step (the step's micro-batches and all-reduce)
         self._handle: Optional[UpdateHandle] = None
         self.user_accumulate = 1
-        self.redone_steps = 0
-        self.adopted_steps = 0
         self.last_step: dict = {}  # phase timings of the last committed step
         self._eval_runs = 0  # evaluations run with a training context (their activity tag)
         self.eval_reruns = 0  # evaluations rerun over the survivors after a failure
@@ -204,16 +165,19 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         return self._joined.view if self._joined is not None else None
 
     @property
+    @override
     def global_rank(self) -> int:
         v = self._view()
         return v.rank if v is not None else super().global_rank
 
     @property
+    @override
     def world_size(self) -> int:
         v = self._view()
         return v.world_size if v is not None else super().world_size
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         if self.parallel_devices[0].type == "cpu":
@@ -221,9 +185,11 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         self._publish_rank()
@@ -232,6 +198,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     # ---------------------------------------------------------------- set-up
+    @override
     def _configure_launcher(self) -> None:
         env = self.cluster_environment
         if env is not None and not env.creates_processes_externally:
@@ -239,6 +206,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             raise LauncherError(_NOT_LAUNCHED)
         self._launcher = None
 
+    @override
     def setup_environment(self) -> None:
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
@@ -281,6 +249,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                 version = logger.version if self.is_global_zero else None
                 logger._version = self.broadcast(version, 0)
 
+    @override
     def setup(self, trainer) -> None:
         # Strategy.setup: no DDP wrapper -- the runtime reduces the gradients.
         Strategy.setup(self, trainer)
@@ -293,6 +262,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         self._route_metrics()
         self._wrap_loops(trainer)
 
+    @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DistributedDataParallel: the runtime reduces the gradients
 
@@ -308,6 +278,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
 
     # ---------------------------------------------------------------- evaluation
     # ---------------------------------------------------------------- data
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if trainer.state.stage == RunningStage.TRAINING:
@@ -358,9 +329,12 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
 
     def _new_context(self, dataset_len: int, global_batch: int, micro_batch: int, **kw) -> DataParallelExecutor:
         self._handle = UpdateHandle(self.optimizers[0])
-        return _LightningContext(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
-                                 scheduler=_SchedulerState(self), config=self.ft_config, env=self.env, **kw)
+        # At least one micro-batch per member and step (ElasticConfig.one_microbatch_each).
+        config = dataclasses.replace(self.ft_config or ElasticConfig(), one_microbatch_each=True)
+        return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
+                                    scheduler=_SchedulerState(self), config=config, env=self.env, **kw)
 
+    @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None,
                         dataloader_idx: int = 0) -> Any:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -375,6 +349,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         return self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
 
     # ---------------------------------------------------------------- the step
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._mb is not None:
             # The micro-batch's share of the global batch: summed over members, the gradient
@@ -383,6 +358,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             closure_loss = closure_loss * self._mb.weight
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         ctx = self.ctx
         if ctx is None:
@@ -428,7 +404,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             self._coll.local_reason = None
             self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)
             ts = time.perf_counter()
-            if ctx.sync_and_step() or self._commit_failed(ctx, step):
+            if self._step_ended(ctx, ctx.sync_and_step(), step):
                 break
         self._close_step(closure, ran_closure)
         end = time.perf_counter()
@@ -436,17 +412,26 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                           "sync_s": end - ts}
         return result
 
-    def _commit_failed(self, ctx, step: int) -> bool:
-        """A failure interrupted the step's commit and the runtime reconfigured the job: True
-        when a peer had committed it (its state is ours now: the step is done), else the step
-        is redone."""
+    def _step_ended(self, ctx, committed: bool, step: int) -> bool:
+        """The end of one attempt at ``step`` (``RecoveryCore.end_of_step``): True when the step
+        is done -- committed here, or adopted from a peer that committed it (its state is ours;
+        our collectives stay local until our next step) -- False when it is redone."""
+        end = ctx.end_of_step(committed, step)
+        if end is StepEnd.COMMITTED:
+            return True
         self._after_reconfiguration()
-        if ctx.step > step:
-            self.adopted_steps += 1
+        if end is StepEnd.ADOPTED:
             self._coll.catch_up = True
             return True
-        self.redone_steps += 1
         return False
+
+    @property
+    def redone_steps(self) -> int:
+        return self.ctx.redone_steps if self.ctx is not None else 0
+
+    @property
+    def adopted_steps(self) -> int:
+        return self.ctx.adopted_steps if self.ctx is not None else 0
 
     def _close_step(self, closure, ran_closure: bool) -> None:
         if not ran_closure and isinstance(closure, Closure):
@@ -508,12 +493,6 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         return self.ctx.hang_timeout_s if self.ctx is not None else float(
             self.ft_config.hang_timeout_s or self.env.hang_timeout_s)
 
-    def _log_deferred(self, what: str, failure: CollectiveFailure) -> None:
-        if self.ctx is not None and self.ctx.log is not None:
-            self.ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
-                               detected_by=f"worker {self.ctx.worker_id}", step=self.ctx.step,
-                               collective=what, deferred=not self._coll.reraise)
-
     def _collective(self, run: Callable[[], Any], local: Callable[[], Any]) -> Any:
         """Run a collective that Lightning or the user calls.  Inside a training step (or an
         evaluation, which reruns itself) the runtime's rules hold.  Anywhere else (epoch-end
@@ -539,8 +518,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         so until its next training step this member's collectives return its local value
         (``catch_up``); the step's all-reduce is the first that pairs up again."""
         ctx = self.ctx
-        ctx.activity = 0
-        ctx.recover(failure)
+        ctx.recover_off_step(failure, 0)
         self._after_reconfiguration()
         self._coll.catch_up = True
         self._coll.local_reason = _OFF_STEP
@@ -548,14 +526,17 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             log.warning("lightning_ft: a worker was lost outside a training step; the %d survivors "
                         "recovered at once", ctx.view.world_size)
 
+    @override
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return self._collective(lambda: self._coll.allreduce(tensor, reduce_op or "mean"), lambda: tensor)
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False):
         return torch.stack(self._collective(lambda: self._coll.all_gather(tensor), lambda: [tensor]))
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._gm() is None or self.world_size <= 1:
             return obj
@@ -564,6 +545,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                                lambda: {"path": str(obj)} if is_path else obj)
         return type(obj)(out["path"]) if is_path else out
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         self._collective(self._coll.barrier, lambda: None)
 
@@ -574,6 +556,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         return self._collective(lambda: self._coll.all_gather(tensor, what="metric sync"), lambda: [tensor])
 
     # ---------------------------------------------------------------- teardown
+    @override
     def teardown(self) -> None:
         # The membership and group stay for later stages (validate/test after fit); they end
         # with the process.
@@ -581,12 +564,13 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
 
     def close(self) -> None:
         if self.ctx is not None:
-            self.ctx.close(redone_steps=self.redone_steps, adopted_steps=self.adopted_steps)
+            self.ctx.close(redone_steps=self.ctx.redone_steps, adopted_steps=self.ctx.adopted_steps)
         elif self._joined is not None:
             self._joined.membership.close()
             self._joined.gm.close()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("ddp_ft", cls, description="fault-tolerant DDP (chameleon-ft)",
                                    override=True)

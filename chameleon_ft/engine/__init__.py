@@ -11,6 +11,8 @@ tested in seconds without processes.  Modules, bottom up:
 * ``migration``   which survivor takes which slot (Hungarian) and the transfer rounds (DSATUR)
 * ``rehab``, ``shard_recovery``  recompute vs rehabilitate; a sharded job's lost rows
 * ``stragglers``  the straggler detector
+* ``decision``    the ``Option`` / ``Decision`` types and their score
+* ``reroute``     what no survivor holds; a dead device's micro-batches over its peers
 * ``selector``    candidates -> a scored ``Decision`` (``select``)
 
 The names below are loaded on first use.
@@ -28,8 +30,8 @@ _EXPORTS = {
     "Coefficients": "perf", "estimate": "perf",
     "SearchSpace": "planner", "plan_search": "planner", "balance_layers": "planner",
     "MigrationPlan": "migration", "migrate": "migration",
-    "JobState": "selector", "SelectorConfig": "selector", "Decision": "selector",
-    "Option": "selector", "select": "selector", "POLICIES": "selector",
+    "Decision": "decision", "Option": "decision",
+    "JobState": "selector", "SelectorConfig": "selector", "select": "selector", "POLICIES": "selector",
 }
 
 __all__ = sorted(_EXPORTS)

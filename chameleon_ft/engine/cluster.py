@@ -118,9 +118,6 @@ class Cluster:
             devices=tuple(replace(d, speed=speeds.get(d.id, d.speed)) for d in self.devices),
         )
 
-    def with_devices(self, extra: Iterable[Device]) -> "Cluster":
-        return replace(self, devices=self.devices + tuple(extra))
-
     def node_of(self, device_id: int) -> int:
         return self[device_id].node
 
@@ -143,3 +140,33 @@ def homogeneous(
         intra=intra,
         inter=inter,
     )
+
+
+# -- JSON (the stored form ``chameleon-ft simulate --trace`` reads) -------------------------
+def cluster_to_json(c: Cluster) -> dict:
+    """``devices`` ids 0..n-1, ``per_node`` to a node (from the first node), links as
+    [latency s, bandwidth B/s]; speeds and memory per device when they differ."""
+    out = {"devices": len(c.devices), "per_node": len(c.devices_on_node(c.devices[0].node)),
+           "intra": [c.intra.latency_s, c.intra.bandwidth_Bps], "inter": [c.inter.latency_s, c.inter.bandwidth_Bps]}
+    speeds = [d.speed for d in c.devices]
+    mems = [d.memory_bytes for d in c.devices]
+    out["memory_bytes"] = mems[0] if len(set(mems)) == 1 else mems
+    if any(s != 1.0 for s in speeds):
+        out["speeds"] = speeds
+    for kind in ("collective", "migration"):
+        link = getattr(c, kind)
+        if link is not None:
+            out[kind] = [link.latency_s, link.bandwidth_Bps]
+    return out
+
+
+def cluster_from_json(data: dict) -> Cluster:
+    n, per_node = int(data["devices"]), int(data.get("per_node", data["devices"]))
+    mem = data.get("memory_bytes", 80e9)
+    mems = mem if isinstance(mem, list) else [mem] * n
+    speeds = data.get("speeds", [1.0] * n)
+    return Cluster(tuple(Device(i, i // per_node, float(speeds[i]), float(mems[i])) for i in range(n)),
+                   intra=Link(*map(float, data.get("intra", (5e-6, 150e9)))),
+                   inter=Link(*map(float, data.get("inter", (10e-6, 25e9)))),
+                   collective=Link(*map(float, data["collective"])) if data.get("collective") else None,
+                   migration=Link(*map(float, data["migration"])) if data.get("migration") else None)

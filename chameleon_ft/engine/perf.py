@@ -38,6 +38,7 @@ Limits: communication is not overlapped with compute (calibration folds overlap 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -64,6 +65,14 @@ class Coefficients:
     # Fixed seconds per 1F1B slot of a multi-stage pipeline beyond its compute and transfer
     # (scheduling and hand-off between stages): measured by the pipeline runtime.
     hop_overhead_s: float = 0.0
+
+
+def coefficients_to_json(c: Coefficients) -> dict:
+    return dataclasses.asdict(c)
+
+
+def coefficients_from_json(data: dict | None) -> Coefficients:
+    return Coefficients(**(data or {}))
 
 
 @dataclass

@@ -38,9 +38,6 @@ class Pipeline:
     def depth(self) -> int:
         return len(self.devices)
 
-    def stage_of(self, device: int) -> int:
-        return self.devices.index(device)
-
     def layers_of_stage(self, stage: int) -> tuple[int, int]:
         return self.bounds[stage], self.bounds[stage + 1]
 

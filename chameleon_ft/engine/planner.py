@@ -211,6 +211,22 @@ def allocate_microbatches(unit_s: Sequence[float], depths: Sequence[int], total:
     return m.tolist()
 
 
+def at_least_one_each(counts: Sequence[int], members: Sequence[int]) -> list[int]:
+    """``counts`` (micro-batches per member) with every zero raised to one, taken one at a time
+    from the largest share (the highest member id among equals); unchanged when there are
+    fewer micro-batches than members.  For executors whose members must each run at least one
+    micro-batch per step (Lightning logs per ``training_step`` call, so a member that ran none
+    in an epoch would skip the epoch-end metric sync its peers run)."""
+    counts = list(counts)
+    if 0 not in counts or sum(counts) < len(counts):
+        return counts
+    while 0 in counts:
+        j = max(range(len(counts)), key=lambda k: (counts[k], members[k]))
+        counts[j] -= 1
+        counts[counts.index(0)] += 1
+    return counts
+
+
 # -- search -----------------------------------------------------------------------------
 def _ordered(cluster: Cluster, devices: Iterable[int]) -> list[int]:
     return sorted(devices, key=lambda d: (cluster[d].node, d))

@@ -128,15 +128,3 @@ def rehab_cost(
     extra = f" + repair {repair:.3g}" if repair else ""
     return RehabOutcome(recompute, safety * point + repair,
                         f"{how}: {gap:.3g} / slope {trend.slope:.3g} x {safety}{extra}", point + repair)
-
-
-def extrapolate(snapshots: list[np.ndarray], damping: float = 0.5) -> np.ndarray:
-    """Damped linear extrapolation of a parameter one snapshot interval ahead from its last
-    snapshots (oldest first); with one snapshot, that snapshot."""
-    if not snapshots:
-        raise ValueError("need at least one snapshot")
-    last = snapshots[-1]
-    if len(snapshots) == 1:
-        return last.copy()
-    trend = (last - snapshots[0]) / (len(snapshots) - 1)
-    return last + damping * trend

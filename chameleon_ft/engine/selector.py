@@ -33,19 +33,21 @@ to JSON.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Iterable
+from dataclasses import dataclass, replace
 
 from chameleon_ft.engine.cluster import Cluster
+# The decision types, the scoring and the reroute arithmetic live in their own modules; they
+# are re-exported here, where they were first defined.
+from chameleon_ft.engine.decision import Decision, Option, crossover_mttf, phased_score, score  # noqa: F401
 from chameleon_ft.engine.failures import Event, EventKind
 from chameleon_ft.engine.perf import Coefficients, estimate
 from chameleon_ft.engine.plan import Pipeline, Plan, PlanError
 from chameleon_ft.engine.planner import SearchSpace, plan_search
 from chameleon_ft.engine.rehab import LossTrend, rehab_cost
-from chameleon_ft.engine.migration import MigrationPlan, migrate
+from chameleon_ft.engine.migration import migrate
+from chameleon_ft.engine.reroute import reroute_load, unreplicated  # noqa: F401
 from chameleon_ft.engine.workload import Workload
 
 POLICIES = ("reroute", "replan", "shrink", "wait", "restart", "recompute", "rehabilitate",
@@ -92,186 +94,6 @@ class JobState:
     coeffs: Coefficients = Coefficients()
     loss: LossTrend | None = None
     lr: float | None = None
-
-
-@dataclass
-class Option:
-    policy: str
-    feasible: bool
-    reason: str = ""
-    step_time: float | None = None
-    transition_s: float | None = None
-    peak_memory: float | None = None
-    global_batch: int | None = None
-    lr_scale: float = 1.0
-    score: float = 0.0
-    plan: Plan | None = None
-    dead: frozenset[int] = frozenset()
-    extra: dict[int, float] = field(default_factory=dict)
-    migration: MigrationPlan | None = None
-    breakdown: dict[str, float] = field(default_factory=dict)
-    # Piecewise throughput over the horizon: (from s, until s, step time, global batch) per
-    # phase, nothing processed between phases.  None: one phase, from transition_s on.
-    phases: tuple[tuple[float, float, float, int], ...] | None = None
-
-    @property
-    def throughput(self) -> float | None:
-        if not self.feasible or not self.step_time or not self.global_batch:
-            return None
-        return self.global_batch / self.step_time
-
-    def to_json(self, with_plan: bool) -> dict:
-        out = {
-            "policy": self.policy,
-            "feasible": self.feasible,
-            "reason": self.reason,
-            "step_time_s": self.step_time,
-            "transition_s": self.transition_s,
-            "throughput": self.throughput,
-            "peak_memory_bytes": self.peak_memory,
-            "global_batch": self.global_batch,
-            "lr_scale": self.lr_scale,
-            "score": self.score,
-        }
-        if self.breakdown:
-            out["breakdown"] = self.breakdown
-        if self.phases:
-            out["phases"] = [{"from_s": a, "until_s": None if math.isinf(b) else b, "step_time_s": t,
-                              "global_batch": n} for a, b, t, n in self.phases]
-        if self.plan is not None:
-            out["plan"] = self.plan.to_json() if with_plan else self.plan.describe()
-        if self.extra and with_plan:
-            out["extra_microbatches"] = {str(k): v for k, v in sorted(self.extra.items())}
-        if self.migration is not None:
-            out["migration"] = self.migration.summary()
-        return out
-
-
-@dataclass
-class Decision:
-    event: Event
-    mttf_s: float
-    options: list[Option]
-    chosen: str | None
-    decide_s: float = 0.0
-    search_s: float = 0.0  # measured: plan search and migration pricing within decide_s
-
-    @property
-    def choice(self) -> Option | None:
-        return next((o for o in self.options if o.policy == self.chosen), None)
-
-    def option(self, policy: str) -> Option:
-        return next(o for o in self.options if o.policy == policy)
-
-    def to_json(self, max_plan_devices: int = 64) -> dict:
-        small = all(o.plan is None or len(o.plan.devices) <= max_plan_devices for o in self.options)
-        return {
-            "event": self.event.to_json(),
-            "mttf_s": self.mttf_s,
-            "chosen": self.chosen,
-            "decide_s": self.decide_s,
-            "search_s": self.search_s,
-            "candidates": [o.to_json(with_plan=small) for o in self.options],
-        }
-
-
-def score(global_batch: int, step_time: float, transition_s: float, mttf_s: float) -> float:
-    """Samples per second, discounted by the share of ``D`` spent in transition."""
-    return phased_score(((transition_s, math.inf, step_time, global_batch),), mttf_s)
-
-
-def phased_score(phases, mttf_s: float) -> float:
-    """Samples processed within ``D`` divided by ``D``, for a run that goes through
-    ``phases`` = (from s, until s, step time, global batch); with one phase from
-    ``t_transition`` on this is ``(B / t_step) · (D − t_transition) / D``."""
-    if mttf_s <= 0:
-        return 0.0
-    samples = 0.0
-    for start, stop, step_time, batch in phases:
-        if step_time <= 0:
-            return 0.0
-        samples += batch / step_time * max(0.0, min(stop, mttf_s) - start)
-    return samples / mttf_s
-
-
-def crossover_mttf(t_reroute: float, t_replan: float, trans_reroute: float, trans_replan: float) -> float:
-    """``D`` at which reroute and replan score the same; with ``trans_reroute = 0`` this is
-    ``trans_replan / (1 - t_replan / t_reroute)``."""
-    inv = 1 / t_replan - 1 / t_reroute
-    if inv <= 0:
-        return float("inf")
-    return (trans_replan / t_replan - trans_reroute / t_reroute) / inv
-
-
-def _stage_counts(plan: Plan, alive: set[int]) -> dict[tuple, int]:
-    """Alive devices per (layer bounds, shard index, stage) — grouped by pipeline template so
-    that this costs O(pipelines + dead devices), not O(devices)."""
-    k = plan.shard_degree
-    counts: dict[tuple, int] = {}
-    for j, pipe in enumerate(plan.pipelines):
-        for s in range(pipe.depth):
-            key = (pipe.bounds, j % k, s)
-            counts[key] = counts.get(key, 0) + 1
-    for d in set(plan.devices) - alive:
-        j, s = plan.locate(d)
-        counts[(plan.pipelines[j].bounds, j % k, s)] -= 1
-    return counts
-
-
-def unreplicated(plan: Plan, alive: Iterable[int]) -> list[tuple[int, int, int, int]]:
-    """State of ``plan`` that no alive device holds: (first layer, stop, shard, degree)."""
-    k = plan.shard_degree
-    counts = _stage_counts(plan, set(alive))
-    n = plan.pipelines[0].bounds[-1]
-    lost = []
-    for q in range(k):
-        covered = sorted((b[s], b[s + 1]) for (b, qq, s), c in counts.items() if qq == q and c > 0)
-        at = 0
-        for a, b in covered:
-            if a > at:
-                lost.append((at, a, q, k))
-            at = max(at, b)
-        if at < n:
-            lost.append((at, n, q, k))
-    return lost
-
-
-def reroute_load(plan: Plan, dead: set[int], alive: set[int]) -> tuple[dict[int, float], str]:
-    """Extra micro-batches per same-stage peer, or ({}, why rerouting is impossible).
-
-    Peers of a dead device are the alive devices of other pipelines that hold exactly its
-    layers (same split, same stage, same shard).  The dead devices' micro-batches of one such
-    peer group are pooled and handed out one at a time to the peer with the lowest load (its
-    pipeline's micro-batches plus what it already took; ties to the lower device id), which
-    makes the most loaded peer as light as possible -- per dead device, one peer could end up
-    with a whole remainder (8 workers losing 4: ``{5,1,1,1}`` instead of ``{2,2,2,2}``)."""
-    k = plan.shard_degree
-    by_template: dict[tuple, list[int]] = {}
-    for j, pipe in enumerate(plan.pipelines):
-        by_template.setdefault((pipe.bounds, j % k), []).append(j)
-    work: dict[tuple, int] = {}  # (template, stage) -> micro-batches to reroute
-    for d in sorted(dead):
-        where = plan.locate(d)
-        if where is None:
-            continue
-        j, s = where
-        pipe = plan.pipelines[j]
-        key = (pipe.bounds, j % k, s)
-        if not any(plan.pipelines[i].devices[s] in alive for i in by_template[key[:2]] if i != j):
-            lo, hi = pipe.layers_of_stage(s)
-            return {}, f"stage with layers {lo}-{hi} lost all of its replicas"
-        work[key] = work.get(key, 0) + pipe.microbatches
-    extra: dict[int, float] = {}
-    for key, total in sorted(work.items()):
-        s = key[2]
-        heap = [(plan.pipelines[i].microbatches, plan.pipelines[i].devices[s]) for i in by_template[key[:2]]
-                if plan.pipelines[i].devices[s] in alive]
-        heapq.heapify(heap)
-        for _ in range(total):
-            load, peer = heapq.heappop(heap)
-            extra[peer] = extra.get(peer, 0.0) + 1
-            heapq.heappush(heap, (load + 1, peer))
-    return extra, ""
 
 
 def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfig(), mttf_s: float | None = None) -> Decision:

@@ -150,3 +150,18 @@ def transformer(
         optim_bytes=12,  # fp32 master copy + two fp32 Adam moments
         name=name,
     )
+
+
+# -- JSON (the stored form ``chameleon-ft simulate --trace`` reads) -------------------------
+def workload_to_json(w: Workload) -> dict:
+    return {"layers": [[x.params, x.fwd_s, x.bwd_s, x.act_bytes, x.out_bytes] for x in w.layers],
+            "global_batch": w.global_batch, "micro_batch": w.micro_batch, "weight_bytes": w.weight_bytes,
+            "grad_bytes": w.grad_bytes, "optim_bytes": w.optim_bytes, "name": w.name, "grad_sync": w.grad_sync}
+
+
+def workload_from_json(data: dict) -> Workload:
+    layers = tuple(Layer(int(p), float(f), float(b), int(a), int(o)) for p, f, b, a, o in data["layers"])
+    return Workload(layers, int(data["global_batch"]), int(data["micro_batch"]),
+                    int(data.get("weight_bytes", 4)), int(data.get("grad_bytes", 4)),
+                    int(data.get("optim_bytes", 8)), data.get("name", "workload"),
+                    grad_sync=data.get("grad_sync", "stage"))

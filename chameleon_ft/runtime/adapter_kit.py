@@ -49,7 +49,8 @@ from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.engine.plan import even_split
 from chameleon_ft.runtime import codec as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure, CollectiveMismatch
-from chameleon_ft.runtime.engine_bridge import RUNTIME_POLICIES
+from chameleon_ft.engine.selector import BATCH_CHANGING
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from chameleon_ft.runtime.recovery import ElasticConfig
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
@@ -147,7 +148,7 @@ def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_chang
     """The ``ElasticConfig`` an adapter runs with, its options checked.  Adapters map one
     framework batch to a fixed share of one global step, so they keep the global batch fixed:
     ``shrink`` is refused and ``allow_batch_change`` only warns."""
-    offered = RUNTIME_POLICIES - {"shrink"}
+    offered = DataParallelExecutor.POLICIES - BATCH_CHANGING
     if allowed_policies is not None:
         allowed_policies = frozenset(allowed_policies)
         unknown = allowed_policies - offered
@@ -239,14 +240,15 @@ class LiveCollectives:
         gm_fn: the worker's ``GroupManager`` (None before it joined).
         view_fn: the current ``MembershipView``.
         timeout_fn: the watchdog in seconds.
-        on_failure: called with (what, failure) when a collective fails (event log).
+        ctx_fn: the worker's executor (None before training started): a failed collective is
+            written to its event log, as deferred unless ``reraise`` is set.
         who: prefix of the warnings.
     """
 
     def __init__(self, gm_fn: Callable, view_fn: Callable, timeout_fn: Callable[[], float],
-                 on_failure: Optional[Callable] = None, who: str = "chameleon-ft") -> None:
+                 ctx_fn: Optional[Callable] = None, who: str = "chameleon-ft") -> None:
         self.gm_fn, self.view_fn, self.timeout_fn = gm_fn, view_fn, timeout_fn
-        self.on_failure = on_failure
+        self.ctx_fn = ctx_fn
         self.who = who
         self.degraded = False  # the generation broke outside a step: local until recovered
         self.catch_up = False  # adopted a step peers committed: local until our next step
@@ -256,6 +258,13 @@ class LiveCollectives:
         # Set by an adapter while its members' collectives cannot line up (why, for the warning).
         self.local_reason: Optional[str] = None
         self._warned: set = set()
+
+    def _log_failure(self, what: str, failure: CollectiveFailure) -> None:
+        ctx = self.ctx_fn() if self.ctx_fn is not None else None
+        if ctx is not None and ctx.log is not None:
+            ctx.log.write("failure", workers=list(failure.suspects), kind="collective",
+                          detected_by=f"worker {ctx.worker_id}", step=ctx.step,
+                          collective=what, deferred=not self.reraise)
 
     def reset(self) -> None:
         """The job recovered (or a step committed): collectives are live again."""
@@ -302,8 +311,7 @@ class LiveCollectives:
                 log.warning("%s: %s", self.who, mismatch)
             return local()
         except CollectiveFailure as failure:
-            if self.on_failure is not None:
-                self.on_failure(what, failure)
+            self._log_failure(what, failure)
             if self.reraise:
                 raise
             self.degraded = True
@@ -397,12 +405,13 @@ class UpdateHandle:
 
 
 # ---------------------------------------------------------------------------- metrics
-def ft_metrics(ctx, last_step: dict, redone_steps: int, adopted_steps: int, recovered: bool) -> dict:
-    """``ft/*`` metrics for the loggers: world size, recoveries, redone/adopted steps, the last
-    step's phase timings and throughput; after a recovery its MTTR and the chosen policy."""
+def ft_metrics(ctx, last_step: dict, recovered: bool) -> dict:
+    """``ft/*`` metrics for the loggers: world size, recoveries, redone/adopted steps (the
+    core's counters, ``RecoveryCore.end_of_step``), the last step's phase timings and
+    throughput; after a recovery its MTTR and the chosen policy."""
     step_s = last_step.get("step_s") or 0.0
     m = {"ft/world_size": float(ctx.view.world_size), "ft/recoveries": float(ctx.recoveries),
-         "ft/redone_steps": float(redone_steps), "ft/adopted_steps": float(adopted_steps)}
+         "ft/redone_steps": float(ctx.redone_steps), "ft/adopted_steps": float(ctx.adopted_steps)}
     if step_s > 0:
         m["ft/throughput_samples_per_s"] = ctx.sampler.global_batch / step_s
     m.update({f"ft/{k}": float(v) for k, v in last_step.items()})

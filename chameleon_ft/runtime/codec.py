@@ -36,8 +36,7 @@ __all__ = ["encode", "decode", "broadcast_tree", "save_checkpoint", "load_checkp
 CHECKPOINT_FORMAT = "chameleon-ft/run-state/1"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt or not ours."""
+from chameleon_ft.runtime.errors import CheckpointError  # noqa: E402  (defined with the other outcomes)
 
 
 def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:

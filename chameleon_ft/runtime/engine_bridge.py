@@ -56,31 +56,18 @@ from chameleon_ft.engine.cluster import homogeneous
 from chameleon_ft.engine.failures import Event, EventKind, FailureRateEstimator
 from chameleon_ft.engine.perf import Coefficients, estimate
 from chameleon_ft.engine.plan import Pipeline, Plan, even_split
-from chameleon_ft.engine.planner import SearchSpace, balance_layers
-from chameleon_ft.engine.selector import Decision, JobState, SelectorConfig, select
-from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.engine.planner import SearchSpace, at_least_one_each, balance_layers
+from chameleon_ft.engine.selector import POLICIES, Decision, JobState, SelectorConfig, select
+from chameleon_ft.runtime.errors import ConfigError, RestartRequested
 from chameleon_ft.runtime.executors.pipeline.calibration import PipelineCalibration
 from chameleon_ft.engine.stragglers import StragglerDetector
 from chameleon_ft.engine.workload import Layer, Workload
 
-__all__ = ["EngineBridge", "RestartRequested", "RUNTIME_POLICIES"]
+__all__ = ["EngineBridge", "RestartRequested"]
 
-RUNTIME_POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
-                              "heal", "grow"})
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
 # Knobs of the rebalance check, next to the StragglerDetector's own fields.
 _CHECK_DEFAULTS = {"verify_steps": 4, "min_gain": 0.05}
-
-
-class RestartRequested(RuntimeError):
-    """The engine chose checkpoint-restart (or nothing in place was feasible).  ``decision``
-    is the ``Decision`` (or its JSON, on members that received it from a peer)."""
-
-    def __init__(self, decision):
-        chosen = decision.chosen if isinstance(decision, Decision) else (decision or {}).get("chosen")
-        super().__init__(f"engine chose {chosen or 'nothing feasible'}: checkpoint-restart "
-                         "by the launcher")
-        self.decision = decision
 
 
 class EngineBridge(PipelineCalibration):
@@ -108,7 +95,11 @@ class EngineBridge(PipelineCalibration):
                  stragglers: bool = True, allowed=None, allow_batch_change: bool = False,
                  straggler_options: Optional[dict] = None, items_per_step: int = 0,
                  stages: int = 1, max_replacements: Optional[int] = None,
-                 memory_bytes: Optional[float] = None):
+                 memory_bytes: Optional[float] = None, one_each: bool = False):
+        # Every live member gets at least one micro-batch per step (when the batch has that
+        # many): the executor's constraint, applied to the allocation *and* the plan, so the
+        # engine's state is what runs (``planner.at_least_one_each``).
+        self.one_each = bool(one_each)
         self.items_per_step = int(items_per_step)
         # Each device's memory for the engine's fit checks (None: the cluster model's default).
         if memory_bytes is not None and not memory_bytes > 0:
@@ -141,7 +132,9 @@ class EngineBridge(PipelineCalibration):
         self.rebuild_s = rebuild_s
         self.restart_s = restart_s
         self.stragglers = stragglers
-        self.allowed = RUNTIME_POLICIES if allowed is None else RUNTIME_POLICIES & frozenset(allowed)
+        # What the executor carries out (its ``POLICIES`` less what the user ruled out); None:
+        # everything the engine knows (a bridge used on its own, e.g. in a test).
+        self.allowed = frozenset(POLICIES if allowed is None else allowed)
         self.allow_batch_change = allow_batch_change
         # Samples per step now: below global_batch after a shrink, back up after a heal/grow.
         self.current_batch = self.global_batch
@@ -450,6 +443,7 @@ class EngineBridge(PipelineCalibration):
         alloc = self._allocation_of(plan, alive, o.extra, batch)
         if alloc is None:
             raise RestartRequested(d)
+        plan, alloc = self._settle(plan, alloc)
         self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
         self.current_batch = batch
         # The restorer's migration of a re-plan (transient: the runtime carries it out at once).
@@ -492,7 +486,23 @@ class EngineBridge(PipelineCalibration):
         if alloc is None:
             raise ValueError(f"plan {plan.describe()} is not a data-parallel allocation of "
                              f"{self.global_batch // self.micro_batch} micro-batches")
-        self.allocation = alloc
+        self.plan, self.allocation = self._settle(plan, alloc)
+
+    def _settle(self, plan: Plan, alloc: dict[int, int]) -> tuple[Plan, dict[int, int]]:
+        """The executor's allocation constraint (``one_each``) on a data-parallel plan: when it
+        changes the counts, the plan becomes the data-parallel plan that runs them (one
+        pipeline per live member, nothing rerouted), so estimates and the next Decision start
+        from what really runs."""
+        if not self.one_each or plan.max_depth != 1:
+            return plan, alloc
+        members = list(alloc)
+        counts = at_least_one_each(list(alloc.values()), members)
+        if counts == list(alloc.values()):
+            return plan, alloc
+        bounds = plan.pipelines[0].bounds
+        return (Plan(tuple(Pipeline((w,), bounds, m) for w, m in zip(members, counts)),
+                     shard_degree=plan.shard_degree),
+                dict(zip(members, counts)))
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:

@@ -25,8 +25,9 @@ from typing import Optional
 
 from chameleon_ft.runtime import env as E
 
-__all__ = ["ConfigError", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker", "install_excepthook",
-           "read_config_errors"]
+__all__ = ["ConfigError", "LauncherError", "MembershipError", "CheckpointError", "RestartRequested",
+           "WorldTooSmall", "NothingToHeal", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
+           "install_excepthook", "read_config_errors"]
 
 CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG
 _ERROR_DIR = "worker-errors"
@@ -36,14 +37,41 @@ class ConfigError(ValueError):
     """A worker's configuration cannot run (every worker meets it the same way)."""
 
 
+class LauncherError(ConfigError, RuntimeError):
+    """Fault tolerance was required but the process was not started by ``chameleon-ft run``
+    (or an adapter cannot take over the framework object it was given)."""
+
+
+class MembershipError(RuntimeError):
+    """The coordinator is unreachable, or no quorum formed in time."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt or not ours."""
+
+
+class WorldTooSmall(RuntimeError):
+    """Fewer workers are left than ``ElasticConfig.min_world_size``."""
+
+
+class NothingToHeal(RuntimeError):
+    """A replacement joined a generation in which nobody holds the job's state."""
+
+
+class RestartRequested(RuntimeError):
+    """The engine chose checkpoint-restart (or nothing in place was feasible).  ``decision``
+    is the ``Decision`` (or its JSON, on members that received it from a peer)."""
+
+    def __init__(self, decision):
+        chosen = getattr(decision, "chosen", None) if not isinstance(decision, dict) else decision.get("chosen")
+        super().__init__(f"engine chose {chosen or 'nothing feasible'}: checkpoint-restart "
+                         "by the launcher")
+        self.decision = decision
+
+
 def exit_code_for(exc: BaseException) -> Optional[int]:
     """The exit code that tells the launcher what ``exc`` means, or None for a bug in the
     script (its traceback is the clearest report)."""
-    # Imported here: these modules import torch.distributed; this one is imported early.
-    from chameleon_ft.runtime.membership import MembershipError
-    from chameleon_ft.runtime.engine_bridge import RestartRequested
-    from chameleon_ft.runtime.codec import CheckpointError
-    from chameleon_ft.runtime.recovery import NothingToHeal, WorldTooSmall
     if isinstance(exc, ConfigError):
         return CONFIG_EXIT_CODE
     if isinstance(exc, (RestartRequested, NothingToHeal)):

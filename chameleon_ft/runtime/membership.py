@@ -77,8 +77,7 @@ def abort_key(token: str) -> str:
     return f"cft/abort/{token}"
 
 
-class MembershipError(RuntimeError):
-    """The coordinator is unreachable, or no quorum formed in time."""
+from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 
 
 @dataclass(frozen=True)
@@ -428,13 +427,6 @@ class CoordinatorServer:
         latest = self.latest_view()
         members = set(latest["members"]) if latest else set()
         return self.registered() - members
-
-    def failure_reports(self) -> list[dict]:
-        """Every ``report_failure`` so far, oldest first."""
-        if not self.store.check([_FAILURES_KEY]):
-            return []
-        lines = self.store.get(_FAILURES_KEY).decode().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
 
     def report_dead(self, worker_id: int, reason: str = "process exited") -> None:
         """Launcher fast path; see the module-level ``report_dead``."""

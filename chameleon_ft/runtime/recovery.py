@@ -3,7 +3,7 @@ protocol, engine bridge and state agreement.
 
 ``RecoveryCore`` is what every kind of training (``dp.DataParallelExecutor`` for data parallelism,
 ``pipeline.context.PipelineExecutor`` for DP x PP) is built on; an executor adds how a step is
-computed and committed, and how a Decision's layout is carried out (``_after_sync``).
+computed and committed, and how a Decision's layout is carried out (``carry_out``).
 
 **Commit protocol.**  Every member holds a committed step counter.  A step ends with one
 SUM-all-reduce over the generation's gloo group (the executor's gradient buffer plus a small
@@ -21,7 +21,7 @@ to do and ships the result; on a straggler every member asks it from the same al
 timings.  ``restart`` makes the worker exit with ``RESTART_EXIT_CODE`` for the launcher.
 
 Hooks for executors: ``_sync_fields`` (integers every member reports in the recovery
-all-reduce), ``_decide`` (the source's payload), ``_after_sync`` (carry the agreed state out),
+all-reduce), ``_decide`` (the source's payload), ``carry_out`` (carry the agreed state out),
 ``_reset_step`` (forget a discarded step's bookkeeping), ``state_dict``/``load_state_dict``.
 
 Limits, honestly: one process group of gloo on CPU tensors; all trainable parameters must
@@ -36,24 +36,26 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from enum import Enum
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.config import ElasticConfig
+from chameleon_ft.runtime.errors import ConfigError, NothingToHeal, RestartRequested, WorldTooSmall
 from chameleon_ft.runtime.env import WorkerEnv, process_age_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+from chameleon_ft.runtime.join import Joined, join_job
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
-from chameleon_ft.runtime.engine_bridge import EngineBridge, RestartRequested
+from chameleon_ft.runtime.engine_bridge import EngineBridge
 from chameleon_ft.runtime.predictions import PredictionTracker
 from chameleon_ft.runtime.sampler import ElasticSampler
 from chameleon_ft.runtime import codec as run_state
 
-__all__ = ["ElasticConfig", "RecoveryCore", "WorldTooSmall", "NothingToHeal", "layer_params",
+__all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
 
 _TAIL = 4  # per-member timings appended to the gradient buffer
@@ -62,101 +64,12 @@ _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
 _JOIN_S = 2.0  # a replacement's admission into a running job: the next view and a heal (prior)
 
 
-class WorldTooSmall(RuntimeError):
-    """Fewer workers are left than ``ElasticConfig.min_world_size``."""
+class StepEnd(str, Enum):
+    """How an attempted step ended on this member (``RecoveryCore.end_of_step``)."""
 
-
-class NothingToHeal(RuntimeError):
-    """A replacement joined a generation in which nobody holds the job's state."""
-
-
-@dataclass
-class ElasticConfig:
-    """Knobs of the runtime; the launcher's flags fill the ones marked (env).
-
-    hang_timeout_s: watchdog on every collective (env ``CHAMELEON_FT_HANG_TIMEOUT``); a
-        member silent for longer is treated as hung and left out of the next generation.
-    min_world_size: below this many survivors the worker gives up (exits for a restart).
-    warmup_steps: steps measured before the engine's workload is frozen.
-    seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
-        numbers whichever member runs a micro-batch (same trajectory under rerouting).
-    log_samples: write each member's sample ids of every step attempt to the event log.
-    allowed_policies: restrict the engine's choices (intersected with what the runtime can
-        carry out); None: all of them.
-    allow_batch_change: let the engine consider policies that change the global batch.
-    mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
-        --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
-    straggler_options: the straggler detector's and rebalance check's knobs (see
-        ``EngineBridge``); None: the defaults.
-    items_per_step: set by an adapter that may merge a worker's share of a step into this
-        many loop items (the engine's memory check then counts the merged activations).
-    min_replicas: pipeline jobs: a re-plan keeps at least this many pipelines, i.e. copies of
-        every block (Oobleck's f + 1 rule), so that the next failure can still be rerouted or
-        re-planned in place; 1 lets the engine trade all redundancy for speed (a later failure
-        then needs a restart).
-    emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
-        an emulated network -- a message between stages is held until ``latency + bytes /
-        bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
-    shard_recovery: sharded jobs: the ways back the engine may choose from (``heal``,
-        ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
-    device_memory_bytes: each device's memory, for the engine's fit checks: a plan whose
-        estimated per-device peak (weights, optimizer state, activations in flight) exceeds it
-        is never chosen.  The first plan is the user's (``stages``), not checked: before the
-        first step the engine's bytes per parameter are a prior.  None: the cluster model's
-        default (80 GB).  In accelerator-emulation benchmarks it stands for the memory that
-        makes a model need pipeline stages.
-    """
-
-    hang_timeout_s: Optional[float] = None
-    connect_timeout_s: float = 5.0
-    view_timeout_s: float = 60.0
-    join_timeout_s: float = 120.0
-    heartbeat_s: float = 0.1
-    min_world_size: int = 1
-    warmup_steps: int = 3
-    stragglers: bool = True
-    seed_microbatches: bool = True
-    log_samples: bool = True
-    mttf_s: Optional[float] = None
-    replacement_eta_s: float = 5.0  # prior; a worker measures its own start-up and uses that
-    restart_s: float = 60.0
-    allowed_policies: Optional[frozenset] = None
-    allow_batch_change: bool = False
-    straggler_options: Optional[dict] = None
-    items_per_step: int = 0
-    min_replicas: int = 2
-    emulate_link: Optional[tuple[float, float]] = None
-    shard_recovery: Optional[frozenset] = None
-    device_memory_bytes: Optional[float] = None
-
-
-class Joined(NamedTuple):
-    """A worker that joined the job: its membership, group manager and first view."""
-
-    membership: Membership
-    gm: GroupManager
-    view: MembershipView
-
-
-def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float] = None) -> Joined:
-    """Join the job's membership and form the first generation's group.
-
-    ``DataParallelExecutor.start`` does this itself; an adapter whose framework needs collectives
-    before the model, optimizer and data exist (Lightning: logger versions, checkpoint
-    directories, the sanity check) calls it early and passes the result to ``start``."""
-    timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
-    membership = Membership(env.worker_id, env.store, env.lighthouse,
-                            heartbeat_interval_s=cfg.heartbeat_s,
-                            connect_timeout_s=cfg.connect_timeout_s)
-    gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
-                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
-    min_world = env.min_world_size if env.replacement == 0 else 1
-    view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
-    try:
-        gm.rebuild(view)
-    except CollectiveFailure:
-        pass  # the generation is aborted; DataParallelExecutor.start recovers from it
-    return Joined(membership, gm, view)
+    COMMITTED = "committed"  # this member's all-reduce succeeded and it applied the update
+    ADOPTED = "adopted"  # a failure interrupted it here, but a peer had committed it: its state is ours
+    REDO = "redo"  # nobody committed it: the job reconfigured and the step runs again
 
 
 def seed_generators(seed: int) -> None:
@@ -185,7 +98,10 @@ class RecoveryCore:
     # (an adapter's metric gather) give way, at one more collective per step.  None: no
     # header, for executors whose members run nothing but the same collectives in the same
     # order between two syncs.
-    _step_header: Optional[str] = "step"
+    step_header: Optional[str] = "step"
+    # The engine's policies this executor carries out: each executor declares its own
+    # (executors/protocol.py); the engine is offered only these.
+    POLICIES: frozenset = frozenset()
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset_len: int,
                  global_batch: int, micro_batch: int, *, scheduler=None, seed: int = 0,
@@ -195,6 +111,9 @@ class RecoveryCore:
         self.env = env or WorkerEnv.from_env()
         self.cfg = config or ElasticConfig()
         self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
+        if not self.POLICIES:
+            raise TypeError(f"{type(self).__name__} declares no POLICIES (executors/protocol.py)")
+        self.allowed = self.POLICIES & frozenset(self.cfg.allowed_policies or self.POLICIES)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.seed = seed
         self.worker_id = self.env.worker_id
@@ -214,9 +133,10 @@ class RecoveryCore:
             replacement_eta_s=self.cfg.replacement_eta_s if self.env.max_replacements > 0 else None,
             max_replacements=self.env.max_replacements,
             restart_s=self.cfg.restart_s, stragglers=self.cfg.stragglers,
-            allowed=self.cfg.allowed_policies, allow_batch_change=self.cfg.allow_batch_change,
+            allowed=self.allowed, allow_batch_change=self.cfg.allow_batch_change,
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
-            stages=stages, memory_bytes=self.cfg.device_memory_bytes)
+            stages=stages, memory_bytes=self.cfg.device_memory_bytes,
+            one_each=self.cfg.one_microbatch_each)
         self._startup_s = process_age_s()  # this process's start-up so far (before joining)
         self.recoveries = 0
         self.predictions: list[dict] = []  # predicted vs measured, per failure/join Decision
@@ -253,6 +173,8 @@ class RecoveryCore:
         # same activity (and may redo it together) or not.
         self.activity = 0
         self.peer_activity: list[int] = []
+        self.redone_steps = 0  # attempts no member committed (run again)
+        self.adopted_steps = 0  # attempts interrupted here that a peer committed
 
     # ---------------------------------------------------------------- properties
     @property
@@ -327,7 +249,7 @@ class RecoveryCore:
             # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
             # "step" header makes a peer's stray control collective give way (groups.py).
             self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     copy=False, header=self._step_header))
+                                                     copy=False, header=self.step_header))
         except CollectiveFailure as failure:
             # The executor keeps what it computed: unless a peer committed the step, it may
             # still be this member's share of the redone step.
@@ -358,7 +280,7 @@ class RecoveryCore:
             {w: (c, int(m), pc, ps) for w, (c, m, pc, ps) in timings.items()},
             self.step, self.step - self.last_checkpoint_step)
         if decision is not None:
-            self._apply_allocation()
+            self.apply_allocation()
             self.last_decisions = [decision.to_json()]
             if self.log and self.rank == 0:
                 self.log.decision(decision.to_json(), step=self.step)
@@ -393,9 +315,9 @@ class RecoveryCore:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_start = None
         self._compute_s, self._n_mb, self._ids = 0.0, 0, []
-        self._reset_step()
+        self.reset_step()
 
-    def _reset_step(self) -> None:
+    def reset_step(self) -> None:
         """Forget the executor's bookkeeping of a discarded step."""
 
     # ---------------------------------------------------------------- recovery
@@ -406,6 +328,34 @@ class RecoveryCore:
         ``microbatches()`` runs the new allocation.  ``peer_activity`` then tells what every
         member was doing when it recovered."""
         self._recover(failure, time.perf_counter())
+
+    def end_of_step(self, committed: bool, step_before: int) -> StepEnd:
+        """Classify and count the end of an attempted step: ``committed`` is what the executor's
+        commit call returned, ``step_before`` the committed step counter before the attempt.
+        Every loop -- ``ElasticTrainer`` and both adapters -- ends its steps through here, so the
+        counters (``redone_steps``, ``adopted_steps``; the ``ft/*`` metrics, the run's end
+        record) mean the same everywhere."""
+        if committed:
+            return StepEnd.COMMITTED
+        if self.step > step_before:
+            self.adopted_steps += 1
+            return StepEnd.ADOPTED
+        self.redone_steps += 1
+        return StepEnd.REDO
+
+    def recover_off_step(self, failure: CollectiveFailure, activity: int = 0) -> bool:
+        """A collective outside a training step failed (an adapter's evaluation, barrier,
+        save or epoch-end sync): recover now, tagged with ``activity`` (the adapter's integer
+        for what this member was doing: an evaluation's number, a save's; 0 for nothing in
+        particular), and return True when every member recovered from the same activity --
+        they may then run it again together; otherwise its peers were elsewhere and this member
+        finishes on its own.  The tag is restored to what it was before the call."""
+        before, self.activity = self.activity, activity
+        try:
+            self.recover(failure)
+        finally:
+            self.activity = before
+        return bool(activity) and all(a == activity for a in self.peer_activity)
 
     def _store_op(self, fn):
         """Run ``fn``; a failing coordinator store becomes a clear ``MembershipError``."""
@@ -466,7 +416,7 @@ class RecoveryCore:
     def _sync(self, view: MembershipView, info: Optional[dict]) -> None:
         n, r = view.world_size, view.rank
         batch_before = self.sampler.global_batch
-        mine = self._sync_fields()
+        mine = self.recovery_fields()
         k = len(mine)
         v = torch.zeros((3 + k) * n, dtype=torch.int64)
         v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
@@ -490,7 +440,7 @@ class RecoveryCore:
         self._is_source = r == source
         payload = None
         if self._is_source:
-            payload = self._decide(view, info)
+            payload = self.source_payload(view, info)
             payload["state"] = self.state_dict() if behind else None
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
@@ -517,18 +467,18 @@ class RecoveryCore:
             raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
-        self._after_sync(payload, top, n, r)
+        self.carry_out(payload, top, n, r)
 
-    def _sync_fields(self) -> list[int]:
+    def recovery_fields(self) -> list[int]:
         """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.
         the blocks a pipeline worker holds); every member must report as many."""
         return []
 
-    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+    def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         """Carry out what the agreed state asks before training resumes (the executor's)."""
         self._discard()
 
-    def _decide(self, view: MembershipView, info: Optional[dict]) -> dict:
+    def source_payload(self, view: MembershipView, info: Optional[dict]) -> dict:
         restart, decisions = False, []
         before = set(self.policy.alive)
         try:
@@ -541,12 +491,12 @@ class RecoveryCore:
         except RestartRequested as req:
             restart, decisions = True, decisions + [req.decision]
         if not restart:
-            self._apply_allocation()
+            self.apply_allocation()
         return {"engine": self.policy.state_dict(), "sampler": self.sampler.state_dict(),
                 "decisions": [d.to_json() for d in decisions], "restart": restart,
                 "dead": sorted(before - set(view.members))}
 
-    def _apply_allocation(self) -> None:
+    def apply_allocation(self) -> None:
         if self.sampler.global_batch != self.policy.current_batch:  # shrink, or growing back
             self.sampler.set_global_batch(self.policy.current_batch)
         alloc = self.policy.allocation

@@ -17,11 +17,11 @@ Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (an
 ``nn.Sequential``) and ``stages=P``; the engine's plan then decides the layout (pipelines of
 ``P`` stages at first, re-planned over the survivors after a failure) and ``loss_fn(output,
 batch)`` receives the last block's output (``input_fn(batch)``, default ``batch[0]``, feeds the
-first block).  See ``runtime/pipeline/``.
+first block).  See ``runtime/executors/pipeline/``.
 
 Sharded training (FSDP2): ``sharding="full"`` shards the model over all workers, ``"hybrid"``
 is HSDP with ``replicas`` replica groups; ``loss_fn(model, batch)`` then receives the sharded
-model (``trainer.ctx.module``) -- see ``runtime/sharded.py``.
+model (``trainer.ctx.module``) -- see ``runtime/executors/sharded/``.
 
 Limits: map-style datasets only (the sampler addresses samples by index); a DataLoader with
 workers can be built on ``ElasticBatchSampler`` instead of this loop (see sampler.py).
@@ -39,7 +39,8 @@ import torch
 from torch.utils.data import default_collate
 
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
-from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.config import ElasticConfig
+from chameleon_ft.runtime.recovery import StepEnd
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 
 __all__ = ["ElasticTrainer", "elastic_main"]
@@ -93,7 +94,6 @@ class ElasticTrainer:
         self.ctx.checkpoint_path = checkpoint  # the engine weighs restart only when one is written
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
-        self.redone_steps = 0
 
     def fit(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> dict:
         """Train until ``max_steps`` committed steps or ``epochs`` epochs, whichever first."""
@@ -105,34 +105,34 @@ class ElasticTrainer:
         ctx.start()
         try:
             while not self._done(max_steps, epochs):
-                if self.sharded:
-                    if not ctx.train_step(self._loss_of):
-                        self.redone_steps += 1
-                        continue
+                before = ctx.step
+                if ctx.end_of_step(self._attempt(), before) is StepEnd.COMMITTED:
                     self._after_step()
-                    continue
-                if self.pipeline:
-                    if not ctx.train_step():
-                        self.redone_steps += 1
-                        continue
-                    self._after_step()
-                    continue
-                for mb in ctx.microbatches():
-                    t0 = time.perf_counter()
-                    batch = self.collate_fn([self.dataset[i] for i in mb.indices])
-                    ctx.backward(self.loss_fn(self.model, batch), mb)
-                    # ``slow`` faults pad the micro-batch by (factor - 1) x its compute time.
-                    ctx.faults.at(ctx.step, "forward", time.perf_counter() - t0)
-                if not ctx.sync_and_step():
-                    self.redone_steps += 1
-                    continue
-                self._after_step()
             if self.checkpoint:
                 ctx.save_checkpoint(self.checkpoint)
         finally:
-            ctx.close(redone_steps=self.redone_steps)
+            ctx.close(redone_steps=ctx.redone_steps, adopted_steps=ctx.adopted_steps)
         return {"step": ctx.step, "epoch": ctx.epoch, "members": list(ctx.members),
-                "redone_steps": self.redone_steps}
+                "redone_steps": ctx.redone_steps, "adopted_steps": ctx.adopted_steps}
+
+    @property
+    def redone_steps(self) -> int:
+        return self.ctx.redone_steps
+
+    def _attempt(self) -> bool:
+        """One attempt at the current step with this job's executor; True when it committed."""
+        ctx = self.ctx
+        if self.sharded:
+            return ctx.train_step(self._loss_of)
+        if self.pipeline:
+            return ctx.train_step()
+        for mb in ctx.microbatches():
+            t0 = time.perf_counter()
+            batch = self.collate_fn([self.dataset[i] for i in mb.indices])
+            ctx.backward(self.loss_fn(self.model, batch), mb)
+            # ``slow`` faults pad the micro-batch by (factor - 1) x its compute time.
+            ctx.faults.at(ctx.step, "forward", time.perf_counter() - t0)
+        return ctx.sync_and_step()
 
     def _loss_of(self, module: torch.nn.Module, indices) -> torch.Tensor:
         return self.loss_fn(module, self.collate_fn([self.dataset[i] for i in indices]))

@@ -48,17 +48,17 @@ performance model's, so a replay is only as close to a measured run as the calib
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 
-from chameleon_ft.engine.cluster import Cluster, Device, Link
-from chameleon_ft.engine.perf import Coefficients, estimate
+# The engine types' JSON codecs live beside their types; re-exported here for TraceSetup's users.
+from chameleon_ft.engine.cluster import Cluster, Device, cluster_from_json, cluster_to_json
+from chameleon_ft.engine.perf import Coefficients, coefficients_from_json, coefficients_to_json, estimate
 from chameleon_ft.engine.plan import Pipeline, Plan, even_split, validate
 from chameleon_ft.engine.planner import SearchSpace, balance_layers
 from chameleon_ft.engine.selector import heal_seconds
 from chameleon_ft.sim.simulator import POLICY_NAMES, JobSetting, TrueModel, _Job, _progress
-from chameleon_ft.engine.workload import Layer, Workload, transformer
+from chameleon_ft.engine.workload import Workload, transformer, workload_from_json, workload_to_json
 
 KINDS = ("fail", "join", "slow")
 REPLAY_POLICIES = tuple(p for p in POLICY_NAMES if p != "oracle") + ("redundant",)
@@ -406,57 +406,6 @@ def trace_setting(workload: Workload, cluster: Cluster, devices: int, stages: in
 
 
 # -- the stored form -----------------------------------------------------------------------
-def workload_to_json(w: Workload) -> dict:
-    return {"layers": [[x.params, x.fwd_s, x.bwd_s, x.act_bytes, x.out_bytes] for x in w.layers],
-            "global_batch": w.global_batch, "micro_batch": w.micro_batch, "weight_bytes": w.weight_bytes,
-            "grad_bytes": w.grad_bytes, "optim_bytes": w.optim_bytes, "name": w.name, "grad_sync": w.grad_sync}
-
-
-def workload_from_json(data: dict) -> Workload:
-    layers = tuple(Layer(int(p), float(f), float(b), int(a), int(o)) for p, f, b, a, o in data["layers"])
-    return Workload(layers, int(data["global_batch"]), int(data["micro_batch"]),
-                    int(data.get("weight_bytes", 4)), int(data.get("grad_bytes", 4)),
-                    int(data.get("optim_bytes", 8)), data.get("name", "workload"),
-                    grad_sync=data.get("grad_sync", "stage"))
-
-
-def cluster_to_json(c: Cluster) -> dict:
-    """``devices`` ids 0..n-1, ``per_node`` to a node (from the first node), links as
-    [latency s, bandwidth B/s]; speeds and memory per device when they differ."""
-    out = {"devices": len(c.devices), "per_node": len(c.devices_on_node(c.devices[0].node)),
-           "intra": [c.intra.latency_s, c.intra.bandwidth_Bps], "inter": [c.inter.latency_s, c.inter.bandwidth_Bps]}
-    speeds = [d.speed for d in c.devices]
-    mems = [d.memory_bytes for d in c.devices]
-    out["memory_bytes"] = mems[0] if len(set(mems)) == 1 else mems
-    if any(s != 1.0 for s in speeds):
-        out["speeds"] = speeds
-    for kind in ("collective", "migration"):
-        link = getattr(c, kind)
-        if link is not None:
-            out[kind] = [link.latency_s, link.bandwidth_Bps]
-    return out
-
-
-def cluster_from_json(data: dict) -> Cluster:
-    n, per_node = int(data["devices"]), int(data.get("per_node", data["devices"]))
-    mem = data.get("memory_bytes", 80e9)
-    mems = mem if isinstance(mem, list) else [mem] * n
-    speeds = data.get("speeds", [1.0] * n)
-    return Cluster(tuple(Device(i, i // per_node, float(speeds[i]), float(mems[i])) for i in range(n)),
-                   intra=Link(*map(float, data.get("intra", (5e-6, 150e9)))),
-                   inter=Link(*map(float, data.get("inter", (10e-6, 25e9)))),
-                   collective=Link(*map(float, data["collective"])) if data.get("collective") else None,
-                   migration=Link(*map(float, data["migration"])) if data.get("migration") else None)
-
-
-def coefficients_to_json(c: Coefficients) -> dict:
-    return dataclasses.asdict(c)
-
-
-def coefficients_from_json(data: dict | None) -> Coefficients:
-    return Coefficients(**(data or {}))
-
-
 def default_workload() -> Workload:
     """A placeholder job for a trace stored without one: 8 transformer blocks, 16 samples in
     micro-batches of 2 (not a measured workload)."""

@@ -2,11 +2,11 @@
 
 The engine gives a member fewer micro-batches (``rebalance``) or none at all, and a partial last
 global batch leaves slots empty; the fidelity trials need those states on demand, at any
-membership.  ``force_allocations(spec)`` wraps ``DataParallelExecutor._apply_allocation`` (where every
-allocation the engine decides -- start, failure, straggler -- reaches the sampler) so that each
-one is then skewed deterministically: every member applies the same change to the same
-allocation, as the runtime requires.  An adapter's own correction (Lightning's
-``at_least_one_each``) still runs after it.
+membership.  ``force_allocations(spec)`` wraps ``EngineBridge._allocation_of`` (where every
+data-parallel allocation the engine decides -- start, failure, straggler -- is computed) so that
+each one is then skewed deterministically: every member applies the same change to the same
+allocation, as the runtime requires.  An executor's own constraint
+(``ElasticConfig.one_microbatch_each``, set by the Lightning adapter) still applies after it.
 
 Spec ``KIND:POS`` (POS counts members in the allocation's order, modulo their number):
   * ``zero:POS``  -- member POS gets no micro-batch; its share goes to the next member;
@@ -15,7 +15,7 @@ Spec ``KIND:POS`` (POS counts members in the allocation's order, modulo their nu
 
 from __future__ import annotations
 
-from chameleon_ft.runtime.executors.dp import DataParallelExecutor
+from chameleon_ft.runtime.engine_bridge import EngineBridge
 
 
 def skew(counts: list[int], spec: str) -> list[int]:
@@ -42,13 +42,12 @@ def force_allocations(spec: str | None) -> None:
     if not spec:
         return
     skew([1, 1], spec)  # validate before any worker starts
-    original = DataParallelExecutor._apply_allocation
+    original = EngineBridge._allocation_of
 
-    def _apply_allocation(self) -> None:
-        original(self)
-        s = self.sampler
-        counts = skew(list(s.allocation), spec)
-        if counts != list(s.allocation):
-            s.set_allocation(list(s.members), counts)
+    def _allocation_of(self, plan, alive, extra, batch=None):
+        alloc = original(self, plan, alive, extra, batch)
+        if alloc is None or plan.max_depth != 1:
+            return alloc
+        return dict(zip(alloc, skew(list(alloc.values()), spec)))
 
-    DataParallelExecutor._apply_allocation = _apply_allocation
+    EngineBridge._allocation_of = _allocation_of

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from chameleon_ft.engine.failures import LLAMA3_RATE_PER_DEVICE_S, Event, EventKind, FailureRateEstimator
-from chameleon_ft.engine.rehab import LossTrend, extrapolate, rehab_cost
+from chameleon_ft.engine.rehab import LossTrend, rehab_cost
 
 
 # -- D ---------------------------------------------------------------------------------
@@ -106,10 +105,3 @@ def test_rehab_nothing_to_heal_and_bad_input():
     with pytest.raises(ValueError):
         rehab_cost(10, 1.5, None)
 
-
-def test_extrapolate():
-    a, b, c = np.zeros(3), np.ones(3), 2 * np.ones(3)
-    assert np.allclose(extrapolate([a, b, c], damping=0.5), 2.5)
-    assert np.allclose(extrapolate([c]), 2.0)
-    with pytest.raises(ValueError):
-        extrapolate([])

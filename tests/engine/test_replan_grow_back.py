@@ -11,7 +11,8 @@ from chameleon_ft.engine.cluster import homogeneous
 from chameleon_ft.engine.failures import Event
 from chameleon_ft.engine.plan import Pipeline, Plan
 from chameleon_ft.engine.planner import SearchSpace, balance_layers
-from chameleon_ft.engine.selector import JobState, SelectorConfig, phased_score, select
+from chameleon_ft.engine.decision import phased_score
+from chameleon_ft.engine.selector import JobState, SelectorConfig, select
 from chameleon_ft.engine.workload import Layer, Workload
 
 

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from chameleon_ft.engine.failures import LLAMA3_RATE_PER_DEVICE_S, PRIOR_JOB_S, FailureRateEstimator
 from chameleon_ft.engine.plan import Pipeline, Plan
 from chameleon_ft.runtime.engine_bridge import EngineBridge
-from chameleon_ft.engine.selector import heal_seconds, phased_score, reroute_load, score
+from chameleon_ft.engine.decision import phased_score, score
+from chameleon_ft.engine.reroute import reroute_load
+from chameleon_ft.engine.selector import heal_seconds
 
 from .conftest import ENGINE, cluster
 from .test_selector import CROSS_PLAN, CROSS_W, cross_decide

@@ -12,9 +12,9 @@ from chameleon_ft.engine.failures import Event, EventKind
 from chameleon_ft.engine.plan import Pipeline, Plan
 from chameleon_ft.engine.planner import SearchSpace, plan_search
 from chameleon_ft.engine.rehab import LossTrend
-from chameleon_ft.engine.selector import (
-    POLICIES, JobState, SelectorConfig, crossover_mttf, reroute_load, score, select, unreplicated,
-)
+from chameleon_ft.engine.decision import crossover_mttf, score
+from chameleon_ft.engine.reroute import reroute_load, unreplicated
+from chameleon_ft.engine.selector import POLICIES, JobState, SelectorConfig, select
 from chameleon_ft.engine.workload import Layer, Workload
 
 from .conftest import ENGINE, chain, cluster

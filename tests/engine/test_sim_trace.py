@@ -13,7 +13,7 @@ import pytest
 from chameleon_ft.cli import main
 from chameleon_ft.engine.perf import Coefficients, estimate
 from chameleon_ft.engine.planner import SearchSpace, plan_search
-from chameleon_ft.engine.selector import crossover_mttf
+from chameleon_ft.engine.decision import crossover_mttf
 from chameleon_ft.sim.trace import (
     Trace, TraceEvent, TraceSetup, cluster_from_json, cluster_to_json, default_redundant_overhead, replay,
     scale_trace, takeover_plan, trace_setting, workload_from_json, workload_to_json,

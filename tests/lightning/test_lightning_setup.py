@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_ft import FaultToleranceCallback, FaultTolerantDDPStrategy, LauncherError
-from lightning_ft.strategy import at_least_one_each
+from chameleon_ft.engine.planner import at_least_one_each
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +59,7 @@ def _evaluation_harness(monkeypatch, peer_activity):
     from types import SimpleNamespace
 
     from chameleon_ft.runtime.groups import CollectiveFailure
+    from chameleon_ft.runtime.recovery import RecoveryCore
 
     s = FaultTolerantDDPStrategy()
     module = torch.nn.Linear(2, 2)
@@ -71,6 +72,8 @@ def _evaluation_harness(monkeypatch, peer_activity):
     monkeypatch.setattr(s, "_reset_evaluation", lambda *a: None)
     ctx = SimpleNamespace(activity=0, peer_activity=[], worker_id=1, view=SimpleNamespace(world_size=3), gm=None)
     ctx.recover = lambda failure: setattr(ctx, "peer_activity", peer_activity(ctx.activity))
+    # The core's own off-step protocol, on this stand-in (its recover is the fake above).
+    ctx.recover_off_step = lambda failure, activity=0: RecoveryCore.recover_off_step(ctx, failure, activity)
     s.ctx = ctx
     runs = []
 

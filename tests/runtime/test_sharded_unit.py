@@ -66,7 +66,7 @@ def test_a_new_row_is_made_of_exactly_the_old_rows_overlaps(old, new):
     """The re-shard streams each new row from the old rows' overlaps with it (no full copy):
     for parameters of every kind of shape (fewer dim-0 slices than rows, 1-D, uneven), every
     new row comes out as the slice of the flat state it stands for."""
-    from chameleon_ft.runtime.executors.sharded.executor import _Layout, _overlaps
+    from chameleon_ft.runtime.executors.sharded.layout import _Layout, _overlaps
     shapes = [torch.Size([7, 3]), torch.Size([5]), torch.Size([1, 4]), torch.Size([9, 2]), torch.Size([])]
     a, b = _Layout(shapes, *old), _Layout(shapes, *new)
     flat = torch.arange(a.total, dtype=torch.float) + 1
@@ -88,7 +88,7 @@ def test_the_recovery_payload_scalars_never_hold_sharded_optimizer_states():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from chameleon_ft.runtime.executors.sharded.executor import _fake_world
+    from chameleon_ft.runtime.executors.sharded.comms import no_comm_world as _fake_world
     _fake_world(0, 1)
     try:
         from torch.distributed.device_mesh import init_device_mesh

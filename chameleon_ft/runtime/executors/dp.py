@@ -39,6 +39,11 @@ __all__ = ["DataParallelExecutor"]
 class DataParallelExecutor(RecoveryCore):
     """Data-parallel training that survives failures in place (see module doc)."""
 
+    # Every worker holds the whole model: any plan over the survivors is an allocation of
+    # micro-batches, so every data policy of the engine can be carried out.
+    POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
+                          "heal", "grow"})
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Slots of the current step whose gradients this member holds (kept across a failed
@@ -48,10 +53,10 @@ class DataParallelExecutor(RecoveryCore):
         self._spilled: list[MicroBatch] = []  # see items(spill=True)
         self._home_slots: Optional[frozenset] = None  # slots of this member under its first allocation
 
-    def _reset_step(self) -> None:
+    def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
 
-    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+    def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._salvage(top, n, r)
 
     # ---------------------------------------------------------------- one step

@@ -13,9 +13,11 @@ from dataclasses import replace
 from typing import Optional
 
 from chameleon_ft.engine.calibrate import CollectiveSample
+from chameleon_ft.engine.cluster import cluster_to_json
 from chameleon_ft.engine.failures import Event, EventKind
-from chameleon_ft.engine.perf import estimate
+from chameleon_ft.engine.perf import coefficients_to_json, estimate
 from chameleon_ft.engine.selector import select
+from chameleon_ft.engine.workload import workload_to_json
 
 __all__ = ["PipelineCalibration"]
 
@@ -97,8 +99,6 @@ class PipelineCalibration:
     def calibration_json(self) -> dict:
         """The fitted pipeline terms and the running plan's predicted step (the event log's
         ``calibration`` record)."""
-        from chameleon_ft.sim.trace import cluster_to_json, coefficients_to_json, workload_to_json
-
         out = self.fit.to_json() if self.fit else {}
         out["predicted_step_s"] = self.predicted_step()
         out["plan"] = self.plan.describe() if self.plan else None

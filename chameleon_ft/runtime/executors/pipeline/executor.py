@@ -105,6 +105,11 @@ class PipelineExecutor(RecoveryCore):
         scheduler: optional ``fn(optimizer) -> LR scheduler`` (one per block, stepped together).
     """
 
+    # No shrink (the global batch is kept) and no straggler rebalance (module doc).
+    # ``restart`` is not a choice either: without pipeline checkpoints it would start the job
+    # over (it stays the fallback when nothing in place is feasible).
+    POLICIES = frozenset({"reroute", "replan", "wait", "heal", "grow", "keep"})
+
     def __init__(self, blocks, optimizer, dataset, loss_fn: Callable, global_batch: int,
                  micro_batch: int, stages: int, *, input_fn: Optional[Callable] = None,
                  collate_fn: Callable = default_collate, scheduler: Optional[Callable] = None,
@@ -115,12 +120,7 @@ class PipelineExecutor(RecoveryCore):
         if not self.blocks:
             raise ConfigError("a pipeline job needs the model as an ordered list of blocks")
         cfg = config or ElasticConfig()
-        # Policies this executor cannot carry out (module doc).  ``restart`` is not a choice
-        # either: without pipeline checkpoints it would start the job over (it stays the
-        # fallback when nothing in place is feasible).
-        allowed = (cfg.allowed_policies or frozenset({"reroute", "replan", "wait", "heal",
-                                                     "grow", "keep"})) - {"shrink", "rebalance", "restart"}
-        cfg = ElasticConfig(**{**vars(cfg), "allowed_policies": allowed, "stragglers": False})
+        cfg = ElasticConfig(**{**vars(cfg), "stragglers": False})
         self.make_optimizer = _optimizer_factory(optimizer)
         self.make_scheduler = scheduler
         super().__init__(model, _HeldOptimizers(self), len(dataset), global_batch, micro_batch,
@@ -133,7 +133,6 @@ class PipelineExecutor(RecoveryCore):
         self.block_numel = sizes
         self.policy.layer_params = [max(1, n) for n in sizes]
         self.policy.min_replicas = max(1, int(cfg.min_replicas))
-        self.policy.allowed = allowed
         self.held: set[int] = set(range(len(self.blocks)))  # all built; trimmed at the first sync
         # Blocks whose state is the job's (received, or kept through a completed migration);
         # a block only built here is not, until the first migration agrees on one copy.
@@ -242,7 +241,7 @@ class PipelineExecutor(RecoveryCore):
     load_checkpoint = save_checkpoint
 
     # ---------------------------------------------------------------- recovery hooks
-    def _sync_fields(self) -> list[int]:
+    def recovery_fields(self) -> list[int]:
         """Per block: 2 = this member holds the job's state of it, 1 = only built here, 0 = no."""
         return [2 if b in self.agreed else int(b in self.held) for b in range(len(self.blocks))]
 
@@ -284,7 +283,7 @@ class PipelineExecutor(RecoveryCore):
                         return False
         return True
 
-    def _decide(self, view, info) -> dict:
+    def source_payload(self, view, info) -> dict:
         members = view.members
         holdings = self._holdings(members)
         prev = self.policy.migrating_from
@@ -295,7 +294,7 @@ class PipelineExecutor(RecoveryCore):
                 self.policy.plan = prev
             self.policy.migrating_from = None
         old_plan = self.policy.plan
-        payload = super()._decide(view, info)
+        payload = super().source_payload(view, info)
         if payload["restart"]:
             return payload
         workload, cluster = self.policy.workload(), self.policy.cluster(members)
@@ -320,7 +319,7 @@ class PipelineExecutor(RecoveryCore):
                                 "predicted_bytes": mig.total_bytes, "predicted_s": mig.seconds}
         return payload
 
-    def _after_sync(self, payload: dict, top: int, n: int, r: int) -> None:
+    def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
         self._last_commit = None  # the next commit interval would include this recovery
         plan = payload.get("migration") or {"rounds": []}
@@ -371,10 +370,10 @@ class PipelineExecutor(RecoveryCore):
         _, path = critical_path(rounds, lambda t: (t[0], t[1], nbytes(t) + 1.0))
         return len(path), sum(nbytes(t) for t in path)
 
-    def _reset_step(self) -> None:
+    def reset_step(self) -> None:
         self._measured_step = None
 
-    def _apply_allocation(self) -> None:
+    def apply_allocation(self) -> None:
         # The sampler's per-member allocation is data parallel's; routes come from the plan.
         if self.sampler.global_batch != self.policy.current_batch:
             self.sampler.set_global_batch(self.policy.current_batch)

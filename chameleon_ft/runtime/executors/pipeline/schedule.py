@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from chameleon_ft.engine.plan import Plan
-from chameleon_ft.engine.selector import reroute_load
+from chameleon_ft.engine.reroute import reroute_load
 
 __all__ = ["Hop", "Route", "Task", "routes", "worker_orders", "check", "ScheduleError"]
 

@@ -1,0 +1,76 @@
+"""``ElasticConfig``: the runtime's knobs, one dataclass that every executor and adapter takes.
+
+Plain data; the launcher's flags fill the fields marked (env) through ``WorkerEnv``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ElasticConfig"]
+
+
+@dataclass
+class ElasticConfig:
+    """Knobs of the runtime; the launcher's flags fill the ones marked (env).
+
+    hang_timeout_s: watchdog on every collective (env ``CHAMELEON_FT_HANG_TIMEOUT``); a
+        member silent for longer is treated as hung and left out of the next generation.
+    min_world_size: below this many survivors the worker gives up (exits for a restart).
+    warmup_steps: steps measured before the engine's workload is frozen.
+    seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
+        numbers whichever member runs a micro-batch (same trajectory under rerouting).
+    log_samples: write each member's sample ids of every step attempt to the event log.
+    allowed_policies: restrict the engine's choices (intersected with what the runtime can
+        carry out); None: all of them.
+    allow_batch_change: let the engine consider policies that change the global batch.
+    mttf_s: fixed expected time to the next failure (``D``) for the engine; ``chameleon-ft run
+        --mttf`` (env ``CHAMELEON_FT_MTTF``) takes precedence.  None: estimated.
+    straggler_options: the straggler detector's and rebalance check's knobs (see
+        ``EngineBridge``); None: the defaults.
+    items_per_step: set by an adapter that may merge a worker's share of a step into this
+        many loop items (the engine's memory check then counts the merged activations).
+    min_replicas: pipeline jobs: a re-plan keeps at least this many pipelines, i.e. copies of
+        every block (Oobleck's f + 1 rule), so that the next failure can still be rerouted or
+        re-planned in place; 1 lets the engine trade all redundancy for speed (a later failure
+        then needs a restart).
+    emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
+        an emulated network -- a message between stages is held until ``latency + bytes /
+        bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
+    shard_recovery: sharded jobs: the ways back the engine may choose from (``heal``,
+        ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
+    device_memory_bytes: each device's memory, for the engine's fit checks: a plan whose
+        estimated per-device peak (weights, optimizer state, activations in flight) exceeds it
+        is never chosen.  The first plan is the user's (``stages``), not checked: before the
+        first step the engine's bytes per parameter are a prior.  None: the cluster model's
+        default (80 GB).  In accelerator-emulation benchmarks it stands for the memory that
+        makes a model need pipeline stages.
+    one_microbatch_each: every live member runs at least one micro-batch per step when the
+        global batch has that many (set by the Lightning adapter: Lightning logs per
+        ``training_step``, so a member with none would skip the epoch-end metric sync).  The
+        engine applies it (``planner.at_least_one_each``) to the allocation and the plan it
+        keeps, so its estimates and the next Decision start from what runs.
+    """
+
+    hang_timeout_s: Optional[float] = None
+    connect_timeout_s: float = 5.0
+    view_timeout_s: float = 60.0
+    join_timeout_s: float = 120.0
+    heartbeat_s: float = 0.1
+    min_world_size: int = 1
+    warmup_steps: int = 3
+    stragglers: bool = True
+    seed_microbatches: bool = True
+    log_samples: bool = True
+    mttf_s: Optional[float] = None
+    replacement_eta_s: float = 5.0  # prior; a worker measures its own start-up and uses that
+    restart_s: float = 60.0
+    allowed_policies: Optional[frozenset] = None
+    allow_batch_change: bool = False
+    straggler_options: Optional[dict] = None
+    items_per_step: int = 0
+    min_replicas: int = 2
+    emulate_link: Optional[tuple[float, float]] = None
+    shard_recovery: Optional[frozenset] = None
+    device_memory_bytes: Optional[float] = None
+    one_microbatch_each: bool = False

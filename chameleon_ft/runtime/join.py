@@ -1,0 +1,45 @@
+"""Joining a running job: the membership, the first generation's group and its view.
+
+``RecoveryCore.start`` joins by itself; an adapter whose framework needs collectives before the
+model, optimizer and data exist (Lightning: logger versions, checkpoint directories, the sanity
+check) calls ``join_job`` early and hands the result to ``start``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from chameleon_ft.runtime.config import ElasticConfig
+from chameleon_ft.runtime.env import WorkerEnv
+from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+from chameleon_ft.runtime.membership import Membership, MembershipView
+
+__all__ = ["Joined", "join_job"]
+
+
+class Joined(NamedTuple):
+    """A worker that joined the job: its membership, group manager and first view."""
+
+    membership: Membership
+    gm: GroupManager
+    view: MembershipView
+
+
+def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float] = None) -> Joined:
+    """Join the job's membership and form the first generation's group.
+
+    ``DataParallelExecutor.start`` does this itself; an adapter whose framework needs collectives
+    before the model, optimizer and data exist (Lightning: logger versions, checkpoint
+    directories, the sanity check) calls it early and passes the result to ``start``."""
+    timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
+    membership = Membership(env.worker_id, env.store, env.lighthouse,
+                            heartbeat_interval_s=cfg.heartbeat_s,
+                            connect_timeout_s=cfg.connect_timeout_s)
+    gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
+                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
+    min_world = env.min_world_size if env.replacement == 0 else 1
+    view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
+    try:
+        gm.rebuild(view)
+    except CollectiveFailure:
+        pass  # the generation is aborted; DataParallelExecutor.start recovers from it
+    return Joined(membership, gm, view)
