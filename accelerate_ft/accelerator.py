@@ -9,7 +9,7 @@ What changes against ``Accelerator`` (and why) -- the contract is in docs/accele
   reduces the gradients once per global step over a gloo group that is re-formed after a failure.
 * **The training loader yields micro-batches** of the runtime's exactly-once sampler; the user's
   ``optimizer.step()`` after the member's last micro-batch commits the global step, and only a
-  committed step updates the weights and steps the LR schedulers (``runtime.py``).
+  committed step updates the weights and steps the LR schedulers (``step_protocol.py``).
 * **Evaluation loaders are re-split over the current members** at each pass; ``gather``,
   ``gather_for_metrics``, ``reduce``, ``wait_for_everyone`` run over the live group, and
   ``num_processes``/``process_index``/``is_main_process`` are the live membership's.

@@ -1,5 +1,5 @@
 """``StepProtocol``: one worker's bridge between a ``FaultTolerantAccelerator`` and
-``chameleon_ft.runtime.DataParallelExecutor``.
+``chameleon_ft.runtime.executors.dp.DataParallelExecutor``.
 
 It owns the step protocol of the user's plain loop (see docs/accelerate.md):
 

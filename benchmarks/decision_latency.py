@@ -1,4 +1,4 @@
-"""Median wall time of one full decision (plan search + restorer + selection) for one failure.
+"""Median wall time of one full decision (plan search + migration plan + selection) for one failure.
 
     python benchmarks/decision_latency.py [--repeats 7] [--sizes 1024 16384 131072]
 

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         "",
         "## Decision latency",
         "",
-        f"One full decision (plan search + restorer + selection) for one failed device; median of {repeats}.",
+        f"One full decision (plan search + migration plan + selection) for one failed device; median of {repeats}.",
         f"Command: `python benchmarks/decision_latency.py --repeats {repeats}`.",
         "",
         "| devices | running plan | median | min | target | chosen |",

@@ -198,7 +198,7 @@ class PipelineCalibrator:
       so the time is the transfer, not the sender's compute (:func:`fit_p2p`);
     * the step's all-reduce over ``n`` members of ``nbytes`` (the fastest member's time: the
       others include waiting for the last to arrive) -> :func:`fit_link`;
-    * migrations: (transfers on the critical path, their bytes, seconds) -- the restorer's
+    * migrations: (transfers on the critical path, their bytes, seconds) -- the migration plan's
       ``critical_path``: rounds are an order, not barriers;
     * per task (a stage's forward or backward of one micro-batch), the seconds beyond its
       blocks' compute, the wait for its input and the wire: the runtime's per-task cost;

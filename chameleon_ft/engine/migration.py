@@ -1,4 +1,4 @@
-"""Restorer: how to get from the old plan's state to a new plan's, cheaply.
+"""Migration planning (Chameleon's restorer): how to get from the old plan's state to a new plan's, cheaply.
 
 1. **Assignment** — survivors are matched to the new plan's slots so that the bytes of weights
    and optimizer state they lack are minimal (``scipy.optimize.linear_sum_assignment``).

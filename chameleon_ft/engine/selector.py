@@ -6,7 +6,7 @@ the reason it is ruled out):
 * ``reroute`` — keep the layout; a dead device's micro-batches go to its same-stage data-parallel
   peers (devices in other pipelines holding the same layers).  Ruled out when a stage lost all of
   its replicas.  Transition: the group rebuild only.
-* ``replan`` — dynamic parallelism: the planner's best plan over the survivors and the restorer's
+* ``replan`` — dynamic parallelism: the planner's best plan over the survivors and the migration plan's
   migration.  Transition: search + migration + rebuild.  When a replacement is expected (and the
   plans have stages), scored over two phases like ``wait``: the re-planned layout until it
   arrives, then grown back.

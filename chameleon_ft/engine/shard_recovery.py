@@ -21,7 +21,7 @@ state it held may have no current copy among the survivors.  Four ways back, eac
 ``snapshot_interval`` is Young/Daly's optimum for how often to take the snapshots that make
 recompute and rehabilitation possible, from their measured cost and the failure rate.
 
-Pure logic: the runtime (``runtime/sharded.py``) gathers the facts and carries the choice out.
+Pure logic: the runtime (``runtime/executors/sharded/``) gathers the facts and carries the choice out.
 """
 
 from __future__ import annotations

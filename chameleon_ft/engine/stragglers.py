@@ -28,7 +28,7 @@ steps.  A newly flagged straggler becomes an :class:`~chameleon_ft.engine.failur
 Limits: scores compare ranks doing the same work per micro-batch; in a heterogeneous
 pipeline the caller normalises by each stage's predicted time first.  A slowdown that does not
 scale with the number of micro-batches (a fixed per-step delay) is seen as a per-micro-batch
-one; the runtime undoes a rebalance that does not pay (see ``runtime/policy.py``).
+one; the runtime undoes a rebalance that does not pay (see ``runtime/engine_bridge.py``).
 """
 
 from __future__ import annotations

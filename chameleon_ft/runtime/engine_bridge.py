@@ -30,7 +30,7 @@ These re-derivations are straggler Decisions with slowdown 1 whose reason says w
 
 Every input comes from values all members share (all-reduced timings, the agreed view), so
 straggler decisions are taken by every member independently and agree.  Failure and join
-decisions are taken by one member during recovery and shipped to the others (see worker.py).
+decisions are taken by one member during recovery and shipped to the others (see ``runtime/recovery.py``).
 
 Limits, honestly: only policies a data-parallel runtime can carry out are offered to the
 selector: ``reroute``, ``replan`` (pipeline depth 1), ``wait`` (carried out as reroute until
@@ -109,7 +109,7 @@ class EngineBridge(PipelineCalibration):
         # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
         self.stages = max(1, int(stages))
         # Bytes per parameter that a migration moves (weights, optimizer state): measured by
-        # the pipeline runtime after its first step, so the restorer predicts real bytes.
+        # the pipeline runtime after its first step, so the migration plan predicts real bytes.
         self.weight_bytes, self.optim_bytes = 4, 8
         self.last_migration = None
         # Pipeline re-plans keep at least this many pipelines (copies of every block).
@@ -446,7 +446,7 @@ class EngineBridge(PipelineCalibration):
         plan, alloc = self._settle(plan, alloc)
         self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
         self.current_batch = batch
-        # The restorer's migration of a re-plan (transient: the runtime carries it out at once).
+        # The migration plan's migration of a re-plan (transient: the runtime carries it out at once).
         self.last_migration = o.migration
         self._predicted = None
 

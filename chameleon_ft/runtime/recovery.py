@@ -16,7 +16,7 @@ with the new allocation; a step somebody finished is adopted by everyone.  Hence
 bitwise-equal replicas, and each global batch's samples are consumed exactly once (the sampler's
 cursor moves only on commit).
 
-**Decisions.**  On a membership change the source asks the engine (``runtime/policy.py``) what
+**Decisions.**  On a membership change the source asks the engine (``runtime/engine_bridge.py``) what
 to do and ships the result; on a straggler every member asks it from the same all-reduced
 timings.  ``restart`` makes the worker exit with ``RESTART_EXIT_CODE`` for the launcher.
 

@@ -2,7 +2,7 @@
 
 Devices fail at a per-GPU rate (a share of failures take out a whole node), come back after a
 repair time, and after each event a *policy* decides what the job does.  The adaptive policy is
-the real selector (:func:`chameleon_ft.engine.selector.select`) with the real planner and restorer;
+the real selector (:func:`chameleon_ft.engine.selector.select`) with the real planner and migration planning;
 the fixed policies model the systems people use today:
 
 ==============  ==============================================================================

@@ -4,7 +4,7 @@ A :class:`Trace` is what a benchmark recorded or scripted: at ``t_s`` seconds fr
 devices ``fail``, ``join`` (a failed device comes back, like a repair) or turn ``slow`` (their
 compute becomes ``slowdown`` times slower than the cluster's description says, from then on;
 ``slowdown`` 1 gives them their own speed back).  :func:`replay` runs the simulator's job model
-(:class:`chameleon_ft.sim.simulator._Job`: the real selector, planner and restorer) for each policy over
+(:class:`chameleon_ft.sim.simulator._Job`: the real selector, planner and migration planning) for each policy over
 the same events in time order, on the *exact* model (what the decisions predict is what
 happens; there is no true/believed split here: a replay is compared with a measured run, which
 is the truth).

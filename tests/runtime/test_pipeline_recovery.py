@@ -125,7 +125,7 @@ def test_kill_a_middle_stage_worker(tmp_path, reference, policy):
         result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
         assert victim in [d for p in result["plan"]["pipelines"] for d in p["devices"]]  # kept, rerouted around
     else:
-        # Only what is missing moves, exactly the restorer's bytes, in its rounds.
+        # Only what is missing moves, exactly the migration plan's bytes, in its rounds.
         predicted = options["replan"]["migration"]["bytes"]
         moved = sum(e["bytes"] for e in migrations)
         assert moved == predicted, (moved, predicted)
@@ -138,7 +138,7 @@ def test_kill_a_middle_stage_worker(tmp_path, reference, policy):
         assert 0 < moved < resend, (moved, resend)
         starts = [e for e in read_events(tmp_path) if e["event"] == "migration" and e["step"] > 0
                   and e.get("phase") == "start"]
-        for rnd in starts[0]["rounds"]:  # the restorer's rounds: no worker in two transfers
+        for rnd in starts[0]["rounds"]:  # the migration plan's rounds: no worker in two transfers
             names = [w for t in rnd for w in t[:2]]
             assert len(names) == len(set(names)), rnd
 

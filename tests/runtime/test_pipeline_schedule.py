@@ -91,7 +91,7 @@ def test_planner_plans_over_survivors_have_consistent_schedules(seed):
 
 
 def test_transfers_to_matches_the_restorers_migration():
-    """From the old plan's holdings, the runtime's transfers move what the restorer priced."""
+    """From the old plan's holdings, the runtime's transfers move what the migration plan priced."""
     w, cluster = workload(), homogeneous(8, per_node=8)
     alive = set(range(8)) - {2}
     best = plan_search(w, cluster.without({2}), Coefficients(), SearchSpace(min_microbatches=1),

@@ -1,7 +1,7 @@
 """The pipeline half of the runtime's engine bridge: feeding ``calibrate.PipelineCalibrator``
 with what a pipeline job's steps measured, and reading the fit back as the engine's inputs.
 
-Mixed into ``EngineBridge`` (policy.py), whose state (plan, alive, allocation, workload,
+Mixed into ``EngineBridge`` (``runtime/engine_bridge.py``), whose state (plan, alive, allocation, workload,
 cluster) it uses; kept apart so that each module stays one concept.  Every input comes from
 the step's all-reduce (the same on every member) and the fit travels with the engine state,
 so every member holds the same figures.
@@ -36,7 +36,7 @@ class PipelineCalibration:
 
     def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
         """A migration that was carried out: the transfers on its critical path
-        (``restorer.critical_path``), their bytes, and the seconds it took (this member's)."""
+        (``engine.migration.critical_path``), their bytes, and the seconds it took (this member's)."""
         self.pipe_cal.observe_migration(hops, nbytes, seconds)
         self._refit()
 

@@ -12,15 +12,15 @@ order run in ``executor.run_step``; then every member all-reduces *one* buffer w
 of every block (zeros for the blocks it does not hold) -- each pipeline holds each block once,
 so the sum is the gradient of each block over the whole global batch -- plus the step's loss
 and timings; then each held block's own optimizer steps.  A buffer over the whole model makes
-the commit atomic in the same way as data parallelism (``worker.py``): a member that a failure
+the commit atomic in the same way as data parallelism (``runtime/recovery.py``): a member that a failure
 left one step behind receives the reduced buffer of that step from the source and applies it
 to its own blocks (roll-forward), so no step is half applied anywhere.
 
 Recovery is the shared protocol (membership, group rebuild, step agreement, the engine's
 Decision shipped by the source).  The recovery all-reduce carries which blocks each member holds;
-the source turns the new plan into transfers: the restorer's own migration for a re-plan
+the source turns the new plan into transfers: the engine's own migration plan for a re-plan
 (optimal assignment, colouring rounds) when the holdings are those of the old plan, otherwise
-``restorer.transfers_to`` (a replacement, or a migration a second failure interrupted).  Every
+``engine.migration.transfers_to`` (a replacement, or a migration a second failure interrupted).  Every
 member then runs the rounds (``migration.py``: weights, optimizer and scheduler state of whole
 blocks, point to point, only what is missing) and drops the blocks its slot no longer has.
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
@@ -182,7 +182,7 @@ class PipelineExecutor(RecoveryCore):
 
     def state_bytes(self, b: int) -> int:
         """Bytes of block ``b``'s parameters and of its optimizer state shaped like them (the
-        restorer's weights + optimizer state; scalar counters are left out)."""
+        migration plan's weights + optimizer state; scalar counters are left out)."""
         total = 0
         opt = self.block_opt[b]
         for p in self.blocks[b].parameters():
@@ -355,7 +355,7 @@ class PipelineExecutor(RecoveryCore):
             raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
 
     def _path_bytes(self, rounds) -> tuple[int, float]:
-        """The transfers on the migration's critical path (``restorer.critical_path``, priced by
+        """The transfers on the migration's critical path (``engine.migration.critical_path``, priced by
         bytes) and their bytes, as they were sent: what bounds its time, for the calibration.
         The optimizer's state travels only once it exists (the start-up migration, before the
         first step, carries weights alone: counting the state there made the calibrated
@@ -532,7 +532,7 @@ class PipelineExecutor(RecoveryCore):
 
     def _measure_state_bytes(self) -> None:
         """Bytes per parameter of weights and of optimizer state, as the engine's workload
-        (the restorer then predicts the bytes a migration really moves).  Every holder measures
+        (the migration planner then predicts the bytes a migration really moves).  Every holder measures
         the same numbers: the optimizer is the same class everywhere."""
         b = min(self.held)
         numel = max(1, self.block_numel[b])

@@ -1,7 +1,7 @@
 """Carry out a migration: move whole blocks' state between workers, point to point, in rounds.
 
-A migration is the restorer's transfers ``(src, dst, first block, stop block)`` grouped into
-rounds in which no worker appears twice (``restorer.schedule_rounds``).  Every member walks the
+A migration is the migration plan's transfers ``(src, dst, first block, stop block)`` grouped into
+rounds in which no worker appears twice (``engine.migration.schedule_rounds``).  Every member walks the
 rounds in order and takes part in the transfers that name it: the sender encodes each block's
 weights, optimizer state and scheduler state (``state.encode``: a JSON skeleton and raw tensor
 bytes, nothing pickled), the receiver materialises the block and loads it.  Transfers of one
@@ -59,7 +59,7 @@ def _recv_tree(gm, src_rank: int, tag: int, timeout_s: float):
 def run(ctx, rounds: list, timeout_s: float) -> dict:
     """Take part in ``rounds`` (lists of ``[src, dst, lo, hi]``) as ``ctx.worker_id``; returns
     what this member moved: ``state_bytes`` (weights + optimizer state shaped like them, as
-    the restorer counts them; summed over the member's sends), ``wire_bytes`` and
+    the migration plan counts them; summed over the member's sends), ``wire_bytes`` and
     ``transfers`` (sent)."""
     me = ctx.worker_id
     rank_of = {w: i for i, w in enumerate(ctx.view.members)}
