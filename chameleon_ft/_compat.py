@@ -93,6 +93,7 @@ class _AliasLoader(importlib.abc.Loader):
 
     # ``python -m OLD`` (runpy) runs the new module's code as __main__.
     def get_code(self, fullname):
+        _warn(self.old, self.new)
         spec = importlib.util.find_spec(self.new)
         return spec.loader.get_code(self.new)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import torch
 
 from chameleon_ft.runtime.codec import load_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
                                committed_ids, rel_diff)
 

@@ -11,12 +11,10 @@ reroute, and every evaluation sample gathered exactly once, in order, after the 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
                                committed_ids, kill_at_random_step, rel_diff, stop_and_survive)
 

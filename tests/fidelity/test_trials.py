@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.fidelity import trials  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]

@@ -26,7 +26,6 @@ import os
 import random
 import signal
 import struct
-import sys
 import time
 from pathlib import Path
 
@@ -34,7 +33,6 @@ import pytest
 
 from chameleon_ft.runtime.eventlog import committed_attempts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
                                kill_at_random_step, rel_diff, stop_and_survive)
 

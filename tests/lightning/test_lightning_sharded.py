@@ -8,13 +8,11 @@ synced), and training ends near the failure-free run."""
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers.recovery import ScriptJob  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

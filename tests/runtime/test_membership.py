@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers.proto_harness import PROTO_WORKER, ProtoCluster, recovered, recovery_breakdown  # noqa: E402
 from chameleon_ft.runtime.membership import CoordinatorServer, Membership, MembershipError
 

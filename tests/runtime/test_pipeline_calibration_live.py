@@ -15,12 +15,10 @@ mode (each block's forward and backward padded by sleeps; the network emulated b
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers import recovery  # noqa: E402
 
 from chameleon_ft.engine.cluster import Link  # noqa: E402

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers import recovery  # noqa: E402
 
 from chameleon_ft.runtime.eventlog import read_events as _read  # noqa: E402

@@ -9,12 +9,10 @@ from the shards), its loss history and the shard recovery it took.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers.recovery import ScriptJob, assert_exactly_once  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -61,11 +59,17 @@ def failure_free(tmp_path_factory):
 def test_sharded_matches_one_worker(tmp_path, failure_free):
     """FSDP over 4 workers and HSDP 2 x 2 train the same trajectory as one worker holding the
     whole model (same global batches; only the summation order differs)."""
-    finals, _ = _run(tmp_path, "--sharding", "full", nproc=1)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    finals, _ = _run(tmp_path / "one", "--sharding", "full", nproc=1)
     one = finals[0]
     assert _max_diff(failure_free["full"], one) < 1e-5
     assert _max_diff(failure_free["hybrid"], one) < 1e-5
     assert failure_free["full"]["step"] == STEPS
+    # HSDP 2 x 1 (one shard per replica group): FSDP's replica all-reduce is the whole gradient
+    # sum there and must really run (it was a silent no-op on torch's fake group).
+    finals, _ = _run(tmp_path / "two", "--sharding", "hybrid", "--replicas", "2", nproc=2)
+    assert _max_diff(finals[0], one) < 1e-5 and _max_diff(finals[1], one) < 1e-5
 
 
 def _after_kill(finals: dict, events: list[dict], victim: int) -> dict:

@@ -14,9 +14,12 @@ sub-groups from the default process group, which cannot be re-formed after a dea
 generation re-creates it (``no_comm_world``) on a process group that carries nothing
 (``_NoCommGroup``, registered as the ``chameleon_nocomm`` backend).  Every collective run on it
 raises ``NoCommunication``: FsdpComms carry the data, and a torch code path that bypassed them
-would be a bug.  One exception, by design: HSDP's all-reduce over the replica group of the
+would be a bug.  Two exceptions, by design: HSDP's all-reduce over the replica group of the
 buffer our reduce-scatter has just filled (already summed over every member) is the identity;
-FsdpComms arms it for that one buffer.
+FsdpComms arms it for that one buffer.  With one shard per replica group (an (R, 1) mesh, e.g.
+``sharding="hybrid"`` on two workers) FSDP runs no reduce-scatter at all and that all-reduce is
+the whole gradient sum: FsdpComms routes it onto the gloo group.  (torch's fake group, used
+before, made it a no-op: such a job trained each replica on its own share, silently.)
 
 Limits: CPU tensors (gloo).  Checked on torch 2.13: the ``dist.*`` collectives, functional
 collectives and ``DTensor.full_tensor`` all raise ours; a collective method that a later torch
@@ -81,6 +84,10 @@ class _NoCommGroup(dist.ProcessGroup):
     # FSDP runs HSDP's all-reduce over the replica group itself, on the buffer our reduce-scatter
     # has just filled with the sum over every member: the identity.  One per process, by identity.
     summed: Optional[torch.Tensor] = None
+    # HSDP with one shard per replica group, an (R, 1) mesh: FSDP runs no reduce-scatter and its
+    # replica all-reduce is the whole gradient sum, so it must really run: over our gloo group
+    # (the replica group is every member then).  Set by FsdpComms for such a mesh.
+    replica_sum = None
 
     def __init__(self, rank: int, size: int):
         super().__init__(rank, size)
@@ -103,6 +110,11 @@ class _NoCommGroup(dist.ProcessGroup):
         if (armed is not None and isinstance(tensors, list) and len(tensors) == 1 and tensors[0] is armed
                 and isinstance(opts, dist.AllreduceOptions) and opts.reduceOp == dist.ReduceOp.SUM):
             _NoCommGroup.summed = None
+            return _Done()
+        route = _NoCommGroup.replica_sum
+        if (route is not None and isinstance(tensors, list) and len(tensors) == 1
+                and isinstance(opts, dist.AllreduceOptions) and opts.reduceOp == dist.ReduceOp.SUM):
+            route(tensors[0])
             return _Done()
         self._refuse("allreduce")
 
@@ -167,6 +179,15 @@ class FsdpComms:
                 comms.reduce_scatter(output_tensor, input_tensor)
 
         self._ag, self._rs = _AG(), _RS()
+        # An (R, 1) mesh: the replica all-reduce is the gradient sum (see _NoCommGroup).
+        _NoCommGroup.replica_sum = self.replica_sum if (shards == 1 and world > 1) else None
+
+    def replica_sum(self, tensor: torch.Tensor) -> None:
+        """HSDP with one shard per replica group: FSDP's replica all-reduce, in place, over the
+        generation's gloo group (every member holds a whole replica)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._run(lambda pg: pg.allreduce([tensor], opts))
 
     def install(self, module: torch.nn.Module) -> list:
         """Our collectives on every FSDP unit of ``module``; returns the units."""
