@@ -245,8 +245,7 @@ def _diag_blocking_p2p() -> None:
 
 
 def run_ft(a) -> None:
-    from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.recovery import ElasticConfig
+    from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
     if a.diag == "no-start-check":
         _diag_no_start_check()

@@ -72,8 +72,7 @@ def main() -> None:
         rank = plain(a, data, model, opt, loss_fn, rows)
         extra = {}
     else:
-        from chameleon_ft.runtime.trainer import ElasticTrainer
-        from chameleon_ft.runtime.recovery import ElasticConfig
+        from chameleon_ft import ElasticConfig, ElasticTrainer
 
         def on_step(ctx):
             rows.append([ctx.step, time.time(), ctx.loss_history[-1][1]])
@@ -128,7 +127,7 @@ def plain(a, data, model, opt, loss_fn, rows) -> int:
 
 
 if __name__ == "__main__":
-    from chameleon_ft.runtime.trainer import elastic_main
+    from chameleon_ft import elastic_main
     import sys
     if "--mode" in sys.argv and sys.argv[sys.argv.index("--mode") + 1] == "plain":
         main()

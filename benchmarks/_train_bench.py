@@ -73,8 +73,7 @@ def run_ddp(a) -> list[float]:
 
 
 def run_ft(a) -> None:
-    from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.recovery import ElasticConfig
+    from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
     def main():
         net = model()

@@ -122,8 +122,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     from torch.nn import functional as F
 
-    from chameleon_ft.runtime.trainer import ElasticTrainer
-    from chameleon_ft.runtime.recovery import ElasticConfig
+    from chameleon_ft import ElasticConfig, ElasticTrainer
 
     torch.set_num_threads(1)
     data, vocab = dataset(a.max_samples)
@@ -263,7 +262,7 @@ def launch(a: argparse.Namespace) -> int:
 def main() -> None:
     a = parse()
     if os.environ.get("CHAMELEON_FT_WORKER_ID"):
-        from chameleon_ft.runtime.trainer import elastic_main
+        from chameleon_ft import elastic_main
         elastic_main(lambda: worker(a))
     else:
         sys.exit(launch(a))

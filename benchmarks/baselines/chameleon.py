@@ -29,8 +29,7 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.recovery import ElasticConfig
+    from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
     def run():
         log = StepLog(int(os.environ.get("CHAMELEON_FT_WORKER_ID", 0)),

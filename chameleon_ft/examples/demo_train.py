@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
 
 class Blobs(torch.utils.data.Dataset):

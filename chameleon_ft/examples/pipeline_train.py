@@ -23,8 +23,7 @@ import time
 import torch
 
 from chameleon_ft.examples.demo_train import Blobs
-from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
-from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
 
 class Block(torch.nn.Module):
