@@ -139,6 +139,7 @@ def test_two_failures_including_rank0_and_wrapped_accelerator(tmp_path, referenc
     assert rows[-1]["ft/world_size"] == 2.0
 
 
+@pytest.mark.chaos  # the runtime's watchdog: test_elastic_recovery.py in CI (tests/README.md)
 def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     hang_timeout = 2.0
     job = AccJob(tmp_path, "--mb-sleep", "0.01", hang_timeout=hang_timeout)

@@ -42,6 +42,7 @@ def test_drawn_trials_cover_the_dimensions():
     assert not any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
 
 
+@pytest.mark.chaos  # 12 real jobs (~12 min); default coverage: tests/README.md
 def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
     records = trials.run_trials(N, list(trials.FRAMEWORKS), SEED, tmp_path, setups_per_framework=1)
     summary = trials.summarise(records)

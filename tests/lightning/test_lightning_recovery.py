@@ -310,6 +310,7 @@ def test_checkpoint_after_recovery_resumes_on_three_workers(killed_run, referenc
     assert got["val_acc"] == reference["val_acc"]
 
 
+@pytest.mark.chaos  # the runtime's watchdog: test_elastic_recovery.py in CI (tests/README.md)
 def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     hang_timeout = 2.0
     job = LitJob(tmp_path, "--mb-sleep", "0.01", hang_timeout=hang_timeout)
@@ -322,6 +323,7 @@ def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     assert "hung?" in job.output()
 
 
+@pytest.mark.chaos  # test_elastic_straggler.py in CI (tests/README.md)
 def test_straggler_flagged_and_rebalanced_same_trajectory(tmp_path, reference):
     """``--faults slow:rank=1:factor=4``: worker 1 pads every micro-batch's forward+backward to
     4x; the detector flags it from the step timings, the engine rebalances, and the fit ends

@@ -109,6 +109,7 @@ def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_pa
         assert (got["params"][k] - v).abs().max() <= 1e-4, k
 
 
+@pytest.mark.chaos  # ~70 s; default coverage: tests/README.md
 def test_kill_inside_validation_reruns_it_over_the_survivors(tmp_path, reference):
     """Evaluation unshards every unit once at its start (over the live group) and runs its
     forwards without collectives; a worker killed inside it: the survivors recover (rehabilitate

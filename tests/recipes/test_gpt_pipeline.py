@@ -40,6 +40,7 @@ def recipe(out: Path, *flags: str) -> dict:
     return {**json.loads((out / "result.json").read_text()), "stdout": p.stdout}
 
 
+@pytest.mark.chaos  # ~2.5 min; default coverage: tests/README.md
 @pytest.mark.timeout(600)
 def test_gpt_pipeline_recipe_survives_a_middle_stage_kill_on_the_same_trajectory(tmp_path):
     ref = recipe(tmp_path / "ref")
@@ -56,6 +57,7 @@ def test_gpt_pipeline_recipe_survives_a_middle_stage_kill_on_the_same_trajectory
         assert abs(got["block_norms"][b] / norm - 1) < 1e-5, (b, got["block_norms"][b], norm)
 
 
+@pytest.mark.chaos  # ~3 min; default coverage: tests/README.md
 @pytest.mark.timeout(600)
 def test_pipeline_demo_shows_reroute_and_replan(tmp_path):
     p = _run([sys.executable, "-m", "chameleon_ft.cli", "demo", "--pipeline", "--epochs", "2", "--at-step", "4",

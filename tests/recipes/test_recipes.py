@@ -24,6 +24,7 @@ def run(recipe: str, out: Path, *flags: str, metric: str = "eval accuracy") -> d
     return {**json.loads((out / "result.json").read_text()), "stdout": p.stdout}
 
 
+@pytest.mark.chaos  # the Accelerate + transformers recipe path stays in CI with causal_lm (tests/README.md)
 def test_seq_cls_recipe_survives_a_kill_with_the_same_eval_metric(tmp_path):
     short = ("--epochs", "1", "--max-samples", "128")
     ref = run("seq_cls.py", tmp_path / "ref", *short)
@@ -44,6 +45,7 @@ def test_causal_lm_recipe_survives_a_kill_with_the_same_perplexity(tmp_path):
     assert abs(got["eval_perplexity"] / ref["eval_perplexity"] - 1) < 1e-4
 
 
+@pytest.mark.chaos  # ~4 min; default coverage: tests/README.md
 def test_lightning_recipe_survives_a_kill_with_the_same_eval_metric(tmp_path):
     short = ("--epochs", "1", "--max-samples", "128")
     ref = run("lightning_cls.py", tmp_path / "ref", *short)

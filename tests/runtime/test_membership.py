@@ -63,6 +63,7 @@ def _step_after(c: ProtoCluster, wids, t: float, timeout: float = 20) -> None:
                "a failure and then a completed step after the event")
 
 
+@pytest.mark.chaos  # the same behaviour end to end in CI: tests/README.md
 def test_sigkill_one_worker_survivors_continue(tmp_path):
     steps = 120
     with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
@@ -80,6 +81,7 @@ def test_sigkill_one_worker_survivors_continue(tmp_path):
         assert max(e["ts"] for e in _steps(c, 0)) > t_kill
 
 
+@pytest.mark.chaos  # the same behaviour end to end in CI: tests/README.md
 def test_sigkill_two_workers_in_successive_steps(tmp_path):
     steps = 150
     with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
@@ -98,7 +100,8 @@ def test_sigkill_two_workers_in_successive_steps(tmp_path):
         assert c.coordinator.dead_workers() == {1, 3}
 
 
-@pytest.mark.parametrize("launcher_watch", [False, True], ids=["workers-only", "launcher-reports"])
+@pytest.mark.parametrize("launcher_watch", [pytest.param(False, id="workers-only"),
+                                            pytest.param(True, id="launcher-reports", marks=pytest.mark.chaos)])
 def test_second_kill_during_reconfiguration(tmp_path, launcher_watch):
     """A failure while the survivors reconfigure leads to another reconfiguration.
 
@@ -121,6 +124,7 @@ def test_second_kill_during_reconfiguration(tmp_path, launcher_watch):
               f"{len(views)} views agreed")
 
 
+@pytest.mark.chaos  # the same behaviour end to end in CI: tests/README.md
 def test_sigstop_hang_detected_by_watchdog(tmp_path):
     watchdog = 2.0
     steps = 100
@@ -182,6 +186,7 @@ def test_lighthouse_unreachable_in_process():
         coord.shutdown()
 
 
+@pytest.mark.chaos  # the same behaviour end to end in CI: tests/README.md
 def test_replacement_worker_is_admitted(tmp_path):
     """A worker started later (same id as a dead one) joins the running job."""
     steps = 200
