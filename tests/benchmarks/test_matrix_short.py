@@ -25,6 +25,7 @@ KEYS = {"system", "family", "variant", "scenario", "crashed", "completed", "mttr
         "peak_rss_mb", "final_loss", "wall_s", "note"}
 
 
+@pytest.mark.chaos  # the harness on real runs is a benchmark (tests/README.md)
 # Four real runs: ~60 s on an idle 2-core machine, ~5 min when it is shared.
 @pytest.mark.timeout(900)
 def test_matrix_short(tmp_path):

@@ -223,6 +223,7 @@ def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, ref
     assert f"trainer.test() evaluates each of the {TEST} samples exactly once over the 3 live workers" in out
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_new_rank_0_continues_the_csv_logger_run(tmp_path, reference):
     """Worker 0 (rank 0, the one that logs) is SIGKILLed mid-epoch 0.  The next lowest worker
     becomes rank 0 and continues the same ``CSVLogger`` run: one version directory, the rows

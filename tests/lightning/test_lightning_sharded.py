@@ -89,6 +89,7 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
     assert abs(got - ref) <= 0.1 * ref, (got, ref)
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_path, reference):
     """``trainer.save_checkpoint`` writes the whole model and optimizer state (gathered from the
     shards; ``weights_only`` loadable); ``fit(ckpt_path=...)`` on 3 workers re-shards it and

@@ -58,6 +58,7 @@ def test_slow_worker_is_flagged_and_gets_fewer_microbatches(tmp_path, tmp_path_f
     assert max_relative_diff(finals[0], reference(tmp_path_factory.mktemp("ref"), 2)) < 1e-5
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_a_recovered_straggler_gets_the_even_split_back(tmp_path):
     """Worker 1 is 4x slow for steps 0-16 only: rebalanced while slow, then its flag clears and
     every worker runs two micro-batches again (and a rebalance that pays is not undone)."""

@@ -68,7 +68,7 @@ def test_calibration_recovers_injected_costs(tmp_path):
     assert cal["predicted_step_s"] > 0
 
 
-@pytest.mark.parametrize("mttf,expected", [(0.05, "reroute"), (1e6, "replan")])
+@pytest.mark.parametrize("mttf,expected", [pytest.param(0.05, "reroute", marks=pytest.mark.chaos), (1e6, "replan")])
 def test_crossover_short_d_reroutes_long_d_replans(tmp_path, mttf, expected):
     j = job(tmp_path, "--max-steps", "16", "--mttf", str(mttf), "--allowed", "reroute,replan")
     try:

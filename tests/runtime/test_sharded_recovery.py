@@ -145,6 +145,7 @@ def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint(tmp_path, failure_fr
     _all_exact(finals, failure_free["full"])
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_hsdp_hung_worker_is_healed_around(tmp_path, failure_free):
     """SIGSTOP instead of SIGKILL: no error reaches anyone; the watchdog ends the stuck FSDP
     collective, the hung worker is left out (the launcher kills it), the rows heal from the
@@ -168,6 +169,7 @@ def test_hsdp_hung_worker_is_healed_around(tmp_path, failure_free):
     _all_exact(finals, failure_free["hybrid"])
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_hsdp_replacement_rejoins_and_reshards(tmp_path, failure_free):
     """A replacement for the killed worker joins the running job: the rows are re-sharded over
     four again (it receives its row, nothing is read from disk), and the run ends on the
