@@ -19,7 +19,7 @@ import sys
 import types
 import warnings
 
-__all__ = ["ChameleonFTDeprecationWarning", "MOVED_MODULES", "RENAMED", "install", "renamed_getattr"]
+__all__ = ["ChameleonFTDeprecationWarning", "MOVED_MODULES", "install", "renamed_getattr"]
 
 
 class ChameleonFTDeprecationWarning(FutureWarning):
@@ -62,15 +62,6 @@ MOVED_MODULES = {
     "accelerate_ft.runtime": "accelerate_ft.step_protocol",
 }
 
-#: old class name -> (module that holds the new one, new name); reached through the old
-#: module's ``__getattr__`` (``renamed_getattr``).
-RENAMED = {
-    "ElasticContext": ("chameleon_ft.runtime.executors.dp", "DataParallelExecutor"),
-    "PipelineContext": ("chameleon_ft.runtime.executors.pipeline.executor", "PipelineExecutor"),
-    "ShardedContext": ("chameleon_ft.runtime.executors.sharded.executor", "ShardedExecutor"),
-    "EnginePolicy": ("chameleon_ft.runtime.engine_bridge", "EngineBridge"),
-    "AccelerateRuntime": ("accelerate_ft.step_protocol", "StepProtocol"),
-}
 
 def _warn(old: str, new: str) -> None:
     warnings.warn(f"{old} has moved: import it from {new} (the old path will be removed)",

@@ -30,13 +30,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from chameleon_ft.runtime.errors import CheckpointError  # defined with the other outcomes
+
 __all__ = ["encode", "decode", "broadcast_tree", "save_checkpoint", "load_checkpoint",
            "CheckpointError", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "chameleon-ft/run-state/1"
-
-
-from chameleon_ft.runtime.errors import CheckpointError  # noqa: E402  (defined with the other outcomes)
 
 
 def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:

@@ -54,6 +54,8 @@ os.environ.setdefault("RUST_LOG", "warn")
 import torch.distributed as dist  # noqa: E402
 from torchft._torchft import LighthouseClient, LighthouseServer  # noqa: E402
 
+from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
+
 log = logging.getLogger(__name__)
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
@@ -75,9 +77,6 @@ def _dead_key(worker_id: int) -> str:
 def abort_key(token: str) -> str:
     """Store key that, once set, ends the generation ``token`` for every member."""
     return f"cft/abort/{token}"
-
-
-from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 
 
 @dataclass(frozen=True)
