@@ -3,7 +3,9 @@
 One launcher per node (torchrun's flags).  Node 0's launcher hosts the job's coordinator
 (``CoordinatorServer``: a TCPStore and torchft's Lighthouse) on loopback, or on the address
 that ``--rdzv-endpoint`` names; every launcher (node 0's too) then starts
-``--nproc-per-node`` workers with the environment of ``runtime/env.py``.  Worker ids are
+``--nproc-per-node`` workers with the environment of ``runtime/env.py``, each a fork of a
+template interpreter that imported the ``--preload`` modules once (``cli/warmstart.py``:
+start-up imports are paid once per launcher, not per worker and replacement).  Worker ids are
 ``node_rank * nproc_per_node + local_rank`` and stay with their slot.
 
 What a launcher does while the job runs:
@@ -38,14 +40,19 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors
 from chameleon_ft.runtime.faults import parse_faults
-from chameleon_ft.runtime.membership import (CoordinatorServer, MembershipError, connect_store,
-                                             read_latest, report_dead)
+
+if TYPE_CHECKING:
+    from chameleon_ft.runtime.membership import CoordinatorServer
+
+# ``runtime.membership`` (torch, torchft) is imported where the coordinator is first needed,
+# after the flags were checked: a bad flag is refused without paying torch's import.
 
 __all__ = ["main", "build_parser", "LaunchError"]
 
@@ -87,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mttf", type=float, default=None, metavar="SECONDS",
                    help="expected time to the next failure (D) the engine scores its choices "
                         "over (default: estimated from a per-device failure rate and this run)")
+    p.add_argument("--preload", default=",".join(DEFAULT_PRELOAD), metavar="MODULES",
+                   help="modules a template interpreter imports once; every worker and "
+                        "replacement is a fork of it, which saves each its start-up imports "
+                        f"(default {','.join(DEFAULT_PRELOAD)}; '' starts each worker as a "
+                        "fresh interpreter; a module read RANK at import time must not be "
+                        "listed: see cli/warmstart.py)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -160,9 +173,12 @@ class Launcher:
         self.children: dict[int, _Child] = {}
         self.replacements_left = args.max_replacements
         self.stop_signal: Optional[int] = None
+        self.warm: Optional[WarmSpawner] = None
 
     # ---------------------------------------------------------------- coordinator
     def connect(self) -> tuple[str, str]:
+        from chameleon_ft.runtime.membership import CoordinatorServer, MembershipError, connect_store
+
         a = self.args
         if a.node_rank == 0:
             host, port = "127.0.0.1", 0
@@ -204,8 +220,19 @@ class Launcher:
             # torchrun's name for "how many times the whole job was relaunched".
             "TORCHELASTIC_RESTART_COUNT": str(getattr(a, "restart_count", 0)),
         })
-        proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
-                                start_new_session=True)
+        proc = None
+        # A replacement starts as a fresh interpreter: it stands for a new machine, and what
+        # one costs to start is what the engine's wait-for-replacement must weigh.
+        if self.warm is not None and not incarnation:
+            try:
+                proc = self.warm.spawn([a.script, *a.script_args], env)
+            except WarmStartError as exc:
+                _say(f"warm start off, starting fresh interpreters: {exc}")
+                self.warm.close()
+                self.warm = None
+        if proc is None:
+            proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
+                                    start_new_session=True)
         child = _Child(wid, local_rank, proc, incarnation)
         self.children[local_rank] = child
         what = f"replacement #{incarnation}" if incarnation else "worker"
@@ -213,6 +240,11 @@ class Launcher:
         return child
 
     def run(self) -> int:
+        if self.args.preload and self.warm is None:
+            # Started first: its imports overlap the coordinator's start.
+            tenv = dict(os.environ)
+            tenv.setdefault("OMP_NUM_THREADS", "1")  # libgomp reads it when torch loads
+            self.warm = WarmSpawner(self.args.preload.split(","), tenv)
         self.store_addr, self.lighthouse_addr = self.connect()
         log = EventLog(os.path.join(self.run_dir, "events.jsonl"), role="launcher",
                        node_rank=self.args.node_rank, pid=os.getpid())
@@ -299,12 +331,16 @@ class Launcher:
 
     def _report(self, wid: int, reason: str) -> None:
         try:
+            from chameleon_ft.runtime.membership import report_dead
+
             report_dead(self.store, wid, reason)
         except Exception as exc:  # the coordinator may be gone; workers will say so
             _say(f"could not report worker {wid} to the coordinator: {exc}")
 
     def _evict_hung(self, running: list[_Child], now: float) -> None:
         try:
+            from chameleon_ft.runtime.membership import read_latest
+
             latest = read_latest(self.store)
         except Exception:
             return
@@ -339,6 +375,9 @@ class Launcher:
 
     def close(self) -> None:
         self.terminate_all()
+        if self.warm is not None:
+            self.warm.close()
+            self.warm = None
         if self.coordinator is not None:
             self.coordinator.shutdown()
             self.coordinator = None

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from chameleon_ft.runtime.eventlog import committed_attempts, read_events
+from chameleon_ft.runtime.eventlog import EventTail, committed_attempts
 
 
 def kill_processes(pids, popens=(), wait_s: float = 10.0) -> None:
@@ -51,6 +51,7 @@ class LocalJob:
         self.nproc = nproc
         self.env = dict(os.environ, **(env or {}))
         self.launchers: list[subprocess.Popen] = []
+        self._log = EventTail(self.run_dir / "events.jsonl")
 
     # ---------------------------------------------------------------- processes
     def command(self, nproc: Optional[int] = None, extra: Sequence[str] = ()) -> list[str]:
@@ -88,8 +89,7 @@ class LocalJob:
 
     # ---------------------------------------------------------------- the run
     def events(self) -> list[dict]:
-        path = self.run_dir / "events.jsonl"
-        return read_events(path) if path.exists() else []
+        return self._log.read()
 
     def worker_pids(self) -> dict[tuple[int, int], int]:
         """(worker id, replacement number) -> pid, for every worker that started."""

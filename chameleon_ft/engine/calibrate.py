@@ -23,10 +23,17 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
 from chameleon_ft.engine.cluster import Link
 from chameleon_ft.engine.perf import Coefficients
+
+
+def _nnls(a, b):
+    """``scipy.optimize.nnls``, imported on first use: scipy.optimize costs most of a second
+    to import, and every worker imports this module but fits only after a failure."""
+    from scipy.optimize import nnls
+
+    return nnls(a, b)
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def fit_link(samples: Iterable[CollectiveSample], prior: Link | None = None) -> 
         if prior is None:
             raise ValueError("need at least two all-reduce samples over 2+ participants to fit a link")
         return prior
-    (alpha, inv_bw), _ = nnls(np.array(rows), np.array(obs))
+    (alpha, inv_bw), _ = _nnls(np.array(rows), np.array(obs))
     if inv_bw <= 0:
         # Sizes too small to see bandwidth: keep the prior's, or call it effectively infinite.
         bw = prior.bandwidth_Bps if prior else 1e15
@@ -130,7 +137,7 @@ def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))) or np.any(x < 0) or np.any(t < 0):
         raise ValueError("message sizes and times must be finite and non-negative")
     if np.ptp(x) > 0.1 * max(float(x.max()), 1.0):
-        (alpha, inv_bw), _ = nnls(np.column_stack([np.ones_like(x), x]), t)
+        (alpha, inv_bw), _ = _nnls(np.column_stack([np.ones_like(x), x]), t)
         if inv_bw > 0:
             return Link(latency_s=float(alpha), bandwidth_Bps=float(1.0 / inv_bw))
     alpha = min(prior.latency_s if prior else 0.0, float(np.median(t)))
@@ -301,7 +308,7 @@ class PipelineCalibrator:
         mig = None
         if self.migrations:
             rows = np.array([[r, nb] for r, nb, _ in self.migrations], dtype=float)
-            (alpha, inv_bw), _ = nnls(rows, np.array([s for *_, s in self.migrations]))
+            (alpha, inv_bw), _ = _nnls(rows, np.array([s for *_, s in self.migrations]))
             if inv_bw > 0:
                 mig = Link(latency_s=float(alpha), bandwidth_Bps=float(1 / inv_bw))
             else:

@@ -25,9 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable
 
-import networkx as nx
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from chameleon_ft.engine.cluster import Cluster
 from chameleon_ft.engine.plan import Plan
@@ -153,6 +151,8 @@ def migrate(
             [_cost(workload, held.get(d), new.pipelines[j].layers_of_stage(s), j % k, k) for (j, s, _) in slots]
             for d in devices
         ])
+        from scipy.optimize import linear_sum_assignment  # on first use (import cost)
+
         rows, cols = linear_sum_assignment(cost)
         for r, c in zip(rows, cols):
             j, s, planned = slots[c]
@@ -286,6 +286,8 @@ def schedule_rounds(transfers: list[Transfer]) -> list[list[Transfer]]:
     """Rounds in which no device appears twice (DSATUR colouring of the conflict graph)."""
     if not transfers:
         return []
+    import networkx as nx  # on first use (import cost)
+
     g = nx.Graph()
     g.add_nodes_from(range(len(transfers)))
     by_device: dict[int, list[int]] = {}

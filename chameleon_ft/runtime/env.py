@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["WorkerEnv", "EnvError", "process_age_s", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
+__all__ = ["WorkerEnv", "EnvError", "process_age_s", "startup_s", "PRELOAD_S", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
            "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF"]
 
@@ -27,6 +27,8 @@ HANG_TIMEOUT = "CHAMELEON_FT_HANG_TIMEOUT"   # watchdog on every collective, sec
 MIN_WORLD = "CHAMELEON_FT_MIN_WORLD"        # members needed before the first step
 MAX_REPLACEMENTS = "CHAMELEON_FT_MAX_REPLACEMENTS"  # replacement budget of this worker's launcher
 MTTF = "CHAMELEON_FT_MTTF"                  # fixed D for the engine, seconds (--mttf); unset: estimated
+PRELOAD_S = "CHAMELEON_FT_PRELOAD_S"        # warm start: seconds the template spent importing
+                                            # what this worker inherited (cli/warmstart.py)
 
 # A worker exits with this code when the engine chose checkpoint-restart (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
@@ -100,3 +102,17 @@ def process_age_s() -> Optional[float]:
         return max(0.0, time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK")))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def startup_s(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """How long this worker took to get here, as a fresh interpreter would have: its own age
+    plus, when it was forked from a warm-start template, the imports it inherited (a
+    replacement starts as a fresh interpreter and pays them again)."""
+    age = process_age_s()
+    if age is None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        return age + max(0.0, float(env.get(PRELOAD_S) or 0.0))
+    except ValueError:
+        return age

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.errors import ConfigError, NothingToHeal, RestartRequested, WorldTooSmall
-from chameleon_ft.runtime.env import WorkerEnv, process_age_s
+from chameleon_ft.runtime.env import WorkerEnv, startup_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
@@ -137,7 +137,7 @@ class RecoveryCore:
             straggler_options=self.cfg.straggler_options, items_per_step=self.cfg.items_per_step,
             stages=stages, memory_bytes=self.cfg.device_memory_bytes,
             one_each=self.cfg.one_microbatch_each)
-        self._startup_s = process_age_s()  # this process's start-up so far (before joining)
+        self._startup_s = startup_s()  # this worker's start-up so far (before joining)
         self.recoveries = 0
         self.predictions: list[dict] = []  # predicted vs measured, per failure/join Decision
         self._tracker = PredictionTracker(_PREDICT_STEPS)

@@ -14,6 +14,7 @@ import pytest
 from chameleon_ft.runtime.eventlog import (
     MTTR_PHASES,
     EventLog,
+    EventTail,
     RecoveryTimer,
     read_events,
     summarize,
@@ -100,6 +101,25 @@ def test_truncated_last_line_is_ignored(tmp_path):
         f.write(b'{"ts": 1.0, "event": "fail')
     assert [e["event"] for e in read_events(path)] == ["run_start", "membership"]
     assert len(read_events(path, strict=True)) == 2
+
+
+def test_tail_reads_only_what_was_appended_and_agrees_with_read_events(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail = EventTail(path)
+    assert tail.read() == []  # no file yet
+    with EventLog(path) as log:
+        log.run_start(world_size=2)
+    with open(path, "ab") as f:
+        f.write(b'{"ts": 1.0, "event": "fail')  # a line still being written
+    assert [e["event"] for e in tail.read()] == ["run_start"]
+    with open(path, "ab") as f:
+        f.write(b'ure", "workers": [1]}\n[1, 2]\n')  # finished, then a bad line
+    with EventLog(path) as log:
+        log.run_end()
+    assert [e["event"] for e in tail.read()] == ["run_start", "failure", "run_end"]
+    assert tail.read() == read_events(path)
+    path.write_bytes(b'{"ts": 2.0, "event": "run_start"}\n')  # rewritten shorter
+    assert tail.read() == read_events(path) == [{"ts": 2.0, "event": "run_start"}]
 
 
 def test_corrupt_middle_line_skipped_or_strict_error(tmp_path):

@@ -1,0 +1,124 @@
+"""Warm start (``cli/warmstart.py``): a forked worker must behave as ``python -u script.py``
+would -- argv, sys.path[0], ``__main__``, its own environment and session, exit statuses,
+atexit -- and a template that cannot start must not stop the job.  Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from chameleon_ft.cli.warmstart import WarmSpawner
+
+PROBE = textwrap.dedent("""
+    import atexit, json, os, sys
+    out = os.environ["PROBE_OUT"]
+    def bye():
+        with open(out + ".atexit", "w") as f:
+            f.write("ran")
+    atexit.register(bye)
+    with open(out, "w") as f:
+        json.dump({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                   "rank": os.environ.get("RANK"), "pid": os.getpid(),
+                   "sid": os.getsid(0), "preloaded": "fractions" in sys.modules,
+                   "preload_s": os.environ.get("CHAMELEON_FT_PRELOAD_S")}, f)
+    mode = sys.argv[1]
+    if mode == "exit3":
+        sys.exit(3)
+    if mode == "raise":
+        raise ValueError("boom from the script")
+    if mode == "sleep":
+        import time
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def spawner(tmp_path):
+    with open(tmp_path / "stderr.txt", "wb") as err:
+        sp = WarmSpawner(["fractions"], dict(os.environ), stderr=err)
+    yield sp
+    sp.close()
+
+
+def _run(spawner, tmp_path, mode, rank="0"):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / f"probe_{mode}.json"
+    env = dict(os.environ, RANK=rank, PROBE_OUT=str(out))
+    return spawner.spawn([str(script), mode, "x"], env), out
+
+
+def test_forked_worker_sees_what_a_fresh_interpreter_would(spawner, tmp_path):
+    p, out = _run(spawner, tmp_path, "ok", rank="3")
+    assert p.wait(30) == 0
+    got = json.loads(out.read_text())
+    assert got["argv"] == [str(tmp_path / "probe.py"), "ok", "x"]
+    assert got["path0"] == str(tmp_path)
+    assert got["name"] == "__main__"
+    assert got["rank"] == "3"  # its own environment, set after the fork
+    assert got["pid"] == p.pid and got["sid"] == p.pid  # its own session, as start_new_session
+    assert got["preloaded"]  # the template's import is inherited
+    assert float(got["preload_s"]) == pytest.approx(spawner.preload_s) and spawner.preload_s > 0
+    assert (tmp_path / "probe_ok.json.atexit").read_text() == "ran"
+
+
+def test_ps_shows_the_workers_own_command_line(spawner, tmp_path):
+    p, _ = _run(spawner, tmp_path, "sleep")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            cmdline = open(f"/proc/{p.pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            if "probe.py" in cmdline:
+                break
+            time.sleep(0.05)
+        assert f"-u {tmp_path / 'probe.py'} sleep x" in cmdline, cmdline
+    finally:
+        p.kill()
+        p.wait(30)
+
+
+def test_exit_status_exception_and_signal_come_back(spawner, tmp_path):
+    p3, _ = _run(spawner, tmp_path, "exit3")
+    praise, _ = _run(spawner, tmp_path, "raise")
+    psleep, _ = _run(spawner, tmp_path, "sleep")
+    assert p3.wait(30) == 3
+    assert praise.wait(30) == 1
+    assert "ValueError: boom from the script" in (tmp_path / "stderr.txt").read_text()
+    time.sleep(0.2)
+    assert psleep.poll() is None
+    os.kill(psleep.pid, signal.SIGKILL)  # from outside, by PID
+    assert psleep.wait(30) == -signal.SIGKILL
+    late, _ = _run(spawner, tmp_path, "sleep")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            late.wait(0.3)
+    finally:
+        late.kill()
+    assert late.wait(30) == -signal.SIGKILL
+
+
+def test_a_preload_that_does_not_import_falls_back_to_fresh_interpreters(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import os; print('worker', os.environ['RANK'], 'ran')\n")
+    r = subprocess.run([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "2",
+                        "--run-dir", str(tmp_path / "run"), "--preload", "no_such_module_xyz",
+                        str(script)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warm start off" in r.stderr and "no_such_module_xyz" in r.stderr
+    assert "worker 0 ran" in r.stdout and "worker 1 ran" in r.stdout
+
+
+def test_startup_counts_the_inherited_imports():
+    from chameleon_ft.runtime.env import PRELOAD_S, process_age_s, startup_s
+
+    age = process_age_s()
+    assert startup_s({}) == pytest.approx(age, abs=0.5)
+    assert startup_s({PRELOAD_S: "2.5"}) == pytest.approx(age + 2.5, abs=0.5)
+    assert startup_s({PRELOAD_S: "junk"}) == pytest.approx(age, abs=0.5)
