@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError
+from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors
@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", default=",".join(DEFAULT_PRELOAD), metavar="MODULES",
                    help="modules a template interpreter imports once; every worker and "
                         "replacement is a fork of it, which saves each its start-up imports "
-                        f"(default {','.join(DEFAULT_PRELOAD)}; '' starts each worker as a "
-                        "fresh interpreter; a module read RANK at import time must not be "
-                        "listed: see cli/warmstart.py)")
+                        f"(default {','.join(DEFAULT_PRELOAD)}; '+a,b' adds a and b to it, e.g. "
+                        "'+lightning,lightning_ft' for Lightning scripts; '' starts each worker "
+                        "as a fresh interpreter; see cli/warmstart.py for what a module may not "
+                        "do at import)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -240,11 +241,12 @@ class Launcher:
         return child
 
     def run(self) -> int:
-        if self.args.preload and self.warm is None:
+        modules = preload_modules(self.args.preload)
+        if modules and self.warm is None:
             # Started first: its imports overlap the coordinator's start.
             tenv = dict(os.environ)
             tenv.setdefault("OMP_NUM_THREADS", "1")  # libgomp reads it when torch loads
-            self.warm = WarmSpawner(self.args.preload.split(","), tenv)
+            self.warm = WarmSpawner(modules, tenv)
         self.store_addr, self.lighthouse_addr = self.connect()
         log = EventLog(os.path.join(self.run_dir, "events.jsonl"), role="launcher",
                        node_rank=self.args.node_rank, pid=os.getpid())

@@ -15,9 +15,12 @@ and exits 1; a signal kills it) and ``atexit`` handlers.
 The one difference: the preloaded modules were imported *before* the worker's own variables
 (``RANK``, ``LOCAL_RANK``, ...) were set, with the launcher's environment.  A module that reads
 them at import time would see the launcher's.  So the default preload is torch,
-``torch._dynamo`` and chameleon-ft's runtime, none of which does; Lightning does
-(``rank_zero_only.rank``) and is not preloaded.  ``--preload ''`` starts every worker as a fresh
-interpreter, as before.
+``torch._dynamo`` and chameleon-ft's runtime, none of which does.  Lightning does (its
+``rank_zero_only.rank``, from ``RANK`` / ``LOCAL_RANK`` / ``SLURM_PROCID``): it is not in the
+default, and when a script's launcher preloads it (``--preload +lightning,lightning_ft``: ``+``
+adds to the default; it saves each Lightning worker its longest import) every fork sets that
+rank again from its own environment, as Lightning's import would have.  ``--preload ''``
+starts every worker as a fresh interpreter, as before.
 
 Supervision: the template reaps its children and sends each exit status to the launcher over a
 pipe; ``WarmProcess`` gives the launcher the ``subprocess.Popen`` calls it uses (``pid``,
@@ -47,9 +50,28 @@ from typing import Optional, Sequence
 
 from chameleon_ft.runtime import env as E
 
-__all__ = ["DEFAULT_PRELOAD", "WarmSpawner", "WarmProcess", "WarmStartError"]
+__all__ = ["DEFAULT_PRELOAD", "preload_modules", "WarmSpawner", "WarmProcess", "WarmStartError"]
 
 DEFAULT_PRELOAD = ("torch", "torch._dynamo", "chameleon_ft.runtime.trainer")
+
+
+def preload_modules(spec: str) -> tuple[str, ...]:
+    """``--preload``'s value: ``a,b`` (exactly these), ``+a,b`` (the default and these) or ``''``
+    (none: fresh interpreters)."""
+    spec = spec.strip()
+    extra = spec.startswith("+")
+    names = tuple(m.strip() for m in spec.lstrip("+").split(",") if m.strip())
+    return (DEFAULT_PRELOAD + tuple(m for m in names if m not in DEFAULT_PRELOAD)) if extra else names
+
+
+def _rerank_after_fork() -> None:
+    """Modules that read the worker's rank when imported get it again from the worker's own
+    environment (they were imported in the template, before it existed)."""
+    rz = sys.modules.get("lightning_utilities.core.rank_zero")  # Lightning's rank_zero_only
+    if rz is not None:
+        rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+                     if os.environ.get(k) is not None), None)
+        rz.rank_zero_only.rank = int(rank) if rank is not None else 0
 
 
 class WarmStartError(RuntimeError):
@@ -295,6 +317,7 @@ def _become(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ[E.PRELOAD_S] = repr(req["preload_s"])
+    _rerank_after_fork()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     for stream in (sys.stdout, sys.stderr):

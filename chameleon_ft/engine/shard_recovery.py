@@ -19,7 +19,16 @@ state it held may have no current copy among the survivors.  Four ways back, eac
   ``restart_s + (t_f - t_ckpt) * step_s``.
 
 ``snapshot_interval`` is Young/Daly's optimum for how often to take the snapshots that make
-recompute and rehabilitation possible, from their measured cost and the failure rate.
+recompute and rehabilitation possible, from their measured cost and the failure rate, bounded
+by the run (at least ``SNAPSHOTS_PER_RUN`` snapshots over it): with a realistic failure rate
+Young/Daly's interval for a short job is longer than the job, which left rehabilitation only
+the initial state to restore from (issue 23).
+
+Rehabilitation is ruled out, and the Decision says why, when the lost rows' snapshot is the
+initial state (step 0: restoring it restarts a part of the model from scratch, which the gap
+model does not describe) and when its own estimate of the steps to heal (with the safety
+factor) exceeds the steps left in the run (``remaining_steps``): a gap that cannot close
+before the end is lost quality, not lost time.
 
 Pure logic: the runtime (``runtime/executors/sharded/``) gathers the facts and carries the choice out.
 """
@@ -32,10 +41,11 @@ from typing import Optional, Sequence
 
 from chameleon_ft.engine.rehab import LossTrend, rehab_cost, repair_steps
 
-__all__ = ["PATHS", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot", "stale_snapshot",
+__all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot", "stale_snapshot",
            "snapshot_interval", "loss_trend"]
 
 PATHS = ("heal", "recompute", "rehabilitate", "restart")
+SNAPSHOTS_PER_RUN = 8  # the interval is at most a run's steps / this
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class ShardFacts:
     momentum: float = 0.0  # the optimizer's first-moment decay (Adam's beta1, SGD momentum) when reset
     warmup_steps: int = 0  # the restored part's learning-rate warm-up (rehab.RehabRecipe)
     restart_bias_correction: bool = False  # the restored part's first-moment bias correction restarts
+    remaining_steps: Optional[int] = None  # steps left in the run (None: unknown, no bound)
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -127,12 +138,19 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
         put("rehabilitate", None, "nothing was lost")
     elif snap is None:
         put("rehabilitate", None, "a lost row has no snapshot")
+    elif snap == 0:
+        put("rehabilitate", None, "the lost rows' snapshot is the initial state (step 0): restoring "
+            "it restarts them from scratch")
     else:
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
                          repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
                                              f.restart_bias_correction))
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
+        elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
+            put("rehabilitate", None, f"restoring rows {list(lost)} from step {snap} heals in "
+                f"{out.rehab_steps:.3g} steps (with the safety factor), more than the "
+                f"{f.remaining_steps} left in the run ({out.reason})")
         else:
             heal_steps = out.heal_steps
             put("rehabilitate", f.transfer_s + out.rehab_steps * f.step_s,
@@ -152,10 +170,14 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                          lost_rows=lost)
 
 
-def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, hi: int = 200) -> int:
+def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, hi: int = 200,
+                      run_steps: Optional[int] = None) -> int:
     """Steps between snapshots: Daly's higher-order refinement of Young's optimum
     ``sqrt(2 C M)`` for a snapshot costing ``cost_s`` and a mean time to failure ``mttf_s``,
-    in steps of ``step_s``; clamped to [lo, hi]."""
+    in steps of ``step_s``; clamped to [lo, hi], and to ``run_steps // SNAPSHOTS_PER_RUN``
+    when the run's length is known."""
+    if run_steps:
+        hi = max(lo, min(hi, run_steps // SNAPSHOTS_PER_RUN))
     if step_s <= 0 or not math.isfinite(step_s):
         return lo
     c, m = max(cost_s, 0.0), max(mttf_s, 1e-9)

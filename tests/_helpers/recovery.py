@@ -18,6 +18,8 @@ from chameleon_ft.cli.localjob import LocalJob
 from chameleon_ft.runtime.eventlog import committed_attempts
 
 ROOT = Path(__file__).resolve().parents[2]
+# What a Lightning script's launcher preloads (docs/lightning.md): Lightning is its longest import.
+LIGHTNING_PRELOAD = ("--preload", "+lightning,lightning_ft")
 
 
 class ScriptJob(LocalJob):

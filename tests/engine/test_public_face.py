@@ -33,7 +33,7 @@ def test_public_face_exports_what_the_readme_uses():
     assert "Warning" not in out.stderr, out.stderr  # the public face warns about nothing
 
 
-@pytest.mark.parametrize("old, name, new", [
+MOVED = [
     ("chameleon_ft.selector", "select", "chameleon_ft.engine.selector"),
     ("chameleon_ft.restorer", "migrate", "chameleon_ft.engine.migration"),
     ("chameleon_ft.trace", "TraceSetup", "chameleon_ft.sim.trace"),
@@ -42,13 +42,32 @@ def test_public_face_exports_what_the_readme_uses():
     ("chameleon_ft.runtime.adapters", "LiveCollectives", "chameleon_ft.runtime.adapter_kit"),
     ("chameleon_ft.runtime.pipeline.context", "PipelineExecutor", "chameleon_ft.runtime.executors.pipeline.executor"),
     ("accelerate_ft.runtime", "StepProtocol", "accelerate_ft.step_protocol"),
-])
-def test_a_moved_module_is_the_new_one_and_warns(old, name, new):
-    out = run(f"import importlib\nfrom {old} import {name}\n"
-              f"assert {name} is getattr(importlib.import_module({new!r}), {name!r})\n"
-              f"import {old} as a, {new} as b\nassert a is b\n")
-    assert out.returncode == 0, out.stderr
-    assert "ChameleonFTDeprecationWarning" in out.stderr and new in out.stderr, out.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def moved_checks():
+    """Every moved path's check, each in its own fresh interpreter, all started at once (they
+    spend their time importing torch: two cores share the work)."""
+    procs = {}
+    for old, name, new in MOVED:
+        code = (f"import importlib\nfrom {old} import {name}\n"
+                f"assert {name} is getattr(importlib.import_module({new!r}), {name!r})\n"
+                f"import {old} as a, {new} as b\nassert a is b\n")
+        procs[old] = subprocess.Popen([sys.executable, "-W", "always", "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+@pytest.mark.parametrize("old, name, new", MOVED)
+def test_a_moved_module_is_the_new_one_and_warns(moved_checks, old, name, new):
+    out, err = moved_checks[old].communicate(timeout=120)
+    assert moved_checks[old].returncode == 0, err
+    assert "ChameleonFTDeprecationWarning" in err and new in err, err
 
 
 def test_old_class_names_and_the_removed_worker_module_still_import():

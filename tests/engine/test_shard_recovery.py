@@ -76,6 +76,30 @@ def test_young_daly_interval():
     assert snapshot_interval(0.1, 60.0, 0.1) < snapshot_interval(0.1, 600.0, 0.1)
 
 
+def test_the_interval_is_bounded_by_the_run():
+    # a realistic failure rate: Young/Daly alone says once in 200 steps, longer than the run
+    assert snapshot_interval(0.01, 86_400.0 * 30, 0.05) == 200
+    assert snapshot_interval(0.01, 86_400.0 * 30, 0.05, run_steps=64) == 8
+    assert snapshot_interval(0.01, 86_400.0 * 30, 0.05, run_steps=5) == 1
+    assert snapshot_interval(0.01, 60.0, 0.05, run_steps=10_000) == snapshot_interval(0.01, 60.0, 0.05)
+
+
+def test_rehabilitation_never_restores_the_initial_state():
+    d = choose_recovery(facts(step=7, snapshots={0: [0], 1: [0], 2: [0], 3: [0]},
+                              trend=LossTrend(slope=-0.05, loss_now=1.0, loss_at_snapshot=2.0)))
+    assert d.chosen == "recompute" and d.rollback_to == 0
+    assert "initial state" in d.candidates["rehabilitate"]["reason"]
+
+
+def test_rehabilitation_needs_the_run_to_be_long_enough_to_heal():
+    # it heals in 1.5 x 1.25 steps: with 1 step left it would end the run with the gap open
+    short = choose_recovery(facts(remaining_steps=1))
+    assert short.chosen == "recompute"
+    assert not short.candidates["rehabilitate"]["feasible"]
+    assert "more than the 1 left in the run" in short.candidates["rehabilitate"]["reason"]
+    assert choose_recovery(facts(remaining_steps=30)).chosen == "rehabilitate"
+
+
 def test_loss_trend_fits_the_recent_slope():
     hist = [(s, 2.0 - 0.01 * s) for s in range(50)]
     t = loss_trend(hist, window=20, at_snapshot=40)

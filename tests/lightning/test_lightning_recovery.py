@@ -33,7 +33,7 @@ import pytest
 
 from chameleon_ft.runtime.eventlog import committed_attempts
 
-from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
+from _helpers.recovery import (LIGHTNING_PRELOAD, ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
                                kill_at_random_step, rel_diff, stop_and_survive)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -48,8 +48,10 @@ TB_BACKEND = next((m for m in ("tensorboard", "tensorboardX") if importlib.util.
 
 
 class LitJob(ScriptJob):
-    def __init__(self, run_dir: Path, *args: str, **kwargs):
-        super().__init__(SCRIPT, run_dir, "--val-size", str(VAL), *args, **kwargs)
+    def __init__(self, run_dir: Path, *args: str, launch_args=(), **kwargs):
+        # Lightning scripts: the template imports Lightning once (docs/lightning.md).
+        super().__init__(SCRIPT, run_dir, "--val-size", str(VAL), *args,
+                         launch_args=[*LIGHTNING_PRELOAD, *launch_args], **kwargs)
 
     def cleanup(self) -> None:
         """Before killing a job that is still running (a test failed or timed out): every

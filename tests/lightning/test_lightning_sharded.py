@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers.recovery import ScriptJob  # noqa: E402
+from _helpers.recovery import LIGHTNING_PRELOAD, ScriptJob  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -22,7 +22,7 @@ STEPS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples, 4 workers x batch 8
 
 
 def _job(run_dir: Path, *args: str) -> ScriptJob:
-    return ScriptJob(SCRIPT, run_dir, "--mb-sleep", "0.05", *args)
+    return ScriptJob(SCRIPT, run_dir, "--mb-sleep", "0.05", *args, launch_args=LIGHTNING_PRELOAD)
 
 
 def _user_view(finals: dict) -> None:
@@ -98,7 +98,7 @@ def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_pa
     f1 = first.run_to_end(240)
     assert all(f["global_step"] == 2 * STEPS_PER_EPOCH for f in f1.values())
     second = ScriptJob(SCRIPT, tmp_path / "second", "--mb-sleep", "0.05", "--ckpt",
-                       str(tmp_path / "first" / "last.ckpt"), nproc=3)
+                       str(tmp_path / "first" / "last.ckpt"), nproc=3, launch_args=LIGHTNING_PRELOAD)
     f2 = second.run_to_end(240)
     assert sorted(f2) == [0, 1, 2]
     for f in f2.values():

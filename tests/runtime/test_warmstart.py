@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from chameleon_ft.cli.warmstart import WarmSpawner
+from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, preload_modules
 
 PROBE = textwrap.dedent("""
     import atexit, json, os, sys
@@ -122,3 +122,27 @@ def test_startup_counts_the_inherited_imports():
     assert startup_s({}) == pytest.approx(age, abs=0.5)
     assert startup_s({PRELOAD_S: "2.5"}) == pytest.approx(age + 2.5, abs=0.5)
     assert startup_s({PRELOAD_S: "junk"}) == pytest.approx(age, abs=0.5)
+
+
+def test_preload_spec():
+    assert preload_modules("") == ()
+    assert preload_modules("a, b") == ("a", "b")
+    assert preload_modules("+lightning,torch") == DEFAULT_PRELOAD + ("lightning",)
+
+
+def test_lightnings_rank_read_at_import_is_set_again_in_each_fork(tmp_path):
+    """Lightning sets ``rank_zero_only.rank`` from RANK when imported; imported in the template
+    it would say 0 in every worker.  Each fork must see its own."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\n"
+                      "from lightning_utilities.core.rank_zero import rank_zero_only\n"
+                      "open(os.environ['PROBE_OUT'], 'w').write(str(rank_zero_only.rank))\n")
+    sp = WarmSpawner(["lightning_utilities.core.rank_zero"], dict(os.environ))
+    try:
+        procs = [(r, sp.spawn([str(script)], dict(os.environ, RANK=str(r), PROBE_OUT=str(tmp_path / f"r{r}"))))
+                 for r in (0, 1, 2)]
+        for r, p in procs:
+            assert p.wait(30) == 0
+            assert (tmp_path / f"r{r}").read_text() == str(r)
+    finally:
+        sp.close()
