@@ -323,6 +323,10 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             ctx.policy.plan = None  # start over on whoever is here
             ctx.step = int(resume["step"])
             ctx.last_checkpoint_step = int(resume["step"])
+        trainer = self.lightning_module.trainer
+        ends = ([trainer.max_steps] if (trainer.max_steps or -1) >= 0 else []) + (
+            [trainer.max_epochs * ctx.sampler.steps_per_epoch] if (trainer.max_epochs or -1) >= 0 else [])
+        ctx.planned_steps = min(ends) if ends else None  # the run's length, as Lightning will stop
         self.ctx = ctx
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)

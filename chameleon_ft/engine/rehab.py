@@ -97,11 +97,14 @@ def rehab_cost(
     max_gap_fraction: float = 0.9,
     max_lost_fraction: float = 0.5,
     repair: float = 0.0,
+    heal_scale: float = 1.0,
 ) -> RehabOutcome:
     """Steps that recompute and rehabilitate cost (multiply by the step time for seconds).
 
     ``repair``: steps the optimizer repair itself costs (``repair_steps``), added to both the
-    point estimate (``heal_steps``) and the cost with the safety factor (``rehab_steps``)."""
+    point estimate (``heal_steps``) and the cost with the safety factor (``rehab_steps``).
+    ``heal_scale``: measured / predicted heal steps of this job's earlier rehabilitations
+    (``HealCheck``; 1 before any), which multiplies the gap model's estimate."""
     if steps_since_snapshot < 0 or not 0 <= lost_fraction <= 1:
         raise ValueError("steps since snapshot must be >= 0 and lost fraction in [0, 1]")
     recompute = float(steps_since_snapshot)
@@ -124,7 +127,72 @@ def rehab_cost(
         return RehabOutcome(recompute, None, "the loss gap is not a finite number")
     if progress is not None and progress > 0 and gap > max_gap_fraction * progress:
         return RehabOutcome(recompute, None, f"gap {gap:.3g} is over {max_gap_fraction:.0%} of the progress since the snapshot")
-    point = max(gap, 0.0) / -trend.slope
-    extra = f" + repair {repair:.3g}" if repair else ""
+    point = heal_scale * max(gap, 0.0) / -trend.slope
+    extra = (f" x calibrated {heal_scale:.3g}" if heal_scale != 1.0 else "") + (f" + repair {repair:.3g}" if repair else "")
     return RehabOutcome(recompute, safety * point + repair,
                         f"{how}: {gap:.3g} / slope {trend.slope:.3g} x {safety}{extra}", point + repair)
+
+
+@dataclass
+class HealCheck:
+    """Whether a rehabilitated run heals as predicted, measured on the job's own loss.
+
+    The failure-free trend is the loss line fitted before the failure (``slope``, ``base`` =
+    its value at ``start``, ``noise`` = the residuals' standard deviation); the gap at step
+    ``s`` is the measured loss minus that line's value there.  ``observe`` every committed step:
+    at ``start + ceil(predicted)`` (at least 1) it reports whether the gap is within the noise
+    band (``2 x noise``, or 5 % of the gap at the repair, whichever is larger) -- *on track* --
+    and it keeps watching until the gap closes (the measured heal steps) or ``4 x`` that long
+    has passed (not healed).  ``ratio`` (measured / predicted steps; a lower bound when it did
+    not heal) calibrates the next prediction (``rehab_cost(heal_scale=...)``).
+
+    Limits: the failure-free trend is a straight line, which runs below a flattening loss curve
+    over long horizons (the gap then looks larger than it is); one global loss per step."""
+
+    start: int
+    slope: float
+    base: float
+    noise: float
+    predicted: float
+    gap0: float | None = None
+    check: dict | None = None
+    closed_at: int | None = None
+    done: bool = False
+
+    @property
+    def check_at(self) -> int:
+        return self.start + max(1, int(np.ceil(self.predicted)))
+
+    def tolerance(self) -> float:
+        return max(2.0 * self.noise, 0.05 * abs(self.gap0 or 0.0), 1e-12)
+
+    def observe(self, step: int, loss: float) -> list[dict]:
+        """The records this step produces: ``{"kind": "check", ...}`` at the check step,
+        ``{"kind": "end", ...}`` when the gap closed or the watch ran out."""
+        if self.done or not np.isfinite(loss):
+            return []
+        gap = loss - (self.base + self.slope * (step - self.start))
+        if self.gap0 is None:
+            self.gap0 = gap
+        out = []
+        healed = gap <= self.tolerance()
+        if healed and self.closed_at is None:
+            self.closed_at = step
+        if self.check is None and step >= self.check_at:
+            self.check = {"kind": "check", "step": step, "predicted_heal_steps": self.predicted,
+                          "gap_at_repair": self.gap0, "gap": gap, "tolerance": self.tolerance(),
+                          "on_track": self.closed_at is not None}
+            out.append(self.check)
+        limit = self.start + 4 * max(1, int(np.ceil(self.predicted)))
+        if self.check is not None and (self.closed_at is not None or step >= limit):
+            self.done = True
+            measured = None if self.closed_at is None else self.closed_at - self.start
+            out.append({"kind": "end", "step": step, "predicted_heal_steps": self.predicted,
+                        "measured_heal_steps": measured, "healed": measured is not None,
+                        "gap": gap, "ratio": self.ratio()})
+        return out
+
+    def ratio(self) -> float:
+        """Measured / predicted heal steps (a lower bound while not healed)."""
+        steps = (self.closed_at if self.closed_at is not None else self.check_at) - self.start
+        return max(steps, 1) / max(self.predicted, 1.0)

@@ -39,10 +39,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from chameleon_ft.engine.rehab import LossTrend, rehab_cost, repair_steps
+from chameleon_ft.engine.rehab import HealCheck, LossTrend, rehab_cost, repair_steps
 
-__all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "common_snapshot", "stale_snapshot",
-           "snapshot_interval", "loss_trend"]
+__all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "describe", "common_snapshot", "stale_snapshot",
+           "snapshot_interval", "loss_trend", "heal_check"]
 
 PATHS = ("heal", "recompute", "rehabilitate", "restart")
 SNAPSHOTS_PER_RUN = 8  # the interval is at most a run's steps / this
@@ -71,6 +71,7 @@ class ShardFacts:
     warmup_steps: int = 0  # the restored part's learning-rate warm-up (rehab.RehabRecipe)
     restart_bias_correction: bool = False  # the restored part's first-moment bias correction restarts
     remaining_steps: Optional[int] = None  # steps left in the run (None: unknown, no bound)
+    heal_scale: float = 1.0  # measured / predicted heal steps of this job's earlier rehabilitations
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -144,7 +145,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     else:
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
                          repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
-                                             f.restart_bias_correction))
+                                             f.restart_bias_correction), heal_scale=f.heal_scale)
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
@@ -170,6 +171,21 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                          lost_rows=lost)
 
 
+def describe(d: dict) -> str:
+    """One console line for a ``ShardDecision.to_json()``: what was lost, what was chosen and
+    why, and why each other path was not taken (a user must see that part of the model was
+    restored from an older step)."""
+    c, ch, lost = d["candidates"], d["chosen"], list(d.get("lost_rows") or [])
+    out = f"{'shard rows ' + str(lost) + ' lost' if lost else 'no shard row lost'}: {ch}"
+    if ch in c:
+        out += f" ({c[ch]['reason']})"
+    if ch == "rehabilitate":
+        out += (f"; those rows restart from step {d['snapshot_step']}, predicted to catch up in "
+                f"{d['predicted_heal_steps']:.1f} steps")
+    off = [f"{p}: {x['reason']}" for p, x in c.items() if p != ch and not x["feasible"]]
+    return out + (f"; not taken: {'; '.join(off)}" if off else "")
+
+
 def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, hi: int = 200,
                       run_steps: Optional[int] = None) -> int:
     """Steps between snapshots: Daly's higher-order refinement of Young's optimum
@@ -188,6 +204,21 @@ def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, 
     else:
         tau = m
     return int(min(hi, max(lo, round(tau / step_s))))
+
+
+def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: float,
+               window: int = 20) -> Optional[HealCheck]:
+    """The ``HealCheck`` of a rehabilitation at ``start``: the failure-free trend is the line
+    fitted to the last ``window`` losses before it; None without a decreasing trend."""
+    pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
+    trend = loss_trend(pts, window)
+    if trend is None or trend.slope >= 0 or trend.loss_now is None:
+        return None
+    last = pts[-1][0]
+    resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in pts]
+    noise = math.sqrt(sum(r * r for r in resid) / max(1, len(resid) - 2))
+    return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
+                     noise=noise, predicted=float(predicted))
 
 
 def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapshot: Optional[int] = None) -> Optional[LossTrend]:

@@ -158,6 +158,22 @@ def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
     os.replace(tmp, path)
 
 
+def model_file(path: str | os.PathLike) -> str:
+    """Where the plain model ``state_dict`` of the checkpoint at ``path`` goes, beside it:
+    ``ckpt.pt`` -> ``ckpt.model.pt``.  ``model.load_state_dict(torch.load(model_file(path),
+    weights_only=True))`` reads it (no chameleon-ft needed); resuming reads ``path``."""
+    root, ext = os.path.splitext(os.fspath(path))
+    return f"{root}.model{ext or '.pt'}"
+
+
+def save_model(path: str | os.PathLike, state_dict: dict) -> None:
+    """Write a plain ``state_dict`` (name -> tensor) atomically (temporary file, then rename)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save({k: v.detach().clone() for k, v in state_dict.items()}, tmp)
+    os.replace(tmp, path)
+
+
 def load_checkpoint(path: str | os.PathLike) -> Any:
     """Read a tree written by ``save_checkpoint``; ``CheckpointError`` if it is not one."""
     path = os.fspath(path)

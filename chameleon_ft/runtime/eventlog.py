@@ -18,6 +18,9 @@ Event types and their fields:
   ``shard_recovery`` sharded jobs, after a failure: every path's predicted lost seconds, the
                   choice, the rollback or snapshot step, the predicted steps to heal
   ``snapshot``    sharded jobs: a buddy snapshot found corrupt (checksum) and discarded
+  ``heal_check``  sharded jobs after a rehabilitation: kind check (at the predicted heal step:
+                  the loss gap to the failure-free trend, on_track) or end (measured heal
+                  steps, healed, the measured / predicted ratio the next prediction uses)
   ``run_end``     free-form
 
 Several processes may append to one file: it is opened with ``O_APPEND`` and each line goes
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
-               "calibration", "prediction", "shard_recovery", "snapshot", "run_end")
+               "calibration", "prediction", "shard_recovery", "snapshot", "heal_check", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

@@ -147,6 +147,10 @@ class RecoveryCore:
         self.lr_scale = 1.0  # learning-rate factor applied for a changed global batch
         self.fresh = True  # holds no agreed state yet (first start, replacement)
         self.last_checkpoint_step = 0
+        # Committed steps the run is meant to reach (the trainer's max_steps / epochs; None:
+        # unknown): the sharded executor bounds its snapshot interval and the engine what
+        # rehabilitation may leave to heal by it.
+        self.planned_steps: Optional[int] = None
         self.checkpoint_path: Optional[str] = None  # set by the trainer that writes checkpoints
         self.view: Optional[MembershipView] = None
         self.membership: Optional[Membership] = None
@@ -564,11 +568,13 @@ class RecoveryCore:
         self.lr_scale = float(s.get("lr_scale", 1.0))
 
     def save_checkpoint(self, path: str) -> None:
-        """Call on every member at the same step: the lowest-ranked one writes the run state,
-        all of them remember the step (the engine weighs restart by steps since it)."""
+        """Call on every member at the same step: the lowest-ranked one writes the run state
+        and, beside it, the model's plain ``state_dict`` (``codec.model_file``); all of them
+        remember the step (the engine weighs restart by steps since it)."""
         self.last_checkpoint_step = self.step
         if self.rank == 0:
             run_state.save_checkpoint(path, self.state_dict())
+            run_state.save_model(run_state.model_file(path), self.model.state_dict())
 
     def load_checkpoint(self, path: str) -> None:
         """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""

@@ -102,12 +102,20 @@ class ElasticTrainer:
         ctx = self.ctx
         if self.checkpoint and os.path.exists(self.checkpoint):
             ctx.load_checkpoint(self.checkpoint)
+        ends = ([max_steps] if max_steps is not None else []) + (
+            [epochs * ctx.sampler.steps_per_epoch] if epochs is not None else [])
+        ctx.planned_steps = min(ends)
         ctx.start()
         try:
-            while not self._done(max_steps, epochs):
-                before = ctx.step
-                if ctx.end_of_step(self._attempt(), before) is StepEnd.COMMITTED:
-                    self._after_step()
+            while True:
+                while not self._done(max_steps, epochs):
+                    before = ctx.step
+                    if ctx.end_of_step(self._attempt(), before) is StepEnd.COMMITTED:
+                        self._after_step()
+                # Sharded: the trained model into the user's module (a failure during the
+                # gather recovers, and training goes on where the recovery left it).
+                if not self.sharded or ctx.finish():
+                    break
             if self.checkpoint:
                 ctx.save_checkpoint(self.checkpoint)
         finally:

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from chameleon_ft.engine.rehab import LossTrend
-from chameleon_ft.engine.shard_recovery import (ShardFacts, choose_recovery, common_snapshot, loss_trend,
-                                         snapshot_interval)
+from chameleon_ft.engine.shard_recovery import (ShardFacts, choose_recovery, common_snapshot, describe,
+                                         loss_trend, snapshot_interval)
 
 
 def facts(**kw):
@@ -130,3 +130,55 @@ def test_the_repair_recipe_is_priced_as_it_is_carried_out():
     assert both > repair_steps(0.25, 0.9) and both > 0.25 * 4.5
     d = choose_recovery(facts(momentum=0.9, warmup_steps=10, restart_bias_correction=True))
     assert d.predicted_heal_steps == pytest.approx(1.25 + 0.25 * 4.5)
+
+
+def test_the_console_line_says_what_was_restored_and_what_was_not_taken():
+    line = describe(choose_recovery(facts()).to_json())
+    assert line.startswith("shard rows [2] lost: rehabilitate (restore rows [2] from step 15")
+    assert "restart from step 15, predicted to catch up in 1.3 steps" in line  # 0.0125 / 0.01
+    assert "not taken: heal: rows [2] have no surviving current copy" in line and "restart: no disk checkpoint" in line
+    line = describe(choose_recovery(facts(step=7, snapshots={k: [0] for k in range(4)})).to_json())
+    assert "recompute (roll back to step 0, redo 7 steps)" in line and "initial state" in line
+
+
+def _history(n=20, slope=-0.01, noise=0.001):
+    import random
+    rng = random.Random(0)
+    return [(s, 2.0 + slope * s + rng.uniform(-noise, noise)) for s in range(1, n + 1)]
+
+
+def test_heal_check_on_track_when_the_gap_closes_as_predicted():
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    hist = _history()
+    hc = heal_check(hist, start=20, predicted=5.0)
+    assert hc.slope == pytest.approx(-0.01, rel=0.05) and hc.noise < 0.002
+    records = []
+    for k in range(1, 12):
+        s = 20 + k
+        gap = max(0.0, 0.05 * (1 - k / 5))  # closes in 5 steps
+        records += hc.observe(s, 2.0 - 0.01 * s + gap)
+    check = next(r for r in records if r["kind"] == "check")
+    end = next(r for r in records if r["kind"] == "end")
+    assert check["step"] == 25 and check["on_track"]
+    assert end["healed"] and end["measured_heal_steps"] == pytest.approx(5, abs=1)
+    assert end["ratio"] == pytest.approx(1.0, abs=0.25)
+
+
+def test_heal_check_says_so_when_the_gap_stays_open_and_calibrates_the_next_prediction():
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    hc = heal_check(_history(), start=20, predicted=3.0)
+    records = []
+    for k in range(1, 20):
+        records += hc.observe(20 + k, 2.0 - 0.01 * (20 + k) + 0.08)  # the gap never closes
+    check = next(r for r in records if r["kind"] == "check")
+    end = next(r for r in records if r["kind"] == "end")
+    assert check["step"] == 23 and not check["on_track"]
+    assert not end["healed"] and end["measured_heal_steps"] is None and end["step"] == 32
+    assert hc.ratio() >= 1.0
+    # the next decision's estimate is scaled by what this job measured
+    base = choose_recovery(facts(remaining_steps=None))
+    scaled = choose_recovery(facts(heal_scale=4.0))
+    assert scaled.candidates["rehabilitate"]["steps"] == pytest.approx(4.0 * base.candidates["rehabilitate"]["steps"])
+    assert "calibrated 4" in scaled.candidates["rehabilitate"]["reason"]

@@ -81,6 +81,10 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
     assert "not allowed" in d["candidates"]["recompute"]["reason"]  # Lightning's loop never rolls back
     # the logging member's part of the repair (its new row may hold none of the lost elements)
     assert d["step"] - d["snapshot_step"] in range(4) and d["repair"]["warmup_steps"] == 10, d
+    # the console said what was restored; the heal was checked at the predicted step (issue 23)
+    assert f"shard rows [{victim}] lost: rehabilitate" in job.output()
+    checks = [e for e in events if e["event"] == "heal_check" and e["kind"] == "check"]
+    assert len(checks) == 1 and checks[0]["predicted_heal_steps"] == d["predicted_heal_steps"], checks
     # every committed step once; the survivors ran 3-way after the kill
     steps = sorted({e["step"] for e in events if e["event"] == "step"})
     assert steps == list(range(STEPS_PER_EPOCH * EPOCHS))

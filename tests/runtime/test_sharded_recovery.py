@@ -121,6 +121,50 @@ def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
     assert steps == sorted(steps), "a rehabilitated run never goes back"
     end, end_ref = f["loss"][-1][1], ref["loss"][-1][1]
     assert abs(end - end_ref) < 0.1 * end_ref, (end, end_ref)
+    # The heal was checked at the predicted step against the failure-free trend, logged once
+    # (the lowest rank) and known to every member (the next prediction's calibration).
+    checks = [e for e in events if e["event"] == "heal_check" and e["kind"] == "check"]
+    assert len(checks) == 1, checks
+    assert checks[0]["step"] >= d["step"] + 1 and checks[0]["predicted_heal_steps"] == d["predicted_heal_steps"]
+    assert all(g["heal_checks"] and g["heal_checks"][0] == {k: v for k, v in checks[0].items()
+                                                            if k in g["heal_checks"][0]}
+               for g in finals.values())
+
+
+def test_defaults_never_rehabilitate_from_the_initial_state_and_the_model_loads_with_plain_torch(tmp_path):
+    """Every setting default (issue 23): the snapshot interval is bounded by the run (32 steps:
+    K <= 4, not Young/Daly's 200 from a realistic failure rate), and a kill before the first
+    trained snapshot is recomputed from step 0 -- exact -- instead of restarting a quarter of
+    the model from its initial values; the console says what was restored and why.  After
+    fit() the user's own module holds the trained model, and the checkpoint's plain
+    state_dict loads into a fresh one with plain torch."""
+    import torch
+
+    ckpt = tmp_path / "ckpt.pt"
+    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--step-sleep", "0.05",
+                    "--checkpoint", str(ckpt), nproc=4, hang_timeout=10)
+    try:
+        job.start()
+        job.wait_step(3)
+        job.kill(2)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals, events, out = job.final(), job.events(), job.output()
+    finally:
+        job.cleanup()
+    d = _after_kill(finals, events, 2)
+    assert d["chosen"] == "recompute" and d["rollback_to"] == 0, d
+    assert "initial state" in d["candidates"]["rehabilitate"]["reason"]
+    assert "shard rows [2] lost: recompute (roll back to step 0" in out
+    assert all(1 <= f["k"] <= STEPS // 8 for f in finals.values()), [f["k"] for f in finals.values()]
+    for f in finals.values():
+        for name, t in f["full_after_fit"].items():
+            assert torch.equal(f["model_state"][name], t), name  # the user's module is the trained model
+            assert torch.equal(t, f["params"][name])
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    fresh.load_state_dict(torch.load(tmp_path / "ckpt.model.pt", weights_only=True))
+    for name, t in fresh.state_dict().items():
+        assert torch.equal(t, finals[0]["params"][name]), name
 
 
 def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint(tmp_path, failure_free):

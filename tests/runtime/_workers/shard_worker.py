@@ -71,8 +71,11 @@ def main():
     ctx = trainer.ctx
     full = final
     torch.save({"params": full, "step": ctx.step, "members": list(ctx.members),
+                # what a torch user reaches after fit(): their own module, and the gathered copy
+                "model_state": {k: v.clone() for k, v in model.state_dict().items()},
+                "full_after_fit": ctx.full_parameters(),
                 "loss": [[s, v] for s, v in ctx.loss_history],
-                "decision": ctx.last_shard_decision,
+                "decision": ctx.last_shard_decision, "heal_checks": ctx.heal_checks,
                 "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s,
                 "same_optimizer": ctx.optimizer is opt and all(
                     p is q for g in opt.param_groups for p, q in zip(g["params"], ctx.shard_params))},

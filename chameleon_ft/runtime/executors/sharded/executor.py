@@ -86,7 +86,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             and is left as given.
         optimizer: built over ``model``'s parameters; every generation rebinds it, the same
             object, to its sharded parameters (``self.optimizer is optimizer``).
-        snapshot_every: steps between snapshots (K); None: Young/Daly's optimum.
+        snapshot_every: steps between snapshots (K); None: Young/Daly's optimum from the measured
+            snapshot cost and the engine's failure rate, bounded by the run (at least
+            ``shard_recovery.SNAPSHOTS_PER_RUN`` snapshots over ``planned_steps``).
         recipe: how rehabilitated rows are repaired.
     """
 
@@ -138,6 +140,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self._repair_info: Optional[dict] = None  # this member's part of the last repair (logged)
         self._step_times: list[float] = []
         self._transfer_s = 0.05
+        self._heal = None  # the HealCheck of the last rehabilitation, while it is watched
+        self.heal_scale = 1.0  # measured / predicted heal steps of the last one (the next prediction's)
+        self.heal_checks: list[dict] = []  # every heal_check record of this run
         self._init_mesh, self._fully_shard = _fsdp()[:2]
 
     # ---------------------------------------------------------------- the model
@@ -315,15 +320,44 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
     def _after_commit_sharded(self, loss: float, snap_cost: float) -> None:
         self.loss_history.append((self.step, loss))
         del self.loss_history[:-400]
+        if self._heal is not None:
+            for rec in self._heal.observe(self.step, loss):
+                self._report_heal(rec)
         if self._prev_step > 0:
             self._step_times.append(self._prev_step)
             del self._step_times[:-20]
         if snap_cost > 0:
             self.snapshot_cost_s = snap_cost
-        if self.snapshot_every is None and self.snapshot_cost_s and self._step_times:
-            self.k = sr.snapshot_interval(self.snapshot_cost_s, self.policy.mttf(), self._median_step())
+        if self.snapshot_every is None:
+            if self.snapshot_cost_s and self._step_times:
+                self.k = sr.snapshot_interval(self.snapshot_cost_s, self.policy.mttf(), self._median_step(),
+                                              run_steps=self.planned_steps)
+            elif self.planned_steps:  # not measured yet: the prior, bounded by the run as well
+                self.k = max(1, min(_DEFAULT_K, self.planned_steps // sr.SNAPSHOTS_PER_RUN))
         if self.k and self.step % self.k == 0:
             self._take_snapshot(wait=False)
+
+    def _report_heal(self, rec: dict) -> None:
+        """A heal check's record: every member keeps it (the loss is the global one, so all
+        agree) and calibrates the next prediction with it; the lowest rank says it."""
+        self.heal_checks.append(rec)
+        if rec["kind"] == "end":
+            self.heal_scale = min(20.0, max(0.25, rec["ratio"]))
+            self._heal = None
+        if self.view.rank != 0:
+            return
+        if rec["kind"] == "check":
+            state = "on track" if rec["on_track"] else "NOT on track"
+            msg = (f"heal {state} at step {rec['step']} (predicted {rec['predicted_heal_steps']:.1f} steps): "
+                   f"loss gap to the failure-free trend {rec['gap']:.3g} (at the repair "
+                   f"{rec['gap_at_repair']:.3g}, tolerance {rec['tolerance']:.3g})")
+        else:
+            msg = (f"heal {'closed after ' + str(rec['measured_heal_steps']) + ' steps' if rec['healed'] else 'not closed'}"
+                   f" at step {rec['step']} (predicted {rec['predicted_heal_steps']:.1f}); the next "
+                   f"rehabilitation's estimate is scaled by {self.heal_scale:.2f}")
+        print(f"chameleon-ft: worker {self.worker_id}: {msg}", file=sys.stderr, flush=True)
+        if self.log:
+            self.log.write("heal_check", **rec)
 
     def _median_step(self) -> float:
         s = sorted(self._step_times) or [0.1]
@@ -408,6 +442,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self._load_rows(mine, plan)
         if plan["mode"] == "rehabilitate":
             self._start_repair(plan)
+        heal = (plan.get("decision") or {}).get("predicted_heal_steps")
+        self._heal = (sr.heal_check(self.loss_history, self.step, heal)
+                      if plan["mode"] == "rehabilitate" and heal is not None else None)
         if plan["mode"] == "recompute":
             self._load_run(plan["run"])
             self.apply_allocation()  # the snapshot's sampler had the old members
@@ -421,8 +458,10 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}
             if self._repair_info is not None:  # this member's part of the repair
                 self.last_shard_decision["repair"] = self._repair_info
-            if self.log and self._is_source:
-                self.log.write("shard_recovery", **self.last_shard_decision)
+            if self._is_source:
+                print(f"chameleon-ft: worker {self.worker_id}: {sr.describe(d)}", file=sys.stderr, flush=True)
+                if self.log:
+                    self.log.write("shard_recovery", **self.last_shard_decision)
 
 
 

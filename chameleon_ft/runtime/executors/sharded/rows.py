@@ -67,7 +67,9 @@ class _Reshard:
             checkpoint_step=self.last_checkpoint_step if self._has_checkpoint() else None,
             restart_s=self.policy.restart_s, allowed=self.paths, momentum=self._momentum(),
             warmup_steps=self.recipe.warmup_steps,
-            restart_bias_correction=self.recipe.restart_bias_correction)
+            restart_bias_correction=self.recipe.restart_bias_correction,
+            remaining_steps=None if self.planned_steps is None else max(0, self.planned_steps - self.step),
+            heal_scale=self.heal_scale)
         d = sr.choose_recovery(facts)
         plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._current_keys()),
                 "old": self.layout.to_json()}

@@ -6,7 +6,8 @@ loading keeps each member's own slices of the whole and moves nothing.
 
 Limits: gathering holds the whole state on every member, by definition; a checkpoint is written
 by the lowest-ranked member only, as one file loadable with ``weights_only=True``, from which
-any world size resumes.
+any world size resumes, plus the model's plain ``state_dict`` beside it (``codec.model_file``:
+``model.load_state_dict(torch.load(..., weights_only=True))``, no chameleon-ft needed).
 """
 
 from __future__ import annotations
@@ -27,8 +28,39 @@ class _WholeState:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The whole parameters by name, gathered from the shards (a collective: every member
-        calls it at the same point)."""
+        calls it at the same point).  After ``finish()`` (the end of ``fit()``) no collective:
+        the final gather's copy."""
+        final = getattr(self, "_final", None)
+        if final is not None and final[0] == self.step:
+            return {n: t.clone() for n, t in final[1].items()}
         return self._split(self._assemble_full(self._live_plan([])), 0)
+
+    def finish(self) -> bool:
+        """The end of training, on every member at the same point: the whole parameters are
+        gathered once and copied, with the buffers, into the user's model (the module given to
+        the trainer), so that after ``fit()`` ``model.state_dict()`` is the trained model, as
+        with DDP; ``full_parameters()`` then returns them without a collective.  False when a
+        failure interrupted the gather: the job recovered (a recompute may have rolled it
+        back) and the caller trains on, then calls again."""
+        t0 = time.perf_counter()
+        try:
+            full = self._assemble_full(self._live_plan([]))
+        except CollectiveFailure as failure:
+            self._recover(failure, t0)
+            return False
+        params = self._split(full, 0)
+        self._into_model(params)
+        self._final = (self.step, params)
+        return True
+
+    def _into_model(self, params: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in zip(self._names, self.params):
+                p.copy_(params[name])
+            bufs = dict(self.model.named_buffers())
+            for name, b in self._buffers().items():
+                if name in bufs:
+                    bufs[name].copy_(b)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The whole parameters by name and the optimizer's whole state in torch's
@@ -119,8 +151,11 @@ class _WholeState:
         self.last_checkpoint_step = self.step
         if self.rank != 0:
             return
+        params = self._split(full, 0)
+        self._into_model(params)  # the user's model holds what the plain state_dict file says
+        run_state.save_model(run_state.model_file(path), self.model.state_dict())
         run_state.save_checkpoint(path, {
-            "sharded": True, "names": list(self._names), "params": self._split(full, 0),
+            "sharded": True, "names": list(self._names), "params": params,
             "state": {key: self._split(full, j) for j, key in enumerate(self._keys, start=1)},
             "scalars": self._scalars(), "groups": self._groups_json(), "buffers": self._buffers(),
             "run": self._run_state(), "engine": self.policy.state_dict()})
