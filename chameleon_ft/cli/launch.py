@@ -2,7 +2,9 @@
 
 One launcher per node (torchrun's flags).  Node 0's launcher hosts the job's coordinator
 (``CoordinatorServer``: a TCPStore and torchft's Lighthouse) on loopback, or on the address
-that ``--rdzv-endpoint`` names; every launcher (node 0's too) then starts
+that ``--rdzv-endpoint`` names -- in an agent process forked from the warm-start template, so
+that the launcher itself never imports torch (``cli/coordinator.py``; the agent ends with the
+launcher); every launcher (node 0's too) then starts
 ``--nproc-per-node`` workers with the environment of ``runtime/env.py``, each a fork of a
 template interpreter that imported the ``--preload`` modules once (``cli/warmstart.py``:
 start-up imports are paid once per launcher, not per worker and replacement).  Worker ids are
@@ -40,23 +42,22 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
 from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors
 from chameleon_ft.runtime.faults import parse_faults
 
-if TYPE_CHECKING:
-    from chameleon_ft.runtime.membership import CoordinatorServer
 
-# ``runtime.membership`` (torch, torchft) is imported where the coordinator is first needed,
-# after the flags were checked: a bad flag is refused without paying torch's import.
+# torch and torchft (the coordinator's TCPStore and Lighthouse) are imported where the
+# coordinator is hosted: in an agent forked from the warm-start template, or here after the
+# flags were checked (``cli/coordinator.py``): a bad flag is refused without paying for them.
 
 __all__ = ["main", "build_parser", "LaunchError"]
 
-_LIGHTHOUSE_KEY = "cft/launch/lighthouse"
 _POLL_S = 0.005
 
 
@@ -169,8 +170,7 @@ class Launcher:
                                   f"(ranks 0..{world - 1} with {world} workers)")
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="chameleon-ft-")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.coordinator: Optional[CoordinatorServer] = None
-        self.store = None
+        self.ops = None  # the coordinator calls: CoordinatorOps here, or AgentOps
         self.children: dict[int, _Child] = {}
         self.replacements_left = args.max_replacements
         self.stop_signal: Optional[int] = None
@@ -178,29 +178,35 @@ class Launcher:
 
     # ---------------------------------------------------------------- coordinator
     def connect(self) -> tuple[str, str]:
-        from chameleon_ft.runtime.membership import CoordinatorServer, MembershipError, connect_store
-
+        """Host the coordinator (node 0) or reach node 0's: (store address, Lighthouse address)."""
         a = self.args
+        self.ops = self._coordinator_ops()
         if a.node_rank == 0:
             host, port = "127.0.0.1", 0
             if a.rdzv_endpoint:
                 host, port = self.endpoint
             try:
-                self.coordinator = CoordinatorServer(host, store_port=port,
-                                                     join_timeout_ms=a.join_timeout_ms)
-            except Exception as exc:
+                return self.ops.host(host, port, a.join_timeout_ms)
+            except CoordinatorOpError as exc:
                 raise LaunchError(f"cannot host the coordinator on {host}:{port}: {exc}") from exc
-            self.store = self.coordinator.store
-            self.store.set(_LIGHTHOUSE_KEY, self.coordinator.lighthouse_addr)
-            return self.coordinator.store_addr, self.coordinator.lighthouse_addr
         try:
-            self.store = connect_store(a.rdzv_endpoint, a.rdzv_timeout)
-            self.store.wait([_LIGHTHOUSE_KEY])
-            return a.rdzv_endpoint, self.store.get(_LIGHTHOUSE_KEY).decode()
-        except MembershipError as exc:
-            raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
-        except Exception as exc:
+            return a.rdzv_endpoint, self.ops.connect(a.rdzv_endpoint, a.rdzv_timeout)
+        except CoordinatorOpError as exc:
+            if exc.kind == "unreachable":
+                raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
             raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
+
+    def _coordinator_ops(self):
+        """In an agent forked from the template when there is one (this process then never
+        imports torch), else here."""
+        if self.warm is not None:
+            try:
+                return self.warm.agent()
+            except WarmStartError as exc:
+                _say(f"warm start off, starting fresh interpreters: {exc}")
+                self.warm.close()
+                self.warm = None
+        return CoordinatorOps()
 
     # ---------------------------------------------------------------- workers
     def spawn(self, local_rank: int, incarnation: int = 0) -> _Child:
@@ -333,17 +339,13 @@ class Launcher:
 
     def _report(self, wid: int, reason: str) -> None:
         try:
-            from chameleon_ft.runtime.membership import report_dead
-
-            report_dead(self.store, wid, reason)
+            self.ops.report_dead(wid, reason)
         except Exception as exc:  # the coordinator may be gone; workers will say so
             _say(f"could not report worker {wid} to the coordinator: {exc}")
 
     def _evict_hung(self, running: list[_Child], now: float) -> None:
         try:
-            from chameleon_ft.runtime.membership import read_latest
-
-            latest = read_latest(self.store)
+            latest = self.ops.read_latest()
         except Exception:
             return
         members = set(latest["members"]) if latest else set()
@@ -377,12 +379,12 @@ class Launcher:
 
     def close(self) -> None:
         self.terminate_all()
+        if self.ops is not None:
+            self.ops.close()
+            self.ops = None
         if self.warm is not None:
             self.warm.close()
             self.warm = None
-        if self.coordinator is not None:
-            self.coordinator.shutdown()
-            self.coordinator = None
 
 
 def _signal_group(pid: int, sig: int) -> None:

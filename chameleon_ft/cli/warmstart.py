@@ -89,14 +89,17 @@ class WarmSpawner:
         self.start_timeout = start_timeout
         req_r, self._req = os.pipe()
         self._resp, resp_w = os.pipe()
+        agent_r, self._agent_w = os.pipe()  # the coordinator agent's pipes (``agent()``)
+        self._agent_r, agent_w = os.pipe()
+        theirs = (req_r, resp_w, agent_r, agent_w)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "chameleon_ft.cli.warmstart", str(req_r), str(resp_w),
+                [sys.executable, "-m", "chameleon_ft.cli.warmstart", *map(str, theirs),
                  ",".join(self.modules)],
-                pass_fds=(req_r, resp_w), env=env, stdin=subprocess.DEVNULL, stderr=stderr)
+                pass_fds=theirs, env=env, stdin=subprocess.DEVNULL, stderr=stderr)
         finally:
-            os.close(req_r)
-            os.close(resp_w)
+            for fd in theirs:
+                os.close(fd)
         os.set_blocking(self._resp, False)
         self._buf = b""
         self._ready = False
@@ -129,12 +132,9 @@ class WarmSpawner:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, argv: Sequence[str], env: dict) -> "WarmProcess":
-        """Fork a worker running ``python -u argv[0] argv[1:]`` with ``env``; the template sets
-        ``CHAMELEON_FT_PRELOAD_S`` in it to the seconds its imports took (a worker's start-up
-        as a fresh interpreter would measure it is its age plus those: ``runtime/env.py``)."""
+    def _request(self, req: dict, want: str) -> dict:
         try:
-            os.write(self._req, (json.dumps({"argv": list(argv), "env": env}) + "\n").encode())
+            os.write(self._req, (json.dumps(req) + "\n").encode())
         except OSError as exc:
             try:
                 self.proc.wait(timeout=10)
@@ -148,21 +148,42 @@ class WarmSpawner:
             for msg in self._pump(0.05):
                 if "error" in msg:
                     raise WarmStartError(msg["error"])
-                if "pid" in msg:
+                if want in msg:
                     self._ready = True
-                    self.preload_s = float(msg.get("preload_s", 0.0))
-                    return WarmProcess(self, int(msg["pid"]), list(argv))
+                    self.preload_s = float(msg.get("preload_s", self.preload_s))
+                    return msg
             if not self.alive() and not self._pump():
                 raise WarmStartError(f"the template exited with code {self.proc.returncode}")
             if time.monotonic() > deadline:
                 raise WarmStartError("the template did not answer")
 
+    def agent(self):
+        """Fork the coordinator agent (``cli/coordinator.py``) from the template, once, before
+        any worker: an ``AgentOps`` that hosts or reaches the coordinator in it."""
+        from chameleon_ft.cli.coordinator import AgentOps
+
+        msg = self._request({"agent": True}, "agent_pid")
+        ops = AgentOps(self._agent_w, self._agent_r, int(msg["agent_pid"]))
+        self._agent_w = self._agent_r = -1  # the AgentOps owns them now
+        return ops
+
+    def spawn(self, argv: Sequence[str], env: dict) -> "WarmProcess":
+        """Fork a worker running ``python -u argv[0] argv[1:]`` with ``env``; the template sets
+        ``CHAMELEON_FT_PRELOAD_S`` in it to the seconds its imports took (a worker's start-up
+        as a fresh interpreter would measure it is its age plus those: ``runtime/env.py``)."""
+        msg = self._request({"argv": list(argv), "env": env}, "pid")
+        return WarmProcess(self, int(msg["pid"]), list(argv))
+
     def close(self) -> None:
         """End the template (its running workers are not touched)."""
-        try:
-            os.close(self._req)  # end of requests: the template exits
-        except OSError:
-            pass
+        for fd in (self._req, self._agent_w, self._agent_r):
+            if fd < 0:
+                continue
+            try:
+                os.close(fd)  # end of requests: the template exits
+            except OSError:
+                pass
+        self._req = self._agent_w = self._agent_r = -1
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -232,9 +253,10 @@ def _send(fd: int, msg: dict) -> None:
         data = data[os.write(fd, data):]
 
 
-def _serve(req_fd: int, resp_fd: int, modules: Sequence[str]) -> Optional[dict]:
+def _serve(req_fd: int, resp_fd: int, agent_fds: list, modules: Sequence[str]) -> Optional[dict]:
     """Import ``modules``, then fork one child per request.  Returns the request in a child,
-    None in the template once the launcher closed its end."""
+    None in the template once the launcher closed its end.  ``agent_fds``: the coordinator
+    agent's pipe ends (given to the agent's fork, closed here once it is forked)."""
     t0 = time.monotonic()
     try:
         for m in modules:
@@ -274,12 +296,25 @@ def _serve(req_fd: int, resp_fd: int, modules: Sequence[str]) -> Optional[dict]:
                 line, buf = buf.split(b"\n", 1)
                 req = json.loads(line)
                 req["preload_s"] = preload_s
+                if req.get("agent") and not agent_fds:
+                    _send(resp_fd, {"error": "the coordinator agent was forked already"})
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     for fd in (wake_r, wake_w, req_fd, resp_fd):
                         os.close(fd)
+                    if not req.get("agent"):
+                        for fd in agent_fds:
+                            os.close(fd)
+                    req["agent_fds"] = list(agent_fds)
                     return req
+                if req.get("agent"):
+                    for fd in agent_fds:
+                        os.close(fd)
+                    agent_fds.clear()
+                    _send(resp_fd, {"agent_pid": pid, "preload_s": preload_s})
+                    continue
                 _send(resp_fd, {"pid": pid, "preload_s": preload_s})
     finally:
         if os.getpid() == _TEMPLATE_PID:
@@ -327,7 +362,18 @@ def _become(req: dict) -> None:
 
 _TEMPLATE_PID = os.getpid()
 
+def _agent(req: dict) -> None:
+    """In the agent's fork: serve the launcher's coordinator calls until its pipe ends."""
+    from chameleon_ft.cli.coordinator import serve_agent
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    serve_agent(*req["agent_fds"])
+
+
 if __name__ == "__main__":
-    _req = _serve(int(sys.argv[1]), int(sys.argv[2]), [m for m in sys.argv[3].split(",") if m])
-    if _req is not None:
+    _req = _serve(int(sys.argv[1]), int(sys.argv[2]), [int(sys.argv[3]), int(sys.argv[4])],
+                  [m for m in sys.argv[5].split(",") if m])
+    if _req is not None and _req.get("agent"):
+        _agent(_req)
+    elif _req is not None:
         _become(_req)

@@ -146,3 +146,28 @@ def test_lightnings_rank_read_at_import_is_set_again_in_each_fork(tmp_path):
             assert (tmp_path / f"r{r}").read_text() == str(r)
     finally:
         sp.close()
+
+
+def test_with_warm_start_the_launcher_never_loads_torch(tmp_path):
+    """The coordinator lives in an agent forked from the template (``cli/coordinator.py``):
+    the launcher process itself maps no libtorch while its job runs."""
+    script = tmp_path / "w.py"
+    flag = tmp_path / "started"
+    script.write_text(f"import time, pathlib; pathlib.Path({str(flag)!r}).write_text('x'); time.sleep(3)\n")
+    p = subprocess.Popen([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "1",
+                          "--run-dir", str(tmp_path / "run"), str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert flag.exists(), p.communicate(timeout=30)
+        maps = open(f"/proc/{p.pid}/maps").read()
+        assert "libtorch" not in maps
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "coordinator 127.0.0.1:" in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()

@@ -1,0 +1,155 @@
+"""The launcher's side of the coordinator: host it (node 0) or reach it (other nodes), report a
+dead worker, read the agreed generation -- in the launcher, or in an agent forked from the
+warm-start template.
+
+``CoordinatorOps`` does it in this process: it needs torch (the TCPStore) and torchft (the
+Lighthouse), about 4 s of CPU to import.  With warm start (``cli/warmstart.py``) the template
+has imported both already, so the launcher asks it to fork an *agent* that holds the
+``CoordinatorOps`` and answers the launcher over a pipe (``AgentOps``, the same four calls):
+the launcher itself never imports torch.  The agent hosts the coordinator's threads; it forks
+nothing (workers are forked from the template, which holds no threads).  When the launcher
+goes away the agent's pipe ends and it shuts the coordinator down and exits -- as the
+coordinator died with the launcher before.
+
+Errors cross the pipe as ``(kind, message)``: ``unreachable`` (the coordinator did not answer:
+``MembershipError``), ``failed`` (anything else).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import time
+from typing import Optional
+
+__all__ = ["CoordinatorOps", "AgentOps", "CoordinatorOpError", "serve_agent", "LIGHTHOUSE_KEY"]
+
+LIGHTHOUSE_KEY = "cft/launch/lighthouse"
+
+
+class CoordinatorOpError(RuntimeError):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class CoordinatorOps:
+    """The coordinator calls, done in this process (imports torch and torchft on first use)."""
+
+    def __init__(self):
+        self.server = None
+        self.store = None
+
+    def host(self, host: str, port: int, join_timeout_ms: int) -> tuple[str, str]:
+        """Host the TCPStore and the Lighthouse; (store address, Lighthouse address)."""
+        from chameleon_ft.runtime.membership import CoordinatorServer
+
+        try:
+            self.server = CoordinatorServer(host, store_port=port, join_timeout_ms=join_timeout_ms)
+        except Exception as exc:
+            raise CoordinatorOpError("failed", str(exc)) from exc
+        self.store = self.server.store
+        self.store.set(LIGHTHOUSE_KEY, self.server.lighthouse_addr)
+        return self.server.store_addr, self.server.lighthouse_addr
+
+    def connect(self, endpoint: str, timeout_s: float) -> str:
+        """Reach node 0's coordinator; its Lighthouse address."""
+        from chameleon_ft.runtime.membership import MembershipError, connect_store
+
+        try:
+            self.store = connect_store(endpoint, timeout_s)
+            self.store.wait([LIGHTHOUSE_KEY])
+            return self.store.get(LIGHTHOUSE_KEY).decode()
+        except MembershipError as exc:
+            raise CoordinatorOpError("unreachable", str(exc)) from exc
+        except Exception as exc:
+            raise CoordinatorOpError("failed", str(exc)) from exc
+
+    def report_dead(self, worker_id: int, reason: str) -> None:
+        from chameleon_ft.runtime.membership import report_dead
+
+        report_dead(self.store, worker_id, reason)
+
+    def read_latest(self) -> Optional[dict]:
+        from chameleon_ft.runtime.membership import read_latest
+
+        return read_latest(self.store)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
+
+
+class AgentOps:
+    """The same calls, answered by an agent process over a pipe pair (``serve_agent``)."""
+
+    def __init__(self, to_agent: int, from_agent: int, pid: int, timeout_s: float = 120.0):
+        self._out, self._in, self.pid, self.timeout_s = to_agent, from_agent, pid, timeout_s
+        self._buf = b""
+
+    def _call(self, op: str, *args):
+        try:
+            os.write(self._out, (json.dumps({"op": op, "args": list(args)}) + "\n").encode())
+        except OSError as exc:
+            raise CoordinatorOpError("failed", f"the coordinator agent is gone ({exc})") from None
+        deadline = time.monotonic() + self.timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._in], [], [], left)[0]:
+                raise CoordinatorOpError("failed", f"the coordinator agent did not answer {op!r}")
+            data = os.read(self._in, 65536)
+            if not data:
+                raise CoordinatorOpError("failed", "the coordinator agent exited")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise CoordinatorOpError(*reply["error"])
+        return reply["result"]
+
+    def host(self, host: str, port: int, join_timeout_ms: int) -> tuple[str, str]:
+        return tuple(self._call("host", host, port, join_timeout_ms))
+
+    def connect(self, endpoint: str, timeout_s: float) -> str:
+        return self._call("connect", endpoint, timeout_s)
+
+    def report_dead(self, worker_id: int, reason: str) -> None:
+        self._call("report_dead", worker_id, reason)
+
+    def read_latest(self) -> Optional[dict]:
+        return self._call("read_latest")
+
+    def close(self) -> None:
+        for fd in (self._out, self._in):
+            try:
+                os.close(fd)  # end of requests: the agent shuts the coordinator down, exits
+            except OSError:
+                pass
+
+
+def serve_agent(in_fd: int, out_fd: int) -> None:
+    """The agent's loop: answer ``AgentOps`` calls with a ``CoordinatorOps`` until the pipe ends."""
+    ops = CoordinatorOps()
+    buf = b""
+    try:
+        while True:
+            data = os.read(in_fd, 65536)
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = json.loads(line)
+                try:
+                    reply = {"result": getattr(ops, req["op"])(*req["args"])}
+                except CoordinatorOpError as exc:
+                    reply = {"error": [exc.kind, str(exc)]}
+                except Exception as exc:  # noqa: BLE001 - reported to the launcher, which decides
+                    reply = {"error": ["failed", f"{type(exc).__name__}: {exc}"]}
+                out = (json.dumps(reply) + "\n").encode()
+                while out:
+                    out = out[os.write(out_fd, out):]
+    finally:
+        ops.close()
