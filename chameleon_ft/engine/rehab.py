@@ -109,7 +109,7 @@ def rehab_cost(
         raise ValueError("steps since snapshot must be >= 0 and lost fraction in [0, 1]")
     recompute = float(steps_since_snapshot)
     if steps_since_snapshot == 0 or lost_fraction == 0:
-        return RehabOutcome(recompute, 0.0, "the snapshot is current: nothing to heal")
+        return RehabOutcome(recompute, 0.0, "the snapshot is current: nothing to heal", 0.0)
     if lost_fraction > max_lost_fraction:
         return RehabOutcome(recompute, None, f"{lost_fraction:.0%} of the model lost (limit {max_lost_fraction:.0%})")
     if trend is None or not np.isfinite(trend.slope) or trend.slope >= 0:

@@ -180,8 +180,9 @@ def describe(d: dict) -> str:
     if ch in c:
         out += f" ({c[ch]['reason']})"
     if ch == "rehabilitate":
-        out += (f"; those rows restart from step {d['snapshot_step']}, predicted to catch up in "
-                f"{d['predicted_heal_steps']:.1f} steps")
+        heal = d.get("predicted_heal_steps")
+        out += f"; those rows restart from step {d.get('snapshot_step')}" + (
+            f", predicted to catch up in {heal:.1f} steps" if heal is not None else "")
     off = [f"{p}: {x['reason']}" for p, x in c.items() if p != ch and not x["feasible"]]
     return out + (f"; not taken: {'; '.join(off)}" if off else "")
 

@@ -182,3 +182,11 @@ def test_heal_check_says_so_when_the_gap_stays_open_and_calibrates_the_next_pred
     scaled = choose_recovery(facts(heal_scale=4.0))
     assert scaled.candidates["rehabilitate"]["steps"] == pytest.approx(4.0 * base.candidates["rehabilitate"]["steps"])
     assert "calibrated 4" in scaled.candidates["rehabilitate"]["reason"]
+
+
+def test_a_current_snapshot_rehabilitates_with_nothing_to_heal_and_says_so():
+    # the lost row's snapshot is of this very step: 0 steps to heal, and the line still prints
+    d = choose_recovery(facts(step=15, allowed=frozenset({"rehabilitate", "restart"})))  # Lightning's
+    assert d.chosen == "rehabilitate" and d.predicted_heal_steps == 0.0
+    assert "predicted to catch up in 0.0 steps" in describe(d.to_json())
+    assert "restart from step 15" in describe({**d.to_json(), "predicted_heal_steps": None})
