@@ -324,9 +324,9 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             ctx.step = int(resume["step"])
             ctx.last_checkpoint_step = int(resume["step"])
         trainer = self.lightning_module.trainer
-        ends = ([trainer.max_steps] if (trainer.max_steps or -1) >= 0 else []) + (
-            [trainer.max_epochs * ctx.sampler.steps_per_epoch] if (trainer.max_epochs or -1) >= 0 else [])
-        ctx.planned_steps = min(ends) if ends else None  # the run's length, as Lightning will stop
+        # The run's length, as Lightning will stop (its -1 / None: no bound).
+        ctx.plan_run(trainer.max_steps if (trainer.max_steps or -1) >= 0 else None,
+                     trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None)
         self.ctx = ctx
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)

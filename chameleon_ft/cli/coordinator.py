@@ -23,9 +23,17 @@ import select
 import time
 from typing import Optional
 
-__all__ = ["CoordinatorOps", "AgentOps", "CoordinatorOpError", "serve_agent", "LIGHTHOUSE_KEY"]
+__all__ = ["CoordinatorOps", "AgentOps", "CoordinatorOpError", "serve_agent", "send_json", "LIGHTHOUSE_KEY"]
 
 LIGHTHOUSE_KEY = "cft/launch/lighthouse"
+
+
+def send_json(fd: int, msg) -> None:
+    """One JSON message as one line on a pipe, written whole (the launcher, the template and
+    the agent speak this way)."""
+    data = (json.dumps(msg) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 class CoordinatorOpError(RuntimeError):
@@ -91,7 +99,7 @@ class AgentOps:
 
     def _call(self, op: str, *args):
         try:
-            os.write(self._out, (json.dumps({"op": op, "args": list(args)}) + "\n").encode())
+            send_json(self._out, {"op": op, "args": list(args)})
         except OSError as exc:
             raise CoordinatorOpError("failed", f"the coordinator agent is gone ({exc})") from None
         deadline = time.monotonic() + self.timeout_s
@@ -148,8 +156,6 @@ def serve_agent(in_fd: int, out_fd: int) -> None:
                     reply = {"error": [exc.kind, str(exc)]}
                 except Exception as exc:  # noqa: BLE001 - reported to the launcher, which decides
                     reply = {"error": ["failed", f"{type(exc).__name__}: {exc}"]}
-                out = (json.dumps(reply) + "\n").encode()
-                while out:
-                    out = out[os.write(out_fd, out):]
+                send_json(out_fd, reply)
     finally:
         ops.close()

@@ -196,6 +196,11 @@ class Launcher:
                 raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
             raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
 
+    def _warm_off(self, why: Exception) -> None:
+        _say(f"warm start off, starting fresh interpreters: {why}")
+        self.warm.close()
+        self.warm = None
+
     def _coordinator_ops(self):
         """In an agent forked from the template when there is one (this process then never
         imports torch), else here."""
@@ -203,9 +208,7 @@ class Launcher:
             try:
                 return self.warm.agent()
             except WarmStartError as exc:
-                _say(f"warm start off, starting fresh interpreters: {exc}")
-                self.warm.close()
-                self.warm = None
+                self._warm_off(exc)
         return CoordinatorOps()
 
     # ---------------------------------------------------------------- workers
@@ -234,9 +237,7 @@ class Launcher:
             try:
                 proc = self.warm.spawn([a.script, *a.script_args], env)
             except WarmStartError as exc:
-                _say(f"warm start off, starting fresh interpreters: {exc}")
-                self.warm.close()
-                self.warm = None
+                self._warm_off(exc)
         if proc is None:
             proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
                                     start_new_session=True)

@@ -48,6 +48,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from chameleon_ft.cli.coordinator import AgentOps, send_json
 from chameleon_ft.runtime import env as E
 
 __all__ = ["DEFAULT_PRELOAD", "preload_modules", "WarmSpawner", "WarmProcess", "WarmStartError"]
@@ -134,7 +135,7 @@ class WarmSpawner:
 
     def _request(self, req: dict, want: str) -> dict:
         try:
-            os.write(self._req, (json.dumps(req) + "\n").encode())
+            send_json(self._req, req)
         except OSError as exc:
             try:
                 self.proc.wait(timeout=10)
@@ -160,8 +161,6 @@ class WarmSpawner:
     def agent(self):
         """Fork the coordinator agent (``cli/coordinator.py``) from the template, once, before
         any worker: an ``AgentOps`` that hosts or reaches the coordinator in it."""
-        from chameleon_ft.cli.coordinator import AgentOps
-
         msg = self._request({"agent": True}, "agent_pid")
         ops = AgentOps(self._agent_w, self._agent_r, int(msg["agent_pid"]))
         self._agent_w = self._agent_r = -1  # the AgentOps owns them now
@@ -247,12 +246,6 @@ def _exists(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------------ template side
-def _send(fd: int, msg: dict) -> None:
-    data = (json.dumps(msg) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
-
-
 def _serve(req_fd: int, resp_fd: int, agent_fds: list, modules: Sequence[str]) -> Optional[dict]:
     """Import ``modules``, then fork one child per request.  Returns the request in a child,
     None in the template once the launcher closed its end.  ``agent_fds``: the coordinator
@@ -262,7 +255,7 @@ def _serve(req_fd: int, resp_fd: int, agent_fds: list, modules: Sequence[str]) -
         for m in modules:
             importlib.import_module(m)
     except BaseException as exc:  # noqa: BLE001 - any failure means: no warm start
-        _send(resp_fd, {"error": f"--preload: cannot import {m!r}: {type(exc).__name__}: {exc}"})
+        send_json(resp_fd, {"error": f"--preload: cannot import {m!r}: {type(exc).__name__}: {exc}"})
         return None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     # What the imports built is never freed: out of the collector's sight, so that no
@@ -297,7 +290,7 @@ def _serve(req_fd: int, resp_fd: int, agent_fds: list, modules: Sequence[str]) -
                 req = json.loads(line)
                 req["preload_s"] = preload_s
                 if req.get("agent") and not agent_fds:
-                    _send(resp_fd, {"error": "the coordinator agent was forked already"})
+                    send_json(resp_fd, {"error": "the coordinator agent was forked already"})
                     continue
                 pid = os.fork()
                 if pid == 0:
@@ -313,9 +306,9 @@ def _serve(req_fd: int, resp_fd: int, agent_fds: list, modules: Sequence[str]) -
                     for fd in agent_fds:
                         os.close(fd)
                     agent_fds.clear()
-                    _send(resp_fd, {"agent_pid": pid, "preload_s": preload_s})
+                    send_json(resp_fd, {"agent_pid": pid, "preload_s": preload_s})
                     continue
-                _send(resp_fd, {"pid": pid, "preload_s": preload_s})
+                send_json(resp_fd, {"pid": pid, "preload_s": preload_s})
     finally:
         if os.getpid() == _TEMPLATE_PID:
             _reap(resp_fd)
@@ -330,7 +323,7 @@ def _reap(resp_fd: int) -> None:
         if pid == 0:
             return
         try:
-            _send(resp_fd, {"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+            send_json(resp_fd, {"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
         except OSError:  # the launcher is gone
             pass
 

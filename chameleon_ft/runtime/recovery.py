@@ -567,6 +567,13 @@ class RecoveryCore:
         self.last_checkpoint_step = int(s["last_checkpoint_step"])
         self.lr_scale = float(s.get("lr_scale", 1.0))
 
+    def plan_run(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> None:
+        """``planned_steps`` from where the run will stop: ``max_steps`` committed steps or
+        ``epochs`` epochs, whichever comes first (None for a bound not set; neither: unknown)."""
+        ends = ([max_steps] if max_steps is not None else []) + (
+            [epochs * self.sampler.steps_per_epoch] if epochs is not None else [])
+        self.planned_steps = min(ends) if ends else None
+
     def save_checkpoint(self, path: str) -> None:
         """Call on every member at the same step: the lowest-ranked one writes the run state
         and, beside it, the model's plain ``state_dict`` (``codec.model_file``); all of them

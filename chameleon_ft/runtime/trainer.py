@@ -102,9 +102,7 @@ class ElasticTrainer:
         ctx = self.ctx
         if self.checkpoint and os.path.exists(self.checkpoint):
             ctx.load_checkpoint(self.checkpoint)
-        ends = ([max_steps] if max_steps is not None else []) + (
-            [epochs * ctx.sampler.steps_per_epoch] if epochs is not None else [])
-        ctx.planned_steps = min(ends)
+        ctx.plan_run(max_steps, epochs)
         ctx.start()
         try:
             while True:
