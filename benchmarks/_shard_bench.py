@@ -1,12 +1,15 @@
-"""Worker of the sharded benchmark (``sharded_bench.py``): an MLP regression trained with FSDP2,
-either on the chameleon-ft runtime (``--mode ours``: ``ElasticTrainer(sharding=...)`` under
-``chameleon-ft run``) or as plain FSDP2 (``--mode plain``: ``fully_shard`` on a gloo default
-group under ``torchrun``, torch's own collectives).
+"""Worker of the sharded benchmarks (``sharded_bench.py``, ``sharded_matrix.py``): a model of
+``_shard_tasks`` (``--kind``: the MLP regression with Adam, or the matrix's classifiers with
+AdamW) trained with FSDP2, either on the chameleon-ft runtime (``--mode ours``:
+``ElasticTrainer(sharding="full")`` under ``chameleon-ft run``, every setting default unless a
+flag sets it) or as plain FSDP2 (``--mode plain``: ``fully_shard`` on a gloo default group under
+``torchrun``, torch's own collectives; regression only).
 
 Accelerator-emulation mode: each member's forward is padded by ``--sample-sleep`` seconds per
 sample it computes, so a step costs what its share costs on a device, not what 2 shared cores
 make of it.  Each member writes ``<out>/final_<rank or worker id>.json``: per committed step
-(step, wall time, loss), its peak RSS, the shard recovery taken.
+(step, wall time, loss), its peak RSS, the shard recovery taken, the heal checks; the lowest
+member also the user's own model's test loss and accuracy after ``fit()`` (classifiers).
 """
 
 from __future__ import annotations
@@ -20,21 +23,7 @@ import time
 import torch
 import torch.nn as nn
 
-
-def regression(n=4096, dim=32, out=8, seed=1234) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g)
-    w = torch.randn(dim, out, generator=g) / dim ** 0.5
-    return torch.utils.data.TensorDataset(x, torch.tanh(2 * x @ w) + 0.02 * torch.randn(n, out, generator=g))
-
-
-def model_for(hidden: int, layers: int, seed: int) -> nn.Module:
-    torch.manual_seed(100 + seed)
-    mods = [nn.Linear(32, hidden), nn.Tanh()]
-    for _ in range(layers - 2):
-        mods += [nn.Linear(hidden, hidden), nn.Tanh()]
-    mods.append(nn.Linear(hidden, 8))
-    return nn.Sequential(*mods)
+from _shard_tasks import KINDS, evaluate, model as task_model, regression, regression_model, task
 
 
 def rss_mb() -> float:
@@ -55,18 +44,29 @@ def main() -> None:
     p.add_argument("--sample-sleep", type=float, default=0.002)
     p.add_argument("--snapshot-every", type=int, default=None, help="0: no snapshots; default: Young/Daly")
     p.add_argument("--paths", default=None)
+    p.add_argument("--kind", choices=("regression",) + KINDS, default="regression")
+    p.add_argument("--default-config", action="store_true",
+                   help="ElasticConfig's defaults (straggler handling on) besides --paths")
     a = p.parse_args()
     torch.set_num_threads(1)
-    data = regression()
-    model = model_for(a.hidden, a.layers, a.seed)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    test = None
+    if a.kind == "regression":
+        data = regression()
+        model = regression_model(a.hidden, a.layers, a.seed)
+        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+        loss_of = nn.functional.mse_loss
+    else:
+        from _shard_tasks import cross_entropy as loss_of
+        data, test = task(a.kind)
+        model = task_model(a.kind, a.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     rows: list[list[float]] = []
 
     def loss_fn(m, batch):
         x, y = batch
         if a.sample_sleep:
             time.sleep(a.sample_sleep * len(x))
-        return nn.functional.mse_loss(m(x), y)
+        return loss_of(m(x), y)
 
     if a.mode == "plain":
         rank = plain(a, data, model, opt, loss_fn, rows)
@@ -77,14 +77,18 @@ def main() -> None:
         def on_step(ctx):
             rows.append([ctx.step, time.time(), ctx.loss_history[-1][1]])
 
-        cfg = ElasticConfig(stragglers=False, shard_recovery=frozenset(a.paths.split(",")) if a.paths else None)
+        paths = frozenset(a.paths.split(",")) if a.paths else None
+        cfg = (ElasticConfig(shard_recovery=paths) if a.default_config
+               else ElasticConfig(stragglers=False, shard_recovery=paths))
         tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, a.micro_batch, seed=a.seed, config=cfg,
                             sharding="full", snapshot_every=a.snapshot_every, on_step=on_step)
         tr.fit(max_steps=a.steps)
         ctx = tr.ctx
         rank = ctx.worker_id
         extra = {"decision": ctx.last_shard_decision, "k": ctx.k, "snapshot_cost_s": ctx.snapshot_cost_s,
-                 "redone": tr.redone_steps}
+                 "redone": tr.redone_steps, "heal_checks": ctx.heal_checks, "heal_scale": ctx.heal_scale}
+        if test is not None and ctx.rank == 0:
+            extra.update(evaluate(model, test))  # the user's own module holds the trained model
     with open(os.path.join(a.out, f"final_{rank}.json"), "w") as f:
         json.dump({"rows": rows, "rss_mb": rss_mb(), **extra}, f)
 

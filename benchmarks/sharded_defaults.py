@@ -133,7 +133,7 @@ def worker() -> None:
                 out = {"test_loss": float(_ce(logits, yt)),
                        "test_acc": float((logits.argmax(-1) == yt).float().mean()),
                        "decision": ctx.last_shard_decision, "k": ctx.k, "heal_checks": ctx.heal_checks,
-                       "step": ctx.step}
+                       "step": ctx.step, "loss_history": ctx.loss_history}
             Path(a.out, "result.json").write_text(json.dumps(out))
 
     elastic_main(main)

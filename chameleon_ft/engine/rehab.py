@@ -25,7 +25,8 @@ rehabilitated run reaches the same final loss — tests check it closes the gap 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -135,64 +136,95 @@ def rehab_cost(
 
 @dataclass
 class HealCheck:
-    """Whether a rehabilitated run heals as predicted, measured on the job's own loss.
+    """How far a rehabilitated run lags behind its failure-free trend, measured on the job's
+    own loss, against what the engine predicted.
 
-    The failure-free trend is the loss line fitted before the failure (``slope``, ``base`` =
-    its value at ``start``, ``noise`` = the residuals' standard deviation); the gap at step
-    ``s`` is the measured loss minus that line's value there.  ``observe`` every committed step:
-    at ``start + ceil(predicted)`` (at least 1) it reports whether the gap is within the noise
-    band (``2 x noise``, or 5 % of the gap at the repair, whichever is larger) -- *on track* --
-    and it keeps watching until the gap closes (the measured heal steps) or ``4 x`` that long
-    has passed (not healed).  ``ratio`` (measured / predicted steps; a lower bound when it did
-    not heal) calibrates the next prediction (``rehab_cost(heal_scale=...)``).
+    The failure-free trend is the line fitted to the losses before the failure -- to their
+    logarithm when every loss is positive (a loss curve that flattens is close to a straight
+    line there), else to the losses -- with ``slope`` per step, ``base`` its value at the repair
+    step ``start`` and ``noise`` the standard deviation of its residuals.  After the repair each
+    committed step's residual (fitted value minus trend) is kept; the **lag** is their mean over
+    the slope: the steps of progress the run is behind, the same quantity as the engine's
+    ``predicted`` heal steps (the training time rehabilitation loses).  Its uncertainty is
+    ``2 x noise / sqrt(n) / |slope|``: one step's loss is noisy, so a small lag is told apart
+    from zero only on a steep, quiet curve (``informative``).
 
-    Limits: the failure-free trend is a straight line, which runs below a flattening loss curve
-    over long horizons (the gap then looks larger than it is); one global loss per step."""
+    ``observe`` every committed step: after ``window`` steps (the predicted lag, at least 3 and
+    at most 6) a ``check`` record says whether the heal is **on track** (the lag's lower bound
+    within ``1.5 x predicted + 1`` steps: the engine's safety factor and one step's
+    resolution); after ``2 x window`` steps an ``end`` record says the same over every step
+    since the repair and gives ``ratio`` = measured / predicted (when informative), which
+    calibrates the next prediction (``rehab_cost(heal_scale=...)``).  Either record says
+    ``fallback`` when the heal is not on track and rolling back to ``fallback_step`` (a
+    snapshot the runtime still holds) now loses fewer steps than the lag already measured.
+
+    Limits: a straight trend over at most 12 steps (longer, a flattening curve makes any lag
+    look larger); one global loss per step; a lag smaller than the noise allows is reported as
+    not informative, never as measured."""
 
     start: int
     slope: float
     base: float
     noise: float
     predicted: float
-    gap0: float | None = None
+    log: bool = False
+    fallback_step: int | None = None
+    residuals: list = field(default_factory=list)
     check: dict | None = None
-    closed_at: int | None = None
     done: bool = False
 
     @property
-    def check_at(self) -> int:
-        return self.start + max(1, int(np.ceil(self.predicted)))
+    def window(self) -> int:
+        return int(min(6, max(3, np.ceil(self.predicted))))
 
-    def tolerance(self) -> float:
-        return max(2.0 * self.noise, 0.05 * abs(self.gap0 or 0.0), 1e-12)
+    @property
+    def check_at(self) -> int:
+        return self.start + self.window
+
+    def bound(self) -> float:
+        return 1.5 * self.predicted + 1.0
+
+    def lag(self) -> tuple[float, float]:
+        """(lag, half-width of its 95 % interval) in steps, over the residuals so far."""
+        n = len(self.residuals)
+        if not n or self.slope >= 0:
+            return float("nan"), float("inf")
+        mean = sum(self.residuals) / n
+        return float(mean / -self.slope), float(2.0 * self.noise / math.sqrt(n) / -self.slope)
 
     def observe(self, step: int, loss: float) -> list[dict]:
-        """The records this step produces: ``{"kind": "check", ...}`` at the check step,
-        ``{"kind": "end", ...}`` when the gap closed or the watch ran out."""
-        if self.done or not np.isfinite(loss):
+        """The records this step produces: ``{"kind": "check", ...}`` at ``check_at``,
+        ``{"kind": "end", ...}`` ``window`` steps later."""
+        if self.done or step <= self.start or not np.isfinite(loss) or (self.log and loss <= 0):
             return []
-        gap = loss - (self.base + self.slope * (step - self.start))
-        if self.gap0 is None:
-            self.gap0 = gap
+        value = math.log(loss) if self.log else float(loss)
+        self.residuals.append(value - (self.base + self.slope * (step - self.start)))
         out = []
-        healed = gap <= self.tolerance()
-        if healed and self.closed_at is None:
-            self.closed_at = step
         if self.check is None and step >= self.check_at:
-            self.check = {"kind": "check", "step": step, "predicted_heal_steps": self.predicted,
-                          "gap_at_repair": self.gap0, "gap": gap, "tolerance": self.tolerance(),
-                          "on_track": self.closed_at is not None}
+            self.check = self._record("check", step)
             out.append(self.check)
-        limit = self.start + 4 * max(1, int(np.ceil(self.predicted)))
-        if self.check is not None and (self.closed_at is not None or step >= limit):
+        elif self.check is not None and step >= self.check_at + self.window:
             self.done = True
-            measured = None if self.closed_at is None else self.closed_at - self.start
-            out.append({"kind": "end", "step": step, "predicted_heal_steps": self.predicted,
-                        "measured_heal_steps": measured, "healed": measured is not None,
-                        "gap": gap, "ratio": self.ratio()})
+            out.append(self._record("end", step))
         return out
 
+    def _record(self, kind: str, step: int) -> dict:
+        lag, half = self.lag()
+        on_track = bool(lag - half <= self.bound())
+        informative = bool(half <= max(1.0, 0.5 * max(self.predicted, abs(lag))))
+        redo = None if self.fallback_step is None else step - self.fallback_step
+        rec = {"kind": kind, "step": int(step), "steps_watched": len(self.residuals),
+               "predicted_heal_steps": self.predicted, "lag": lag, "lag_interval": [lag - half, lag + half],
+               "bound": self.bound(), "informative": informative, "on_track": on_track,
+               "fallback": bool(not on_track and redo is not None and lag - half > redo),
+               "fallback_step": self.fallback_step}
+        if kind == "end":
+            rec["healed"] = on_track
+            rec["measured_heal_steps"] = lag if informative else None
+            rec["ratio"] = self.ratio() if informative else None
+        return rec
+
     def ratio(self) -> float:
-        """Measured / predicted heal steps (a lower bound while not healed)."""
-        steps = (self.closed_at if self.closed_at is not None else self.check_at) - self.start
-        return max(steps, 1) / max(self.predicted, 1.0)
+        """Measured / predicted lag (both at least one step: below that the two agree)."""
+        lag, _ = self.lag()
+        return max(lag, 1.0) / max(self.predicted, 1.0)

@@ -208,18 +208,22 @@ def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, 
 
 
 def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: float,
-               window: int = 20) -> Optional[HealCheck]:
+               window: int = 16, fallback_step: Optional[int] = None) -> Optional[HealCheck]:
     """The ``HealCheck`` of a rehabilitation at ``start``: the failure-free trend is the line
-    fitted to the last ``window`` losses before it; None without a decreasing trend."""
+    fitted to the last ``window`` losses before it (to their logarithm when all are positive);
+    ``fallback_step``: the snapshot step a recompute could still roll back to.  None without a
+    decreasing trend."""
     pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
-    trend = loss_trend(pts, window)
+    log = bool(pts) and all(v > 0 for _, v in pts)
+    fit = [(s, math.log(v) if log else v) for s, v in pts]
+    trend = loss_trend(fit, window)
     if trend is None or trend.slope >= 0 or trend.loss_now is None:
         return None
-    last = pts[-1][0]
-    resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in pts]
+    last = fit[-1][0]
+    resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in fit]
     noise = math.sqrt(sum(r * r for r in resid) / max(1, len(resid) - 2))
     return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
-                     noise=noise, predicted=float(predicted))
+                     noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step)
 
 
 def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapshot: Optional[int] = None) -> Optional[LossTrend]:

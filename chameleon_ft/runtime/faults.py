@@ -5,7 +5,9 @@ crash), ``hang`` (SIGSTOP to itself: alive but silent), ``slow`` (sleep after a 
 takes ``factor`` times as long: a straggler), ``jitter`` (the same padding, but only for a random
 ``prob`` share of the phases: scheduling noise, not a straggler) or ``exit`` (a clean
 ``sys.exit`` with a nonzero code) or ``corrupt`` (sharded jobs, phase ``snapshot``: the
-snapshot this worker sends to its buddy is damaged in flight, after its checksum), aimed at ranks or at every local rank of a node, at a global
+snapshot this worker sends to its buddy is damaged in flight, after its checksum; phase
+``restore``: the parameters a rehabilitation restores into this worker's row are negated and
+doubled -- a heal that cannot close), aimed at ranks or at every local rank of a node, at a global
 step and a step phase.
 
 Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` variable::
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
-PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "snapshot", "any")
+PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "snapshot", "restore", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")

@@ -178,6 +178,7 @@ class RecoveryCore:
         self.activity = 0
         self.peer_activity: list[int] = []
         self.redone_steps = 0  # attempts no member committed (run again)
+        self.rollbacks = 0  # in-place rollbacks of this generation (its steps' attempts then differ)
         self.adopted_steps = 0  # attempts interrupted here that a peer committed
 
     # ---------------------------------------------------------------- properties
@@ -247,7 +248,7 @@ class RecoveryCore:
         buf = torch.cat(list(parts) + [tail])
         if self.log:
             self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token, ids=self._ids if self.cfg.log_samples else None)
+                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""), ids=self._ids if self.cfg.log_samples else None)
         t0 = time.perf_counter()
         try:
             # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The

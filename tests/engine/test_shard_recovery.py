@@ -147,37 +147,66 @@ def _history(n=20, slope=-0.01, noise=0.001):
     return [(s, 2.0 + slope * s + rng.uniform(-noise, noise)) for s in range(1, n + 1)]
 
 
-def test_heal_check_on_track_when_the_gap_closes_as_predicted():
+def _watch(hc, start, lag_of_k, steps=12, slope=-0.01):
+    """Feed ``hc`` the losses of a run ``lag_of_k(k)`` steps behind the line ``2 + slope s``."""
+    records = []
+    for k in range(1, steps + 1):
+        s = start + k
+        records += hc.observe(s, 2.0 + slope * (s - lag_of_k(k)))
+    return records
+
+
+def test_heal_check_measures_the_lag_and_is_on_track_when_it_is_as_predicted():
     from chameleon_ft.engine.shard_recovery import heal_check
 
-    hist = _history()
-    hc = heal_check(hist, start=20, predicted=5.0)
-    assert hc.slope == pytest.approx(-0.01, rel=0.05) and hc.noise < 0.002
-    records = []
-    for k in range(1, 12):
-        s = 20 + k
-        gap = max(0.0, 0.05 * (1 - k / 5))  # closes in 5 steps
-        records += hc.observe(s, 2.0 - 0.01 * s + gap)
+    hc = heal_check(_history(), start=20, predicted=2.0, fallback_step=16)
+    assert hc.log and hc.window == 3 and hc.noise < 0.002
+    assert hc.slope == pytest.approx(-0.01 / 1.9, rel=0.05)  # log-space slope of 2 - 0.01 s at s ~ 10..20
+    records = _watch(hc, 20, lambda k: 2.0)
     check = next(r for r in records if r["kind"] == "check")
     end = next(r for r in records if r["kind"] == "end")
-    assert check["step"] == 25 and check["on_track"]
-    assert end["healed"] and end["measured_heal_steps"] == pytest.approx(5, abs=1)
-    assert end["ratio"] == pytest.approx(1.0, abs=0.25)
+    assert check["step"] == 23 and check["on_track"] and not check["fallback"]
+    assert check["lag"] == pytest.approx(2.0, abs=0.3) and check["informative"]
+    assert end["step"] == 26 and end["healed"] and end["measured_heal_steps"] == pytest.approx(2.0, abs=0.3)
+    assert end["ratio"] == pytest.approx(1.0, abs=0.15)
+    assert hc.done and hc.observe(27, 1.0) == []
 
 
-def test_heal_check_says_so_when_the_gap_stays_open_and_calibrates_the_next_prediction():
+def test_heal_check_falls_back_when_the_lag_exceeds_what_a_rollback_costs_now():
     from chameleon_ft.engine.shard_recovery import heal_check
 
-    hc = heal_check(_history(), start=20, predicted=3.0)
-    records = []
-    for k in range(1, 20):
-        records += hc.observe(20 + k, 2.0 - 0.01 * (20 + k) + 0.08)  # the gap never closes
+    hc = heal_check(_history(), start=20, predicted=2.0, fallback_step=16)
+    check = next(r for r in _watch(hc, 20, lambda k: 15.0) if r["kind"] == "check")
+    # 15 steps behind, 4 at most expected; rolling back to 16 at step 23 redoes 7: fall back
+    assert not check["on_track"] and check["fallback"] and check["fallback_step"] == 16
+    assert check["lag_interval"][0] > 7
+
+
+def test_heal_check_says_not_on_track_but_keeps_training_when_a_rollback_costs_more():
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    hc = heal_check(_history(), start=20, predicted=2.0, fallback_step=10)
+    records = _watch(hc, 20, lambda k: 7.0)
     check = next(r for r in records if r["kind"] == "check")
     end = next(r for r in records if r["kind"] == "end")
-    assert check["step"] == 23 and not check["on_track"]
-    assert not end["healed"] and end["measured_heal_steps"] is None and end["step"] == 32
-    assert hc.ratio() >= 1.0
-    # the next decision's estimate is scaled by what this job measured
+    assert not check["on_track"] and not check["fallback"]  # 7 behind < 13 steps to redo
+    assert not end["healed"] and end["ratio"] == pytest.approx(3.5, rel=0.1)
+    # without a snapshot to roll back to there is never a fallback
+    hc = heal_check(_history(), start=20, predicted=2.0)
+    assert not any(r["fallback"] for r in _watch(hc, 20, lambda k: 30.0))
+
+
+def test_heal_check_on_a_noisy_curve_is_not_informative_and_calibrates_nothing():
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    hc = heal_check(_history(noise=0.08), start=20, predicted=2.0)
+    end = next(r for r in _watch(hc, 20, lambda k: 2.0) if r["kind"] == "end")
+    assert not end["informative"] and end["measured_heal_steps"] is None and end["ratio"] is None
+    assert end["on_track"]  # a wide interval is consistent with the prediction
+    assert heal_check([(s, 1.0 + 0.01 * s) for s in range(20)], start=20, predicted=2.0) is None  # rising
+
+
+def test_the_next_decision_is_scaled_by_the_measured_heal():
     base = choose_recovery(facts(remaining_steps=None))
     scaled = choose_recovery(facts(heal_scale=4.0))
     assert scaled.candidates["rehabilitate"]["steps"] == pytest.approx(4.0 * base.candidates["rehabilitate"]["steps"])

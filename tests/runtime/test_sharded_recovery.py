@@ -131,11 +131,42 @@ def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
                for g in finals.values())
 
 
+def test_a_heal_that_does_not_close_falls_back_to_recompute_and_ends_exact(tmp_path, failure_free):
+    """Issue 23: the rehabilitated rows are spoiled on purpose (negated and doubled: the test
+    fault ``corrupt`` at phase ``restore``), so the loss jumps far above the failure-free
+    trend.  The heal check at the predicted step measures a lag beyond what rolling back costs
+    then, every member falls back together to the snapshots of step 10 (kept since the
+    re-shard) and recomputes: the job ends on the failure-free trajectory, every sample once."""
+    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--snapshot-every", "5",
+                    nproc=4, hang_timeout=10, launch_args=("--faults", "corrupt:rank=0,1,3:phase=restore"))
+    try:
+        job.start()
+        job.wait_step(14)
+        job.kill(2)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals, events, out = job.final(), job.events(), job.output()
+    finally:
+        job.cleanup()
+    decided = [e for e in events if e["event"] == "shard_recovery"]
+    assert [d["chosen"] for d in decided] == ["rehabilitate", "recompute"], decided
+    assert decided[0]["snapshot_step"] == 10
+    fb = decided[1]
+    assert fb["fallback"] and fb["rollback_to"] == 10 and fb["failed_heal"]["fallback"]
+    assert fb["failed_heal"]["lag_interval"][0] > fb["step"] - 10  # the lag: more than the redo
+    checks = [e for e in events if e["event"] == "heal_check"]
+    assert len(checks) == 1 and not checks[0]["on_track"], checks
+    assert "heal NOT on track" in out and "rolling back to the snapshots of step 10" in out
+    assert all(f["heal_checks"][-1]["fallback"] for f in finals.values())  # every member knew
+    assert sorted(finals) == [0, 1, 3] and {f["step"] for f in finals.values()} == {STEPS}
+    assert_exactly_once(events, dataset=512, steps_per_epoch=16, epochs=2, global_batch=32)
+    _all_exact(finals, failure_free["full"])
+
+
 def test_defaults_never_rehabilitate_from_the_initial_state_and_the_model_loads_with_plain_torch(tmp_path):
     """Every setting default (issue 23): the snapshot interval is bounded by the run (32 steps:
-    K <= 4, not Young/Daly's 200 from a realistic failure rate), and a kill before the first
-    trained snapshot is recomputed from step 0 -- exact -- instead of restarting a quarter of
-    the model from its initial values; the console says what was restored and why.  After
+    K <= 4, not Young/Daly's 200 from a realistic failure rate; the first trained snapshot at
+    step 2), and a kill before it is recomputed from step 0 -- exact -- instead of restarting a
+    quarter of the model from its initial values; the console says what was restored and why.  After
     fit() the user's own module holds the trained model, and the checkpoint's plain
     state_dict loads into a fresh one with plain torch."""
     import torch
@@ -145,7 +176,7 @@ def test_defaults_never_rehabilitate_from_the_initial_state_and_the_model_loads_
                     "--checkpoint", str(ckpt), nproc=4, hang_timeout=10)
     try:
         job.start()
-        job.wait_step(3)
+        job.wait_step(1)
         job.kill(2)
         assert job.wait(240) == [0], job.output()[-4000:]
         finals, events, out = job.final(), job.events(), job.output()

@@ -76,6 +76,9 @@ __all__ = ["ShardedExecutor", "SHARDED_POLICIES"]
 # The engine's data policies a sharded job can carry out (any membership: a re-shard).
 SHARDED_POLICIES = frozenset({"reroute", "restart", "keep", "rebalance", "heal", "grow"})
 _DEFAULT_K = 10  # snapshot interval before the cost and the step time are measured
+# The first trained snapshot, whatever K: a failure before step K then restores lost rows from a
+# trained step, not from the initial state (which the engine never rehabilitates from).
+_FIRST_SNAPSHOT = 2
 
 
 class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, RecoveryCore):
@@ -141,6 +144,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self._step_times: list[float] = []
         self._transfer_s = 0.05
         self._heal = None  # the HealCheck of the last rehabilitation, while it is watched
+        self._fallback: Optional[dict] = None  # the recompute still possible while it is watched
         self.heal_scale = 1.0  # measured / predicted heal steps of the last one (the next prediction's)
         self.heal_checks: list[dict] = []  # every heal_check record of this run
         self._init_mesh, self._fully_shard = _fsdp()[:2]
@@ -334,30 +338,78 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
                                               run_steps=self.planned_steps)
             elif self.planned_steps:  # not measured yet: the prior, bounded by the run as well
                 self.k = max(1, min(_DEFAULT_K, self.planned_steps // sr.SNAPSHOTS_PER_RUN))
-        if self.k and self.step % self.k == 0:
+        if self.k and (self.step % self.k == 0 or self.step == min(self.k, _FIRST_SNAPSHOT)):
             self._take_snapshot(wait=False)
+        if self._fallback is not None and self._fallback.get("due"):
+            self._fall_back()
 
     def _report_heal(self, rec: dict) -> None:
         """A heal check's record: every member keeps it (the loss is the global one, so all
-        agree) and calibrates the next prediction with it; the lowest rank says it."""
+        agree: they fall back together, at the same step) and calibrates the next prediction
+        with it; the lowest rank says it."""
         self.heal_checks.append(rec)
-        if rec["kind"] == "end":
-            self.heal_scale = min(20.0, max(0.25, rec["ratio"]))
+        can_fall_back = self._fallback is not None
+        if rec["fallback"] and can_fall_back:
+            self._fallback["due"] = rec
+        if rec["kind"] == "end" or rec["fallback"]:
+            if rec.get("ratio") is not None:
+                self.heal_scale = min(20.0, max(0.25, rec["ratio"]))
             self._heal = None
+            if not rec["fallback"]:
+                self._fallback = None  # the heal is over: the old layout's snapshots go
         if self.view.rank != 0:
             return
+        lo, hi = rec["lag_interval"]
+        lag = (f"{rec['lag']:.1f} steps behind the failure-free trend (95 % interval {lo:.1f}..{hi:.1f}"
+               f"{'' if rec['informative'] else ', too noisy to calibrate on'})")
         if rec["kind"] == "check":
             state = "on track" if rec["on_track"] else "NOT on track"
-            msg = (f"heal {state} at step {rec['step']} (predicted {rec['predicted_heal_steps']:.1f} steps): "
-                   f"loss gap to the failure-free trend {rec['gap']:.3g} (at the repair "
-                   f"{rec['gap_at_repair']:.3g}, tolerance {rec['tolerance']:.3g})")
+            msg = (f"heal {state} at step {rec['step']}: {lag}; predicted {rec['predicted_heal_steps']:.1f}, "
+                   f"at most {rec['bound']:.1f} expected")
         else:
-            msg = (f"heal {'closed after ' + str(rec['measured_heal_steps']) + ' steps' if rec['healed'] else 'not closed'}"
-                   f" at step {rec['step']} (predicted {rec['predicted_heal_steps']:.1f}); the next "
-                   f"rehabilitation's estimate is scaled by {self.heal_scale:.2f}")
+            msg = (f"heal {'done' if rec['healed'] else 'NOT done'} at step {rec['step']}: {lag}; predicted "
+                   f"{rec['predicted_heal_steps']:.1f}; the next rehabilitation's estimate is scaled by {self.heal_scale:.2f}")
+        if rec["fallback"]:
+            msg += (f"; rolling back to the snapshots of step {rec['fallback_step']} and recomputing (fewer steps "
+                    f"than the lag)" if can_fall_back else "; no snapshot to roll back to is left: training goes on")
+        elif not rec["on_track"]:
+            msg += "; rolling back would lose more than the lag: training goes on"
         print(f"chameleon-ft: worker {self.worker_id}: {msg}", file=sys.stderr, flush=True)
         if self.log:
             self.log.write("heal_check", **rec)
+
+    def _fall_back(self) -> None:
+        """The heal is not closing and a recompute still costs less: every member, at the
+        same committed step, rolls back to the fallback snapshots (the old layout's, kept since
+        the rehabilitation) into the current layout, and the steps since are redone.  A
+        failure meanwhile is recovered as any other (from the rehabilitated state)."""
+        fb, self._fallback = self._fallback, None
+        plan, rec = fb["plan"], fb["due"]
+        t0, at = time.perf_counter(), self.step
+        try:
+            self._complete_snapshot()
+            mine = self._assemble_row(plan, self.layout, self.row, fb["sources"])
+            self._load_rows(mine, plan)
+            self._warm = None
+            self._roll_back(plan)
+            self.rollbacks += 1  # the redone steps are new attempts of this generation
+            self._own, self._held, self._inflight = [], [], None
+            if self.k:
+                self._take_snapshot(wait=True)
+        except CollectiveFailure as failure:
+            self.recover(failure)
+            return
+        d = {**(self.last_shard_decision or {}), "chosen": "recompute", "fallback": True,
+             "rollback_to": plan["t"], "failed_heal": rec, "step": at, "transfer_s": time.perf_counter() - t0}
+        self.last_shard_decision = d
+        if self.view.rank == 0 and self.log:
+            self.log.write("shard_recovery", **d)
+
+    def _roll_back(self, plan: dict) -> None:
+        """A recompute's run state: sampler, scheduler, RNG and counters of the snapshot."""
+        self._load_run(plan["run"])
+        self.apply_allocation()  # the snapshot's sampler may have had other members
+        self.loss_history = [(s, v) for s, v in self.loss_history if s <= self.step]
 
     def _median_step(self) -> float:
         s = sorted(self._step_times) or [0.1]
@@ -379,6 +431,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         """The run state a peer that is behind needs (the model and optimizer move by rows)."""
         s = self._run_state()
         s["engine"] = self.policy.state_dict()
+        s["heal_scale"] = self.heal_scale  # the gap model's calibration on this job
         return s
 
     def load_state_dict(self, s: dict) -> None:
@@ -388,6 +441,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             self._apply_update()
         self._load_run(s)
         self.policy.load_state_dict(s["engine"])
+        self.heal_scale = float(s.get("heal_scale", self.heal_scale))
 
     def _discard(self) -> None:
         if self.module is not None:
@@ -403,9 +457,11 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             if payload["shard"]["mode"] == "restart":
                 d = payload["shard"]["decision"]
                 why = "; ".join(f"{k}: {c['reason']}" for k, c in d["candidates"].items() if k != "restart")
+                how = (f"restarting from the disk checkpoint ({d['candidates']['restart']['reason']})"
+                       if self._has_checkpoint() else "and there is no disk checkpoint: the job stops to be "
+                       "started again from the beginning (the launcher's --max-restarts does it)")
                 print(f"chameleon-ft: worker {self.worker_id}: rows {d['lost_rows']} cannot be recovered in "
-                      f"memory ({why}); restarting from the disk checkpoint "
-                      f"({d['candidates']['restart']['reason']})", file=sys.stderr, flush=True)
+                      f"memory ({why}); {how}", file=sys.stderr, flush=True)
                 if self.log:
                     self.log.write("shard_recovery", step=self.step, **d)
                 payload["restart"] = True
@@ -424,6 +480,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             return
         self._warm = None  # a repair in progress ends with the layout it was computed for
         self._repair_info = None
+        self._fallback = None  # and so does a heal's fallback (its rows are of an older layout)
         if plan["mode"] == "live":
             self._live_start = False
             self._adopt_live(n, r)
@@ -431,7 +488,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             if self.k:
                 self._take_snapshot(wait=True)
             return
-        t0 = time.perf_counter()
+        t0, at = time.perf_counter(), self.step  # the failure's step (a recompute rolls back from it)
         new = _Layout(self._shapes, n, self._replicas_for(n))
         row = new.row_of(r)
         mine = self._assemble_row(plan, new, row)
@@ -443,19 +500,23 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         if plan["mode"] == "rehabilitate":
             self._start_repair(plan)
         heal = (plan.get("decision") or {}).get("predicted_heal_steps")
-        self._heal = (sr.heal_check(self.loss_history, self.step, heal)
+        fallback = plan.get("fallback") if plan["mode"] == "rehabilitate" else None
+        self._heal = (sr.heal_check(self.loss_history, self.step, heal,
+                                    fallback_step=None if fallback is None else fallback["t"])
                       if plan["mode"] == "rehabilitate" and heal is not None else None)
+        # The old layout's snapshots this member contributes to that recompute, kept (and only
+        # they) while the heal is watched.
+        self._fallback = ({"plan": fallback, "sources": self._plan_sources(fallback)}
+                          if fallback is not None and self._heal is not None else None)
         if plan["mode"] == "recompute":
-            self._load_run(plan["run"])
-            self.apply_allocation()  # the snapshot's sampler had the old members
-            self.loss_history = [(s, v) for s, v in self.loss_history if s <= self.step]
+            self._roll_back(plan)
         self._own, self._held, self._inflight = [], [], None
         self._transfer_s = time.perf_counter() - t0
         if self.k:
             self._take_snapshot(wait=True)  # the old snapshots are rows of the old layout
         d = plan.get("decision")
         if d is not None:
-            self.last_shard_decision = {**d, "step": self.step, "transfer_s": self._transfer_s}
+            self.last_shard_decision = {**d, "step": at, "transfer_s": self._transfer_s}
             if self._repair_info is not None:  # this member's part of the repair
                 self.last_shard_decision["repair"] = self._repair_info
             if self._is_source:

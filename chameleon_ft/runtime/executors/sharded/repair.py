@@ -76,7 +76,10 @@ class _RehabRepair:
         ``row``: first moments (and other momentum-like states) reset, second moments
         (``*sq*``) kept."""
         m = new.numel(row)
+        spoil = self.faults.corrupt(self.step, "restore")  # test-only: a heal that cannot close
         for at, n in _restored(plan, new, row):
+            if spoil:
+                mine[at:at + n] *= -2.0
             for j, key in enumerate(plan["keys"], start=1):
                 second = "sq" in key
                 if (second and not self.recipe.keep_second_moment) or (not second and self.recipe.reset_first_moment):

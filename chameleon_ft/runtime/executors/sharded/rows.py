@@ -15,7 +15,7 @@ flight besides its own; every element crosses an all-reduce over all members.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,13 +76,10 @@ class _Reshard:
         if d.chosen == "heal":
             plan["rows"] = [[k, min(holders[k]), "live", self.step] for k in range(rows)]
         elif d.chosen == "recompute":
-            t = d.rollback_to
-            plan["rows"] = [[k, *snap_at[(k, t)], t] for k in range(rows)]
-            own = next((s for s in self._valid(self._own) if s["step"] == t), None)
-            if own is None:  # the source's row was snapshotted at t by a replica only
-                raise RuntimeError(f"worker {self.worker_id}: no own snapshot at step {t} to roll back to")
-            plan.update(keys=list(own["keys"]), scalars=own["scalars"], groups=own["groups"],
-                        buffers=own["buffers"], run=own["run"])
+            rollback = self._rollback_plan(d.rollback_to, rows, snap_at)
+            if rollback is None:  # the source's row was snapshotted at t by a replica only
+                raise RuntimeError(f"worker {self.worker_id}: no own snapshot at step {d.rollback_to} to roll back to")
+            plan.update(rollback)
         elif d.chosen == "rehabilitate":
             plan["rows"] = []
             for k in range(rows):
@@ -91,11 +88,27 @@ class _Reshard:
                 else:
                     t = max(s for s in snaps[k] if s <= self.step)
                     plan["rows"].append([k, *snap_at[(k, t)], t])
+            # The recompute that stays possible while the heal is watched (HealCheck's fallback).
+            t_c = sr.common_snapshot(rows, snaps, self.step) if "recompute" in self.paths else None
+            if t_c is not None:
+                plan["fallback"] = self._rollback_plan(t_c, rows, snap_at)
         if d.chosen in ("heal", "rehabilitate"):
             plan.update(scalars=self._scalars(), groups=self._groups_json(), buffers=self._buffers(), run=None)
         return plan
 
-    def _gather_rows(self, plan: dict, dst: _Layout, sink: Callable[[int, torch.Tensor], None]) -> None:
+    def _rollback_plan(self, t: int, rows: int, snap_at: dict) -> Optional[dict]:
+        """A recompute's plan: every row from its snapshot at step ``t`` (``snap_at``: (row,
+        step) -> (member, own/held)), with the source's own snapshot's run state; None when
+        the source has no own snapshot at ``t``."""
+        own = next((s for s in self._valid(self._own) if s["step"] == t), None)
+        if own is None:
+            return None
+        return {"mode": "recompute", "t": t, "rows": [[k, *snap_at[(k, t)], t] for k in range(rows)],
+                "old": self.layout.to_json(), "keys": list(own["keys"]), "scalars": own["scalars"],
+                "groups": own["groups"], "buffers": own["buffers"], "run": own["run"]}
+
+    def _gather_rows(self, plan: dict, dst: _Layout, sink: Callable[[int, torch.Tensor], None],
+                     sources: Optional[list] = None) -> None:
         """Every row of ``dst`` (parameters, then each tensor state), one at a time: one SUM
         all-reduce per row, to which exactly one member contributes each element (its source
         rows' overlap with it); ``sink(row, buffer)`` on every member.  At most one row's
@@ -109,8 +122,8 @@ class _Reshard:
                 sources.append((0, _flatten(self.params, state, keys, self.dtype)))
         else:
             src = _Layout(self._shapes, *plan["old"])
-            sources = [(k, self._row_source(kind, step, k, plan))
-                       for k, w, kind, step in plan["rows"] if w == self.worker_id]
+            if sources is None:
+                sources = self._plan_sources(plan)
         for r in range(dst.shards):
             segs, m = dst.segments(r), dst.numel(r)
             buf = torch.zeros(parts * m, dtype=self.dtype)
@@ -119,11 +132,16 @@ class _Reshard:
             self._store_op(lambda b=buf: self.gm.allreduce(b, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
             sink(r, buf)
 
-    def _assemble_row(self, plan: dict, dst: _Layout, row: int) -> torch.Tensor:
-        """This member's ``row`` of the ``dst`` layout (every member calls it: a collective)."""
+    def _assemble_row(self, plan: dict, dst: _Layout, row: int, sources: Optional[list] = None) -> torch.Tensor:
+        """This member's ``row`` of the ``dst`` layout (every member calls it: a collective);
+        ``sources``: this member's contributions, when kept aside (default: the plan's)."""
         kept: dict[int, torch.Tensor] = {}
-        self._gather_rows(plan, dst, lambda r, buf: kept.__setitem__(r, buf) if r == row else None)
+        self._gather_rows(plan, dst, lambda r, buf: kept.__setitem__(r, buf) if r == row else None, sources)
         return kept[row]
+
+    def _plan_sources(self, plan: dict) -> list:
+        """(old row, vector) of every row ``plan`` names this member to contribute."""
+        return [(k, self._row_source(kind, step, k, plan)) for k, w, kind, step in plan["rows"] if w == self.worker_id]
 
     def _row_source(self, kind: str, step: int, k: int, plan: dict) -> torch.Tensor:
         if kind == "live":

@@ -1,0 +1,401 @@
+"""Issue 23's matrix: rehabilitation against recompute after one kill of a sharded (FSDP2) job,
+with every setting default and with a tuned snapshot interval, over model kinds, kill
+positions and seeds; the final quality against the failure-free seed spread, the training time
+each path loses, and the engine's predicted heal steps against the measured ones.
+
+    python benchmarks/sharded_matrix.py [--models mlp,lm,conv] [--seeds 5] [--ks default,4]
+        [--lightning mlp] [--jobs 2] [--workdir DIR] [--reuse] [--json F] [--markdown F]
+
+(``python benchmarks/sharded_bench.py --parts matrix`` runs it into
+``docs/benchmarks-sharded.md``.)
+
+Every run is ``_shard_bench.py`` (``ElasticTrainer(..., sharding="full")``, ``ElasticConfig()``
+defaults) or, for ``--lightning`` kinds, ``_shard_bench_lightning.py`` (Lightning's FSDP2
+recipe + ``FaultToleranceCallback()``) under ``chameleon-ft run``: 4 CPU workers, AdamW,
+``--steps`` (64) steps of 64 samples, accelerator emulation (1 ms per sample).  Worker 2 is
+SIGKILLed from outside (by PID) once the kill step is under way.
+
+* **Cells.**  K = the snapshot interval: ``default`` (none given: Young/Daly bounded by the run,
+  64 / 8 = 8 steps) and a tuned one (``--ks``).  Kill positions: *before the first trained
+  snapshot* (step K - 1: issue 23's own case), and early / mid / late *in the run* (the
+  snapshot interval that starts at step 8, 32, 48) x early / mid / late *in the interval* (1,
+  K / 2 and K - 1 steps after its snapshot).  Each cell runs ``--seeds`` seeds.
+* **Both paths.**  Each killed run lets the engine choose; where it chose recompute, a second
+  run forces rehabilitation (``--paths rehabilitate,restart``), so that every cell shows what
+  rehabilitating there would have cost; where it chose rehabilitation, recompute's cost is its
+  redone steps (a recompute ends on the failure-free trajectory: checked in every cell where
+  the engine chose it).
+* **Lost training time** (time to reach the failure-free run's losses): (redone steps + lag) x
+  the failure-free step time + the path's measured re-shard.  The **lag** is measured on the
+  same batches as the failure-free run of the same seed (the global batch of step ``s`` is the
+  same samples whatever the membership): the median over the steps after the failure of
+  (log loss - log failure-free loss) / -(the failure-free curve's local log slope) -- how many
+  steps of progress the run is behind; the engine's ``predicted_heal_steps`` is its estimate of
+  that very quantity.  A prediction is *within +-50 %* when the measured lag lies in [0.5, 1.5]
+  x predicted; both under one step count as agreeing (a step is the resolution).
+* **Quality.**  The test loss of the user's own model after ``fit()`` against the spread of the
+  failure-free seeds (min..max, relative tolerance 1e-4: a recompute over 3 survivors sums in
+  another order).
+
+Limits, honestly: small models on a shared 2-core machine, 64-step runs; the lag of a run whose
+loss curve is flat (its local slope ~0) is not measured (None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WORKERS = {"ours": ROOT / "benchmarks" / "_shard_bench.py", "lightning": ROOT / "benchmarks" / "_shard_bench_lightning.py"}
+STEPS, SAMPLE_SLEEP, RUN_STARTS = 64, 0.001, (("early", 8), ("mid", 32), ("late", 48))
+VICTIM = 2
+
+
+# ------------------------------------------------------------------ metrics (pure)
+def trajectory(rows: Sequence[Sequence[float]]) -> dict[int, float]:
+    """Step -> loss of the final trajectory (each step's last attempt, in time order)."""
+    out: dict[int, float] = {}
+    for s, _, v in sorted(rows, key=lambda r: r[1]):
+        out[int(s)] = float(v)
+    return out
+
+
+def log_slope(ref: dict[int, float], s: int, half: int = 8) -> Optional[float]:
+    """Least-squares slope of log loss over the steps within ``half`` of ``s``."""
+    pts = [(t, math.log(v)) for t, v in ref.items() if abs(t - s) <= half and v > 0]
+    if len(pts) < 4:
+        return None
+    mt = sum(t for t, _ in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return sum((t - mt) * (v - mv) for t, v in pts) / var if var else None
+
+
+def measured_lag(run: dict[int, float], ref: dict[int, float], after: int, horizon: int,
+                 min_slope: float = 1e-3) -> Optional[float]:
+    """Median over steps ``after+1 .. after+horizon`` of (log run - log ref) / -(ref's local
+    log slope): steps of progress ``run`` is behind ``ref`` on the same batches.  None with
+    fewer than 3 steps where the curve falls by at least ``min_slope`` per step."""
+    lags = []
+    for s in range(after + 1, after + horizon + 1):
+        if s not in run or s not in ref or run[s] <= 0 or ref[s] <= 0:
+            continue
+        b = log_slope(ref, s)
+        if b is None or b > -min_slope:
+            continue
+        lags.append((math.log(run[s]) - math.log(ref[s])) / -b)
+    return statistics.median(lags) if len(lags) >= 3 else None
+
+
+def agrees(predicted: Optional[float], measured: Optional[float]) -> Optional[bool]:
+    """Within +-50 % (both under one step: agreeing)."""
+    if predicted is None or measured is None:
+        return None
+    if predicted < 1 and measured < 1:
+        return True
+    return 0.5 * predicted <= measured <= 1.5 * predicted
+
+
+def kill_positions(k: int) -> list[tuple[str, str, int]]:
+    """(run position, interval position, kill step) of a snapshot interval ``k``."""
+    out = [("first", "before the first snapshot", k - 1)]
+    for name, start in RUN_STARTS:
+        s0 = start - start % k
+        out += [(name, "early", s0 + 1), (name, "mid", s0 + max(1, k // 2)), (name, "late", s0 + k - 1)]
+    return out
+
+
+def steady_step_s(rows, warmup: int = 5) -> float:
+    rs = sorted(rows, key=lambda r: r[1])[warmup:]
+    return (rs[-1][1] - rs[0][1]) / max(1, len(rs) - 1)
+
+
+def path_cost(d: dict, run: dict[int, float], ref: dict[int, float], step_s: float, k: int) -> dict:
+    """What the path carried out in ``d`` (the run's last shard decision) lost: redone steps,
+    the measured lag, and (redone + lag) x step + re-shard seconds."""
+    chosen = d.get("chosen")
+    redone = d["step"] - d["rollback_to"] if chosen == "recompute" and d.get("rollback_to") is not None else 0
+    lag = measured_lag(run, ref, d["step"], max(8, 2 * k))
+    lost = redone + max(lag or 0.0, 0.0)
+    return {"path": chosen, "redone": redone, "lag": lag, "lost_steps": lost,
+            "lost_s": lost * step_s + (d.get("transfer_s") or 0.0), "fallback": bool(d.get("fallback"))}
+
+
+# ------------------------------------------------------------------ runs
+REUSE = False
+
+
+def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
+        paths: Optional[str] = None) -> dict:
+    """One job; its workers' final JSONs by worker id (``out`` kept: ``--reuse``)."""
+    from chameleon_ft.cli.localjob import LocalJob
+
+    if REUSE and list(out.glob("final_*.json")):
+        return _finals(out)
+    args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(STEPS),
+            "--sample-sleep", str(SAMPLE_SLEEP)]
+    if engine == "ours":
+        args += ["--lr", "3e-3", "--default-config"]
+    if k is not None:
+        args += ["--snapshot-every", str(k)]
+    if paths:
+        args += ["--paths", paths]
+    launch = ("--preload", "+lightning,lightning_ft") if engine == "lightning" else ()
+    job = LocalJob(out, WORKERS[engine], args, nproc=4, hang_timeout=10, launch_args=launch,
+                   env={"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"})
+    try:
+        job.start()
+        if kill is not None:
+            job.wait_step(kill, 300)
+            job.kill(VICTIM)
+        codes = job.wait(600)
+        if codes != [0]:
+            raise RuntimeError(f"run {out} ended with {codes}:\n{job.output()[-3000:]}")
+    finally:
+        job.cleanup()
+    return _finals(out)
+
+
+def _finals(out: Path) -> dict:
+    return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("final_*.json")}
+
+
+def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optional[int]], jobs: int) -> dict:
+    """Every cell's runs (``engines``: engine -> model kinds)."""
+    pool = ThreadPoolExecutor(max(1, jobs))
+    free, cells = {}, []
+    for engine, kinds in engines.items():
+        for kind in kinds:
+            for seed in range(seeds):
+                free[(engine, kind, seed)] = pool.submit(run, work / f"{engine}-{kind}-free{seed}", engine, kind, seed, None)
+            for k in ks:
+                kk = k or STEPS // 8
+                for pos, ipos, at in kill_positions(kk):
+                    for seed in range(seeds):
+                        name = f"{engine}-{kind}-k{k or 'd'}-{pos}-{ipos.split()[0]}-s{seed}"
+                        cells.append({"engine": engine, "kind": kind, "k_label": "default" if k is None else str(k),
+                                      "k": kk, "position": pos, "interval": ipos, "kill_step": at, "seed": seed,
+                                      "_auto": pool.submit(run, work / name, engine, kind, seed, k, at),
+                                      "_name": name})
+    forced = []
+    for c in cells:
+        auto = c.pop("_auto").result()
+        c["auto"] = auto
+        d = auto[min(auto)].get("decision") or {}
+        # Before the first trained snapshot the engine never rehabilitates (the lost rows would
+        # restart from their initial values; issue 23 measured what that costs): no forced run.
+        if (d.get("chosen") == "recompute" or d.get("fallback")) and c["position"] != "first":
+            paths = "rehabilitate,restart"
+            forced.append((c, pool.submit(run, work / (c["_name"] + "-rehab"), c["engine"], c["kind"], c["seed"],
+                                          None if c["k_label"] == "default" else c["k"], c["kill_step"], paths)))
+        print(f"{c['_name']}: {d.get('chosen')}", flush=True)
+    for c, fut in forced:
+        c["forced"] = fut.result()
+    refs = {key: fut.result() for key, fut in free.items()}
+    pool.shutdown()
+    return {"cells": [summarize(c, refs[(c["engine"], c["kind"], c["seed"])]) for c in cells],
+            "free": {f"{e}-{kd}-{s}": _free_summary(v) for (e, kd, s), v in refs.items()}}
+
+
+def _free_summary(finals: dict) -> dict:
+    w = finals[min(finals)]
+    return {"test_loss": w.get("test_loss"), "test_acc": w.get("test_acc"), "k": w.get("k"),
+            "step_s": steady_step_s(w["rows"])}
+
+
+def _lowest(finals: dict) -> dict:
+    return finals[min(finals)]
+
+
+def summarize(c: dict, ref_finals: dict) -> dict:
+    """A cell's figures from its runs (the lowest member's records: the global loss is the
+    same on every member)."""
+    ref = _lowest(ref_finals)
+    ref_traj, step_s = trajectory(ref["rows"]), steady_step_s(ref["rows"])
+    out = {key: c[key] for key in ("engine", "kind", "k_label", "k", "position", "interval", "kill_step", "seed")}
+    out["ref_test_loss"] = ref.get("test_loss")
+    for label in ("auto", "forced"):
+        if label not in c:
+            continue
+        w = _lowest(c[label])
+        d = w.get("decision") or {}
+        first = d.get("failed_heal") and d  # a fallback's record keeps the rehabilitation's step
+        cost = path_cost(d, trajectory(w["rows"]), ref_traj, step_s, w.get("k") or c["k"]) if d else {}
+        check = next((h for h in w.get("heal_checks") or [] if h["kind"] == "check"), None)
+        out[label] = {"chosen": d.get("chosen"), "fallback": bool(first), "k": w.get("k"),
+                      "from": d.get("rollback_to") if d.get("chosen") == "recompute" else d.get("snapshot_step"),
+                      "predicted_heal_steps": (d.get("failed_heal") or {}).get("predicted_heal_steps",
+                                                                            d.get("predicted_heal_steps")),
+                      "candidates": {p: {k2: v for k2, v in x.items() if k2 in ("feasible", "steps", "reason")}
+                                     for p, x in (d.get("candidates") or {}).items()},
+                      "test_loss": w.get("test_loss"), "test_acc": w.get("test_acc"),
+                      "heal_on_track": None if check is None else check["on_track"],
+                      "heal_lag_online": None if check is None else check["lag"], **cost}
+    return out
+
+
+# ------------------------------------------------------------------ report
+def spread(free: dict, engine: str, kind: str) -> tuple[float, float]:
+    xs = [v["test_loss"] for key, v in free.items() if key.startswith(f"{engine}-{kind}-")]
+    return min(xs), max(xs)
+
+
+def _inside(x, lo, hi):
+    tol = 1e-4 * max(abs(hi), 1e-12)
+    return lo - tol <= x <= hi + tol
+
+
+def figures(c: dict, step_s: float) -> dict:
+    """A run's comparison of the two paths: the rehabilitated run (the engine's, or the forced
+    one), recompute's cost (the engine's run, or its redone steps x the step + the re-shard
+    the rehabilitation measured), and whether the engine's choice lost no more than the other
+    path (+ one step)."""
+    a = c["auto"]
+    rehab = a if a["chosen"] == "rehabilitate" and not a["fallback"] else c.get("forced")
+    if a["chosen"] == "recompute":
+        rec = a
+    else:
+        redo = (a["candidates"].get("recompute") or {}).get("steps")
+        reshard = a["lost_s"] - a["lost_steps"] * step_s
+        rec = None if redo is None else {"lost_steps": redo, "lost_s": redo * step_s + reshard}
+    other = rec if a["chosen"] == "rehabilitate" else rehab
+    ok = other is None or a["lost_s"] <= other["lost_s"] + step_s
+    return {"rehab": rehab, "recompute": rec, "engine_ok": ok,
+            "ratio": rehab["lost_s"] / rec["lost_s"] if rehab and rec and rec["lost_s"] else None}
+
+
+def markdown(res: dict) -> list[str]:
+    cells, free = res["cells"], res["free"]
+    lines = ["## Rehabilitate or recompute: the matrix (issue 23)", "",
+             f"`{res['command']}` ({res['date']}; {res['minutes']:.0f} min on a shared 2-core machine).  "
+             "4 CPU workers, FSDP2 over all 4, AdamW, 64 steps of 64 samples, accelerator emulation "
+             "(1 ms per sample); worker 2 SIGKILLed from outside once the kill step is under way; every "
+             "setting default but the snapshot interval K where a tuned one is named.  Method and "
+             "definitions: `benchmarks/sharded_matrix.py`.  *Lost steps* = redone steps + lag (steps of "
+             "progress behind the failure-free run of the same seed, on the same batches); *lost s* adds "
+             "the path's re-shard; *pred / meas*: the engine's predicted heal steps / the measured lag of "
+             "the rehabilitated run (forced where the engine recomputed).", ""]
+    t = {"cells": 0, "rehab": 0, "rehab_in": 0, "rehab_no_worse": 0, "rec": 0, "rec_exact": 0, "pred": 0,
+         "pred_ok": 0, "late": [], "wrong": 0, "engine_ok": 0, "fallback": 0}
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["engine"], c["kind"], c["k_label"]), []).append(c)
+    for (engine, kind, klabel), cs in groups.items():
+        lo, hi = spread(free, engine, kind)
+        accs = [v["test_acc"] for key, v in free.items() if key.startswith(f"{engine}-{kind}-")]
+        who = "Lightning `ModelParallelStrategy` + `FaultToleranceCallback()`" if engine == "lightning" else "`ElasticTrainer`"
+        lines += [f"### {kind}, {who}, K {klabel} (K measured in the runs: {sorted({c['auto']['k'] for c in cs})})", "",
+                  f"Failure-free over {len(accs)} seeds: test loss {lo:.4f}..{hi:.4f}, test accuracy "
+                  f"{100 * min(accs):.1f}..{100 * max(accs):.1f} %.", "",
+                  "| in the run | in the interval | kill at | engine chose (runs) | test loss in the spread | rehab pred / meas (median) | pred within +-50 % | lost steps: rehabilitate / recompute (median) | lost s: rehab / recompute (median) | engine lost no more than the other |",
+                  "| --- | --- | ---: | --- | --- | --- | --- | --- | --- | --- |"]
+        by_pos: dict = {}
+        for c in cs:
+            by_pos.setdefault((c["position"], c["interval"], c["kill_step"]), []).append(c)
+        for (pos, ipos, at), pc in by_pos.items():
+            figs = [figures(c, free[f"{engine}-{kind}-{c['seed']}"]["step_s"]) for c in pc]
+            rh = [f["rehab"] for f in figs if f["rehab"]]
+            ok = [x for x in (agrees(r.get("predicted_heal_steps"), r.get("lag")) for r in rh) if x is not None]
+            inside = [_inside(c["auto"]["test_loss"], lo, hi) for c in pc]
+            for c, f in zip(pc, figs):
+                a = c["auto"]
+                t["cells"] += 1
+                t["engine_ok"] += f["engine_ok"]
+                t["fallback"] += a["fallback"]
+                if a["chosen"] == "rehabilitate" and not a["fallback"]:
+                    t["rehab"] += 1
+                    t["rehab_in"] += _inside(a["test_loss"], lo, hi)
+                    t["rehab_no_worse"] += a["test_loss"] <= hi * (1 + 1e-4)
+                elif a["chosen"] == "recompute" and not a["fallback"]:
+                    t["rec"] += 1
+                    t["rec_exact"] += abs(a["test_loss"] - c["ref_test_loss"]) <= 1e-4 * abs(c["ref_test_loss"])
+                    forced = c.get("forced")
+                    t["wrong"] += bool(forced) and (forced["lost_s"] > a["lost_s"] or not _inside(forced["test_loss"], lo, hi))
+                if ipos == "late" and f["ratio"] is not None:
+                    t["late"].append(f["ratio"])
+            t["pred"] += len(ok)
+            t["pred_ok"] += sum(ok)
+            chose = _counts(c["auto"]["chosen"] + (" then recompute" if c["auto"]["fallback"] else "") for c in pc)
+            lines.append(
+                f"| {pos} | {ipos} | {at} | {chose} | {sum(inside)}/{len(pc)} | "
+                f"{_med(r.get('predicted_heal_steps') for r in rh)} / {_med(r.get('lag') for r in rh)} | "
+                f"{sum(ok)}/{len(ok)} | {_med(r['lost_steps'] for r in rh)} / "
+                f"{_med(f['recompute']['lost_steps'] for f in figs if f['recompute'])} | "
+                f"{_med((r['lost_s'] for r in rh), 2)} / {_med((f['recompute']['lost_s'] for f in figs if f['recompute']), 2)} | "
+                f"{sum(f['engine_ok'] for f in figs)}/{len(pc)} |")
+        lines.append("")
+    late = t["late"]
+    lines += ["### Against the goals", "",
+              f"* The engine rehabilitated {t['rehab']} of {t['cells']} killed runs: final test loss inside "
+              f"the failure-free seed spread in {t['rehab_in']}, no worse than the worst seed in "
+              f"{t['rehab_no_worse']}.  It recomputed {t['rec']} (the reason in each Decision), ending on "
+              f"the seed's failure-free test loss (relative 1e-4) in {t['rec_exact']}; a heal check fell "
+              f"back to recompute in {t['fallback']}.",
+              f"* Heal steps predicted vs measured, every rehabilitated run with a measurable lag (the "
+              f"engine's and the forced ones): within +-50 % in {t['pred_ok']} of {t['pred']} "
+              f"({100 * t['pred_ok'] / max(1, t['pred']):.0f} %).",
+              f"* Late in the interval, rehabilitation's lost time / recompute's: median {_med(late, 2)}, "
+              f"at most {max(late) if late else float('nan'):.2f}, over {len(late)} runs.",
+              f"* Where the engine recomputed, rehabilitating (forced) would have lost more time or ended "
+              f"outside the spread in {t['wrong']} of {t['rec']} runs.  The engine's choice lost no more "
+              f"time than the other path (+ one step) in {t['engine_ok']} of {t['cells']}.", ""]
+    return lines
+
+
+def _counts(xs) -> str:
+    out: dict = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in out.items())
+
+
+def _med(xs, nd: int = 1) -> str:
+    xs = [x for x in xs if x is not None]
+    return "-" if not xs else f"{statistics.median(xs):.{nd}f}"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,lm,conv")
+    p.add_argument("--lightning", default="mlp", help="model kinds also run through Lightning ('' for none)")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--ks", default="default,4", help="snapshot intervals: 'default' and/or numbers")
+    p.add_argument("--jobs", type=int, default=2, help="jobs at once")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--reuse", action="store_true", help="reuse the work dir's finished runs")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args(argv)
+    global REUSE
+    REUSE = a.reuse
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="cft_matrix_"))
+    ks = [None if x == "default" else int(x) for x in a.ks.split(",") if x]
+    engines = {"ours": [m for m in a.models.split(",") if m]}
+    if a.lightning:
+        engines["lightning"] = [m for m in a.lightning.split(",") if m]
+    t0 = time.time()
+    res = matrix(work, engines, a.seeds, ks, a.jobs)
+    res.update(command=("python benchmarks/sharded_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), minutes=(time.time() - t0) / 60, workdir=str(work))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    text = "\n".join(markdown(res)) + "\n"
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    print(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()
