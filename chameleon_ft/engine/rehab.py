@@ -8,19 +8,23 @@ replica), two ways back exist:
 * **rehabilitate** — survivors keep their step-``t_f`` state; only the lost part is restored from
   the snapshot (optionally extrapolated along its recent trend), its optimizer moments are
   repaired (first moment reset, second kept, bias correction restarted) and its learning rate
-  warmed up again; training then heals the gap.  Cost = the extra steps needed to close the loss
-  gap, ``gap / |slope|``, with a safety factor for the uncertainty of that estimate.
+  warmed up again; training then heals the gap.  Cost = the run's lag: the steps of progress it
+  is behind once the restored part is back (``lost fraction x steps since the snapshot``, or a
+  measured gap over the loss curve's slope), with a safety factor for its uncertainty.
 
-The gap is measured when the runtime can afford one forward pass after restoring (``loss after
-restore - loss before failure``); otherwise it is estimated as ``lost_fraction · (loss at
-snapshot - loss now)``: reverting a fraction ``f`` of the parameters to ``t_c`` costs about that
-fraction of the progress made since.  Rehabilitation is ruled out when the loss is not going down
-(no slope to heal along), when the gap exceeds ``max_gap_fraction`` of the progress since the
-snapshot, or when the lost fraction is above ``max_lost_fraction``: then recompute is the safe
-choice.  This is our reading of the published method; its text is not public here.
+Reverting a fraction ``f`` of the state to step ``t_c`` reverts about that fraction of the
+progress made since, so the run lags ``f x (t_f - t_c)`` steps; a gap measured after restoring
+(``loss after restore - loss before failure``, when a runtime can afford the forward pass) gives
+``gap / |slope|`` instead.  Rehabilitation is ruled out when the lost fraction is above
+``max_lost_fraction``, when the loss is not a finite number, and for a measured gap with no
+decreasing loss or above ``max_gap_fraction`` of the progress since the snapshot: then
+recompute is the safe choice.  After a rehabilitation ``HealCheck`` measures the lag on the
+job's own loss and calibrates the next estimate (``heal_scale``).  This is our reading of the
+published method; its text is not public here.
 
-Limits: the heal estimate is linear in the loss curve's recent slope; no guarantee that the
-rehabilitated run reaches the same final loss — tests check it closes the gap on small models.
+Limits: the lag estimate assumes the restored part's progress was like the rest's; no
+guarantee that the rehabilitated run reaches the same final loss -- the sharded matrix
+(``benchmarks/sharded_matrix.py``) measures it on three model kinds.
 """
 
 from __future__ import annotations
@@ -102,10 +106,19 @@ def rehab_cost(
 ) -> RehabOutcome:
     """Steps that recompute and rehabilitate cost (multiply by the step time for seconds).
 
-    ``repair``: steps the optimizer repair itself costs (``repair_steps``), added to both the
-    point estimate (``heal_steps``) and the cost with the safety factor (``rehab_steps``).
-    ``heal_scale``: measured / predicted heal steps of this job's earlier rehabilitations
-    (``HealCheck``; 1 before any), which multiplies the gap model's estimate."""
+    Rehabilitation's cost is its **lag**: the steps of progress the run is behind once the
+    restored part is back, ``lost_fraction x steps_since_snapshot`` (reverting a fraction of
+    the state by ``n`` steps reverts that fraction of their progress; the loss gap this opens is
+    that many steps of the loss curve's slope), or, with a measured loss gap, ``gap / |slope|``.
+    The lag does not depend on the slope, so a flat or noisy loss curve (a plateau: the gap is
+    as small as the progress) prices it as well as a steep one.  ``repair``: steps the
+    optimizer repair costs (``repair_steps``), added to the point estimate (``heal_steps``)
+    and to the cost with the safety factor (``rehab_steps``).  ``heal_scale``: measured /
+    predicted lag of this job's earlier rehabilitations (``HealCheck``; 1 before any).
+
+    Ruled out: more than ``max_lost_fraction`` of the model lost; a loss that is not a finite
+    number; a measured gap with no decreasing loss to heal along, or over ``max_gap_fraction``
+    of the progress since the snapshot."""
     if steps_since_snapshot < 0 or not 0 <= lost_fraction <= 1:
         raise ValueError("steps since snapshot must be >= 0 and lost fraction in [0, 1]")
     recompute = float(steps_since_snapshot)
@@ -113,25 +126,25 @@ def rehab_cost(
         return RehabOutcome(recompute, 0.0, "the snapshot is current: nothing to heal", 0.0)
     if lost_fraction > max_lost_fraction:
         return RehabOutcome(recompute, None, f"{lost_fraction:.0%} of the model lost (limit {max_lost_fraction:.0%})")
-    if trend is None or not np.isfinite(trend.slope) or trend.slope >= 0:
-        return RehabOutcome(recompute, None, "the loss is not decreasing: no trend to heal along")
-    progress = None
-    if trend.loss_at_snapshot is not None and trend.loss_now is not None:
-        progress = trend.loss_at_snapshot - trend.loss_now
-    if trend.measured_gap is not None:
-        gap, how = trend.measured_gap, "measured gap"
-    elif progress is not None:
-        gap, how = lost_fraction * max(progress, 0.0), "gap estimated from the lost fraction"
+    if trend is not None and not all(np.isfinite(x) for x in (trend.slope, trend.loss_now or 0.0)):
+        return RehabOutcome(recompute, None, "the loss is not a finite number")
+    if trend is not None and trend.measured_gap is not None:
+        progress = (None if trend.loss_at_snapshot is None or trend.loss_now is None
+                    else trend.loss_at_snapshot - trend.loss_now)
+        if trend.slope >= 0:
+            return RehabOutcome(recompute, None, "a measured gap and the loss is not decreasing: no trend to heal along")
+        if progress is not None and progress > 0 and trend.measured_gap > max_gap_fraction * progress:
+            return RehabOutcome(recompute, None, f"gap {trend.measured_gap:.3g} is over {max_gap_fraction:.0%} of "
+                                "the progress since the snapshot")
+        lag, how = max(trend.measured_gap, 0.0) / -trend.slope, f"measured gap {trend.measured_gap:.3g} / slope {trend.slope:.3g}"
     else:
-        gap, how = lost_fraction * steps_since_snapshot * -trend.slope, "gap estimated from the slope"
-    if not np.isfinite(gap):
-        return RehabOutcome(recompute, None, "the loss gap is not a finite number")
-    if progress is not None and progress > 0 and gap > max_gap_fraction * progress:
-        return RehabOutcome(recompute, None, f"gap {gap:.3g} is over {max_gap_fraction:.0%} of the progress since the snapshot")
-    point = heal_scale * max(gap, 0.0) / -trend.slope
+        lag = lost_fraction * steps_since_snapshot
+        how = f"lost fraction {lost_fraction:.3g} x {steps_since_snapshot} steps since the snapshot"
+        if trend is not None and trend.slope < 0:
+            how += f" (a loss gap of ~{lag * -trend.slope:.3g})"
+    point = heal_scale * lag
     extra = (f" x calibrated {heal_scale:.3g}" if heal_scale != 1.0 else "") + (f" + repair {repair:.3g}" if repair else "")
-    return RehabOutcome(recompute, safety * point + repair,
-                        f"{how}: {gap:.3g} / slope {trend.slope:.3g} x {safety}{extra}", point + repair)
+    return RehabOutcome(recompute, safety * point + repair, f"lag {how}{extra}, x safety {safety}", point + repair)
 
 
 @dataclass

@@ -68,11 +68,17 @@ def test_recompute_costs_the_steps_since_the_snapshot():
     assert "lost fraction" in out.reason
 
 
-def test_rehab_ruled_out_when_loss_is_not_decreasing():
-    for slope in (0.0, 0.01, float("nan")):
-        out = rehab_cost(100, 0.25, LossTrend(slope=slope, loss_now=2.0, loss_at_snapshot=3.0))
-        assert out.rehab_steps is None and "not decreasing" in out.reason
-    assert rehab_cost(100, 0.25, None).rehab_steps is None
+def test_rehab_lag_does_not_divide_by_a_flat_or_noisy_slope():
+    # a plateau (or a noisy slope that came out >= 0) prices the lag as on a steep curve
+    for slope in (0.0, 0.01, -0.01):
+        out = rehab_cost(100, 0.25, LossTrend(slope=slope, loss_now=2.0, loss_at_snapshot=2.0))
+        assert out.heal_steps == pytest.approx(25.0) and out.rehab_steps == pytest.approx(37.5)
+    assert rehab_cost(100, 0.25, None).rehab_steps == pytest.approx(37.5)
+    out = rehab_cost(100, 0.25, LossTrend(slope=float("nan"), loss_now=2.0))
+    assert out.rehab_steps is None and "not a finite number" in out.reason
+    # a measured gap needs a decreasing loss to convert into steps
+    out = rehab_cost(100, 0.25, LossTrend(slope=0.0, loss_now=2.0, measured_gap=0.1))
+    assert out.rehab_steps is None and "not decreasing" in out.reason
 
 
 def test_rehab_uses_the_measured_gap():

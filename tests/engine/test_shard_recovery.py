@@ -33,20 +33,27 @@ def test_recompute_rolls_back_to_the_common_snapshot():
 
 
 def test_rehabilitate_wins_late_in_the_interval_and_recompute_early():
-    # late: 5 steps to redo; the gap (0.25 x 0.05) heals in 0.0125 / 0.01 = 1.25 steps (x 1.5 safety)
+    # late: 5 steps to redo; a quarter of the state 5 steps stale lags 1.25 steps (x 1.5 safety)
     late = choose_recovery(facts())
     assert late.chosen == "rehabilitate" and late.snapshot_step == 15
-    assert late.predicted_heal_steps == pytest.approx(0.25 * 0.05 / 0.01)  # the point estimate
+    assert late.predicted_heal_steps == pytest.approx(0.25 * 5)  # the point estimate
     assert late.candidates["rehabilitate"]["lost_s"] == pytest.approx(0.2 + 1.5 * 1.25)  # with safety
-    # early: one step since the snapshot, cheaper to redo than to heal
-    early = choose_recovery(facts(step=16, trend=LossTrend(slope=-0.001, loss_now=1.0, loss_at_snapshot=1.05)))
+    # early: one step since the snapshot; with the default repair (AdamW's first moment reset,
+    # 10 warm-up steps: 0.25 x 4.5 steps) cheaper to redo than to heal
+    repair = dict(momentum=0.9, warmup_steps=10, restart_bias_correction=True)
+    early = choose_recovery(facts(step=16, **repair))
     assert early.chosen == "recompute" and early.rollback_to == 15
+    assert early.candidates["rehabilitate"]["steps"] == pytest.approx(1.5 * 0.25 + 0.25 * 4.5)
 
 
-def test_rehabilitate_ruled_out_without_a_decreasing_loss():
+def test_a_flat_loss_prices_rehabilitation_by_the_lost_fraction():
+    # a plateau: no slope to divide by, the lag is still a quarter of the steps since the snapshot
     d = choose_recovery(facts(trend=LossTrend(slope=0.01, loss_now=1.0, loss_at_snapshot=0.9)))
-    assert d.chosen == "recompute"
-    assert "not decreasing" in d.candidates["rehabilitate"]["reason"]
+    flat = d.candidates["rehabilitate"]
+    steep = choose_recovery(facts()).candidates["rehabilitate"]
+    assert flat["feasible"] and flat["steps"] == pytest.approx(steep["steps"])
+    d = choose_recovery(facts(trend=LossTrend(slope=float("inf"), loss_now=1.0)))
+    assert d.chosen == "recompute" and "not a finite number" in d.candidates["rehabilitate"]["reason"]
 
 
 def test_nothing_in_memory_falls_back_to_the_disk_checkpoint():
@@ -135,7 +142,7 @@ def test_the_repair_recipe_is_priced_as_it_is_carried_out():
 def test_the_console_line_says_what_was_restored_and_what_was_not_taken():
     line = describe(choose_recovery(facts()).to_json())
     assert line.startswith("shard rows [2] lost: rehabilitate (restore rows [2] from step 15")
-    assert "restart from step 15, predicted to catch up in 1.3 steps" in line  # 0.0125 / 0.01
+    assert "restart from step 15, predicted to catch up in 1.2 steps" in line  # 0.25 x 5
     assert "not taken: heal: rows [2] have no surviving current copy" in line and "restart: no disk checkpoint" in line
     line = describe(choose_recovery(facts(step=7, snapshots={k: [0] for k in range(4)})).to_json())
     assert "recompute (roll back to step 0, redo 7 steps)" in line and "initial state" in line

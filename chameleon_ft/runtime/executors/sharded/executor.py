@@ -520,7 +520,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             if self._repair_info is not None:  # this member's part of the repair
                 self.last_shard_decision["repair"] = self._repair_info
             if self._is_source:
-                print(f"chameleon-ft: worker {self.worker_id}: {sr.describe(d)}", file=sys.stderr, flush=True)
+                unchecked = ("; the heal is not checked: the loss has no decreasing trend to measure a lag against"
+                             if plan["mode"] == "rehabilitate" and heal and self._heal is None else "")
+                print(f"chameleon-ft: worker {self.worker_id}: {sr.describe(d)}{unchecked}", file=sys.stderr, flush=True)
                 if self.log:
                     self.log.write("shard_recovery", **self.last_shard_decision)
 
