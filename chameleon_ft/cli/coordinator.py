@@ -84,6 +84,17 @@ class CoordinatorOps:
 
         return read_latest(self.store)
 
+    def poll(self) -> dict:
+        """What a launcher watches: the newest generation and the job's stop record."""
+        from chameleon_ft.runtime.membership import read_latest, read_stop
+
+        return {"latest": read_latest(self.store), "stop": read_stop(self.store)}
+
+    def stop_job(self, record: dict) -> None:
+        from chameleon_ft.runtime.membership import stop_job
+
+        stop_job(self.store, record)
+
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()
@@ -128,6 +139,12 @@ class AgentOps:
 
     def read_latest(self) -> Optional[dict]:
         return self._call("read_latest")
+
+    def poll(self) -> dict:
+        return self._call("poll")
+
+    def stop_job(self, record: dict) -> None:
+        self._call("stop_job", record)
 
     def close(self) -> None:
         for fd in (self._out, self._in):

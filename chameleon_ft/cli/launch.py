@@ -22,8 +22,11 @@ What a launcher does while the job runs:
 * Ctrl-C / SIGTERM: every worker's process group is terminated, then killed.
 
 Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart and
-``--max-restarts`` is spent (rerun the command; the script resumes from its checkpoint); otherwise the first worker's failure
-code, or 1/2 for launcher errors (bad flags: 2).
+``--max-restarts`` is spent (rerun the command; the script resumes from its checkpoint); 70 when
+a worker's code raised (a bug, not a failure: the job stops on every node, the traceback
+printed once; ``--on-worker-error continue`` makes it a lost worker); 78 for a configuration
+error every worker meets; otherwise the first worker's failure code, or 1/2 for launcher errors
+(bad flags: 2).
 
 Limits, honestly: node 0's launcher is the single point of failure (it hosts the
 coordinator); when it dies, workers fail their next collective with a clear error.  The
@@ -48,7 +51,7 @@ from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
 from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
-from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors
+from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors, read_user_errors
 from chameleon_ft.runtime.faults import parse_faults
 
 
@@ -92,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="watchdog on every collective, seconds (default 10)")
     p.add_argument("--run-dir", default=None, help="event log directory (default: a new temp dir)")
     p.add_argument("--faults", default="", help="fault-injection spec (see runtime/faults.py)")
+    p.add_argument("--on-worker-error", choices=("stop", "continue"), default="stop",
+                   help="an exception raised by the script in a worker: stop the job on every node "
+                        "and exit 70, its traceback printed once (default; a bug is not a failure to "
+                        "survive), or continue: treat the worker as lost, the survivors carry on")
     p.add_argument("--mttf", type=float, default=None, metavar="SECONDS",
                    help="expected time to the next failure (D) the engine scores its choices "
                         "over (default: estimated from a per-device failure rate and this run)")
@@ -223,7 +230,7 @@ class Launcher:
             "WORLD_SIZE": str(self.max_nodes * a.nproc_per_node),
             "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "NODE_RANK": str(a.node_rank),
             E.RUN_DIR: self.run_dir, E.FAULTS: a.faults, E.REPLACEMENT: str(incarnation),
-            E.HANG_TIMEOUT: str(a.hang_timeout),
+            E.HANG_TIMEOUT: str(a.hang_timeout), E.ON_ERROR: a.on_worker_error,
             E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
             E.MAX_REPLACEMENTS: str(self.replacements_left),
             E.MTTF: "" if a.mttf is None else repr(a.mttf),
@@ -282,6 +289,8 @@ class Launcher:
                     continue
                 if rc == CONFIG_EXIT_CODE:
                     return self._config_error(log)
+                if rc == E.USER_ERROR_EXIT_CODE:
+                    return self._user_error(log, c.wid)
                 others = any(o.rc is None for o in self.children.values())
                 _say(f"worker {c.wid} (pid {c.proc.pid}) {_describe(rc)}"
                      + ("; survivors carry on" if others else "; no worker of this node is left"))
@@ -295,7 +304,9 @@ class Launcher:
             now = time.monotonic()
             if now >= next_view_check:
                 next_view_check = now + 0.05
-                self._evict_hung(running, now)
+                stop = self._watch(running, now)
+                if stop is not None:
+                    return self._stopped(log, stop)
             if finished_at is not None and now - finished_at > self.args.hang_timeout + 5:
                 for c in running:
                     _say(f"worker {c.wid} (pid {c.proc.pid}) still running after the others "
@@ -344,11 +355,56 @@ class Launcher:
         except Exception as exc:  # the coordinator may be gone; workers will say so
             _say(f"could not report worker {wid} to the coordinator: {exc}")
 
-    def _evict_hung(self, running: list[_Child], now: float) -> None:
+    def _user_error(self, log: EventLog, wid: int) -> int:
+        """A worker's code raised (``runtime/errors.py``: a bug, not a failure): the job stops on
+        every node (the stop record in the coordinator), each distinct traceback is printed once
+        with the workers that raised it, and the launcher exits 70."""
+        texts = read_user_errors(self.run_dir)
+        last = (texts.get(wid) or "").strip().splitlines()
+        record = {"worker": wid, "node": self.args.node_rank, "error": last[-1] if last else "an exception"}
         try:
-            latest = self.ops.read_latest()
+            self.ops.stop_job(record)
+        except Exception as exc:  # the coordinator may be gone: this node stops anyway
+            _say(f"could not tell the other nodes to stop: {exc}")
+        deadline = time.monotonic() + 2.0  # a peer that raised the same error says so too
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children.values()):
+            time.sleep(_POLL_S)
+        self.terminate_all()
+        by_text: dict[str, list[int]] = {}
+        for w, text in read_user_errors(self.run_dir).items():
+            by_text.setdefault(text, []).append(w)
+        for text, wids in by_text.items():
+            sys.stderr.write(f"chameleon-ft run: worker{'s' if len(wids) > 1 else ''} "
+                             f"{','.join(map(str, sorted(wids)))} raised:\n{text}")
+        _say(f"error: worker {wid} raised {record['error']}: an error in the script is a bug, not a "
+             "failure to survive, so the job stops on every node (--on-worker-error continue treats it "
+             "as a lost worker)")
+        log.run_end(status="user_error", worker=wid, error=record["error"])
+        log.close()
+        return E.USER_ERROR_EXIT_CODE
+
+    def _stopped(self, log: EventLog, stop: dict) -> int:
+        """Another node's worker raised: end this node's workers, exit 70."""
+        self.terminate_all()
+        _say(f"error: the job stopped: worker {stop.get('worker')} (node {stop.get('node')}) raised "
+             f"{stop.get('error')}")
+        log.run_end(status="user_error", worker=stop.get("worker"), error=stop.get("error"))
+        log.close()
+        return E.USER_ERROR_EXIT_CODE
+
+    def _watch(self, running: list[_Child], now: float) -> Optional[dict]:
+        """Poll the coordinator: the job's stop record (returned), and workers left out of the
+        agreed generation for too long (hung: killed)."""
+        try:
+            polled = self.ops.poll()
         except Exception:
-            return
+            return None
+        if polled.get("stop") is not None:
+            return polled["stop"]
+        self._evict_hung(running, now, polled.get("latest"))
+        return None
+
+    def _evict_hung(self, running: list[_Child], now: float, latest: Optional[dict]) -> None:
         members = set(latest["members"]) if latest else set()
         for c in running:
             if c.wid in members:

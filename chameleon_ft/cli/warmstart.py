@@ -9,8 +9,9 @@ wait.  ``chameleon-ft run`` therefore starts one *template* per launcher that im
 What a worker sees is what ``python -u script.py args`` gives it: ``sys.argv``, ``sys.path[0]``
 (the script's folder), the script run as ``__main__``, its own environment (set before the
 script runs), its own session (process group) and PID, unbuffered stdio inherited from the
-launcher, the script's exit status (``SystemExit``; an uncaught exception prints its traceback
-and exits 1; a signal kills it) and ``atexit`` handlers.
+launcher, the script's exit status (``SystemExit``; an uncaught exception ends it as in a fresh
+worker: ``runtime/errors.py``'s hook, code 70, once the runtime was preloaded, else the
+traceback and code 1; a signal kills it) and ``atexit`` handlers.
 
 The one difference: the preloaded modules were imported *before* the worker's own variables
 (``RANK``, ``LOCAL_RANK``, ...) were set, with the launcher's environment.  A module that reads
@@ -348,6 +349,8 @@ def _become(req: dict) -> None:
     _rerank_after_fork()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    if "chameleon_ft.runtime.errors" in sys.modules:  # imported by the template, before this env
+        sys.modules["chameleon_ft.runtime.errors"].install_excepthook()
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
     runpy.run_path(argv[0], run_name="__main__")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 __all__ = ["WorkerEnv", "EnvError", "process_age_s", "startup_s", "PRELOAD_S", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
+           "USER_ERROR_EXIT_CODE", "ON_ERROR",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
            "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF"]
 
@@ -34,6 +35,10 @@ PRELOAD_S = "CHAMELEON_FT_PRELOAD_S"        # warm start: seconds the template s
 RESTART_EXIT_CODE = 75
 # ... and with this one when the coordinator is gone or no quorum formed.
 MEMBERSHIP_EXIT_CODE = 3
+# ... and with this one when the user's code raised (a bug, not a failure to survive: the
+# launcher stops the job; sysexits' EX_SOFTWARE).
+USER_ERROR_EXIT_CODE = 70
+ON_ERROR = "CHAMELEON_FT_ON_WORKER_ERROR"   # stop (default) | continue: what a user-code exception means
 
 
 class EnvError(RuntimeError):

@@ -9,6 +9,14 @@ traceback; the launcher prints each distinct message once, names the workers tha
 stops the others and exits non-zero (``CHAMELEON_FT_TRACEBACK=1`` prints the traceback too).
 torchrun's error files (``TORCHELASTIC_ERROR_FILE``) serve the same purpose for its launcher.
 
+An exception the runtime does not know -- raised by the user's code, or by a library it calls
+-- is a bug, not a failure to survive (issue 24): under the launcher the worker writes its
+traceback to ``RUN_DIR/worker-errors/<worker id>.traceback`` and exits with
+``USER_ERROR_EXIT_CODE`` (70); the launcher prints each distinct traceback once, stops the job
+on every node and exits 70.  ``chameleon-ft run --on-worker-error continue`` (the environment
+variable ``CHAMELEON_FT_ON_WORKER_ERROR=continue``) makes it a lost worker instead: the
+traceback printed, exit 1, the survivors carry on.
+
 ``exit_code_for`` is the one mapping from exceptions to exit codes and ``exit_worker`` the one
 way out, used by ``elastic_main``, the Lightning callback's ``on_exception`` and the hook for
 uncaught exceptions (installed when ``chameleon_ft.runtime`` is imported in a launched worker;
@@ -27,7 +35,7 @@ from chameleon_ft.runtime import env as E
 
 __all__ = ["ConfigError", "LauncherError", "MembershipError", "CheckpointError", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
-           "install_excepthook", "read_config_errors"]
+           "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
 CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG
 _ERROR_DIR = "worker-errors"
@@ -107,13 +115,48 @@ def exit_worker(exc: BaseException, code: int, hint: str = "") -> None:
     os._exit(code)
 
 
+def user_error(exc: BaseException) -> None:
+    """End this worker on an exception the runtime does not know (a bug in the user's code):
+    under the launcher its traceback goes to ``worker-errors/<id>.traceback`` for the launcher
+    to print once, and the worker exits 70 (the job stops); with ``--on-worker-error continue``,
+    or outside the launcher, the traceback is printed and the exit code is 1."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    run_dir = os.environ.get(E.RUN_DIR)
+    if (os.environ.get(E.ON_ERROR, "stop") != "continue" and run_dir and os.environ.get(E.WORKER_ID)):
+        try:
+            d = Path(run_dir) / _ERROR_DIR
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{_wid()}.traceback").write_text(text)
+            code = E.USER_ERROR_EXIT_CODE
+        except OSError:
+            code = 1
+    else:
+        code = 1
+    if code == 1:
+        print(text, file=sys.stderr, end="", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def read_user_errors(run_dir: str) -> dict[int, str]:
+    """Tracebacks the workers left (worker id -> text); the launcher's side."""
+    out = {}
+    for p in sorted((Path(run_dir) / _ERROR_DIR).glob("*.traceback")):
+        try:
+            out[int(p.stem)] = p.read_text()
+        except (ValueError, OSError):
+            continue
+    return out
+
+
 _restart_hint = ""
 
 
 def install_excepthook(restart_hint: Optional[str] = None) -> None:
     """Under ``chameleon-ft run`` only: an uncaught runtime outcome or configuration error ends
-    the worker with its exit code (see ``exit_code_for``); anything else keeps Python's
-    traceback.  ``restart_hint``: what to tell the user after a checkpoint-restart."""
+    the worker with its exit code (see ``exit_code_for``); any other exception is a bug in the
+    user's code (``user_error``).  ``restart_hint``: what to tell the user after a checkpoint-restart."""
     global _restart_hint
     if restart_hint is not None:
         _restart_hint = restart_hint
@@ -124,7 +167,9 @@ def install_excepthook(restart_hint: Optional[str] = None) -> None:
     def hook(exc_type, exc, tb):
         code = exit_code_for(exc)
         if code is None:
-            return previous(exc_type, exc, tb)
+            if isinstance(exc, KeyboardInterrupt):
+                return previous(exc_type, exc, tb)
+            user_error(exc)
         exit_worker(exc, code, _restart_hint if code == E.RESTART_EXIT_CODE else "")
 
     hook._chameleon_ft = True

@@ -59,11 +59,12 @@ from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined 
 log = logging.getLogger(__name__)
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
-           "read_latest", "report_dead"]
+           "read_latest", "report_dead", "stop_job", "read_stop"]
 
 _LATEST_KEY = "cft/latest"
 _REGISTRY_KEY = "cft/registry"
 _FAILURES_KEY = "cft/failures"
+_STOP_KEY = "cft/stop"  # the job stops everywhere (a worker's code raised: a bug, not a failure)
 
 
 def _incarnation_key(worker_id: int) -> str:
@@ -457,3 +458,22 @@ def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited
               "time": time.time(), "generation": latest["generation"]}
     store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
     store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+
+
+def stop_job(store: dist.Store, record: dict) -> None:
+    """Stop the job on every node (``record``: who raised what): the first stop wins, and the
+    newest generation is ended so that no member waits in a collective for the stopped ones.
+    Every launcher polls ``read_stop`` and ends its workers."""
+    store.compare_set(_STOP_KEY, "", json.dumps(record))
+    latest = read_latest(store)
+    if latest is not None:
+        store.compare_set(abort_key(latest["token"]), "", json.dumps(
+            {"by": "launcher", "reason": "job stopped", "suspects": [], "time": time.time(),
+             "generation": latest["generation"]}))
+
+
+def read_stop(store: dist.Store) -> Optional[dict]:
+    """The job's stop record, or None while it runs."""
+    if not store.check([_STOP_KEY]):
+        return None
+    return json.loads(store.get(_STOP_KEY).decode())

@@ -32,13 +32,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from typing import Callable, Optional
 
 import torch
 from torch.utils.data import default_collate
 
-from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
+from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker, user_error
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.recovery import StepEnd
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
@@ -157,15 +156,14 @@ class ElasticTrainer:
 def elastic_main(fn: Callable[[], object]) -> None:
     """Run a worker's ``fn`` and end the process with a code the launcher understands:
     0 done, else ``errors.exit_code_for``'s code (checkpoint-restart, coordinator gone,
-    configuration error), 1 for anything else.  Ends with ``os._exit`` so that a gloo op abandoned after
+    configuration error), 70 for an exception in the user's code (``errors.user_error``).  Ends with ``os._exit`` so that a gloo op abandoned after
     a failure cannot hold the interpreter's teardown."""
     try:
         fn()
     except BaseException as exc:
         code = exit_code_for(exc)
-        if code is None:  # the traceback is the clearest report of a bug in the script
-            traceback.print_exc()
-            code = 1
+        if code is None:  # a bug in the script: the job stops, its traceback said once
+            user_error(exc)
         exit_worker(exc, code)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -51,6 +51,10 @@ def main():
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr-step", type=int, default=5, help="StepLR step_size (stepped every step)")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
+    p.add_argument("--raise-at", default=None, metavar="WORKER:STEP",
+                   help="that worker's code raises after step STEP (a bug in the user's code)")
+    p.add_argument("--raise-when-saving", type=int, default=None, metavar="WORKER",
+                   help="that worker's code raises after fit(), while it saves the model")
     a = p.parse_args()
     torch.set_num_threads(1)
     force_allocations(a.force_alloc)
@@ -70,14 +74,23 @@ def main():
         x, y = batch
         return ce(m(x), y)
 
+    raise_at = tuple(int(x) for x in a.raise_at.split(":")) if a.raise_at else None
+
+    def on_step(ctx):
+        if raise_at is not None and (ctx.worker_id, ctx.step) == raise_at:
+            raise ValueError(f"bad value at step {ctx.step}")
+
     trainer = ElasticTrainer(model, opt, Synthetic(a.dataset), loss_fn, a.global_batch, a.micro_batch, sched,
                              seed=3, config=ElasticConfig(
                                  stragglers=not a.no_stragglers, min_world_size=a.min_world,
                                  allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
                                  allow_batch_change=a.allow_batch_change),
-                             checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every)
+                             checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every,
+                             on_step=on_step)
     result = trainer.fit(epochs=a.epochs)
     ctx = trainer.ctx
+    if a.raise_when_saving == ctx.worker_id:
+        raise OSError(28, "No space left on device", os.path.join(a.out, "model.pt"))
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "momentum": [t.clone() for p in model.parameters() for t in opt.state[p].values()
                              if torch.is_tensor(t) and t.ndim > 0],
