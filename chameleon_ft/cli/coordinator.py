@@ -21,6 +21,7 @@ import json
 import os
 import select
 import time
+from datetime import timedelta
 from typing import Optional
 
 __all__ = ["CoordinatorOps", "AgentOps", "CoordinatorOpError", "serve_agent", "send_json", "LIGHTHOUSE_KEY"]
@@ -49,12 +50,14 @@ class CoordinatorOps:
         self.server = None
         self.store = None
 
-    def host(self, host: str, port: int, join_timeout_ms: int) -> tuple[str, str]:
+    def host(self, host: str, port: int, join_timeout_ms: int,
+             heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
         """Host the TCPStore and the Lighthouse; (store address, Lighthouse address)."""
         from chameleon_ft.runtime.membership import CoordinatorServer
 
         try:
-            self.server = CoordinatorServer(host, store_port=port, join_timeout_ms=join_timeout_ms)
+            self.server = CoordinatorServer(host, store_port=port, join_timeout_ms=join_timeout_ms,
+                                            heartbeat_timeout_ms=heartbeat_timeout_ms)
         except Exception as exc:
             raise CoordinatorOpError("failed", str(exc)) from exc
         self.store = self.server.store
@@ -68,7 +71,11 @@ class CoordinatorOps:
         try:
             self.store = connect_store(endpoint, timeout_s)
             self.store.wait([LIGHTHOUSE_KEY])
-            return self.store.get(LIGHTHOUSE_KEY).decode()
+            lighthouse = self.store.get(LIGHTHOUSE_KEY).decode()
+            # From here a call that gets no answer fails fast: the launcher polls every 50 ms
+            # and must stay responsive (SIGTERM) when node 0 is out of reach.
+            self.store.set_timeout(timedelta(seconds=2))
+            return lighthouse
         except MembershipError as exc:
             raise CoordinatorOpError("unreachable", str(exc)) from exc
         except Exception as exc:
@@ -104,44 +111,56 @@ class CoordinatorOps:
 class AgentOps:
     """The same calls, answered by an agent process over a pipe pair (``serve_agent``)."""
 
+    # A launcher's watch calls (poll, report_dead) must not hold its main loop when the
+    # coordinator is out of reach (a partition): a store call may block far longer than its
+    # own timeout.  A call that times out leaves its reply to be skipped (replies carry ids).
+    QUICK_S = 2.5
+
     def __init__(self, to_agent: int, from_agent: int, pid: int, timeout_s: float = 120.0):
         self._out, self._in, self.pid, self.timeout_s = to_agent, from_agent, pid, timeout_s
         self._buf = b""
+        self._id = 0
 
-    def _call(self, op: str, *args):
+    def _call(self, op: str, *args, timeout_s: Optional[float] = None):
+        self._id += 1
         try:
-            send_json(self._out, {"op": op, "args": list(args)})
+            send_json(self._out, {"op": op, "args": list(args), "id": self._id})
         except OSError as exc:
             raise CoordinatorOpError("failed", f"the coordinator agent is gone ({exc})") from None
-        deadline = time.monotonic() + self.timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._in], [], [], left)[0]:
-                raise CoordinatorOpError("failed", f"the coordinator agent did not answer {op!r}")
-            data = os.read(self._in, 65536)
-            if not data:
-                raise CoordinatorOpError("failed", "the coordinator agent exited")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        reply = json.loads(line)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._in], [], [], left)[0]:
+                    kind = "unreachable" if timeout_s else "failed"
+                    raise CoordinatorOpError(kind, f"the coordinator agent did not answer {op!r} in time")
+                data = os.read(self._in, 65536)
+                if not data:
+                    raise CoordinatorOpError("failed", "the coordinator agent exited")
+                self._buf += data
+            line, self._buf = self._buf.split(b"\n", 1)
+            reply = json.loads(line)
+            if reply.get("id") == self._id:
+                break  # else: the late answer to a call that timed out
         if "error" in reply:
             raise CoordinatorOpError(*reply["error"])
         return reply["result"]
 
-    def host(self, host: str, port: int, join_timeout_ms: int) -> tuple[str, str]:
-        return tuple(self._call("host", host, port, join_timeout_ms))
+    def host(self, host: str, port: int, join_timeout_ms: int,
+             heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
+        return tuple(self._call("host", host, port, join_timeout_ms, heartbeat_timeout_ms))
 
     def connect(self, endpoint: str, timeout_s: float) -> str:
         return self._call("connect", endpoint, timeout_s)
 
     def report_dead(self, worker_id: int, reason: str) -> None:
-        self._call("report_dead", worker_id, reason)
+        self._call("report_dead", worker_id, reason, timeout_s=self.QUICK_S)
 
     def read_latest(self) -> Optional[dict]:
-        return self._call("read_latest")
+        return self._call("read_latest", timeout_s=self.QUICK_S)
 
     def poll(self) -> dict:
-        return self._call("poll")
+        return self._call("poll", timeout_s=self.QUICK_S)
 
     def stop_job(self, record: dict) -> None:
         self._call("stop_job", record)
@@ -172,7 +191,8 @@ def serve_agent(in_fd: int, out_fd: int) -> None:
                 except CoordinatorOpError as exc:
                     reply = {"error": [exc.kind, str(exc)]}
                 except Exception as exc:  # noqa: BLE001 - reported to the launcher, which decides
-                    reply = {"error": ["failed", f"{type(exc).__name__}: {exc}"]}
+                    reply = {"error": ["failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"]}
+                reply["id"] = req.get("id")
                 send_json(out_fd, reply)
     finally:
         ops.close()

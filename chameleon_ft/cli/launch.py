@@ -19,7 +19,8 @@ What a launcher does while the job runs:
 * a worker left out of the agreed generation for longer than ``--hang-timeout`` + 2 s (it
   hangs, e.g. SIGSTOP) is killed, which also frees its slot for a replacement;
 * once any worker finished successfully, the others get ``--hang-timeout`` + 5 s to finish;
-* Ctrl-C / SIGTERM: every worker's process group is terminated, then killed.
+* Ctrl-C / SIGTERM: forwarded to every worker's process group at once; those still running
+  3 s later are killed, and the launcher exits 128 + the signal.
 
 Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart and
 ``--max-restarts`` is spent (rerun the command; the script resumes from its checkpoint); 70 when
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
+from chameleon_ft.cli.netif import NoRoute, route_interface
 from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
@@ -93,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replacement workers this launcher may start (default 0)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
                    help="watchdog on every collective, seconds (default 10)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                   help="a worker whose heartbeat stopped this long is lost (a dead node, a "
+                        "partition, a stopped process): its peers' collectives end then, not at "
+                        "--hang-timeout (seconds, default 1; 0: off)")
+    p.add_argument("--cut-off", type=float, default=3.0,
+                   help="a worker that gets no answer from the coordinator this long stops with "
+                        "exit 3: the wrong side of a partition never trains on alone (seconds, "
+                        "default 3; 0: off)")
     p.add_argument("--run-dir", default=None, help="event log directory (default: a new temp dir)")
     p.add_argument("--faults", default="", help="fault-injection spec (see runtime/faults.py)")
     p.add_argument("--on-worker-error", choices=("stop", "continue"), default="stop",
@@ -159,6 +169,11 @@ class Launcher:
             raise LaunchError(f"--mttf must be a positive number of seconds, got {args.mttf}")
         if args.max_replacements < 0 or args.hang_timeout <= 0:
             raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
+        if args.heartbeat_timeout < 0 or args.cut_off < 0:
+            raise LaunchError("--heartbeat-timeout and --cut-off must be >= 0 (0: off)")
+        if args.heartbeat_timeout and args.heartbeat_timeout < 0.3:
+            raise LaunchError(f"--heartbeat-timeout {args.heartbeat_timeout}: at least 0.3 s (three "
+                              "heartbeats), or 0 for off")
         if not os.path.isfile(args.script):
             raise LaunchError(f"script {args.script!r} not found")
         if args.rdzv_endpoint:
@@ -182,6 +197,7 @@ class Launcher:
         self.replacements_left = args.max_replacements
         self.stop_signal: Optional[int] = None
         self.warm: Optional[WarmSpawner] = None
+        self.gloo_ifname: Optional[str] = None
 
     # ---------------------------------------------------------------- coordinator
     def connect(self) -> tuple[str, str]:
@@ -193,7 +209,8 @@ class Launcher:
             if a.rdzv_endpoint:
                 host, port = self.endpoint
             try:
-                return self.ops.host(host, port, a.join_timeout_ms)
+                return self.ops.host(host, port, a.join_timeout_ms,
+                                     int(1000 * (a.heartbeat_timeout or 1.0)))
             except CoordinatorOpError as exc:
                 raise LaunchError(f"cannot host the coordinator on {host}:{port}: {exc}") from exc
         try:
@@ -202,6 +219,26 @@ class Launcher:
             if exc.kind == "unreachable":
                 raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
             raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
+
+    def _gloo_interface(self) -> Optional[str]:
+        """The interface gloo's workers listen on: the one this node reaches the coordinator
+        through (``cli/netif.py``), unless the user set ``GLOO_SOCKET_IFNAME``."""
+        if os.environ.get("GLOO_SOCKET_IFNAME"):
+            return None
+        host, port = self.endpoint if self.args.rdzv_endpoint else ("127.0.0.1", 0)
+        if host in ("0.0.0.0", "::", ""):
+            _say("the coordinator binds every address: gloo picks its interface from the hostname; "
+                 "set GLOO_SOCKET_IFNAME to the interface that reaches the other nodes if they cannot connect")
+            return None
+        try:
+            name, local = route_interface(host, port or 29500)
+        except NoRoute as exc:
+            raise LaunchError(f"{exc}: this node cannot reach the coordinator; set GLOO_SOCKET_IFNAME to "
+                              "the interface that reaches the other nodes") from None
+        if name is None:
+            _say(f"no interface holds {local}, the address that reaches {host}: gloo picks its own "
+                 "(set GLOO_SOCKET_IFNAME if the workers cannot connect)")
+        return name
 
     def _warm_off(self, why: Exception) -> None:
         _say(f"warm start off, starting fresh interpreters: {why}")
@@ -224,6 +261,8 @@ class Launcher:
         wid = a.node_rank * a.nproc_per_node + local_rank
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self.gloo_ifname:
+            env["GLOO_SOCKET_IFNAME"] = self.gloo_ifname
         env.update({
             E.STORE: self.store_addr, E.LIGHTHOUSE: self.lighthouse_addr, E.WORKER_ID: str(wid),
             "RANK": str(wid), "LOCAL_RANK": str(local_rank),
@@ -231,6 +270,7 @@ class Launcher:
             "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "NODE_RANK": str(a.node_rank),
             E.RUN_DIR: self.run_dir, E.FAULTS: a.faults, E.REPLACEMENT: str(incarnation),
             E.HANG_TIMEOUT: str(a.hang_timeout), E.ON_ERROR: a.on_worker_error,
+            E.BEAT_TIMEOUT: repr(a.heartbeat_timeout), E.CUT_OFF: repr(a.cut_off),
             E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
             E.MAX_REPLACEMENTS: str(self.replacements_left),
             E.MTTF: "" if a.mttf is None else repr(a.mttf),
@@ -262,9 +302,11 @@ class Launcher:
             tenv.setdefault("OMP_NUM_THREADS", "1")  # libgomp reads it when torch loads
             self.warm = WarmSpawner(modules, tenv)
         self.store_addr, self.lighthouse_addr = self.connect()
+        self.gloo_ifname = self._gloo_interface()
         log = EventLog(os.path.join(self.run_dir, "events.jsonl"), role="launcher",
                        node_rank=self.args.node_rank, pid=os.getpid())
-        _say(f"run dir {self.run_dir}; coordinator {self.store_addr}")
+        _say(f"run dir {self.run_dir}; coordinator {self.store_addr}"
+             + (f"; gloo on {self.gloo_ifname}" if self.gloo_ifname else ""))
         for lr in range(self.args.nproc_per_node):
             self.spawn(lr)
         log.run_start(argv=sys.argv, workers={c.wid: c.proc.pid for c in self.children.values()},
@@ -293,8 +335,10 @@ class Launcher:
                     return self._user_error(log, c.wid)
                 others = any(o.rc is None for o in self.children.values())
                 _say(f"worker {c.wid} (pid {c.proc.pid}) {_describe(rc)}"
-                     + ("; survivors carry on" if others else "; no worker of this node is left"))
-                self._report(c.wid, _describe(rc))
+                     + (" (it lost the coordinator)" if rc == E.MEMBERSHIP_EXIT_CODE else
+                        "; survivors carry on" if others else "; no worker of this node is left"))
+                if rc != E.MEMBERSHIP_EXIT_CODE:  # it lost the coordinator: nobody to tell
+                    self._report(c.wid, _describe(rc))
                 if (rc != E.RESTART_EXIT_CODE and finished_at is None and self.replacements_left > 0):
                     self.replacements_left -= 1
                     self.spawn(c.local_rank, c.incarnation + 1)
@@ -417,6 +461,13 @@ class Launcher:
                     c.seen = False
                     _kill_group(c.proc.pid)
 
+    def forward(self, sig: int) -> None:
+        """Send ``sig`` to every live worker's process group (safe in a signal handler)."""
+        for c in list(self.children.values()):
+            if c.rc is None:
+                _signal_group(c.proc.pid, sig)
+                _signal_group(c.proc.pid, signal.SIGCONT)  # a stopped worker must run to die
+
     def terminate_all(self) -> None:
         live = [c for c in self.children.values() if c.proc.poll() is None]
         for c in live:
@@ -479,7 +530,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     previous = {}
 
     def on_signal(signum, _frame):
+        # Forwarded at once (the main loop may be waiting on an unreachable coordinator for a
+        # second or two); the loop then ends every worker and exits.
         launcher.stop_signal = signum
+        launcher.forward(signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)

@@ -58,9 +58,12 @@ class LocalJob:
         return [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node",
                 str(nproc or self.nproc), *extra, *self.cmd_tail]
 
-    def start(self, nproc: Optional[int] = None, extra: Sequence[str] = ()) -> subprocess.Popen:
+    def start(self, nproc: Optional[int] = None, extra: Sequence[str] = (),
+              wrap: Sequence[str] = ()) -> subprocess.Popen:
+        """Start one launcher (``extra``: its own flags, e.g. ``--node-rank``; ``wrap``: a
+        command prefix, e.g. ``ip netns exec NS`` to run it inside a network namespace)."""
         out = open(self.run_dir / f"launcher{len(self.launchers)}.out", "wb")
-        p = subprocess.Popen(self.command(nproc, extra), stdout=out, stderr=subprocess.STDOUT,
+        p = subprocess.Popen([*wrap, *self.command(nproc, extra)], stdout=out, stderr=subprocess.STDOUT,
                              env=self.env, start_new_session=True)
         out.close()
         self.launchers.append(p)

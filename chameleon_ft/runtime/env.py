@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 __all__ = ["WorkerEnv", "EnvError", "process_age_s", "startup_s", "PRELOAD_S", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
            "USER_ERROR_EXIT_CODE", "ON_ERROR",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
-           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF"]
+           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF", "BEAT_TIMEOUT", "CUT_OFF"]
 
 STORE = "CHAMELEON_FT_STORE"                # host:port of the coordinator's TCPStore
 LIGHTHOUSE = "CHAMELEON_FT_LIGHTHOUSE"      # http://host:port of the coordinator's Lighthouse
@@ -28,6 +28,8 @@ HANG_TIMEOUT = "CHAMELEON_FT_HANG_TIMEOUT"   # watchdog on every collective, sec
 MIN_WORLD = "CHAMELEON_FT_MIN_WORLD"        # members needed before the first step
 MAX_REPLACEMENTS = "CHAMELEON_FT_MAX_REPLACEMENTS"  # replacement budget of this worker's launcher
 MTTF = "CHAMELEON_FT_MTTF"                  # fixed D for the engine, seconds (--mttf); unset: estimated
+BEAT_TIMEOUT = "CHAMELEON_FT_HEARTBEAT_TIMEOUT"  # a member silent this long is lost (s; 0: off)
+CUT_OFF = "CHAMELEON_FT_CUT_OFF"            # no answer from the coordinator this long: stop (s; 0: off)
 PRELOAD_S = "CHAMELEON_FT_PRELOAD_S"        # warm start: seconds the template spent importing
                                             # what this worker inherited (cli/warmstart.py)
 
@@ -62,6 +64,8 @@ class WorkerEnv:
     min_world_size: int = 1
     max_replacements: int = 0
     mttf_s: Optional[float] = None
+    heartbeat_timeout_s: Optional[float] = 1.0
+    cut_off_s: Optional[float] = 3.0
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerEnv":
@@ -94,7 +98,8 @@ class WorkerEnv:
             run_dir=env.get(RUN_DIR) or None, faults=env.get(FAULTS, ""),
             replacement=num(REPLACEMENT, 0), hang_timeout_s=num(HANG_TIMEOUT, 10.0, float),
             min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0),
-            mttf_s=mttf)
+            mttf_s=mttf, heartbeat_timeout_s=num(BEAT_TIMEOUT, 1.0, float) or None,
+            cut_off_s=num(CUT_OFF, 3.0, float) or None)
 
 
 def process_age_s() -> Optional[float]:

@@ -33,7 +33,8 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
     timeout = float(hang_timeout_s or cfg.hang_timeout_s or env.hang_timeout_s)
     membership = Membership(env.worker_id, env.store, env.lighthouse,
                             heartbeat_interval_s=cfg.heartbeat_s,
-                            connect_timeout_s=cfg.connect_timeout_s)
+                            connect_timeout_s=cfg.connect_timeout_s,
+                            heartbeat_timeout_s=env.heartbeat_timeout_s, cut_off_s=env.cut_off_s)
     gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
                       op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
     min_world = env.min_world_size if env.replacement == 0 else 1

@@ -75,6 +75,10 @@ def _dead_key(worker_id: int) -> str:
     return f"cft/dead/{worker_id}"
 
 
+def _beat_key(worker_id: int) -> str:
+    return f"cft/beat/{worker_id}"
+
+
 def abort_key(token: str) -> str:
     """Store key that, once set, ends the generation ``token`` for every member."""
     return f"cft/abort/{token}"
@@ -131,11 +135,19 @@ class Membership:
             the others moved on without it.
         watch_aborts: run the abort watcher (``_watch_loop``): ask for the next quorum as soon
             as the generation ends, even while the main thread is busy.
+        heartbeat_timeout_s: a member whose heartbeat (a counter in the store, bumped every
+            ``heartbeat_interval_s`` by its heartbeat thread) has not moved for this long is
+            reported lost (a dead node, a partition, a stopped process), so the survivors'
+            collectives end within about this long instead of at the watchdog.  None: off.
+        cut_off_s: this worker stops (exit 3, ``MEMBERSHIP_EXIT_CODE``) when the coordinator has
+            not answered for this long: it is on the wrong side of a partition, or the
+            coordinator is gone; it commits nothing more.  None: off.
     """
 
     def __init__(self, worker_id: int, store_addr: str, lighthouse_addr: str, *,
                  heartbeat_interval_s: float = 0.1, connect_timeout_s: float = 5.0,
-                 retry_s: float = 1.0, watch_aborts: bool = True):
+                 retry_s: float = 1.0, watch_aborts: bool = True,
+                 heartbeat_timeout_s: Optional[float] = 1.0, cut_off_s: Optional[float] = 3.0):
         self.worker_id = int(worker_id)
         self.store_addr = store_addr
         self.lighthouse_addr = lighthouse_addr
@@ -160,6 +172,10 @@ class Membership:
         self._watch_thread: Optional[threading.Thread] = None
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
         self.early_joins = 0
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.cut_off_s = cut_off_s
+        self._last_ok = time.monotonic()  # the coordinator's last answer to any thread of ours
+        self.lost_reports = 0  # members this worker reported for a silent heartbeat
 
     def connect_store(self) -> dist.TCPStore:
         """A fresh client to the coordinator store (for a process group's set-up)."""
@@ -258,16 +274,20 @@ class Membership:
         except MembershipError:
             return
         watched: Optional[str] = None
+        self._liveness = _Liveness(self.worker_id, self.heartbeat_timeout_s)
+        if self.cut_off_s is not None:
+            threading.Thread(target=self._guard_loop, daemon=True, name=f"cft-cut-off-{self.worker_id}").start()
         while not self._stop.is_set():
             view = self._view
-            if view is None or view.token == watched or self._early is not None:
-                self._stop.wait(0.02)
-                continue
-            try:  # polled: a blocking store.wait logs a c10d warning at every timeout
-                aborted = store.check([abort_key(view.token)])
-            except Exception:  # the coordinator is gone: the main thread will find out
+            try:
+                if view is not None:
+                    self._check_liveness(store, view)
+                # polled: a blocking store.wait logs a c10d warning at every timeout
+                aborted = view is not None and store.check([abort_key(view.token)])
+                self._last_ok = time.monotonic()
+            except Exception:  # unreachable: a partition, or the coordinator is gone
                 aborted = False
-            if not aborted:
+            if view is None or view.token == watched or self._early is not None or not aborted:
                 self._stop.wait(self.watch_poll_s)
                 continue
             watched = view.token
@@ -283,10 +303,46 @@ class Membership:
             finally:
                 self._agree_lock.release()
 
+    def _check_liveness(self, store, view: MembershipView) -> None:
+        """Report the members whose liveness counter stopped (``heartbeat_timeout_s``)."""
+        lv = self._liveness
+        if lv.timeout_s is None or not lv.due():
+            return
+        counts = {w: store.add(_beat_key(w), 0) for w in view.members if w != self.worker_id}
+        for w, silent in lv.silent(view.token, counts):
+            self.lost_reports += 1
+            self.report_failure([w], f"timeout: no heartbeat from worker {w} for {silent:.1f} s "
+                                f"(a lost node, a network partition or a stopped process)", token=view.token)
+
+    def _guard_loop(self) -> None:
+        """Stop this worker when the coordinator has not answered any thread of it for
+        ``cut_off_s``.  It does no I/O itself: a store call to an unreachable node may block far
+        longer than its timeout (a TCPStore ``add`` waits for TCP to give up), and the threads
+        that make them may be stuck in one."""
+        while not self._stop.wait(0.1):
+            self._cut_off(time.monotonic() - self._last_ok)
+
+    def _cut_off(self, unanswered_s: float) -> None:
+        """No answer from the coordinator for ``cut_off_s``: this worker is on the wrong side of
+        a partition (or the coordinator is gone).  It must not go on alone: stop now."""
+        if self.cut_off_s is None or unanswered_s < self.cut_off_s or self._stop.is_set():
+            return
+        import sys
+
+        from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
+
+        print(f"chameleon-ft worker {self.worker_id}: lost the coordinator at {self.store_addr}: no "
+              f"answer for {unanswered_s:.1f} s (a network partition cut this worker off, or the "
+              "coordinator's node is gone: the embedded coordinator is a single point of failure, "
+              "--rdzv-backend etcd is not); stopping without committing anything more",
+              file=sys.stderr, flush=True)
+        os._exit(MEMBERSHIP_EXIT_CODE)
+
     # ---------------------------------------------------------------- internals
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
         while True:
             self._request_admission(previous_token)
+            self._last_ok = time.monotonic()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MembershipError(
@@ -376,8 +432,51 @@ class Membership:
             log.debug("heartbeat of worker %d failed: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
+        store = None
         while not self._stop.wait(self.heartbeat_interval_s):
             self._heartbeat_once()
+            try:  # the liveness counter every member's watcher reads (its own client)
+                store = store or connect_store(self.store_addr, min(1.0, self.connect_timeout_s))
+                store.add(_beat_key(self.worker_id), 1)
+                self._last_ok = time.monotonic()
+            except Exception as exc:  # unreachable: the watcher's cut-off decides
+                store = None
+                log.debug("liveness beat of worker %d failed: %s", self.worker_id, exc)
+
+
+class _Liveness:
+    """Which members' liveness counters stopped moving (this worker's clock only: no clock is
+    compared across machines)."""
+
+    def __init__(self, worker_id: int, timeout_s: Optional[float], every_s: float = 0.1):
+        self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
+        self._next = 0.0
+        self._token: Optional[str] = None
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._reported: set[int] = set()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
+
+    def silent(self, token: str, counts: dict[int, int]) -> list[tuple[int, float]]:
+        """(member, seconds silent) of the members silent for longer than the timeout, each once
+        per generation; a new generation starts every member's clock afresh."""
+        now = time.monotonic()
+        if token != self._token:
+            self._token, self._seen, self._reported = token, {}, set()
+        out = []
+        for w, c in counts.items():
+            last = self._seen.get(w)
+            if last is None or last[0] != c:
+                self._seen[w] = (c, now)
+            elif now - last[1] > self.timeout_s and w not in self._reported:
+                self._reported.add(w)
+                out.append((w, now - last[1]))
+        return out
 
 
 class CoordinatorServer:

@@ -84,7 +84,7 @@ def test_replacement_joins_and_heals(tmp_path):
         evs = job.events()
         assert_exactly_once(evs, 8)
         new = job.pid(1)
-        assert new != old and (1, 1) in job.worker_pids()
+        assert new != old and (1, 1) in job.worker_pids(), job.output()[-5000:]
         finals = job.final()
         assert sorted(finals) == [0, 1, 2, 3]
         assert finals[1]["members"] == [0, 1, 2, 3]
