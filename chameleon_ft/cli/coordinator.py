@@ -171,6 +171,33 @@ class AgentOps:
                 os.close(fd)  # end of requests: the agent shuts the coordinator down, exits
             except OSError:
                 pass
+        # An agent stuck in a call to an unreachable coordinator (a partition) would outlive
+        # the launcher and keep its node's connections open: give it a moment, then kill it.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(self.pid, os.WNOHANG)[0] or not _alive(self.pid):
+                    return
+            except ChildProcessError:  # not our child (the template's): poll it
+                if not _alive(self.pid):
+                    return
+            time.sleep(0.02)
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def serve_agent(in_fd: int, out_fd: int) -> None:

@@ -312,7 +312,7 @@ class EngineBridge(PipelineCalibration):
                        self.selector_config(steps_since_checkpoint), self.mttf(len(self.alive | joined)))
             self.search_s = d.search_s
             decisions.append(d)
-            self._apply(d, self.alive | joined)
+            self._apply(d, self.alive | joined, idle=frozenset(joined))
         return decisions
 
     def observe_step(self, timings: dict[int, tuple[float, int, float, float]], step: int,
@@ -433,16 +433,20 @@ class EngineBridge(PipelineCalibration):
         where = self.plan.locate(d)
         return self.plan.pipelines[where[0]].microbatches if where else 0
 
-    def _apply(self, d: Decision, alive: frozenset[int]) -> None:
+    def _apply(self, d: Decision, alive: frozenset[int], idle: frozenset = frozenset()) -> None:
+        """Carry ``d``'s plan and allocation over ``alive``; ``idle``: joiners, who hold no part
+        of the plan when it is kept (members with no micro-batch until a later Decision)."""
         o = d.choice
         if o is None or o.policy == "restart":
             raise RestartRequested(d)
         # "wait" carries the rerouted plan and load until the replacement joins
         plan = o.plan if o.plan is not None else self.plan
         batch = o.global_batch or self.current_batch
-        alloc = self._allocation_of(plan, alive, o.extra, batch)
+        idle = idle if o.policy == "keep" else frozenset()
+        alloc = self._allocation_of(plan, alive - idle, o.extra, batch)
         if alloc is None:
             raise RestartRequested(d)
+        alloc = dict(sorted({**alloc, **{w: 0 for w in idle}}.items()))
         plan, alloc = self._settle(plan, alloc)
         self.plan, self.alive, self.allocation = plan, frozenset(alive), alloc
         self.current_batch = batch

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch.distributed as dist
+
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
-from chameleon_ft.runtime.membership import Membership, MembershipView
+from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
 
 __all__ = ["Joined", "join_job"]
 
@@ -38,7 +40,11 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
     gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
                       op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
     min_world = env.min_world_size if env.replacement == 0 else 1
-    view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
+    try:
+        view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)
+    except dist.DistError as exc:  # the coordinator's store went away while joining
+        raise MembershipError(f"worker {env.worker_id}: lost the coordinator at {env.store} while "
+                              f"joining: {exc}") from exc
     try:
         gm.rebuild(view)
     except CollectiveFailure:

@@ -64,6 +64,7 @@ __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer
 _LATEST_KEY = "cft/latest"
 _REGISTRY_KEY = "cft/registry"
 _FAILURES_KEY = "cft/failures"
+_LIBUV = os.environ.get("CFT_LIBUV", "1") == "1"
 _STOP_KEY = "cft/stop"  # the job stops everywhere (a worker's code raised: a bug, not a failure)
 
 
@@ -197,13 +198,21 @@ class Membership:
                                            name=f"cft-heartbeat-{self.worker_id}")
         self._hb_thread.start()
         deadline = time.monotonic() + timeout_s
+        # Ask only once enough workers registered: the Lighthouse forms a quorum join_timeout_ms
+        # after the first request, so on a slow network early askers would get quorums too
+        # small to start, over and over, while the late ones are still on their way.
+        while len(self._registered()) < min_world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
         while True:
             with self._agree_lock:
                 view = self._agree(deadline, previous_token=self._view.token if self._view else None)
             if view.world_size >= min_world_size:
                 break
-            # Everyone in this quorum sees the same size and asks again; pace the retries.
-            time.sleep(0.01)
+            # Too small to start: the others are on their way (a quorum forms join_timeout_ms
+            # after the first request).  Ask again once their requests are likely in, or the
+            # members of this quorum would form it again at once (the Lighthouse's fast path:
+            # every member of the previous quorum asked) without them, over and over.
+            time.sleep(0.25)
         if self.watch_aborts:
             self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
                                                   name=f"cft-abort-watch-{self.worker_id}")
@@ -389,6 +398,10 @@ class Membership:
                 dead.append(w)
         return tuple(dead)
 
+    def _registered(self) -> set[int]:
+        raw = self.store.get(_REGISTRY_KEY).decode() if self.store.check([_REGISTRY_KEY]) else ""
+        return {int(x) for x in raw.split(",") if x.strip()}
+
     def _latest(self) -> Optional[dict]:
         if not self.store.check([_LATEST_KEY]):
             return None
@@ -499,7 +512,7 @@ class CoordinatorServer:
                  heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10):
         self.host = host
         self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30))
+                                   timeout=timedelta(seconds=30), use_libuv=_LIBUV)
         self._lighthouse = LighthouseServer(
             bind=f"{host}:{lighthouse_port}", min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,

@@ -1,19 +1,20 @@
 """Nodes with real network paths on one machine: Linux network namespaces joined by veth pairs
 to a bridge that lives in a namespace of its own (the host's network is never touched), with
-addresses only inside them.  Needs root and iproute2; nftables for packet loss.
+addresses only inside them.  Needs root and iproute2.
 
     net = Net(3).up()                  # namespaces <prefix>-n0..n2 at 10.<k>.0.1..3/24, eth0
     net.run(i, cmd)                    # a process inside node i
     net.kill_node(i)                   # SIGKILL every process in node i's namespace
     net.partition(i) / net.heal(i)     # node i's link down / up (at the bridge)
-    net.impair(i, delay_ms, loss)      # tc netem, or nftables loss where the kernel has no netem
+    net.impair(delay_ms, loss)         # tc netem, or a userspace switch where the kernel has none
     net.down()                         # every process killed, every namespace deleted
 
 ``python tests/_helpers/netns.py clean`` removes what a crashed test left (every namespace whose
 name starts with ``cftnet``), as ``Net.down`` does.
 
-Limits: IPv4 only; ``impair`` adds delay only with ``sch_netem`` (this project's CI kernel has
-none: there it drops packets with nftables and says that no delay was added).
+Limits: IPv4 only; without ``sch_netem`` (this project's CI kernel) ``impair`` replaces the
+bridge by a Python switch process (every frame to every other port, a hub): fine for the
+tests' few MB/s, not a model of a real switch's throughput.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class Net:
         self.subnet = 10 + (os.getpid() % 200)  # 10.<k>.0.0/24: unlikely to clash with a real one
         self.switch = f"{self.prefix}-sw"
         self.procs: list[subprocess.Popen] = []
-        self.impaired: dict[int, str] = {}
+        self._switch_ctl: Optional[str] = None  # the userspace switch's control file
+        self._netem: Optional[bool] = None
+        self._why = ""
 
     def ns(self, i: int) -> str:
         return f"{self.prefix}-n{i}"
@@ -123,29 +126,53 @@ class Net:
     def heal(self, i: int) -> None:
         _ip("link", "set", self._port(i), "master", "br0", "up", ns=self.switch)
 
-    def impair(self, i: int, delay_ms: float = 0.0, loss_pct: float = 0.0) -> str:
-        """Delay and loss on node ``i``'s outgoing packets; returns what was applied."""
-        args = ["qdisc", "replace", "dev", "eth0", "root", "netem"]
-        if delay_ms:
-            args += ["delay", f"{delay_ms}ms"]
-        if loss_pct:
-            args += ["loss", f"{loss_pct}%"]
-        r = subprocess.run(self.wrap(i) + ["tc", *args], capture_output=True, text=True)
-        if r.returncode == 0:
-            self.impaired[i] = "netem"
+    def impair(self, delay_ms: float = 0.0, loss_pct: float = 0.0) -> str:
+        """Delay and loss on every packet's way (call again to change them; 0, 0 clears);
+        returns what was applied.  With ``sch_netem``: ``tc netem`` on each node's eth0.
+        Without it (this project's CI kernel): the bridge is replaced, at the first call, by a
+        switch process in the switch namespace (``_switch`` below: raw sockets on the ports,
+        each frame delayed and dropped at random on its way, read from a control file so that
+        later calls change it without a gap), so every frame crosses one impaired hop, as with
+        netem on the sender."""
+        args = ["qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%"]
+        if self._switch_ctl is None:
+            r = subprocess.run(self.wrap(0) + ["tc", *args], capture_output=True, text=True)
+            if r.returncode == 0:
+                for i in range(1, self.n):
+                    subprocess.run(self.wrap(i) + ["tc", *args], check=True, capture_output=True)
+                return f"tc netem delay {delay_ms} ms loss {loss_pct} %"
+            if self._netem is not False:
+                self._netem = False
+                self._start_switch(r.stderr.strip())
+        elif self._netem:
+            for i in range(self.n):
+                subprocess.run(self.wrap(i) + ["tc", *args], check=True, capture_output=True)
             return f"tc netem delay {delay_ms} ms loss {loss_pct} %"
-        if shutil.which("nft") is None:
-            raise RuntimeError(f"tc netem unavailable ({r.stderr.strip()}) and no nft for the loss")
-        rules = ["add table inet cftimpair",
-                 "add chain inet cftimpair out { type filter hook output priority 0 ; }",
-                 f"add rule inet cftimpair out meta oifname eth0 numgen random mod 10000 < "
-                 f"{int(round(loss_pct * 100))} drop"]
-        for rule in rules:
-            q = subprocess.run(self.wrap(i) + ["nft", *rule.split()], capture_output=True, text=True)
-            if q.returncode != 0:
-                raise RuntimeError(f"nft {rule}: {q.stderr.strip()}")
-        self.impaired[i] = "nft"
-        return f"nftables loss {loss_pct} % (this kernel has no sch_netem: no delay added)"
+        tmp = self._switch_ctl + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{delay_ms} {loss_pct}\n")
+        os.replace(tmp, self._switch_ctl)
+        return f"a userspace switch: delay {delay_ms} ms, loss {loss_pct} % per frame (no sch_netem: {self._why})"
+
+    def _start_switch(self, why: str) -> None:
+        if shutil.which("ethtool") is None:
+            raise RuntimeError("no sch_netem and no ethtool: the userspace switch needs checksum "
+                               "offloads off on each node (apt-get install ethtool)")
+        for i in range(self.n):  # frames re-sent by a socket carry no offloaded checksum
+            subprocess.run(self.wrap(i) + ["ethtool", "-K", "eth0", "tx", "off", "rx", "off", "gso", "off",
+                                           "tso", "off", "gro", "off"], check=True, capture_output=True)
+        self._why = why
+        self._switch_ctl = f"/tmp/{self.prefix}-switch.ctl"
+        with open(self._switch_ctl, "w") as f:
+            f.write("0 0\n")
+        ports = [self._port(i) for i in range(self.n)]
+        for port in ports:
+            _ip("link", "set", port, "nomaster", ns=self.switch)
+            _ip("link", "set", port, "up", ns=self.switch)
+        self.procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, os.path.abspath(__file__), "switch",
+             self._switch_ctl, *ports], start_new_session=True))
+        time.sleep(0.5)  # its sockets bound
 
     # ------------------------------------------------------------ teardown
     def down(self) -> None:
@@ -165,6 +192,11 @@ class Net:
         for i in range(self.n):
             _ip("netns", "del", self.ns(i), check=False)
         _ip("netns", "del", self.switch, check=False)
+        if self._switch_ctl:
+            try:
+                os.unlink(self._switch_ctl)
+            except OSError:
+                pass
 
     def __enter__(self) -> "Net":
         return self.up()
@@ -189,9 +221,71 @@ def clean(prefix: str = PREFIX) -> list[str]:
     return names
 
 
+def _switch(ctl: str, ports: Sequence[str]) -> None:
+    """Forward every frame that arrives on a port to every other port, the control file's
+    delay later, dropping its loss % at random (a hub with a slow, lossy wire; runs in the
+    switch namespace, on ports that left the bridge)."""
+    import heapq
+    import random
+    import socket
+    import threading
+
+    eth_p_all, outgoing = 0x0003, 4
+    socks = []
+    for port in ports:
+        sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(eth_p_all))
+        sk.bind((port, 0))
+        socks.append(sk)
+    due: list = []
+    cv = threading.Condition()
+    rng = random.Random(0)
+    knobs = [0.0, 0.0]
+
+    def control() -> None:
+        stamp = None
+        while True:
+            try:
+                st = os.stat(ctl).st_mtime_ns
+                if st != stamp:
+                    stamp = st
+                    knobs[:] = [float(x) for x in open(ctl).read().split()[:2]]
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+
+    def reader(k: int) -> None:
+        seq = 0
+        while True:
+            frame, addr = socks[k].recvfrom(65536)
+            delay_ms, loss_pct = knobs
+            if addr[2] == outgoing or rng.random() * 100 < loss_pct:
+                continue
+            seq += 1
+            with cv:
+                heapq.heappush(due, (time.monotonic() + delay_ms / 1000.0, k, seq, frame))
+                cv.notify()
+
+    threading.Thread(target=control, daemon=True).start()
+    for k in range(len(ports)):
+        threading.Thread(target=reader, args=(k,), daemon=True).start()
+    while True:
+        with cv:
+            while not due or due[0][0] > time.monotonic():
+                cv.wait(None if not due else max(0.0, due[0][0] - time.monotonic()))
+            _, k, _, frame = heapq.heappop(due)
+        for j, sk in enumerate(socks):
+            if j != k:
+                try:
+                    sk.send(frame)
+                except OSError:  # a port down (a partition)
+                    pass
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["clean"]:
         gone = clean()
         print(f"removed {len(gone)} namespace(s): {' '.join(gone) or '-'}")
+    elif sys.argv[1:2] == ["switch"]:
+        _switch(sys.argv[2], sys.argv[3:])
     else:
         print(__doc__)

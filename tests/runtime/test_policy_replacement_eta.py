@@ -60,3 +60,18 @@ def test_no_eta_stays_none_and_state_round_trips(clock):
     other = make()
     other.load_state_dict(pol.state_dict())
     assert other.replacement_delays == pol.replacement_delays
+
+
+def test_keep_after_a_join_leaves_the_joiners_idle_instead_of_restarting():
+    """Workers that join where the engine keeps the rerouted plan (more workers would not be
+    faster) become members with no micro-batch: before, the allocation over the joiners did
+    not add up and the job restarted (found with a node that rejoined after a partition)."""
+    pol = EngineBridge([1000] * 4, global_batch=24, micro_batch=2, per_node=2, mttf_s=3600.0,
+                       allowed=frozenset({"reroute", "keep"}))
+    pol.start(range(6))
+    (d,) = pol.on_membership([0, 1, 2, 3], hang=True, step=5)
+    assert d.chosen == "reroute" and sum(pol.allocation.values()) == 12
+    (d,) = pol.on_membership(range(6), hang=False, step=9)
+    assert d.chosen == "keep"
+    assert pol.allocation[4] == pol.allocation[5] == 0 and sum(pol.allocation.values()) == 12
+    assert pol.alive == frozenset(range(6))
