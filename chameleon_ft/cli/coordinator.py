@@ -81,6 +81,21 @@ class CoordinatorOps:
         except Exception as exc:
             raise CoordinatorOpError("failed", str(exc)) from exc
 
+    def connect_etcd(self, store_addr: str, timeout_s: float) -> None:
+        """Reach the job's etcd cluster (``etcd://h1:2379,.../<job>``)."""
+        from chameleon_ft.runtime.membership import MembershipError, connect_store
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.store = connect_store(store_addr, min(2.0, timeout_s))
+                self.store.set_timeout(timedelta(seconds=2))
+                return
+            except MembershipError as exc:
+                if time.monotonic() > deadline:
+                    raise CoordinatorOpError("unreachable", str(exc)) from exc
+                time.sleep(0.5)
+
     def report_dead(self, worker_id: int, reason: str) -> None:
         from chameleon_ft.runtime.membership import report_dead
 
@@ -152,6 +167,9 @@ class AgentOps:
 
     def connect(self, endpoint: str, timeout_s: float) -> str:
         return self._call("connect", endpoint, timeout_s)
+
+    def connect_etcd(self, store_addr: str, timeout_s: float) -> None:
+        self._call("connect_etcd", store_addr, timeout_s)
 
     def report_dead(self, worker_id: int, reason: str) -> None:
         self._call("report_dead", worker_id, reason, timeout_s=self.QUICK_S)

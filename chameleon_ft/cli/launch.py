@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                    help="host:port of the coordinator (node 0 binds it; default: loopback, "
                         "random port, single node)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("c10d", "etcd"), default="c10d",
+                   help="c10d (default): node 0's launcher hosts the coordinator (a single point of "
+                        "failure); etcd: membership, generations and group set-up in an etcd cluster, "
+                        "--rdzv-endpoint host:2379[,host:2379...] (no node is special)")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="default",
+                   help="the job's name in etcd (its key space): one per job (default 'default')")
     p.add_argument("--rdzv-timeout", type=float, default=30.0,
                    help="seconds to reach the coordinator from nodes > 0 (default 30)")
     p.add_argument("--join-timeout-ms", type=int, default=50,
@@ -165,6 +171,10 @@ class Launcher:
             raise LaunchError(f"--node-rank {args.node_rank} outside 0..{self.max_nodes - 1}")
         if self.max_nodes > 1 and not args.rdzv_endpoint:
             raise LaunchError("more than one node needs --rdzv-endpoint host:port")
+        if args.rdzv_backend == "etcd" and not args.rdzv_endpoint:
+            raise LaunchError("--rdzv-backend etcd needs --rdzv-endpoint host:2379[,host:2379...]")
+        if not args.rdzv_id or "/" in args.rdzv_id:
+            raise LaunchError(f"--rdzv-id {args.rdzv_id!r}: a name without '/'")
         if args.mttf is not None and not args.mttf > 0:
             raise LaunchError(f"--mttf must be a positive number of seconds, got {args.mttf}")
         if args.max_replacements < 0 or args.hang_timeout <= 0:
@@ -177,7 +187,11 @@ class Launcher:
         if not os.path.isfile(args.script):
             raise LaunchError(f"script {args.script!r} not found")
         if args.rdzv_endpoint:
-            self.endpoint = _endpoint(args.rdzv_endpoint)
+            self.endpoints = [_endpoint(e) for e in args.rdzv_endpoint.split(",") if e.strip()]
+            if args.rdzv_backend == "c10d" and len(self.endpoints) != 1:
+                raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: one host:port (several are "
+                                  "etcd members: --rdzv-backend etcd)")
+            self.endpoint = self.endpoints[0]
         try:
             specs = parse_faults(args.faults)
         except ValueError as exc:
@@ -204,6 +218,13 @@ class Launcher:
         """Host the coordinator (node 0) or reach node 0's: (store address, Lighthouse address)."""
         a = self.args
         self.ops = self._coordinator_ops()
+        if a.rdzv_backend == "etcd":  # every node alike: the coordinator is the etcd cluster
+            store = "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{a.rdzv_id}"
+            try:
+                self.ops.connect_etcd(store, a.rdzv_timeout)
+            except CoordinatorOpError as exc:
+                raise LaunchError(f"cannot reach etcd (--rdzv-endpoint {a.rdzv_endpoint}): {exc}") from exc
+            return store, f"etcd?join_ms={a.join_timeout_ms}"
         if a.node_rank == 0:
             host, port = "127.0.0.1", 0
             if a.rdzv_endpoint:

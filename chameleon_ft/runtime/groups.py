@@ -209,6 +209,7 @@ class GroupManager:
         self.abort_poll_s = float(abort_poll_s)
         self._view: Optional[MembershipView] = None
         self._pg: Optional[dist.ProcessGroup] = None
+        self._stores: list = []  # the stores of the newest groups (kept alive: see rebuild)
         # (group, work or None) pairs whose op may still be blocked; see module docstring.
         self._parked: list[tuple[object, object]] = []
         self._parked_lock = threading.Lock()
@@ -246,12 +247,13 @@ class GroupManager:
 
         def build() -> None:
             try:
-                prefix = dist.PrefixStore(f"cft/pg/{view.token}", self._store_factory())
+                store = self._store_factory()
+                prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
                 pg = dist.ProcessGroupGloo(prefix, view.rank, view.world_size,
                                            timedelta(seconds=self.connect_timeout_s))
                 # Connection set-up and ops get separate limits.
                 pg.set_timeout(timedelta(seconds=self.op_timeout_s))
-                result["pg"] = pg
+                result["pg"], result["store"] = pg, store
             except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
                 result["error"] = exc
 
@@ -275,6 +277,9 @@ class GroupManager:
             # Usually a member died or never arrived: end this generation for everyone.
             raise self._local_failure(f"group formation failed: {result['error']}", "rebuild")
         self._pg = result["pg"]
+        # A store written in Python (etcd's) must outlive the group that may call into it:
+        # the C++ side holds no reference to the Python object.
+        self._stores = (self._stores + [result["store"]])[-4:]
         return self._pg
 
     # ------------------------------------------------------------- collectives

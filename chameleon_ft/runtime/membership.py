@@ -48,41 +48,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
-# torchft's Rust side logs every quorum at INFO to stderr; keep it quiet unless asked.
-os.environ.setdefault("RUST_LOG", "warn")
-
 import torch.distributed as dist  # noqa: E402
-from torchft._torchft import LighthouseClient, LighthouseServer  # noqa: E402
 
+from chameleon_ft.runtime import _quiet_rust  # noqa: F401,E402  (before torchft: its logger's level)
+from torchft._torchft import LighthouseClient  # noqa: E402
+
+from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
+    _FAILURES_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, _beat_key, _dead_key, _incarnation_key,
+    abort_key, read_latest, read_stop, report_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
+from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
-           "read_latest", "report_dead", "stop_job", "read_stop"]
-
-_LATEST_KEY = "cft/latest"
-_REGISTRY_KEY = "cft/registry"
-_FAILURES_KEY = "cft/failures"
-_LIBUV = os.environ.get("CFT_LIBUV", "1") == "1"
-_STOP_KEY = "cft/stop"  # the job stops everywhere (a worker's code raised: a bug, not a failure)
-
-
-def _incarnation_key(worker_id: int) -> str:
-    return f"cft/incarnation/{worker_id}"
-
-
-def _dead_key(worker_id: int) -> str:
-    return f"cft/dead/{worker_id}"
-
-
-def _beat_key(worker_id: int) -> str:
-    return f"cft/beat/{worker_id}"
-
-
-def abort_key(token: str) -> str:
-    """Store key that, once set, ends the generation ``token`` for every member."""
-    return f"cft/abort/{token}"
+           "read_latest", "report_dead", "stop_job", "read_stop", "connect_store"]
 
 
 @dataclass(frozen=True)
@@ -110,8 +90,17 @@ def _parse_hostport(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def connect_store(store_addr: str, timeout_s: float) -> dist.TCPStore:
-    """A new TCPStore client for ``host:port``; MembershipError if unreachable in time."""
+def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
+    """A new client of the job's store: the coordinator's TCPStore at ``host:port``, or etcd
+    (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time."""
+    if is_etcd(store_addr):
+        endpoints, prefix = parse_etcd(store_addr)
+        store = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
+                          request_timeout_s=min(2.0, timeout_s))
+        if not store.client.healthy():
+            raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
+                                  f"{store.client.timeout_s:.1f} s with a quorum")
+        return store
     host, port = _parse_hostport(store_addr)
     try:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
@@ -159,7 +148,12 @@ class Membership:
         self.watch_poll_s = 0.02  # well inside the Lighthouse's join window (50 ms)
         self.store = connect_store(store_addr, connect_timeout_s)
         try:
-            self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
+            if is_etcd(store_addr):  # the quorum over etcd (lighthouse_addr: "etcd?join_ms=N")
+                join_ms = float(lighthouse_addr.partition("join_ms=")[2] or 50)
+                self._client = EtcdQuorum(self.store, join_timeout_s=join_ms / 1000.0,
+                                          heartbeat_timeout_s=heartbeat_timeout_s or 1.0)
+            else:
+                self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
         except Exception as exc:
             raise MembershipError(
                 f"lighthouse at {lighthouse_addr} unreachable after {connect_timeout_s:.1f} s: {exc}"
@@ -178,7 +172,7 @@ class Membership:
         self._last_ok = time.monotonic()  # the coordinator's last answer to any thread of ours
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
 
-    def connect_store(self) -> dist.TCPStore:
+    def connect_store(self) -> dist.Store:
         """A fresh client to the coordinator store (for a process group's set-up)."""
         return connect_store(self.store_addr, self.connect_timeout_s)
 
@@ -492,100 +486,3 @@ class _Liveness:
         return out
 
 
-class CoordinatorServer:
-    """The job's coordination endpoint, run by the launcher (not by a worker).
-
-    Hosts a TCPStore and a Lighthouse on ``host`` (127.0.0.1 by default).  It is the single
-    point of failure of the job: if this process dies, workers finish their current
-    generation but cannot agree on another one.
-
-    Args:
-        min_replicas: smallest quorum the Lighthouse will form.
-        join_timeout_ms: how long a quorum waits for healthy stragglers after the first
-            request; it is most of the membership-agreement time after a SIGKILL.
-        heartbeat_timeout_ms: silence after which a worker is no longer counted as alive.
-        quorum_tick_ms: how often the Lighthouse re-evaluates pending quorums.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", store_port: int = 0, lighthouse_port: int = 0,
-                 *, min_replicas: int = 1, join_timeout_ms: int = 50,
-                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10):
-        self.host = host
-        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30), use_libuv=_LIBUV)
-        self._lighthouse = LighthouseServer(
-            bind=f"{host}:{lighthouse_port}", min_replicas=min_replicas,
-            join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms)
-        # address() reports the machine's hostname, which need not resolve to the bound
-        # interface; rebuild it from the bind host.
-        lh_port = int(self._lighthouse.address().rsplit(":", 1)[1])
-        self.store_addr = f"{host}:{self.store.port}"
-        self.lighthouse_addr = f"http://{host}:{lh_port}"
-
-    def latest_view(self) -> Optional[dict]:
-        """The newest generation published by its members: generation, members, token."""
-        return read_latest(self.store)
-
-    def registered(self) -> set[int]:
-        """Worker ids that ever joined."""
-        if not self.store.check([_REGISTRY_KEY]):
-            return set()
-        raw = self.store.get(_REGISTRY_KEY).decode()
-        return {int(x) for x in raw.split(",") if x.strip()}
-
-    def dead_workers(self) -> set[int]:
-        """Workers that joined once but are not members of the newest generation."""
-        latest = self.latest_view()
-        members = set(latest["members"]) if latest else set()
-        return self.registered() - members
-
-    def report_dead(self, worker_id: int, reason: str = "process exited") -> None:
-        """Launcher fast path; see the module-level ``report_dead``."""
-        report_dead(self.store, worker_id, reason)
-
-    def shutdown(self) -> None:
-        self._lighthouse.shutdown()
-
-
-def read_latest(store: dist.Store) -> Optional[dict]:
-    """The newest generation published in ``store``: generation, members, token (or None)."""
-    if not store.check([_LATEST_KEY]):
-        return None
-    return json.loads(store.get(_LATEST_KEY).decode())
-
-
-def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited") -> None:
-    """Launcher fast path: it saw a worker process exit, so end the newest generation now
-    instead of waiting for a collective error or a heartbeat timeout.  The death is also
-    recorded, so a quorum that the worker joined just before dying is ended as soon as it
-    forms (otherwise its group construction would wait for the connect timeout).  Works from
-    any launcher that holds a client of the coordinator's store, not only the one hosting it."""
-    incarnation = store.add(_incarnation_key(worker_id), 0)
-    store.set(_dead_key(worker_id), str(incarnation))
-    latest = read_latest(store)
-    if latest is None:
-        return
-    record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
-              "time": time.time(), "generation": latest["generation"]}
-    store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
-    store.append(_FAILURES_KEY, json.dumps(record) + "\n")
-
-
-def stop_job(store: dist.Store, record: dict) -> None:
-    """Stop the job on every node (``record``: who raised what): the first stop wins, and the
-    newest generation is ended so that no member waits in a collective for the stopped ones.
-    Every launcher polls ``read_stop`` and ends its workers."""
-    store.compare_set(_STOP_KEY, "", json.dumps(record))
-    latest = read_latest(store)
-    if latest is not None:
-        store.compare_set(abort_key(latest["token"]), "", json.dumps(
-            {"by": "launcher", "reason": "job stopped", "suspects": [], "time": time.time(),
-             "generation": latest["generation"]}))
-
-
-def read_stop(store: dist.Store) -> Optional[dict]:
-    """The job's stop record, or None while it runs."""
-    if not store.check([_STOP_KEY]):
-        return None
-    return json.loads(store.get(_STOP_KEY).decode())

@@ -160,6 +160,10 @@ def elastic_main(fn: Callable[[], object]) -> None:
     a failure cannot hold the interpreter's teardown."""
     try:
         fn()
+    except SystemExit as exc:  # the script chose its exit status (argparse's 2, sys.exit(n))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except BaseException as exc:
         code = exit_code_for(exc)
         if code is None:  # a bug in the script: the job stops, its traceback said once

@@ -1,0 +1,144 @@
+"""The coordinator's side of membership: the embedded coordinator (``CoordinatorServer``: a
+TCPStore and torchft's Lighthouse, hosted by node 0's launcher) and the calls a launcher makes
+on whatever store the job uses (``read_latest``, ``report_dead``, ``stop_job``, ``read_stop``),
+with the key names both sides share.  Workers use ``membership.Membership``.
+
+The embedded coordinator is the single point of failure of a job that uses it: lose node 0 and
+the workers can no longer agree on a generation.  ``--rdzv-backend etcd`` keeps the same keys in
+an etcd cluster instead (``runtime/etcd.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
+from torchft._torchft import LighthouseServer
+
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop"]
+
+_LATEST_KEY = "cft/latest"
+_REGISTRY_KEY = "cft/registry"
+_FAILURES_KEY = "cft/failures"
+_STOP_KEY = "cft/stop"  # the job stops everywhere (a worker's code raised: a bug, not a failure)
+
+
+def _incarnation_key(worker_id: int) -> str:
+    return f"cft/incarnation/{worker_id}"
+
+
+def _dead_key(worker_id: int) -> str:
+    return f"cft/dead/{worker_id}"
+
+
+def _beat_key(worker_id: int) -> str:
+    return f"cft/beat/{worker_id}"
+
+
+def abort_key(token: str) -> str:
+    """Store key that, once set, ends the generation ``token`` for every member."""
+    return f"cft/abort/{token}"
+
+
+class CoordinatorServer:
+    """The job's coordination endpoint, run by the launcher (not by a worker).
+
+    Hosts a TCPStore and a Lighthouse on ``host`` (127.0.0.1 by default).  It is the single
+    point of failure of the job: if this process dies, workers finish their current
+    generation but cannot agree on another one.
+
+    Args:
+        min_replicas: smallest quorum the Lighthouse will form.
+        join_timeout_ms: how long a quorum waits for healthy stragglers after the first
+            request; it is most of the membership-agreement time after a SIGKILL.
+        heartbeat_timeout_ms: silence after which a worker is no longer counted as alive.
+        quorum_tick_ms: how often the Lighthouse re-evaluates pending quorums.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", store_port: int = 0, lighthouse_port: int = 0,
+                 *, min_replicas: int = 1, join_timeout_ms: int = 50,
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10):
+        self.host = host
+        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self._lighthouse = LighthouseServer(
+            bind=f"{host}:{lighthouse_port}", min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms)
+        # address() reports the machine's hostname, which need not resolve to the bound
+        # interface; rebuild it from the bind host.
+        lh_port = int(self._lighthouse.address().rsplit(":", 1)[1])
+        self.store_addr = f"{host}:{self.store.port}"
+        self.lighthouse_addr = f"http://{host}:{lh_port}"
+
+    def latest_view(self) -> Optional[dict]:
+        """The newest generation published by its members: generation, members, token."""
+        return read_latest(self.store)
+
+    def registered(self) -> set[int]:
+        """Worker ids that ever joined."""
+        if not self.store.check([_REGISTRY_KEY]):
+            return set()
+        raw = self.store.get(_REGISTRY_KEY).decode()
+        return {int(x) for x in raw.split(",") if x.strip()}
+
+    def dead_workers(self) -> set[int]:
+        """Workers that joined once but are not members of the newest generation."""
+        latest = self.latest_view()
+        members = set(latest["members"]) if latest else set()
+        return self.registered() - members
+
+    def report_dead(self, worker_id: int, reason: str = "process exited") -> None:
+        """Launcher fast path; see the module-level ``report_dead``."""
+        report_dead(self.store, worker_id, reason)
+
+    def shutdown(self) -> None:
+        self._lighthouse.shutdown()
+
+
+def read_latest(store: dist.Store) -> Optional[dict]:
+    """The newest generation published in ``store``: generation, members, token (or None)."""
+    if not store.check([_LATEST_KEY]):
+        return None
+    return json.loads(store.get(_LATEST_KEY).decode())
+
+
+def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited") -> None:
+    """Launcher fast path: it saw a worker process exit, so end the newest generation now
+    instead of waiting for a collective error or a heartbeat timeout.  The death is also
+    recorded, so a quorum that the worker joined just before dying is ended as soon as it
+    forms (otherwise its group construction would wait for the connect timeout).  Works from
+    any launcher that holds a client of the coordinator's store, not only the one hosting it."""
+    incarnation = store.add(_incarnation_key(worker_id), 0)
+    store.set(_dead_key(worker_id), str(incarnation))
+    latest = read_latest(store)
+    if latest is None:
+        return
+    record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
+              "time": time.time(), "generation": latest["generation"]}
+    store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
+    store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+
+
+def stop_job(store: dist.Store, record: dict) -> None:
+    """Stop the job on every node (``record``: who raised what): the first stop wins, and the
+    newest generation is ended so that no member waits in a collective for the stopped ones.
+    Every launcher polls ``read_stop`` and ends its workers."""
+    store.compare_set(_STOP_KEY, "", json.dumps(record))
+    latest = read_latest(store)
+    if latest is not None:
+        store.compare_set(abort_key(latest["token"]), "", json.dumps(
+            {"by": "launcher", "reason": "job stopped", "suspects": [], "time": time.time(),
+             "generation": latest["generation"]}))
+
+
+def read_stop(store: dist.Store) -> Optional[dict]:
+    """The job's stop record, or None while it runs."""
+    if not store.check([_STOP_KEY]):
+        return None
+    return json.loads(store.get(_STOP_KEY).decode())

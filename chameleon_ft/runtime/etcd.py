@@ -1,0 +1,371 @@
+"""Membership kept by an etcd cluster: no process of the job is a single point of failure.
+
+``chameleon-ft run --rdzv-backend etcd --rdzv-endpoint h1:2379,h2:2379,h3:2379`` (torchrun's
+convention) puts everything the embedded coordinator (``CoordinatorServer``: a TCPStore and
+torchft's Lighthouse in node 0's launcher) kept into etcd: registrations, liveness counters,
+generations, abort keys, the published view and every generation's gloo set-up.  Any node --
+node 0 too -- may then be lost, and so may a minority of the etcd members.
+
+The client speaks etcd's own JSON gateway (``/v3/kv/...``, ``/v3/lease/...``; etcd >= 3.4)
+over HTTP with the standard library: no client package to pin, nothing home-made under the
+agreement itself.  Two pieces:
+
+* ``EtcdStore`` -- a ``torch.distributed.Store`` (what gloo's rendezvous and ``membership.py``
+  use): ``set``/``get`` (waits for the key)/``add``/``compare_set``/``check``/``wait``/
+  ``append``/``delete_key``, each a linearizable etcd request (``add``, ``append`` and
+  ``compare_set`` are one compare-and-swap transaction, retried on a conflict).
+* ``EtcdQuorum`` -- what the Lighthouse's client does (``heartbeat``, ``quorum``), with the
+  Lighthouse's rules.  A heartbeat is a key on a lease of ``heartbeat_timeout`` seconds (kept
+  alive by the heartbeat thread): etcd drops it when the worker stops, so etcd, not a clock of
+  ours, decides who is alive.  A quorum is a round ``r``: each asker writes ``ask/<r>/<id>``;
+  any asker may *decide* the round -- a create-only transaction on ``decided/<r>`` with the
+  askers it sees -- once every member of the previous round asked, or every live worker asked,
+  or ``join_timeout`` passed since it saw the first request and more than half of the live
+  workers asked.  etcd's transaction is the agreement: the first decision of a round is the only
+  one, and every asker reads that one.  An asker left out of ``decided/<r>`` asks in round
+  ``r + 1``.
+
+Limits, honestly: every request is an HTTP round trip to one member (a few ms on a LAN), so
+group set-up and the abort polls cost more than over the embedded TCPStore; keys are not
+garbage-collected while the job runs (a few per generation); use one ``--rdzv-id`` per job
+(a key space of its own).  The gateway is plain HTTP: run etcd with TLS and authentication on
+a real cluster (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdClient", "EtcdStore", "EtcdQuorum", "is_etcd", "parse_etcd"]
+
+ETCD_SCHEME = "etcd://"
+
+
+class EtcdError(dist.DistStoreError):
+    """No etcd member answered (a request timed out or every endpoint refused)."""
+
+
+def is_etcd(addr: str) -> bool:
+    return addr.startswith(ETCD_SCHEME)
+
+
+def parse_etcd(addr: str) -> tuple[list[str], str]:
+    """``etcd://h1:2379,h2:2379/<job>`` -> (endpoints, the job's key prefix)."""
+    rest = addr[len(ETCD_SCHEME):]
+    hosts, _, job = rest.partition("/")
+    endpoints = [h for h in hosts.split(",") if h]
+    if not endpoints:
+        raise ValueError(f"{addr!r}: no etcd endpoint")
+    return endpoints, f"/cft/{job or 'default'}/"
+
+
+def _b64(s) -> str:
+    return base64.b64encode(s if isinstance(s, bytes) else str(s).encode()).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+def _prefix_end(key: bytes) -> bytes:
+    """The range end that covers every key starting with ``key``."""
+    b = bytearray(key)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\0"
+    b[-1] += 1
+    return bytes(b)
+
+
+class EtcdClient:
+    """Requests to etcd's JSON gateway; a connection per thread, the next endpoint when one
+    does not answer."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0):
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._next = 0
+
+    def call(self, path: str, body: dict) -> dict:
+        data = json.dumps(body)
+        last: Optional[Exception] = None
+        for _ in range(len(self.endpoints)):
+            conn = self._conn()
+            try:
+                conn.request("POST", path, data, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+                self._drop()
+                continue
+            out = json.loads(raw or b"{}")
+            if resp.status != 200 or "error" in out:
+                msg = out.get("error") or out.get("message") or raw[:200]
+                last = EtcdError(f"etcd {self._endpoint()}: {path}: {msg}")
+                self._drop()  # no leader, or a member going down: try another
+                continue
+            return out.get("result", out)
+        raise EtcdError(f"no etcd member answered ({', '.join(self.endpoints)}): {last}")
+
+    def _endpoint(self) -> str:
+        return self.endpoints[getattr(self._local, "i", 0) % len(self.endpoints)]
+
+    def _conn(self) -> http.client.HTTPConnection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            self._local.i = self._next
+            self._next += 1
+            host, _, port = self._endpoint().rpartition(":")
+            c = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout_s)
+            self._local.conn = c
+        return c
+
+    def _drop(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+        self._local.conn = None
+        self._local.i = getattr(self._local, "i", 0) + 1
+        self._next = self._local.i
+
+    # ------------------------------------------------------------ kv
+    def get(self, key: bytes) -> Optional[tuple[bytes, int]]:
+        """(value, mod_revision) or None."""
+        kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs") or []
+        return (_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None
+
+    def range_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
+        kvs = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}).get("kvs") or []
+        return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in kvs}
+
+    def put(self, key: bytes, value: bytes, lease: Optional[str] = None) -> None:
+        body = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        self.call("/v3/kv/put", body)
+
+    def delete(self, key: bytes) -> int:
+        return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
+
+    def swap(self, key: bytes, value: bytes, mod_revision: Optional[int]) -> bool:
+        """Write ``value`` if the key is still at ``mod_revision`` (None: does not exist)."""
+        cmp = ({"key": _b64(key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"}
+               if mod_revision is None else
+               {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision), "result": "EQUAL"})
+        out = self.call("/v3/kv/txn", {"compare": [cmp], "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+        return bool(out.get("succeeded"))
+
+    # ------------------------------------------------------------ leases
+    def grant(self, ttl_s: int) -> str:
+        return self.call("/v3/lease/grant", {"TTL": str(int(ttl_s))})["ID"]
+
+    def keepalive(self, lease: str) -> bool:
+        return int(self.call("/v3/lease/keepalive", {"ID": lease}).get("TTL", 0)) > 0
+
+    def healthy(self) -> bool:
+        """Whether a linearizable read goes through (etcd has a leader and a quorum)."""
+        try:
+            self.call("/v3/kv/range", {"key": _b64(b"/cft/health")})
+            return True
+        except EtcdError:
+            return False
+
+
+class EtcdStore(dist.Store):
+    """A ``torch.distributed.Store`` in etcd under ``prefix`` (module docstring)."""
+
+    def __init__(self, endpoints: Sequence[str], prefix: str, timeout: timedelta = timedelta(seconds=30),
+                 request_timeout_s: float = 2.0):
+        super().__init__()  # the pybind trampoline
+        self.client = EtcdClient(endpoints, min(request_timeout_s, timeout.total_seconds()))
+        self.prefix = prefix.encode()
+        self._timeout = timeout
+        self.poll_s = 0.005
+
+    def _k(self, key) -> bytes:
+        return self.prefix + (key if isinstance(key, bytes) else str(key).encode())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self.client.timeout_s = min(self.client.timeout_s, max(0.2, timeout.total_seconds()))
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def set(self, key, value) -> None:
+        self.client.put(self._k(key), value if isinstance(value, bytes) else str(value).encode())
+
+    def get(self, key) -> bytes:
+        got = self._wait_get(key, self._timeout.total_seconds())
+        if got is None:
+            raise dist.DistStoreError(f"key {key!r} not in the store after {self._timeout}")
+        return got
+
+    def _wait_get(self, key, timeout_s: float) -> Optional[bytes]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.client.get(self._k(key))
+            if got is not None:
+                return got[0]
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(self.poll_s)
+
+    def _update(self, key, fn) -> bytes:
+        """Compare-and-swap ``key`` to ``fn(current or None)`` (retried on a conflict); ``fn``
+        returning None leaves it as it is."""
+        k = self._k(key)
+        while True:
+            got = self.client.get(k)
+            new = fn(None if got is None else got[0])
+            if new is None:
+                return b"" if got is None else got[0]
+            if self.client.swap(k, new, None if got is None else got[1]):
+                return new
+
+    def add(self, key, amount: int) -> int:
+        return int(self._update(key, lambda cur: str(int(cur or b"0") + int(amount)).encode()))
+
+    def append(self, key, value) -> None:
+        v = value if isinstance(value, bytes) else str(value).encode()
+        self._update(key, lambda cur: (cur or b"") + v)
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        exp = expected if isinstance(expected, bytes) else str(expected).encode()
+        des = desired if isinstance(desired, bytes) else str(desired).encode()
+        # TCPStore's rule: a missing key is set when ``expected`` is empty (else ``expected`` is
+        # returned); an existing one when it equals ``expected``; the value after is returned.
+        if not exp or self.client.get(self._k(key)) is not None:
+            return self._update(key, lambda cur: des if (cur is None and not exp) or cur == exp else None)
+        return exp
+
+    def check(self, keys) -> bool:
+        return all(self.client.get(self._k(k)) is not None for k in keys)
+
+    def wait(self, keys, timeout: Optional[timedelta] = None) -> None:
+        t = (timeout or self._timeout).total_seconds()
+        for k in keys:
+            if self._wait_get(k, t) is None:
+                raise dist.DistStoreError(f"wait for {k!r} timed out after {t:.1f} s")
+
+    def delete_key(self, key) -> bool:
+        return self.client.delete(self._k(key)) > 0
+
+    def clone(self) -> "EtcdStore":
+        """An independent client of the same key space (gloo clones its store)."""
+        c = EtcdStore(self.client.endpoints, self.prefix.decode(), self._timeout, self.client.timeout_s)
+        c.poll_s = self.poll_s
+        return c
+
+    def multi_get(self, keys) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys, values) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def num_keys(self) -> int:
+        return len(self.client.range_prefix(self.prefix))
+
+
+def _member(replica_id: str) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=replica_id)
+
+
+class EtcdQuorum:
+    """The Lighthouse client's two calls over etcd (module docstring); one per thread that
+    asks, like ``LighthouseClient``."""
+
+    def __init__(self, store: EtcdStore, *, join_timeout_s: float = 0.05, heartbeat_timeout_s: float = 1.0,
+                 poll_s: float = 0.01):
+        self.store = store
+        self.client = store.client
+        self.join_timeout_s = join_timeout_s
+        self.ttl = max(1, int(round(heartbeat_timeout_s)))
+        self.poll_s = poll_s
+        self._lease: Optional[str] = None
+        self._lease_lock = threading.Lock()
+
+    def _k(self, *parts) -> bytes:
+        return self.store._k("lh/" + "/".join(str(p) for p in parts))
+
+    # ------------------------------------------------------------ liveness
+    def heartbeat(self, replica_id: str, timeout: Optional[timedelta] = None) -> None:
+        """Keep this worker's liveness key alive (a lease etcd expires ``heartbeat_timeout``
+        after the last heartbeat)."""
+        with self._lease_lock:
+            if self._lease is None or not self.client.keepalive(self._lease):
+                self._lease = self.client.grant(self.ttl)
+                self.client.put(self._k("alive", replica_id), b"1", lease=self._lease)
+
+    def alive(self) -> set[str]:
+        base = self._k("alive", "")
+        return {k[len(base):].decode() for k in self.client.range_prefix(base)}
+
+    # ------------------------------------------------------------ quorum
+    def quorum(self, replica_id: str, timeout: timedelta, data=None) -> SimpleNamespace:
+        """Block until a round this worker asked in is decided with it; the Lighthouse's
+        ``Quorum`` shape (``quorum_id``, ``participants``, ``created``)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        r = self._round()
+        while True:
+            self.client.put(self._k("ask", r, replica_id), json.dumps(data or {}).encode())
+            first_seen: Optional[float] = None
+            while True:
+                decided = self.client.get(self._k("decided", r))
+                if decided is not None:
+                    q = json.loads(decided[0])
+                    if replica_id in q["members"]:
+                        return self._as_quorum(r, q)
+                    r += 1  # decided without us: the next round
+                    break
+                askers = {k.rsplit(b"/", 1)[1].decode() for k in self.client.range_prefix(self._k("ask", r, ""))}
+                now = time.monotonic()
+                first_seen = first_seen or now
+                if self._ready(r, askers, now - first_seen):
+                    created = time.time()
+                    q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
+                    self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)
+                    continue  # read what was decided (ours, or an earlier decision)
+                if now > deadline:
+                    raise TimeoutError(f"no quorum in round {r} within {timeout.total_seconds():.1f} s")
+                time.sleep(self.poll_s)
+
+    def _round(self) -> int:
+        """The first undecided round."""
+        base = self._k("decided", "")
+        rounds = [int(k[len(base):]) for k in self.client.range_prefix(base)]
+        return max(rounds, default=0) + 1
+
+    def _ready(self, r: int, askers: set[str], waited_s: float) -> bool:
+        """The Lighthouse's rules for deciding round ``r`` now."""
+        if not askers:
+            return False
+        prev = self.client.get(self._k("decided", r - 1)) if r > 1 else None
+        if prev is not None and set(json.loads(prev[0])["members"]) <= askers:
+            return True  # every member of the previous quorum asked again
+        alive = self.alive() | askers
+        if askers >= alive:
+            return True
+        return waited_s >= self.join_timeout_s and len(askers) > len(alive) / 2
+
+    @staticmethod
+    def _as_quorum(r: int, q: dict) -> SimpleNamespace:
+        return SimpleNamespace(quorum_id=r, participants=[_member(m) for m in q["members"]],
+                               created=SimpleNamespace(seconds=q["created"][0], nanos=q["created"][1]))
