@@ -238,6 +238,9 @@ def serve_agent(in_fd: int, out_fd: int) -> None:
                 except Exception as exc:  # noqa: BLE001 - reported to the launcher, which decides
                     reply = {"error": ["failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"]}
                 reply["id"] = req.get("id")
-                send_json(out_fd, reply)
+                try:
+                    send_json(out_fd, reply)
+                except BrokenPipeError:  # the launcher is gone
+                    return
     finally:
         ops.close()

@@ -159,6 +159,7 @@ class _Child:
     seen: bool = False
     absent_since: Optional[float] = None
     rc: Optional[int] = None
+    after_gen: int = -1  # the newest generation when it started: only a later one can hold it
 
 
 class Launcher:
@@ -212,6 +213,7 @@ class Launcher:
         self.stop_signal: Optional[int] = None
         self.warm: Optional[WarmSpawner] = None
         self.gloo_ifname: Optional[str] = None
+        self._latest_gen = -1  # the newest generation the launcher read
 
     # ---------------------------------------------------------------- coordinator
     def connect(self) -> tuple[str, str]:
@@ -309,7 +311,7 @@ class Launcher:
         if proc is None:
             proc = subprocess.Popen([sys.executable, "-u", a.script, *a.script_args], env=env,
                                     start_new_session=True)
-        child = _Child(wid, local_rank, proc, incarnation)
+        child = _Child(wid, local_rank, proc, incarnation, after_gen=self._latest_gen if incarnation else -1)
         self.children[local_rank] = child
         what = f"replacement #{incarnation}" if incarnation else "worker"
         _say(f"started {what} {wid} (pid {proc.pid})")
@@ -471,8 +473,10 @@ class Launcher:
 
     def _evict_hung(self, running: list[_Child], now: float, latest: Optional[dict]) -> None:
         members = set(latest["members"]) if latest else set()
+        gen = int(latest.get("generation", -1)) if latest else -1
+        self._latest_gen = max(self._latest_gen, gen)
         for c in running:
-            if c.wid in members:
+            if c.wid in members and gen > c.after_gen:  # (not its predecessor's generation)
                 c.seen, c.absent_since = True, None
             elif c.seen:
                 c.absent_since = c.absent_since or now

@@ -174,6 +174,22 @@ class EtcdClient:
     def keepalive(self, lease: str) -> bool:
         return int(self.call("/v3/lease/keepalive", {"ID": lease}).get("TTL", 0)) > 0
 
+    def answers(self) -> bool:
+        """Whether some member answers at all (its status needs no quorum): etcd is there but
+        may have lost its quorum -- as against a partition, where nothing answers."""
+        for ep in self.endpoints:
+            host, _, port = ep.rpartition(":")
+            try:
+                c = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=0.5)
+                c.request("POST", "/v3/maintenance/status", "{}", {"Content-Type": "application/json"})
+                ok = c.getresponse().status == 200
+                c.close()
+                if ok:
+                    return True
+            except (OSError, http.client.HTTPException):
+                continue
+        return False
+
     def healthy(self) -> bool:
         """Whether a linearizable read goes through (etcd has a leader and a quorum)."""
         try:

@@ -196,11 +196,16 @@ class GroupManager:
         op_timeout_s: gloo's own per-op timeout for the group (seconds, not gloo's 30 min).
         connect_timeout_s: limit for forming a group (all members must construct it).
         abort_poll_s: how often a waiting member checks the generation's abort key.
+        paused: True while the coordinator (or etcd) does not answer (``Membership.paused``):
+            no collective starts then -- nothing is committed without a working membership --
+            and a wait does not count that time toward its timeout.
     """
 
     def __init__(self, store: dist.Store, worker_id: int,
                  store_factory: Callable[[], dist.Store], *, op_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 5.0, abort_poll_s: float = 0.005):
+                 connect_timeout_s: float = 5.0, abort_poll_s: float = 0.005,
+                 paused: Optional[Callable[[], bool]] = None):
+        self.paused = paused or (lambda: False)
         self._store = store
         self._store_factory = store_factory
         self.worker_id = worker_id
@@ -298,6 +303,8 @@ class GroupManager:
         """Enqueue ``fn(group) -> Work`` without waiting (a point-to-point send that the
         pipeline executor waits for later); ``wait`` it, or the generation's failure ends it.
         ``check_abort=False`` skips the store look-up (point-to-point ops: their wait checks)."""
+        while self.paused():  # the membership's guard ends the process if this lasts too long
+            time.sleep(0.05)
         # Someone may already have ended this generation (e.g. a joiner is waiting); checked
         # first, since a watchdog expiry leaves the generation aborted and its group parked.
         record = self.abort_record() if check_abort else None
@@ -328,8 +335,12 @@ class GroupManager:
         start = time.monotonic()
         next_check = start + self.abort_poll_s
         sleep = 0.0001
+        last = start
         while not done():
             now = time.monotonic()
+            if self.paused():
+                start += now - last  # a paused membership: peers wait too, nobody is hung
+            last = now
             if now - start > timeout_s:
                 abandon()
                 raise self._local_failure(
@@ -484,12 +495,17 @@ class GroupManager:
         if self._view is None:
             return None
         key = abort_key(self._view.token)
-        if not self._store.check([key]):
-            return None
         try:
+            if not self._store.check([key]):
+                return None
             return json.loads(self._store.get(key).decode())
         except (ValueError, UnicodeDecodeError):
             return {"reason": "unreadable abort record"}
+        except dist.DistError:
+            # The store does not answer now (etcd without a quorum, a partition): not an
+            # abort.  The membership pauses collectives meanwhile and its guard ends this
+            # worker if it lasts (``Membership.paused``, ``cut_off_s``).
+            return None
 
     def abort(self, reason: str, suspects: tuple[int, ...] = ()) -> None:
         """Declare the current generation over, for every member (first writer wins)."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.env import WorkerEnv
+from chameleon_ft.runtime.etcd import is_etcd
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
 
@@ -38,7 +39,10 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
                             connect_timeout_s=cfg.connect_timeout_s,
                             heartbeat_timeout_s=env.heartbeat_timeout_s, cut_off_s=env.cut_off_s)
     gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
-                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s)
+                      op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s,
+                      paused=membership.paused,
+                      # etcd: every abort poll is an HTTP request (the watcher polls too)
+                      abort_poll_s=0.02 if is_etcd(env.store) else 0.005)
     min_world = env.min_world_size if env.replacement == 0 else 1
     try:
         view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)

@@ -132,12 +132,16 @@ class Membership:
         cut_off_s: this worker stops (exit 3, ``MEMBERSHIP_EXIT_CODE``) when the coordinator has
             not answered for this long: it is on the wrong side of a partition, or the
             coordinator is gone; it commits nothing more.  None: off.
+        quorum_wait_s: with etcd, how long the job stays paused while an etcd member answers
+            but the cluster has no quorum (nothing is committed meanwhile; ``paused``); it goes
+            on when the quorum is back, and stops (exit 3) after this long.
     """
 
     def __init__(self, worker_id: int, store_addr: str, lighthouse_addr: str, *,
                  heartbeat_interval_s: float = 0.1, connect_timeout_s: float = 5.0,
                  retry_s: float = 1.0, watch_aborts: bool = True,
-                 heartbeat_timeout_s: Optional[float] = 1.0, cut_off_s: Optional[float] = 3.0):
+                 heartbeat_timeout_s: Optional[float] = 1.0, cut_off_s: Optional[float] = 3.0,
+                 quorum_wait_s: float = 60.0):
         self.worker_id = int(worker_id)
         self.store_addr = store_addr
         self.lighthouse_addr = lighthouse_addr
@@ -170,6 +174,9 @@ class Membership:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.cut_off_s = cut_off_s
         self._last_ok = time.monotonic()  # the coordinator's last answer to any thread of ours
+        self.quorum_wait_s = quorum_wait_s
+        self._no_quorum_at: Optional[float] = None  # an etcd member answered without a quorum
+        self._paused_said = False
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
 
     def connect_store(self) -> dist.Store:
@@ -288,8 +295,11 @@ class Membership:
                 # polled: a blocking store.wait logs a c10d warning at every timeout
                 aborted = view is not None and store.check([abort_key(view.token)])
                 self._last_ok = time.monotonic()
-            except Exception:  # unreachable: a partition, or the coordinator is gone
+            except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
                 aborted = False
+                self._liveness.reset()  # counters could not be written either: start afresh
+                if isinstance(store, EtcdStore) and store.client.answers():
+                    self._no_quorum_at = time.monotonic()
             if view is None or view.token == watched or self._early is not None or not aborted:
                 self._stop.wait(self.watch_poll_s)
                 continue
@@ -311,19 +321,40 @@ class Membership:
         lv = self._liveness
         if lv.timeout_s is None or not lv.due():
             return
-        counts = {w: store.add(_beat_key(w), 0) for w in view.members if w != self.worker_id}
+        counts = {w: store.add(_beat_key(w), 0) for w in view.members}  # ours too: see silent()
         for w, silent in lv.silent(view.token, counts):
             self.lost_reports += 1
             self.report_failure([w], f"timeout: no heartbeat from worker {w} for {silent:.1f} s "
                                 f"(a lost node, a network partition or a stopped process)", token=view.token)
 
+    def paused(self) -> bool:
+        """True while the coordinator has not answered for half a second (``GroupManager``
+        starts no collective then, so nothing is committed without a working membership)."""
+        return self.watch_aborts and time.monotonic() - self._last_ok > 0.5
+
     def _guard_loop(self) -> None:
         """Stop this worker when the coordinator has not answered any thread of it for
-        ``cut_off_s``.  It does no I/O itself: a store call to an unreachable node may block far
-        longer than its timeout (a TCPStore ``add`` waits for TCP to give up), and the threads
-        that make them may be stuck in one."""
+        ``cut_off_s`` (``quorum_wait_s`` while etcd answers without a quorum).  It does no I/O
+        itself: a store call to an unreachable node may block far longer than its timeout (a
+        TCPStore ``add`` waits for TCP to give up), and the threads that make them may be stuck
+        in one."""
+        import sys
+
         while not self._stop.wait(0.1):
-            self._cut_off(time.monotonic() - self._last_ok)
+            unanswered = time.monotonic() - self._last_ok
+            if unanswered > 2.0 and not self._paused_said:  # said once it is more than a hiccup
+                self._paused_said = True
+                print(f"chameleon-ft worker {self.worker_id}: paused, nothing is committed: the "
+                      f"coordinator at {self.store_addr} does not answer", file=sys.stderr, flush=True)
+            elif unanswered < 0.5 and self._paused_said:
+                self._paused_said = False
+                print(f"chameleon-ft worker {self.worker_id}: the coordinator answers again: training "
+                      "goes on", file=sys.stderr, flush=True)
+            # (an etcd request without a quorum blocks for the client's timeout before that is known)
+            no_quorum = self._no_quorum_at is not None and time.monotonic() - self._no_quorum_at < 5.0
+            if no_quorum and unanswered < self.quorum_wait_s:
+                continue
+            self._cut_off(unanswered)
 
     def _cut_off(self, unanswered_s: float) -> None:
         """No answer from the coordinator for ``cut_off_s``: this worker is on the wrong side of
@@ -334,10 +365,12 @@ class Membership:
 
         from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
 
+        why = ("a network partition cut this worker off from etcd's quorum, or etcd lost its quorum "
+               "for longer than --quorum-wait" if is_etcd(self.store_addr) else
+               "a network partition cut this worker off, or the coordinator's node is gone: the embedded "
+               "coordinator is a single point of failure, --rdzv-backend etcd is not")
         print(f"chameleon-ft worker {self.worker_id}: lost the coordinator at {self.store_addr}: no "
-              f"answer for {unanswered_s:.1f} s (a network partition cut this worker off, or the "
-              "coordinator's node is gone: the embedded coordinator is a single point of failure, "
-              "--rdzv-backend etcd is not); stopping without committing anything more",
+              f"answer for {unanswered_s:.1f} s ({why}); stopping without committing anything more",
               file=sys.stderr, flush=True)
         os._exit(MEMBERSHIP_EXIT_CODE)
 
@@ -462,6 +495,9 @@ class _Liveness:
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: set[int] = set()
 
+    def reset(self) -> None:
+        self._token = None
+
     def due(self) -> bool:
         now = time.monotonic()
         if now < self._next:
@@ -470,19 +506,28 @@ class _Liveness:
         return True
 
     def silent(self, token: str, counts: dict[int, int]) -> list[tuple[int, float]]:
-        """(member, seconds silent) of the members silent for longer than the timeout, each once
-        per generation; a new generation starts every member's clock afresh."""
+        """(member, seconds silent) of the members silent for longer than the timeout while
+        more than half of the others (this worker included: ``counts`` holds every member's)
+        moved in the last few heartbeats -- a store that stalls everyone's writes (an etcd
+        leader election) is not a lost member -- each once per generation; a new generation
+        starts every member's clock afresh."""
         now = time.monotonic()
         if token != self._token:
             self._token, self._seen, self._reported = token, {}, set()
-        out = []
         for w, c in counts.items():
             last = self._seen.get(w)
             if last is None or last[0] != c:
                 self._seen[w] = (c, now)
-            elif now - last[1] > self.timeout_s and w not in self._reported:
+        # "the store takes writes now": counters that moved within a few heartbeats
+        fresh = {w for w, (_, t) in self._seen.items() if now - t <= min(self.timeout_s, 4 * self.every_s)}
+        out = []
+        for w in counts:
+            quiet = now - self._seen[w][1]
+            others = len(counts) - 1
+            if (quiet > self.timeout_s and w not in self._reported and w != self.worker_id
+                    and len(fresh - {w}) > others / 2):
                 self._reported.add(w)
-                out.append((w, now - last[1]))
+                out.append((w, quiet))
         return out
 
 

@@ -369,10 +369,10 @@ class RecoveryCore:
         except (CollectiveFailure, MembershipError):
             raise
         except dist.DistError as exc:
-            raise MembershipError(
-                f"worker {self.worker_id}: lost the coordinator at {self.env.store} (it is "
-                f"hosted by the launcher of node 0, the job's single point of failure): {exc}"
-            ) from exc
+            where = ("" if self.env.store.startswith("etcd://") else " (it is hosted by the launcher "
+                     "of node 0, the job's single point of failure)")
+            raise MembershipError(f"worker {self.worker_id}: lost the coordinator at {self.env.store}{where}: "
+                                  f"{exc}") from exc
 
     def _recover(self, failure: CollectiveFailure, t_start: float) -> None:
         self._tracker.cancel()  # a Decision interrupted before its steps were measured

@@ -116,6 +116,45 @@ class Net:
             time.sleep(0.05)
         return t
 
+    # ------------------------------------------------------------ etcd
+    def etcd_up(self, data_root: str, nodes: Optional[Sequence[int]] = None) -> list[str]:
+        """One etcd member per node (Debian's ``etcd``), clients on ``<addr>:2379``, peers on
+        ``:2380``, a quick election (50 ms heartbeats, 500 ms election timeout); returns the
+        client endpoints once the cluster has a leader."""
+        nodes = list(range(self.n)) if nodes is None else list(nodes)
+        self.etcd_nodes, self.etcd_root, self.etcd_procs = nodes, data_root, {}
+        os.makedirs(data_root, exist_ok=True)
+        for i in nodes:
+            self.etcd_start(i, new=True)
+        eps = [f"{self.addr(i)}:2379" for i in nodes]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = subprocess.run(self.wrap(nodes[0]) + ["etcdctl", "--endpoints", ",".join(eps), "endpoint", "health"],
+                               capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"))
+            if r.returncode == 0:
+                return eps
+            time.sleep(0.2)
+        raise RuntimeError(f"etcd did not come up: {r.stdout} {r.stderr}")
+
+    def etcd_start(self, i: int, new: bool = False) -> None:
+        peers = ",".join(f"e{j}=http://{self.addr(j)}:2380" for j in self.etcd_nodes)
+        a = self.addr(i)
+        cmd = ["etcd", "--name", f"e{i}", "--data-dir", os.path.join(self.etcd_root, f"e{i}"),
+               "--listen-client-urls", f"http://{a}:2379", "--advertise-client-urls", f"http://{a}:2379",
+               "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
+               "--initial-cluster", peers, "--initial-cluster-state", "new" if new else "existing",
+               "--heartbeat-interval", "50", "--election-timeout", "500"]
+        log = open(os.path.join(self.etcd_root, f"e{i}.log"), "ab")
+        self.etcd_procs[i] = self.run(i, cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def etcd_kill(self, i: int) -> float:
+        t = time.time()
+        p = self.etcd_procs.pop(i)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(5)
+        return t
+
     # ------------------------------------------------------------ faults
     def partition(self, i: int) -> float:
         """Node ``i``'s link down at the bridge: nothing crosses, no reset is sent."""

@@ -1,0 +1,99 @@
+"""No single point of failure (issue 24): membership, generations, abort keys and group set-up
+in a 3-member etcd cluster, one member per node (``--rdzv-backend etcd --rdzv-endpoint
+n0:2379,n1:2379,n2:2379``; Debian's ``etcd``), three nodes as network namespaces
+(``_helpers/netns.py``) with 2 workers each.  Node 0 -- its launcher, its workers, its etcd
+member -- is lost and the job trains on; one etcd member is lost and nothing happens; the
+cluster loses its quorum and the job pauses (nothing committed), then goes on when the quorum
+is back.  Needs root, iproute2 and etcd; skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "_workers"))
+from elastic_job import Job, assert_exactly_once, assert_replicas_equal, max_relative_diff, reference  # noqa: E402
+from _helpers import netns  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    why = netns.available() or (None if shutil.which("etcd") else "needs etcd (apt-get install etcd-server)")
+    if why:
+        pytest.skip(why)
+    with netns.Net(3) as net:
+        eps = net.etcd_up(str(tmp_path / "etcd"))
+        yield net, eps
+
+
+def _start(job: Job, net, eps, nodes=(0, 1, 2)) -> None:
+    for i in nodes:
+        job.start(extra=["--nnodes", "3", "--node-rank", str(i), "--rdzv-backend", "etcd",
+                         "--rdzv-endpoint", ",".join(eps), "--rdzv-id", f"job{os.getpid()}"], wrap=net.wrap(i))
+
+
+def _events(evs, kind):
+    return [e for e in evs if e["event"] == kind]
+
+
+def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(cluster, tmp_path, tmp_path_factory):
+    net, eps = cluster
+    (tmp_path / "run").mkdir()
+    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+    try:
+        _start(job, net, eps)
+        job.wait_step(5, 180)
+        t_kill = net.kill_node(0)  # the launcher, the workers and the etcd member of node 0
+        net.etcd_procs.pop(0, None)
+        codes = [job.launchers[i].wait(180) for i in (1, 2)]
+        assert codes == [0, 0], job.output()[-4000:]
+        evs, finals = job.events(), job.final()
+    finally:
+        job.cleanup()
+    lost = [e for e in _events(evs, "failure") if sorted(e["workers"]) == [0, 1]]
+    assert lost and lost[0]["kind"] == "node_loss", _events(evs, "failure")
+    first = min(e["ts"] for e in _events(evs, "step") if e["ts"] > t_kill and e["world_size"] == 4)
+    print(f"node 0 lost with etcd: first step {first - t_kill:.3f} s after the kill")
+    assert sorted(finals) == [2, 3, 4, 5]
+    assert_replicas_equal(finals, [2, 3, 4, 5])
+    assert_exactly_once(evs, 6)
+    assert max_relative_diff(finals[2], reference(tmp_path_factory.mktemp("ref"), 6)) < 1e-5
+
+
+def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(cluster, tmp_path, tmp_path_factory):
+    """Node 1's etcd member is killed at step 5: no failure, no pause.  Node 2's is killed at
+    step 15: one member of three left, no quorum -- every worker pauses before its next
+    collective (nothing is committed) and says so.  It is started again 4 s later: the quorum
+    is back and the job finishes on the failure-free trajectory, with no worker lost."""
+    net, eps = cluster
+    (tmp_path / "run").mkdir()
+    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+    try:
+        _start(job, net, eps)
+        job.wait_step(5, 180)
+        net.etcd_kill(1)
+        job.wait_step(15, 120)
+        t_lost = net.etcd_kill(2)
+        time.sleep(4.0)
+        t_back = time.time()
+        net.etcd_start(2)
+        codes = [p.wait(180) for p in job.launchers]
+        assert codes == [0, 0, 0], job.output()[-4000:]
+        evs, out, finals = job.events(), job.output(), job.final()
+    finally:
+        job.cleanup()
+    assert not _events(evs, "failure") and not _events(evs, "recovery"), _events(evs, "failure")
+    during = [e for e in _events(evs, "step") if t_lost + 1.0 < e["ts"] < t_back]
+    assert not during, f"{len(during)} step records while etcd had no quorum"
+    assert "paused, nothing is committed" in out and "answers again" in out
+    assert sorted(finals) == [0, 1, 2, 3, 4, 5]
+    assert_replicas_equal(finals, [0, 1, 2, 3, 4, 5])
+    assert_exactly_once(evs, 6)
+    assert max_relative_diff(finals[0], reference(tmp_path_factory.mktemp("ref"), 6)) < 1e-5
