@@ -77,21 +77,30 @@ class CoordinatorOps:
             self.store.set_timeout(timedelta(seconds=2))
             return lighthouse
         except MembershipError as exc:
-            raise CoordinatorOpError("unreachable", str(exc)) from exc
+            raise CoordinatorOpError("refused" if "refused by" in str(exc) else "unreachable", str(exc)) from exc
         except Exception as exc:
             raise CoordinatorOpError("failed", str(exc)) from exc
 
     def connect_etcd(self, store_addr: str, timeout_s: float) -> None:
         """Reach the job's etcd cluster (``etcd://h1:2379,.../<job>``)."""
+        from chameleon_ft.runtime.coordination import AUTH_KEY, job_digest
+        from chameleon_ft.runtime.etcd import EtcdStore, parse_etcd
         from chameleon_ft.runtime.membership import MembershipError, connect_store
 
         deadline = time.monotonic() + timeout_s
         while True:
             try:
+                endpoints, prefix = parse_etcd(store_addr)  # the first launcher names the job's token
+                EtcdStore(endpoints, prefix, request_timeout_s=2.0).compare_set(AUTH_KEY, "", job_digest())
+            except Exception:  # unreachable: connect_store says so below
+                pass
+            try:
                 self.store = connect_store(store_addr, min(2.0, timeout_s))
                 self.store.set_timeout(timedelta(seconds=2))
                 return
             except MembershipError as exc:
+                if "refused" in str(exc):
+                    raise CoordinatorOpError("refused", str(exc)) from exc
                 if time.monotonic() > deadline:
                     raise CoordinatorOpError("unreachable", str(exc)) from exc
                 time.sleep(0.5)

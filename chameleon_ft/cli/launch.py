@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "--rdzv-endpoint host:2379[,host:2379...] (no node is special)")
     p.add_argument("--rdzv-id", "--rdzv_id", default="default",
                    help="the job's name in etcd (its key space): one per job (default 'default')")
+    p.add_argument("--job-token", default=None, metavar="TOKEN",
+                   help="a secret every node of the job shares (default: $CHAMELEON_FT_JOB_TOKEN; a "
+                        "one-node job makes one up): a launcher or worker with another token is refused "
+                        "by the coordinator or etcd, and never sees the job's keys (docs/security.md)")
+    p.add_argument("--quorum-wait", type=float, default=60.0,
+                   help="etcd backend: how long the job stays paused while etcd has no quorum "
+                        "(nothing is committed), before its workers stop (seconds, default 60)")
     p.add_argument("--rdzv-timeout", type=float, default=30.0,
                    help="seconds to reach the coordinator from nodes > 0 (default 30)")
     p.add_argument("--join-timeout-ms", type=int, default=50,
@@ -205,6 +212,18 @@ class Launcher:
             if far:
                 raise LaunchError(f"--faults: rank={','.join(map(str, far))} does not exist "
                                   f"(ranks 0..{world - 1} with {world} workers)")
+        # The job token: given, inherited, or (one node, embedded coordinator) made up; set in
+        # this process's environment before the template and the workers start, which inherit it.
+        token = args.job_token if args.job_token is not None else os.environ.get(E.JOB_TOKEN)
+        if token is None and self.max_nodes == 1 and args.rdzv_backend == "c10d":
+            import secrets
+
+            token = secrets.token_hex(16)
+        elif token is None:
+            _say("no --job-token: any process that reaches the coordinator can join this job "
+                 "(docs/security.md)")
+        if token is not None:
+            os.environ[E.JOB_TOKEN] = token
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="chameleon-ft-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.ops = None  # the coordinator calls: CoordinatorOps here, or AgentOps
@@ -225,6 +244,8 @@ class Launcher:
             try:
                 self.ops.connect_etcd(store, a.rdzv_timeout)
             except CoordinatorOpError as exc:
+                if exc.kind == "refused":
+                    raise LaunchError(str(exc)) from exc
                 raise LaunchError(f"cannot reach etcd (--rdzv-endpoint {a.rdzv_endpoint}): {exc}") from exc
             return store, f"etcd?join_ms={a.join_timeout_ms}"
         if a.node_rank == 0:
@@ -239,6 +260,8 @@ class Launcher:
         try:
             return a.rdzv_endpoint, self.ops.connect(a.rdzv_endpoint, a.rdzv_timeout)
         except CoordinatorOpError as exc:
+            if exc.kind == "refused":
+                raise LaunchError(str(exc)) from exc
             if exc.kind == "unreachable":
                 raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
             raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
@@ -294,6 +317,7 @@ class Launcher:
             E.RUN_DIR: self.run_dir, E.FAULTS: a.faults, E.REPLACEMENT: str(incarnation),
             E.HANG_TIMEOUT: str(a.hang_timeout), E.ON_ERROR: a.on_worker_error,
             E.BEAT_TIMEOUT: repr(a.heartbeat_timeout), E.CUT_OFF: repr(a.cut_off),
+            E.QUORUM_WAIT: repr(a.quorum_wait),
             E.MIN_WORLD: str(self.min_nodes * a.nproc_per_node),
             E.MAX_REPLACEMENTS: str(self.replacements_left),
             E.MTTF: "" if a.mttf is None else repr(a.mttf),

@@ -11,6 +11,7 @@ an etcd cluster instead (``runtime/etcd.py``).
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Optional
@@ -20,7 +21,40 @@ import torch.distributed as dist
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
 from torchft._torchft import LighthouseServer
 
-__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop"]
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop",
+           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced"]
+
+TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
+AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token
+
+
+class JobTokenError(RuntimeError):
+    """This process's job token is not the one the job's coordinator was started with."""
+
+
+def job_digest(token: Optional[str] = None) -> str:
+    """The job's name in its store: a digest of the job token (``--job-token`` /
+    ``CHAMELEON_FT_JOB_TOKEN``; none: the empty token), never the token itself."""
+    import hashlib
+
+    token = os.environ.get(TOKEN_ENV, "") if token is None else token
+    return hashlib.sha256(b"chameleon-ft job token\0" + token.encode()).hexdigest()[:24]
+
+
+def check_token(raw: dist.Store, digest: str, where: str) -> None:
+    """Refuse a client whose job token differs from the coordinator's (``AUTH_KEY``)."""
+    try:
+        theirs = raw.get(AUTH_KEY).decode()
+    except dist.DistError as exc:
+        raise JobTokenError(f"{where} runs no chameleon-ft job (no job token recorded there): {exc}") from exc
+    if theirs != digest:
+        raise JobTokenError(f"refused by {where}: this process's job token is not the job's (set the same "
+                            f"--job-token, or {TOKEN_ENV}, on every node)")
+
+
+def namespaced(raw: dist.Store, digest: str) -> dist.Store:
+    """The job's keys, under its token's digest: a client with another token sees none of them."""
+    return dist.PrefixStore(f"cft-job-{digest}", raw)
 
 _LATEST_KEY = "cft/latest"
 _REGISTRY_KEY = "cft/registry"
@@ -62,10 +96,13 @@ class CoordinatorServer:
 
     def __init__(self, host: str = "127.0.0.1", store_port: int = 0, lighthouse_port: int = 0,
                  *, min_replicas: int = 1, join_timeout_ms: int = 50,
-                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10):
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10, token: Optional[str] = None):
         self.host = host
-        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30))
+        self._raw = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=30))
+        digest = job_digest(token)
+        self._raw.set(AUTH_KEY, digest)
+        self.store = namespaced(self._raw, digest)  # what the launcher reads and writes
         self._lighthouse = LighthouseServer(
             bind=f"{host}:{lighthouse_port}", min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms, quorum_tick_ms=quorum_tick_ms,
@@ -73,7 +110,7 @@ class CoordinatorServer:
         # address() reports the machine's hostname, which need not resolve to the bound
         # interface; rebuild it from the bind host.
         lh_port = int(self._lighthouse.address().rsplit(":", 1)[1])
-        self.store_addr = f"{host}:{self.store.port}"
+        self.store_addr = f"{host}:{self._raw.port}"
         self.lighthouse_addr = f"http://{host}:{lh_port}"
 
     def latest_view(self) -> Optional[dict]:

@@ -16,7 +16,8 @@ from typing import Mapping, Optional
 __all__ = ["WorkerEnv", "EnvError", "process_age_s", "startup_s", "PRELOAD_S", "RESTART_EXIT_CODE", "MEMBERSHIP_EXIT_CODE",
            "USER_ERROR_EXIT_CODE", "ON_ERROR",
            "STORE", "LIGHTHOUSE", "WORKER_ID", "RUN_DIR", "FAULTS", "REPLACEMENT",
-           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF", "BEAT_TIMEOUT", "CUT_OFF"]
+           "HANG_TIMEOUT", "MIN_WORLD", "MAX_REPLACEMENTS", "MTTF", "BEAT_TIMEOUT", "CUT_OFF", "QUORUM_WAIT",
+           "JOB_TOKEN"]
 
 STORE = "CHAMELEON_FT_STORE"                # host:port of the coordinator's TCPStore
 LIGHTHOUSE = "CHAMELEON_FT_LIGHTHOUSE"      # http://host:port of the coordinator's Lighthouse
@@ -30,6 +31,8 @@ MAX_REPLACEMENTS = "CHAMELEON_FT_MAX_REPLACEMENTS"  # replacement budget of this
 MTTF = "CHAMELEON_FT_MTTF"                  # fixed D for the engine, seconds (--mttf); unset: estimated
 BEAT_TIMEOUT = "CHAMELEON_FT_HEARTBEAT_TIMEOUT"  # a member silent this long is lost (s; 0: off)
 CUT_OFF = "CHAMELEON_FT_CUT_OFF"            # no answer from the coordinator this long: stop (s; 0: off)
+QUORUM_WAIT = "CHAMELEON_FT_QUORUM_WAIT"    # etcd without a quorum: paused this long at most (s)
+JOB_TOKEN = "CHAMELEON_FT_JOB_TOKEN"        # the job's shared secret (runtime/coordination.py)
 PRELOAD_S = "CHAMELEON_FT_PRELOAD_S"        # warm start: seconds the template spent importing
                                             # what this worker inherited (cli/warmstart.py)
 
@@ -66,6 +69,7 @@ class WorkerEnv:
     mttf_s: Optional[float] = None
     heartbeat_timeout_s: Optional[float] = 1.0
     cut_off_s: Optional[float] = 3.0
+    quorum_wait_s: float = 60.0
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorkerEnv":
@@ -99,7 +103,7 @@ class WorkerEnv:
             replacement=num(REPLACEMENT, 0), hang_timeout_s=num(HANG_TIMEOUT, 10.0, float),
             min_world_size=num(MIN_WORLD, 1), max_replacements=num(MAX_REPLACEMENTS, 0),
             mttf_s=mttf, heartbeat_timeout_s=num(BEAT_TIMEOUT, 1.0, float) or None,
-            cut_off_s=num(CUT_OFF, 3.0, float) or None)
+            cut_off_s=num(CUT_OFF, 3.0, float) or None, quorum_wait_s=num(QUORUM_WAIT, 60.0, float))
 
 
 def process_age_s() -> Optional[float]:

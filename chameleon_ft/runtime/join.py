@@ -37,7 +37,8 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
     membership = Membership(env.worker_id, env.store, env.lighthouse,
                             heartbeat_interval_s=cfg.heartbeat_s,
                             connect_timeout_s=cfg.connect_timeout_s,
-                            heartbeat_timeout_s=env.heartbeat_timeout_s, cut_off_s=env.cut_off_s)
+                            heartbeat_timeout_s=env.heartbeat_timeout_s, cut_off_s=env.cut_off_s,
+                            quorum_wait_s=env.quorum_wait_s)
     gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
                       op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s,
                       paused=membership.paused,

@@ -54,8 +54,8 @@ from chameleon_ft.runtime import _quiet_rust  # noqa: F401,E402  (before torchft
 from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
-    _FAILURES_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, _beat_key, _dead_key, _incarnation_key,
-    abort_key, read_latest, read_stop, report_dead, stop_job)
+    _FAILURES_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, JobTokenError, _beat_key, _dead_key,
+    _incarnation_key, abort_key, check_token, job_digest, namespaced, read_latest, read_stop, report_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
 
@@ -93,22 +93,34 @@ def _parse_hostport(addr: str) -> tuple[str, int]:
 def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
     """A new client of the job's store: the coordinator's TCPStore at ``host:port``, or etcd
     (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time."""
+    digest = job_digest()
     if is_etcd(store_addr):
         endpoints, prefix = parse_etcd(store_addr)
-        store = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
-                          request_timeout_s=min(2.0, timeout_s))
-        if not store.client.healthy():
+        raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
+                        request_timeout_s=min(2.0, timeout_s))
+        if not raw.client.healthy():
             raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
-                                  f"{store.client.timeout_s:.1f} s with a quorum")
-        return store
+                                  f"{raw.client.timeout_s:.1f} s with a quorum")
+        _checked(raw, digest, f"etcd at {', '.join(endpoints)} (job {prefix})")
+        return EtcdStore(endpoints, f"{prefix}{digest}/", timeout=raw.timeout,
+                         request_timeout_s=raw.client.timeout_s)
     host, port = _parse_hostport(store_addr)
     try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+        raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # DistNetworkError, RuntimeError, TimeoutError
         raise MembershipError(
             f"coordinator store at {store_addr} unreachable after {timeout_s:.1f} s: {exc}"
         ) from exc
+    _checked(raw, digest, f"the coordinator at {store_addr}")
+    return namespaced(raw, digest)
+
+
+def _checked(raw: dist.Store, digest: str, where: str) -> None:
+    try:
+        check_token(raw, digest, where)
+    except JobTokenError as exc:
+        raise MembershipError(str(exc)) from None
 
 
 class Membership:
