@@ -1,33 +1,26 @@
-"""Sharded (FSDP2) benchmark: rehabilitate vs recompute after a kill, the engine's pick, buddy
-snapshots' memory, and failure-free overhead against plain FSDP2.
+"""Sharded (FSDP2) benchmark: issue 23's matrix of rehabilitation against recompute, buddy
+snapshots' memory, and failure-free overhead against plain FSDP2, into one page.
 
-    python benchmarks/sharded_bench.py [--seeds 5] [--steps 60] [--k 10] [--repeats 2]
+    python benchmarks/sharded_bench.py [--parts matrix,memory,overhead] [--seeds 5] [--steps 60]
+        [--k 10] [--repeats 2] [--matrix-json F] [--update]
         [--json benchmarks/results/sharded.json] [--markdown docs/benchmarks-sharded.md]
 
-Every run is ``benchmarks/_shard_bench.py``: 4 CPU workers, an MLP regression with Adam, FSDP2
-over all 4, in accelerator-emulation mode (``--sample-sleep`` seconds of forward per sample).
-
-* **Recovery** (per seed): a failure-free run, then worker 2 SIGKILLed from outside (by PID)
-  *early* in the snapshot interval (1 step after the snapshot of step ``2k``) and *late* (``k-1``
-  steps after it).  At each position one run lets the engine choose (all paths allowed) and one
-  forces the other path, so both rehabilitate and recompute are measured on the same kill.
-  Lost time to the target loss (the failure-free run's moving average of ``--window`` steps,
-  ``--window`` steps before its end) = (steps computed until the run's moving average reaches
-  it, redone steps included - the failure-free run's) x the failure-free step time + the
-  recovery pause (``lost_time``): on 2 shared cores a dead worker makes the others' steps
-  faster, so raw wall time would flatter every failure.  The
-  engine picked right when its choice lost no more time than the other path (+ ``--tie``
-  steps).  Rehabilitation's predicted heal steps (the engine's point estimate of the progress
-  the rehabilitated run lags behind) vs the measured ones: its lost steps to the target.  Final loss at the failure-free run's last step against the spread
-  of the failure-free final losses over the seeds.
+* **Matrix** (``benchmarks/sharded_matrix.py``, its method there): three model kinds, kills
+  early/mid/late in the run and in the snapshot interval, default and tuned snapshot
+  intervals, seeds; the engine's choice and the other path; lost training time, heal steps
+  predicted and measured, final test loss against the failure-free seed spread.
+  ``--matrix-json`` renders a result that ``sharded_matrix.py --json`` wrote.
 * **Memory**: peak RSS per worker with buddy snapshots every ``k`` steps and without snapshots,
   on a larger model (``--mem-hidden``).
 * **Overhead**: steady steps/s of ours (snapshots every ``k``, and at Young/Daly's interval) and
   of plain FSDP2 under torchrun (torch's collectives on a gloo default group), alternating,
   median of ``--repeats``.
 
-Limits, honestly: a shared 2-core machine; read medians and ratios.  The metric functions
-(``steps_to_target``, ``lost_time``, ``loss_at``, ``steady_step_s``) are pure and tested.
+Memory and overhead runs are ``benchmarks/_shard_bench.py``: 4 CPU workers, an MLP regression
+with Adam, FSDP2 over all 4, accelerator emulation (``--sample-sleep`` seconds per sample).
+``--update`` reruns only ``--parts`` and keeps the other parts' results in ``--json``.
+
+Limits, honestly: a shared 2-core machine; read medians and ratios.
 """
 
 from __future__ import annotations
@@ -51,64 +44,7 @@ sys.path.insert(0, str(ROOT))
 from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness.systems import free_port  # noqa: E402
-
-
-# ------------------------------------------------------------------ metrics (pure)
-def smooth(rows: Sequence[Sequence[float]], window: int) -> list[tuple[int, float, float]]:
-    """(step, time, moving-average loss) of the final trajectory, by step: each step's last
-    attempt (a rollback redoes steps; the average looks back along the trajectory it is on)."""
-    last = {s: (s, t, v) for s, t, v in smooth_attempts(rows, window)}
-    return [last[s] for s in sorted(last)]
-
-
-def steps_to_target(rows, target: float, window: int) -> Optional[int]:
-    """Steps *computed* (redone ones included: every committed row in time order) until the
-    first whose moving-average loss <= target; None if never."""
-    sm = smooth_attempts(rows, window)
-    for i, (s, _, v) in enumerate(sm, start=1):
-        if s >= window and v <= target:
-            return i
-    return None
-
-
-def smooth_attempts(rows, window: int) -> list[tuple[int, float, float]]:
-    """Per committed row in time order: (step, time, moving average over the trajectory it is
-    on -- a redone step replaces what came after its earlier attempt)."""
-    kept: list[Sequence[float]] = []
-    out = []
-    for r in sorted(rows, key=lambda r: r[1]):
-        while kept and kept[-1][0] >= r[0]:
-            kept.pop()
-        kept.append(r)
-        w = [x[2] for x in kept[-window:]]
-        out.append((int(r[0]), float(r[1]), sum(w) / len(w)))
-    return out
-
-
-def pause_s(rows) -> float:
-    """The recovery pause: the longest gap between committed steps less the median gap."""
-    ts = sorted(r[1] for r in rows)
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
-    return max(gaps) - statistics.median(gaps) if len(gaps) > 2 else 0.0
-
-
-def lost_time(rows, ref_rows, target: float, window: int, transfer_s: float = 0.0,
-              warmup: int = 5) -> Optional[dict]:
-    """Time-to-target lost against the failure-free run, insensitive to the step time changing
-    with the world size on a shared CPU: (steps computed to the target - the failure-free
-    run's) x the failure-free step time + the path's own measured re-shard (``transfer_s``).
-    The rest of the recovery pause (detection, membership, group) is the same whatever the
-    path; it is reported apart (``pause_s``)."""
-    n, n_ref = steps_to_target(rows, target, window), steps_to_target(ref_rows, target, window)
-    if n is None or n_ref is None:
-        return None
-    step_s = steady_step_s(ref_rows, warmup)
-    return {"steps": n - n_ref, "pause_s": pause_s(rows),
-            "lost_s": (n - n_ref) * step_s + transfer_s, "step_s": step_s}
-
-
-def loss_at(rows, step: int, window: int) -> Optional[float]:
-    return next((v for s, _, v in smooth(rows, window) if s == step), None)
+import sharded_matrix  # noqa: E402
 
 
 def steady_step_s(rows, warmup: int) -> float:
@@ -154,50 +90,6 @@ def _finals(out: Path) -> dict:
     return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("final_*.json")}
 
 
-def recovery(work: Path, seeds: Sequence[int], steps: int, k: int, window: int, tie: float,
-             common: list[str]) -> dict:
-    extra = 20  # steps a killed run may use to reach the target
-    cells = []
-    for seed in seeds:
-        sargs = [*common, "--seed", str(seed), "--snapshot-every", str(k)]
-        ref = _ours(work / f"ref{seed}", [*sargs, "--steps", str(steps)])[0]
-        target = smooth(ref["rows"], window)[-window][2]
-        for pos, at in (("early", 2 * k + 1), ("late", 3 * k - 1)):
-            runs = {}
-            auto = _ours(work / f"auto{seed}{pos}", [*sargs, "--steps", str(steps + extra)], kill=(2, at))
-            first = auto[min(auto)]
-            chosen = (first.get("decision") or {}).get("chosen")
-            runs[chosen] = first
-            other = "recompute" if chosen == "rehabilitate" else "rehabilitate"
-            forced = _ours(work / f"{other}{seed}{pos}", [*sargs, "--steps", str(steps + extra),
-                                                          "--paths", f"{other},restart"], kill=(2, at))
-            runs[other] = forced[min(forced)]
-            cell = {"seed": seed, "position": pos, "kill_step": at, "chosen": chosen,
-                    "candidates": (first.get("decision") or {}).get("candidates")}
-            for path in ("rehabilitate", "recompute"):
-                r = runs.get(path)
-                if r is None:
-                    continue
-                d = r.get("decision") or {}
-                lost = lost_time(r["rows"], ref["rows"], target, window, d.get("transfer_s") or 0.0) or {}
-                cell[path] = {"carried_out": d.get("chosen"), "lost_s": lost.get("lost_s"),
-                              "lost_steps": lost.get("steps"), "pause_s": lost.get("pause_s"),
-                              "failure_step": d.get("step"),
-                              "predicted_lost_s": (d.get("candidates") or {}).get(path, {}).get("lost_s"),
-                              "transfer_s": d.get("transfer_s"),
-                              "final_loss": loss_at(r["rows"], steps, window)}
-                if path == "rehabilitate" and d.get("chosen") == "rehabilitate":
-                    cell[path]["predicted_heal_steps"] = d.get("predicted_heal_steps")
-                    cell[path]["measured_heal_steps"] = lost.get("steps")
-            a, b = (cell.get(chosen) or {}).get("lost_s"), (cell.get(other) or {}).get("lost_s")
-            step_s = steady_step_s(ref["rows"], 5)
-            cell["picked_faster"] = None if a is None or b is None else a <= b + tie * step_s
-            cell["ref_final_loss"] = smooth(ref["rows"], window)[-1][2]
-            cells.append(cell)
-            print(json.dumps({k2: v for k2, v in cell.items() if k2 != "candidates"}), flush=True)
-    return {"cells": cells, "k": k, "steps": steps, "window": window}
-
-
 def memory(work: Path, k: int, hidden: int, steps: int, common: list[str]) -> dict:
     out = {}
     for name, snap in (("no snapshots", "0"), (f"snapshots every {k}", str(k))):
@@ -236,52 +128,8 @@ def markdown(res: dict, cmd: str) -> str:
     lines = ["# Sharded training (FSDP2): rehabilitate vs recompute", "",
              f"{made}; 4 CPU workers, FSDP2 over all 4, accelerator "
              "emulation; see `benchmarks/sharded_bench.py` for the method.", ""]
-    rec = res.get("recovery")
-    if rec:
-        lines += ["## Lost time after one kill (median over seeds)", "",
-                  f"Snapshots every K = {rec['k']} steps; early = kill 1 step after a snapshot, "
-                  f"late = {rec['k'] - 1} steps after.", "",
-                  "| position | rehabilitate lost s | recompute lost s | ratio rehab/recompute | engine chose | picked the faster |",
-                  "|---|---|---|---|---|---|"]
-        for pos in ("early", "late"):
-            cs = [c for c in rec["cells"] if c["position"] == pos]
-            rh = [c["rehabilitate"]["lost_s"] for c in cs if c.get("rehabilitate", {}).get("lost_s") is not None]
-            rc = [c["recompute"]["lost_s"] for c in cs if c.get("recompute", {}).get("lost_s") is not None]
-            mr = statistics.median(rh) if rh else None
-            mc = statistics.median(rc) if rc else None
-            ratio = f"{mr / mc:.2f}" if mr is not None and mc else "n/a"
-            chose = ", ".join(f"{c['chosen']}" for c in cs)
-            ok = sum(1 for c in cs if c["picked_faster"]) 
-            lines.append(f"| {pos} | {_f(mr)} | {_f(mc)} | {ratio} | {chose} | {ok}/{len(cs)} |")
-        lines += ["", "Per run:", "", "| seed | position | path | carried out | lost steps | pause s | lost s | predicted lost s | loss at the ref's last step (ref) | heal steps predicted / measured |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for c in rec["cells"]:
-            for path in ("rehabilitate", "recompute"):
-                r = c.get(path)
-                if not r:
-                    continue
-                heal = (f"{_f(r.get('predicted_heal_steps'))} / {r.get('measured_heal_steps')}"
-                        if "predicted_heal_steps" in r else "")
-                lines.append(f"| {c['seed']} | {c['position']} | {path} | {r['carried_out']} | {r.get('lost_steps')} | "
-                             f"{_f(r.get('pause_s'))} | {_f(r['lost_s'])} | "
-                             f"{_f(r['predicted_lost_s'])} | {_f4(r['final_loss'])} ({c['ref_final_loss']:.4f}) | {heal} |")
-    if rec:
-        refs = [c["ref_final_loss"] for c in rec["cells"] if c["position"] == "early"]
-        spread = max(refs) - min(refs) if len(refs) > 1 else None
-        lines += ["", f"Failure-free final losses over the seeds: {', '.join(f'{x:.4f}' for x in refs)} "
-                  f"(spread {_f4(spread)})."]
-        rh = [(c["rehabilitate"]["final_loss"] - c["ref_final_loss"]) for c in rec["cells"]
-              if c.get("rehabilitate", {}).get("final_loss") is not None]
-        if rh and spread is not None:
-            inside = sum(1 for x in rh if abs(x) <= spread)
-            lines.append(f"Rehabilitated runs' final loss - their seed's failure-free one: "
-                         f"{', '.join(f'{x:+.4f}' for x in rh)}; within the spread: {inside}/{len(rh)}.")
-        hp = [(c["rehabilitate"].get("predicted_heal_steps"), c["rehabilitate"].get("measured_heal_steps"))
-              for c in rec["cells"] if "predicted_heal_steps" in c.get("rehabilitate", {})]
-        if hp:
-            ok = sum(1 for p_, m in hp if p_ is not None and m is not None and 0.5 * p_ <= m <= 1.5 * p_)
-            lines.append(f"Heal steps (progress the rehabilitated run lags behind), predicted / measured: "
-                         f"{', '.join(f'{_f(p_)} / {m}' for p_, m in hp)}; within +-50 %: {ok}/{len(hp)}.")
+    if res.get("matrix"):
+        lines += sharded_matrix.markdown(res["matrix"])
     mem = res.get("memory")
     if mem:
         lines += ["", "## Peak RSS per worker (median, MB)", "", "| setting | MB |", "|---|---|"]
@@ -299,25 +147,17 @@ def markdown(res: dict, cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _f4(x) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
-
-
-def _f(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--k", type=int, default=10)
-    p.add_argument("--window", type=int, default=5)
-    p.add_argument("--tie", type=float, default=1.0, help="steps within which two paths tie")
+    p.add_argument("--seeds", type=int, default=5, help="matrix: seeds per cell")
+    p.add_argument("--steps", type=int, default=60, help="overhead: steps per run")
+    p.add_argument("--k", type=int, default=10, help="memory, overhead: a fixed snapshot interval")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--matrix-json", default=None,
+                   help="matrix: render this benchmarks/sharded_matrix.py --json result instead of running it")
     p.add_argument("--mem-hidden", type=int, default=1024)
     p.add_argument("--sample-sleep", type=float, default=0.002)
-    p.add_argument("--parts", default="recovery,memory,overhead")
+    p.add_argument("--parts", default="matrix,memory,overhead")
     p.add_argument("--update", action="store_true",
                    help="rerun only --parts and keep the other parts' results in --json")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sharded.json"))
@@ -331,13 +171,16 @@ def main(argv=None) -> int:
     if a.update and Path(a.json).exists():  # keep the parts not rerun, with their own commands
         res = json.loads(Path(a.json).read_text())
         res.setdefault("commands", {p_: res.get("command", "python benchmarks/sharded_bench.py")
-                                    for p_ in ("recovery", "memory", "overhead") if p_ in res})
+                                    for p_ in ("matrix", "memory", "overhead") if p_ in res})
+        res.pop("recovery", None)  # superseded by the matrix (issue 23)
+        res["commands"].pop("recovery", None)
     res.setdefault("commands", {})
     res.update({"date": time.strftime("%Y-%m-%d"), "args": vars(a)})
     res["commands"].update({p_: f"{cmd} ({res['date']})" for p_ in parts})
     try:
-        if "recovery" in parts:
-            res["recovery"] = recovery(work, range(a.seeds), a.steps, a.k, a.window, a.tie, common)
+        if "matrix" in parts:
+            res["matrix"] = (json.loads(Path(a.matrix_json).read_text()) if a.matrix_json else
+                             sharded_matrix.main(["--seeds", str(a.seeds), "--workdir", str(work / "matrix")]))
         if "memory" in parts:
             res["memory"] = memory(work, a.k, a.mem_hidden, 30, common)
             print(json.dumps(res["memory"]), flush=True)

@@ -138,7 +138,25 @@ REUSE = False
 
 def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
         paths: Optional[str] = None) -> dict:
-    """One job; its workers' final JSONs by worker id (``out`` kept: ``--reuse``)."""
+    """One job; its workers' final JSONs by worker id (``out`` kept: ``--reuse``).  A job that
+    ends before the kill step (it did not start: seen once in ~200 runs on a loaded machine,
+    no quorum formed) is run once more, and said so."""
+    try:
+        return _run(out, engine, kind, seed, k, kill, paths)
+    except StartError as exc:
+        print(f"{out.name}: did not start, run again ({str(exc).splitlines()[-1][:200]})", flush=True)
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        return _run(out, engine, kind, seed, k, kill, paths)
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def _run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
+         paths: Optional[str] = None) -> dict:
     from chameleon_ft.cli.localjob import LocalJob
 
     if REUSE and list(out.glob("final_*.json")):
@@ -157,7 +175,10 @@ def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Op
     try:
         job.start()
         if kill is not None:
-            job.wait_step(kill, 300)
+            try:
+                job.wait_step(kill, 300)
+            except RuntimeError as exc:  # the job ended first
+                raise StartError(str(exc)) from None
             job.kill(VICTIM)
         codes = job.wait(600)
         if codes != [0]:

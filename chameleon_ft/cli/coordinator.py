@@ -216,13 +216,10 @@ class AgentOps:
 
 
 def _alive(pid: int) -> bool:
+    from chameleon_ft.runtime.faults import process_state
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return process_state(pid) != "Z"  # a zombie is gone for our purposes
     except OSError:
         return False
 

@@ -1,46 +1,54 @@
-"""The sharded benchmark's figures from synthetic step logs (pure functions)."""
+"""The sharded matrix's figures from synthetic loss curves (pure functions of
+``benchmarks/sharded_matrix.py``)."""
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import sharded_bench as sb  # noqa: E402
+import sharded_matrix as sm  # noqa: E402
 
 
-def rows_of(losses, t0=0.0, dt=1.0, steps=None):
-    steps = steps or list(range(1, len(losses) + 1))
-    return [[s, t0 + i * dt, v] for i, (s, v) in enumerate(zip(steps, losses))]
+def curve(n=64, lag=0.0, start=0):
+    """loss(s) = exp(-0.03 (s - lag)): a run ``lag`` steps behind from ``start`` on."""
+    return {s: math.exp(-0.03 * (s - (lag if s > start else 0.0))) for s in range(1, n + 1)}
 
 
-def test_steps_to_target_counts_redone_steps():
-    ref = rows_of([1.0 - 0.01 * i for i in range(60)])
-    # a rollback after step 30 to step 25: steps 26..30 are computed twice
-    losses = [1.0 - 0.01 * i for i in range(30)] + [1.0 - 0.01 * i for i in range(25, 60)]
-    steps = list(range(1, 31)) + list(range(26, 61))
-    run = rows_of(losses, steps=steps)
-    target = 1.0 - 0.01 * 50
-    assert sb.steps_to_target(ref, target, 1) == 51
-    assert sb.steps_to_target(run, target, 1) == 56
-    lost = sb.lost_time(run, ref, target, 1)
-    assert lost["steps"] == 5 and lost["lost_s"] == pytest.approx(5.0)
+def test_the_lag_of_a_run_behind_by_two_steps_is_two():
+    ref = curve()
+    assert sm.log_slope(ref, 30) == pytest.approx(-0.03)
+    assert sm.measured_lag(curve(lag=2.0, start=20), ref, 20, 16) == pytest.approx(2.0)
+    assert sm.measured_lag(ref, ref, 20, 16) == pytest.approx(0.0)
+    flat = {s: 1.0 for s in range(1, 65)}  # no slope: not measured
+    assert sm.measured_lag(flat, flat, 20, 16) is None
 
 
-def test_lost_time_adds_the_path_transfer_and_reports_the_pause():
-    ref = rows_of([1.0 - 0.01 * i for i in range(60)])
-    run = [[s, t + (3.0 if s > 20 else 0.0), v] for s, t, v in ref]  # a 3 s pause, same curve
-    lost = sb.lost_time(run, ref, 0.5, 1, transfer_s=0.25)
-    assert lost["steps"] == 0 and lost["pause_s"] == pytest.approx(3.0)
-    assert lost["lost_s"] == pytest.approx(0.25)
+def test_trajectory_keeps_each_steps_last_attempt():
+    rows = [[1, 0.0, 5.0], [2, 1.0, 4.0], [3, 2.0, 3.0], [2, 3.0, 4.5], [3, 4.0, 3.5]]  # a rollback to 1
+    assert sm.trajectory(rows) == {1: 5.0, 2: 4.5, 3: 3.5}
 
 
-def test_loss_at():
-    run = rows_of([1.0] * 10 + [1.5, 1.3])
-    assert sb.loss_at(run, 11, 1) == 1.5
-    assert sb.loss_at(run, 12, 2) == pytest.approx(1.4)
-    assert sb.loss_at(run, 99, 1) is None
+def test_agreement_and_kill_positions():
+    assert sm.agrees(2.0, 1.1) and sm.agrees(2.0, 2.9) and not sm.agrees(2.0, 3.1) and not sm.agrees(2.0, 0.9)
+    assert sm.agrees(0.5, 0.9) and sm.agrees(None, 1.0) is None
+    assert sm.kill_positions(8) == [("first", "before the first snapshot", 7),
+                                    ("early", "early", 9), ("early", "mid", 12), ("early", "late", 15),
+                                    ("mid", "early", 33), ("mid", "mid", 36), ("mid", "late", 39),
+                                    ("late", "early", 49), ("late", "mid", 52), ("late", "late", 55)]
 
 
-def test_steady_step_s():
-    assert sb.steady_step_s(rows_of([0.0] * 20, dt=0.5), 5) == pytest.approx(0.5)
+def test_path_cost_and_the_engines_pick():
+    ref = curve()
+    rehab = {"chosen": "rehabilitate", "step": 20, "transfer_s": 0.2}
+    cost = sm.path_cost(rehab, curve(lag=2.0, start=20), ref, step_s=0.1, k=8)
+    assert cost["redone"] == 0 and cost["lag"] == pytest.approx(2.0)
+    assert cost["lost_s"] == pytest.approx(2.0 * 0.1 + 0.2)
+    rec = sm.path_cost({"chosen": "recompute", "step": 20, "rollback_to": 16, "transfer_s": 0.2}, ref, ref, 0.1, 8)
+    assert rec["redone"] == 4 and rec["lost_s"] == pytest.approx(0.6)
+    cell = {"auto": {**cost, "chosen": "rehabilitate", "fallback": False,
+                     "candidates": {"recompute": {"steps": 4}}}}
+    f = sm.figures(cell, step_s=0.1)
+    assert f["recompute"]["lost_steps"] == 4 and f["recompute"]["lost_s"] == pytest.approx(0.6)
+    assert f["ratio"] == pytest.approx(0.4 / 0.6) and f["engine_ok"]

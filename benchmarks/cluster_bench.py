@@ -1,0 +1,136 @@
+"""Recovery across nodes (issue 24): MTTR of a lost worker, a lost node and a partitioned node
+over a real (namespace) network, with the embedded coordinator and with etcd.
+
+    python benchmarks/cluster_bench.py [--repeats 5] [--markdown docs/benchmarks-cluster.md]
+
+Three nodes as Linux network namespaces on a bridge (``tests/_helpers/netns.py``; root and
+iproute2; etcd for the etcd rows), one ``chameleon-ft run --nnodes 3`` per namespace with 2
+workers (``tests/runtime/_workers/mlp_worker.py``, ``ElasticTrainer``, data parallel, 6 epochs
+of 8 steps, 20 ms of emulated compute per micro-batch).  At step 5, from outside:
+
+* **worker**: one worker of node 1 SIGKILLed (by PID);
+* **node**: every process of node 1 SIGKILLed (its launcher and workers; with etcd, node 0
+  and its etcd member);
+* **partition**: node 2's link taken down at the bridge (nothing is reset: found by heartbeats).
+
+MTTR = the first step a survivor attempts after the fault (its event-log record) - the moment
+the fault was made (wall clocks of one machine).  For a partition also the detection (the
+survivors' recovery record: collective start to failure) and the moment the minority's
+launcher exited by itself.  Medians over ``--repeats``; every run's figure in the table.
+
+Limits, honestly: one 2-core machine plays three nodes; the network is a Linux bridge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "runtime" / "_workers")]
+
+from elastic_job import Job  # noqa: E402
+from _helpers import netns  # noqa: E402
+
+PORT = 29531
+
+
+def _first_step_after(evs, t: float) -> float:
+    return min(e["ts"] for e in evs if e["event"] == "step" and e["ts"] > t) - t
+
+
+def one(kind: str, backend: str, work: Path) -> dict:
+    with netns.Net(3) as net:
+        flags = ["--nnodes", "3"]
+        if backend == "etcd":
+            eps = net.etcd_up(str(work / "etcd"))
+            flags += ["--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(eps), "--rdzv-id", f"b{os.getpid()}"]
+        else:
+            flags += ["--rdzv-endpoint", f"{net.addr(0)}:{PORT}"]
+        (work / "run").mkdir(parents=True)
+        job = Job(work / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+        try:
+            for i in range(3):
+                job.start(extra=[*flags, "--node-rank", str(i)], wrap=net.wrap(i))
+            job.wait_step(5, 180)
+            out = {}
+            victim = 0 if backend == "etcd" else 1
+            if kind == "worker":
+                t = job.kill(2 * victim + 1)
+            elif kind == "node":
+                t = net.kill_node(victim)
+            else:
+                t = net.partition(2)
+                job.launchers[2].wait(60)
+                out["minority_exit_s"] = time.time() - t
+            live = [p for i, p in enumerate(job.launchers) if not (kind != "worker" and i == (2 if kind == "partition" else victim))]
+            codes = [p.wait(180) for p in live]
+            evs = job.events()
+        finally:
+            job.cleanup()
+        if codes != [0] * len(codes):
+            raise RuntimeError(f"{kind}/{backend}: {codes}\n{job.output()[-3000:]}")
+        out["mttr_s"] = _first_step_after(evs, t)
+        rec = [e for e in evs if e["event"] == "recovery" and e["ts"] > t]
+        if rec:
+            out["detect_s"] = rec[0]["mttr"]["detect"]
+            out["recovery_s"] = rec[0]["mttr"]["total"]
+        return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cases", default="worker/c10d,node/c10d,partition/c10d,node/etcd")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    a = p.parse_args(argv)
+    why = netns.available()
+    if why:
+        raise SystemExit(f"cluster_bench: {why}")
+    res: dict = {"command": "python benchmarks/cluster_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+    for case in a.cases.split(","):
+        kind, backend = case.split("/")
+        runs = []
+        for r in range(a.repeats):
+            with tempfile.TemporaryDirectory(prefix="cft-cluster-") as tmp:
+                runs.append(one(kind, backend, Path(tmp)))
+            print(case, r, json.dumps(runs[-1]), flush=True)
+        res["cases"][case] = runs
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    text = markdown(res)
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    print(text)
+    return res
+
+
+def markdown(res: dict) -> str:
+    names = {"worker/c10d": "one worker of node 1 killed (embedded coordinator)",
+             "node/c10d": "node 1 killed: launcher + workers (embedded coordinator)",
+             "partition/c10d": "node 2's link down (embedded coordinator)",
+             "node/etcd": "node 0 killed with its etcd member (etcd backend)"}
+    lines = ["# Recovery across nodes (network namespaces)", "",
+             f"`{res['command']}` ({res['date']}; 3 namespace nodes x 2 workers on one 2-core machine; "
+             "method in `benchmarks/cluster_bench.py`).  MTTR: fault -> the survivors' first step.", "",
+             "| fault | MTTR median (runs) | detection median | minority's launcher exited after |",
+             "| --- | --- | --- | --- |"]
+    for case, runs in res["cases"].items():
+        med = lambda key: statistics.median(r[key] for r in runs if key in r) if any(key in r for r in runs) else None  # noqa: E731
+        fmt = lambda x: "-" if x is None else f"{x:.3f} s"  # noqa: E731
+        each = ", ".join(f"{r['mttr_s']:.3f}" for r in runs)
+        lines.append(f"| {names.get(case, case)} | {fmt(med('mttr_s'))} ({each}) | {fmt(med('detect_s'))} | "
+                     f"{fmt(med('minority_exit_s'))} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
