@@ -210,6 +210,9 @@ class Membership:
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"cft-heartbeat-{self.worker_id}")
         self._hb_thread.start()
+        self._beat_thread = threading.Thread(target=self._beat_loop, daemon=True,
+                                             name=f"cft-beat-{self.worker_id}")
+        self._beat_thread.start()
         deadline = time.monotonic() + timeout_s
         # Ask only once enough workers registered: the Lighthouse forms a quorum join_timeout_ms
         # after the first request, so on a slow network early askers would get quorums too
@@ -274,7 +277,7 @@ class Membership:
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
         self._stop.set()
-        for t in (self._hb_thread, self._watch_thread):
+        for t in (self._hb_thread, getattr(self, "_beat_thread", None), self._watch_thread):
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=2 * self.heartbeat_interval_s + 1.0)
 
@@ -484,10 +487,16 @@ class Membership:
             log.debug("heartbeat of worker %d failed: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        store = None
         while not self._stop.wait(self.heartbeat_interval_s):
             self._heartbeat_once()
-            try:  # the liveness counter every member's watcher reads (its own client)
+
+    def _beat_loop(self) -> None:
+        """The liveness counter every member's watcher reads, bumped with a store client of its
+        own, in a thread of its own: a slow store must never delay the Lighthouse's heartbeats
+        (a worker that misses them is left out of every quorum)."""
+        store = None
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
                 store = store or connect_store(self.store_addr, min(1.0, self.connect_timeout_s))
                 store.add(_beat_key(self.worker_id), 1)
                 self._last_ok = time.monotonic()
