@@ -89,7 +89,9 @@ def _specs(tensors: list[torch.Tensor]) -> list[list]:
 
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    parts = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    # State travels over the control group (gloo, host memory): a tensor on an accelerator is
+    # copied to the host here, and ``load_state_dict`` puts it back on the receiver's device.
+    parts = [t.detach().reshape(-1).cpu().view(torch.uint8) for t in tensors if t.numel()]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
@@ -151,6 +153,7 @@ def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: in
 def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
     """Write ``tree`` atomically (temporary file, then rename)."""
     skeleton, tensors = encode(tree)
+    tensors = [t.detach().cpu() for t in tensors]  # a checkpoint loads on any device
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save({"format": CHECKPOINT_FORMAT, "meta": json.dumps(skeleton),

@@ -59,6 +59,7 @@ def namespaced(raw: dist.Store, digest: str) -> dist.Store:
 _LATEST_KEY = "cft/latest"
 _REGISTRY_KEY = "cft/registry"
 _FAILURES_KEY = "cft/failures"
+_FIRST_KEY = "cft/first"  # the job's first generation (membership.Membership._first_generation)
 _STOP_KEY = "cft/stop"  # the job stops everywhere (a worker's code raised: a bug, not a failure)
 
 

@@ -54,7 +54,7 @@ from chameleon_ft.runtime import _quiet_rust  # noqa: F401,E402  (before torchft
 from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
-    _FAILURES_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, JobTokenError, _beat_key, _dead_key,
+    _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, JobTokenError, _beat_key, _dead_key,
     _incarnation_key, abort_key, check_token, job_digest, namespaced, read_latest, read_stop, report_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
@@ -214,21 +214,13 @@ class Membership:
                                              name=f"cft-beat-{self.worker_id}")
         self._beat_thread.start()
         deadline = time.monotonic() + timeout_s
-        # Ask only once enough workers registered: the Lighthouse forms a quorum join_timeout_ms
-        # after the first request, so on a slow network early askers would get quorums too
-        # small to start, over and over, while the late ones are still on their way.
-        while len(self._registered()) < min_world_size and time.monotonic() < deadline:
-            time.sleep(0.02)
-        while True:
+        view = self._first_generation(min_world_size, deadline)
+        while view is None:
             with self._agree_lock:
                 view = self._agree(deadline, previous_token=self._view.token if self._view else None)
-            if view.world_size >= min_world_size:
-                break
-            # Too small to start: the others are on their way (a quorum forms join_timeout_ms
-            # after the first request).  Ask again once their requests are likely in, or the
-            # members of this quorum would form it again at once (the Lighthouse's fast path:
-            # every member of the previous quorum asked) without them, over and over.
-            time.sleep(0.25)
+            if view.world_size < min_world_size:  # (a late joiner's quorum can be as small)
+                view = None
+                time.sleep(0.25)
         if self.watch_aborts:
             self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
                                                   name=f"cft-abort-watch-{self.worker_id}")
@@ -237,6 +229,34 @@ class Membership:
 
     def view(self) -> Optional[MembershipView]:
         return self._view
+
+    def _first_generation(self, min_world_size: int, deadline: float) -> Optional[MembershipView]:
+        """A job's first generation: every worker that registered once ``min_world_size`` did,
+        agreed by one compare-and-set in the store (the first proposal wins, linearizably), not
+        by a Lighthouse round.  The Lighthouse forms a quorum ``join_timeout_ms`` after its first
+        request once more than half of the live workers asked, so workers that start spread out
+        (a loaded machine, a slow network) got quorums too small to start, asked again, and
+        missed each other over and over (seen: jobs that never started).  None for a worker
+        that joins a running job, or one the agreed first generation does not hold: it asks
+        the Lighthouse (``_agree``) and is admitted as a late joiner."""
+        if min_world_size <= 1 or self._latest() is not None:
+            return None
+        while len(self._registered()) < min_world_size:
+            if time.monotonic() > deadline:
+                raise MembershipError(f"worker {self.worker_id}: only {len(self._registered())} of "
+                                      f"{min_world_size} workers registered in time")
+            time.sleep(0.02)
+        proposal = {"generation": 0, "members": sorted(self._registered()), "token": f"0.{time.time_ns()}"}
+        first = json.loads(self.store.compare_set(_FIRST_KEY, "", json.dumps(proposal)).decode())
+        if self.worker_id not in first["members"]:
+            return None
+        members = tuple(first["members"])
+        view = MembershipView(generation=0, members=members, rank=members.index(self.worker_id),
+                              world_size=len(members), token=first["token"])
+        self._view = view
+        self._publish(view)
+        self._last_ok = time.monotonic()
+        return view
 
     def report_failure(self, worker_ids=(), reason: str = "", token: Optional[str] = None) -> None:
         """End generation ``token`` (default: the current one) for every member, recording who

@@ -242,10 +242,11 @@ class RecoveryCore:
         per member, all-reduce seconds), or None when a failure interrupted it: the job has
         then reconfigured and the caller redoes the step."""
         n, r = self.view.world_size, self.view.rank
+        device = parts[0].device if parts else torch.device("cpu")  # the gradients' device
         tail = torch.zeros(_TAIL * n, dtype=self.dtype)
         tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(
             [compute_s, self._n_mb, self._prev_comm, self._prev_step], dtype=self.dtype)
-        buf = torch.cat(list(parts) + [tail])
+        buf = torch.cat([p.to(self.dtype) for p in parts] + [tail.to(device)])
         if self.log:
             self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
                           token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""), ids=self._ids if self.cfg.log_samples else None)
@@ -263,7 +264,7 @@ class RecoveryCore:
             return None
         comm = time.perf_counter() - t0
         at = buf.numel() - _TAIL * n
-        rows = buf[at:].view(n, _TAIL).tolist()
+        rows = buf[at:].view(n, _TAIL).cpu().tolist()
         return buf[:at], {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}, comm
 
     def _finish_step(self, timings: dict, comm: float) -> None:

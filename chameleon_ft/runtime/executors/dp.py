@@ -158,8 +158,8 @@ class DataParallelExecutor(RecoveryCore):
                 self._compute_s, self._n_mb, self._ids = 0.0, 0, []
             self._redo_slots = None
         self.faults.at(self.step, "allreduce")
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.dtype)
-                 for p in self.params]
+        grads = [p.grad.reshape(-1) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=self.dtype, device=p.device) for p in self.params]
         reduced = self._reduce_step(grads, self._compute_s)
         if reduced is None:
             return False  # this member's gradients are kept for the redone step (see _salvage)
