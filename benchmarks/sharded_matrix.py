@@ -145,9 +145,6 @@ def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Op
         return _run(out, engine, kind, seed, k, kill, paths)
     except StartError as exc:
         print(f"{out.name}: did not start, run again ({str(exc).splitlines()[-1][:200]})", flush=True)
-        import shutil
-
-        shutil.rmtree(out, ignore_errors=True)
         return _run(out, engine, kind, seed, k, kill, paths)
 
 
@@ -161,6 +158,9 @@ def _run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: O
 
     if REUSE and list(out.glob("final_*.json")):
         return _finals(out)
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt's event log would mislead
     args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(STEPS),
             "--sample-sleep", str(SAMPLE_SLEEP)]
     if engine == "ours":
