@@ -35,14 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "runtime" / "_workers")]
 
+from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 from elastic_job import Job  # noqa: E402
 from _helpers import netns  # noqa: E402
 
 PORT = 29531
-
-
-def _first_step_after(evs, t: float) -> float:
-    return min(e["ts"] for e in evs if e["event"] == "step" and e["ts"] > t) - t
 
 
 def one(kind: str, backend: str, work: Path) -> dict:
@@ -76,7 +73,7 @@ def one(kind: str, backend: str, work: Path) -> dict:
             job.cleanup()
         if codes != [0] * len(codes):
             raise RuntimeError(f"{kind}/{backend}: {codes}\n{job.output()[-3000:]}")
-        out["mttr_s"] = _first_step_after(evs, t)
+        out["mttr_s"] = resumed_after(evs, t)
         rec = [e for e in evs if e["event"] == "recovery" and e["ts"] > t]
         if rec:
             out["detect_s"] = rec[0]["mttr"]["detect"]

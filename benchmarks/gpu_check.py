@@ -220,8 +220,9 @@ def check(kind: str, a, work: Path) -> dict:
         res["replicas_equal"] = all(_flat(killed[w]["params"])[k].equal(got[k]) for w in ws[1:] for k in got)
     res["trajectory_rel"] = _rel(got, ref)
     res["trajectory_ok"] = res["trajectory_rel"] < 1e-5
-    first = min(e["ts"] for e in ev if e["event"] == "step" and e["ts"] > t_kill)
-    res["mttr_s"] = first - t_kill
+    from chameleon_ft.runtime.eventlog import resumed_after
+
+    res["mttr_s"] = resumed_after(ev, t_kill)
     rec = [e for e in ev if e["event"] == "recovery" and e["ts"] > t_kill]
     res["mttr_breakdown"] = rec[0]["mttr"] if rec else None
     res["chosen"] = [e["decision"]["chosen"] for e in ev if e["event"] == "decision"][:1]

@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
+from chameleon_ft.cli.launch_flags import LaunchError, build_parser, parse_endpoint, parse_nnodes
 from chameleon_ft.cli.netif import NoRoute, route_interface
-from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD, WarmSpawner, WarmStartError, preload_modules
+from chameleon_ft.cli.warmstart import WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors, read_user_errors
@@ -64,96 +65,6 @@ from chameleon_ft.runtime.faults import parse_faults
 __all__ = ["main", "build_parser", "LaunchError"]
 
 _POLL_S = 0.005
-
-
-class LaunchError(RuntimeError):
-    """Bad input or an unusable environment, found before any worker started."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="chameleon-ft run", allow_abbrev=False,
-        description="Start elastic data-parallel workers that keep training in place when a "
-                    "peer dies, hangs or slows down.")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                   help="workers on this node (default 1)")
-    p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
-                   help="host:port of the coordinator (node 0 binds it; default: loopback, "
-                        "random port, single node)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", choices=("c10d", "etcd"), default="c10d",
-                   help="c10d (default): node 0's launcher hosts the coordinator (a single point of "
-                        "failure); etcd: membership, generations and group set-up in an etcd cluster, "
-                        "--rdzv-endpoint host:2379[,host:2379...] (no node is special)")
-    p.add_argument("--rdzv-id", "--rdzv_id", default="default",
-                   help="the job's name in etcd (its key space): one per job (default 'default')")
-    p.add_argument("--job-token", default=None, metavar="TOKEN",
-                   help="a secret every node of the job shares (default: $CHAMELEON_FT_JOB_TOKEN; a "
-                        "one-node job makes one up): a launcher or worker with another token is refused "
-                        "by the coordinator or etcd, and never sees the job's keys (docs/security.md)")
-    p.add_argument("--quorum-wait", type=float, default=60.0,
-                   help="etcd backend: how long the job stays paused while etcd has no quorum "
-                        "(nothing is committed), before its workers stop (seconds, default 60)")
-    p.add_argument("--rdzv-timeout", type=float, default=30.0,
-                   help="seconds to reach the coordinator from nodes > 0 (default 30)")
-    p.add_argument("--join-timeout-ms", type=int, default=50,
-                   help="how long the membership quorum waits for survivors after the first one "
-                        "asks (node 0 only; default 50): agreement after a failure costs about this")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                   help="when the engine chooses checkpoint-restart (workers exit 75), relaunch every "
-                        "worker up to this many times; the script resumes from its checkpoint "
-                        "(single node only; default 0: exit 75 and leave it to the caller)")
-    p.add_argument("--max-replacements", type=int, default=0,
-                   help="replacement workers this launcher may start (default 0)")
-    p.add_argument("--hang-timeout", type=float, default=10.0,
-                   help="watchdog on every collective, seconds (default 10)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
-                   help="a worker whose heartbeat stopped this long is lost (a dead node, a "
-                        "partition, a stopped process): its peers' collectives end then, not at "
-                        "--hang-timeout (seconds, default 1; 0: off)")
-    p.add_argument("--cut-off", type=float, default=3.0,
-                   help="a worker that gets no answer from the coordinator this long stops with "
-                        "exit 3: the wrong side of a partition never trains on alone (seconds, "
-                        "default 3; 0: off)")
-    p.add_argument("--run-dir", default=None, help="event log directory (default: a new temp dir)")
-    p.add_argument("--faults", default="", help="fault-injection spec (see runtime/faults.py)")
-    p.add_argument("--on-worker-error", choices=("stop", "continue"), default="stop",
-                   help="an exception raised by the script in a worker: stop the job on every node "
-                        "and exit 70, its traceback printed once (default; a bug is not a failure to "
-                        "survive), or continue: treat the worker as lost, the survivors carry on")
-    p.add_argument("--mttf", type=float, default=None, metavar="SECONDS",
-                   help="expected time to the next failure (D) the engine scores its choices "
-                        "over (default: estimated from a per-device failure rate and this run)")
-    p.add_argument("--preload", default=",".join(DEFAULT_PRELOAD), metavar="MODULES",
-                   help="modules a template interpreter imports once; every worker and "
-                        "replacement is a fork of it, which saves each its start-up imports "
-                        f"(default {','.join(DEFAULT_PRELOAD)}; '+a,b' adds a and b to it, e.g. "
-                        "'+lightning,lightning_ft' for Lightning scripts; '' starts each worker "
-                        "as a fresh interpreter; see cli/warmstart.py for what a module may not "
-                        "do at import)")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-    return p
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port``; an empty host is loopback) or a clear error."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise LaunchError(f"--rdzv-endpoint {text!r}: expected host:port (e.g. 127.0.0.1:29500)")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _nnodes(text: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition(":")
-        lo_n, hi_n = int(lo), int(hi or lo)
-    except ValueError:
-        raise LaunchError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
-    if not 1 <= lo_n <= hi_n:
-        raise LaunchError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
-    return lo_n, hi_n
 
 
 @dataclass
@@ -172,7 +83,7 @@ class _Child:
 class Launcher:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.min_nodes, self.max_nodes = _nnodes(args.nnodes)
+        self.min_nodes, self.max_nodes = parse_nnodes(args.nnodes)
         if args.nproc_per_node < 1:
             raise LaunchError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if not 0 <= args.node_rank < self.max_nodes:
@@ -195,7 +106,7 @@ class Launcher:
         if not os.path.isfile(args.script):
             raise LaunchError(f"script {args.script!r} not found")
         if args.rdzv_endpoint:
-            self.endpoints = [_endpoint(e) for e in args.rdzv_endpoint.split(",") if e.strip()]
+            self.endpoints = [parse_endpoint(e) for e in args.rdzv_endpoint.split(",") if e.strip()]
             if args.rdzv_backend == "c10d" and len(self.endpoints) != 1:
                 raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: one host:port (several are "
                                   "etcd members: --rdzv-backend etcd)")

@@ -43,7 +43,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = [
     "read_jsonl",
@@ -279,6 +279,18 @@ def committed_attempts(events: Iterable[Mapping[str, Any]]) -> dict[int, list[Ma
         token = recs[-1].get("token")
         out[step] = [r for r in recs if r.get("token") == token]
     return out
+
+
+def resumed_after(events: Iterable[Mapping[str, Any]], t: float) -> Optional[float]:
+    """Seconds from ``t`` (a fault made from outside) to the first step the survivors attempt
+    in the generation formed after it -- a step record of the failed generation, logged just
+    after the fault, does not count; None when no new generation formed."""
+    evs = sorted(events, key=lambda e: e["ts"])
+    new = next((e["ts"] for e in evs if e["event"] == "membership" and e["ts"] > t
+                and e.get("reason") == "failure"), None)
+    if new is None:
+        return None
+    return next((e["ts"] - t for e in evs if e["event"] == "step" and e["ts"] >= new), None)
 
 
 def summarize(events: Iterable[Mapping[str, Any]]) -> dict:

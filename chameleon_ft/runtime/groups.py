@@ -204,8 +204,9 @@ class GroupManager:
     def __init__(self, store: dist.Store, worker_id: int,
                  store_factory: Callable[[], dist.Store], *, op_timeout_s: float = 10.0,
                  connect_timeout_s: float = 5.0, abort_poll_s: float = 0.005,
-                 paused: Optional[Callable[[], bool]] = None):
+                 paused: Optional[Callable[[], bool]] = None, nccl=None):
         self.paused = paused or (lambda: False)
+        self.nccl = nccl  # runtime/nccl.py's NcclData: CUDA tensors' all-reduce (None: gloo only)
         self._store = store
         self._store_factory = store_factory
         self.worker_id = worker_id
@@ -258,6 +259,8 @@ class GroupManager:
                                            timedelta(seconds=self.connect_timeout_s))
                 # Connection set-up and ops get separate limits.
                 pg.set_timeout(timedelta(seconds=self.op_timeout_s))
+                if self.nccl is not None:
+                    self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
                 result["pg"], result["store"] = pg, store
             except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
                 result["error"] = exc
@@ -316,10 +319,11 @@ class GroupManager:
         except Exception as exc:  # enqueueing can fail on an already-broken pair
             raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
 
-    def wait(self, work, timeout_s: Optional[float] = None) -> None:
-        """Wait for ``work`` (from ``start``), polling the abort key; see ``collective``."""
+    def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None) -> None:
+        """Wait for ``work`` (from ``start``), polling the abort key; see ``collective``.
+        ``abandon``: what to do with the op on a failure (default: park its gloo group)."""
         pg = self.group()
-        self._poll(work.is_completed, timeout_s, lambda: self._park(pg, work), "collective")
+        self._poll(work.is_completed, timeout_s, abandon or (lambda: self._park(pg, work)), "collective")
         try:
             work.wait()
         except Exception as exc:
@@ -459,7 +463,11 @@ class GroupManager:
         buf = tensor.clone() if copy else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.collective(lambda pg: pg.allreduce([buf], opts), timeout_s)
+        if buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
+            nccl = self.nccl.pg  # CUDA tensors over NCCL; a failure aborts its communicator
+            self.wait(self.start(lambda pg: nccl.allreduce([buf], opts)), timeout_s, abandon=self.nccl.abort)
+        else:
+            self.collective(lambda pg: pg.allreduce([buf], opts), timeout_s)
         if copy:
             tensor.copy_(buf)
         return tensor

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
@@ -15,6 +16,7 @@ from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.etcd import is_etcd
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
+from chameleon_ft.runtime.nccl import NcclData, choose_backend, configure_env
 
 __all__ = ["Joined", "join_job"]
 
@@ -39,7 +41,13 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
                             connect_timeout_s=cfg.connect_timeout_s,
                             heartbeat_timeout_s=env.heartbeat_timeout_s, cut_off_s=env.cut_off_s,
                             quorum_wait_s=env.quorum_wait_s)
-    gm = GroupManager(membership.store, env.worker_id, membership.connect_store,
+    nccl = None
+    if choose_backend(env.local_rank, env.local_world_size) == "nccl":
+        configure_env()
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        nccl = NcclData(device, timeout)
+    gm = GroupManager(membership.store, env.worker_id, membership.connect_store, nccl=nccl,
                       op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s,
                       paused=membership.paused,
                       # etcd: every abort poll is an HTTP request (the watcher polls too)

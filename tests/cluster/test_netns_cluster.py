@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "_workers"))
 from elastic_job import Job, assert_exactly_once, assert_replicas_equal, max_relative_diff, reference  # noqa: E402
 from _helpers import netns  # noqa: E402
+from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -45,10 +46,6 @@ def _events(evs, kind):
     return [e for e in evs if e["event"] == kind]
 
 
-def _first_step_after(evs, t: float) -> float:
-    return min(e["ts"] for e in evs if e["event"] == "step" and e["ts"] > t and e.get("world_size", 0) < 6)
-
-
 def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_path, tmp_path_factory):
     """Node 1 (its launcher and both workers) is killed at step 5: the four survivors recover
     in place and end on the failure-free trajectory; gloo found its interface by itself (the
@@ -72,7 +69,7 @@ def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_pa
     assert ended < 6.0, ended
     lost = [e for e in _events(evs, "failure") if sorted(e["workers"]) == [2, 3]]
     assert lost and lost[0]["kind"] == "node_loss", _events(evs, "failure")
-    mttr = _first_step_after(evs, t_kill) - t_kill
+    mttr = resumed_after(evs, t_kill)
     print(f"node loss over the namespace network: first step {mttr:.3f} s after the kill")
     assert sorted(finals) == [0, 1]
     assert_replicas_equal(finals, [0, 1])

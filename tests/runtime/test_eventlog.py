@@ -253,3 +253,12 @@ def test_summary_round_trips_through_the_file(tmp_path):
         for e in synthetic_log():
             f.write(json.dumps(e) + "\n")
     assert summarize(read_events(path)) == summarize(synthetic_log())
+
+
+def test_resumed_after_counts_from_the_fault_to_the_new_generations_first_step():
+    from chameleon_ft.runtime.eventlog import resumed_after
+
+    evs = [{"event": "step", "ts": 10.0}, {"event": "step", "ts": 10.2},  # the failed generation's
+           {"event": "membership", "ts": 10.5, "reason": "failure"}, {"event": "step", "ts": 10.6}]
+    assert resumed_after(evs, 10.1) == pytest.approx(0.5)
+    assert resumed_after(evs, 11.0) is None

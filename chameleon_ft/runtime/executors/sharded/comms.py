@@ -142,7 +142,7 @@ def no_comm_world(rank: int, world: int) -> None:
     global _registered
     if not _registered:  # torch's public extension point for a backend written in Python
         dist.Backend.register_backend(_BACKEND, lambda store, rank, size, timeout: _NoCommGroup(rank, size),
-                                      devices=["cpu"])
+                                      devices=["cpu", "cuda"])
         _registered = True
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -187,7 +187,10 @@ class FsdpComms:
         generation's gloo group (every member holds a whole replica)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._run(lambda pg: pg.allreduce([tensor], opts))
+        host = tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
+        self._run(lambda pg: pg.allreduce([host], opts))
+        if host is not tensor:
+            tensor.copy_(host)
 
     def install(self, module: torch.nn.Module) -> list:
         """Our collectives on every FSDP unit of ``module``; returns the units."""
@@ -207,19 +210,25 @@ class FsdpComms:
             self.failure = exc
             raise
 
+    # Gloo gathers only host tensors: a shard on an accelerator goes through host memory here
+    # (the NCCL path, where there is one, needs none of this: docs/gpu.md).
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         n, s = self.world, self.shards
-        if n == s:  # one shard group: gather straight into FSDP's buffer
-            self._run(lambda pg: allgather_base(pg, out, inp.contiguous()))
+        host_in = inp.detach().contiguous().cpu()
+        if n == s:  # one shard group: gather straight into FSDP's buffer (or a host copy of it)
+            host_out = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
+            self._run(lambda pg: allgather_base(pg, host_out, host_in))
+            if host_out is not out:
+                out.copy_(host_out)
             return
-        parts = [torch.empty_like(inp) for _ in range(n)]
-        self._run(lambda pg: pg.allgather([parts], [inp.contiguous()]))
+        parts = [torch.empty_like(host_in) for _ in range(n)]
+        self._run(lambda pg: pg.allgather([parts], [host_in]))
         base = (self.rank // s) * s
         for i, chunk in enumerate(out.chunk(s)):
             chunk.copy_(parts[base + i])
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        buf = inp.detach().clone()
+        buf = inp.detach().to("cpu", copy=True)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         self._run(lambda pg: pg.allreduce([buf], opts))

@@ -117,6 +117,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self.snapshot_every = snapshot_every
         self.recipe = recipe or RehabRecipe()
         self.paths = frozenset(cfg.shard_recovery or sr.PATHS)
+        # The model's device: every generation's shards live there; snapshots and the rows a
+        # re-shard streams stay in host memory (what gloo carries).
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._template = self._make_template(model)
         self._names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
@@ -187,8 +190,8 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
 
     def _make_mesh(self, n: int):
         if self.layout.replicas == 1:
-            return self._init_mesh("cpu", (n,), mesh_dim_names=("shard",))
-        return self._init_mesh("cpu", (self.layout.replicas, self.layout.shards),
+            return self._init_mesh(self.device.type, (n,), mesh_dim_names=("shard",))
+        return self._init_mesh(self.device.type, (self.layout.replicas, self.layout.shards),
                                mesh_dim_names=("replicate", "shard"))
 
     def _make_module(self, mesh) -> torch.nn.Module:
@@ -197,7 +200,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         module = copy.deepcopy(self._template)
         for unit in [module.get_submodule(name) for name in self._wrap] + [module]:
             self._fully_shard(unit, mesh=mesh)
-        module.to_empty(device="cpu")
+        module.to_empty(device=self.device)
         return module
 
     def _locals(self) -> list[torch.Tensor]:

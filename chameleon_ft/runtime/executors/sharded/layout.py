@@ -120,7 +120,8 @@ def _flatten(tensors, state: Callable[[int, str], Optional[torch.Tensor]], keys,
     for key in keys:
         for i, t in enumerate(tensors):
             v = state(i, key)
-            parts.append(_local(v).detach().reshape(-1) if v is not None else torch.zeros(t.numel(), dtype=dtype))
+            parts.append(_local(v).detach().reshape(-1) if v is not None
+                         else torch.zeros(t.numel(), dtype=dtype, device=t.device))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 

@@ -35,7 +35,7 @@ class _RehabRepair:
         if not w and not restart:
             self._repair_info = {"warmup_steps": 0, "restart_bias_correction": False}
             return
-        mask = torch.zeros(self.layout.numel(self.row), dtype=torch.bool)
+        mask = torch.zeros(self.layout.numel(self.row), dtype=torch.bool, device=self.device)
         for at, n in _restored(plan, self.layout, self.row):
             mask[at:at + n] = True
         if bool(mask.any()):

@@ -22,6 +22,16 @@ import torch
 from chameleon_ft.runtime.executors.sharded.layout import _crc
 
 _KEEP = 2  # snapshots kept (own and held)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A snapshot's copy in host memory (pinned when it comes from an accelerator: the copy to
+    the host is the point of a snapshot, and gloo sends it from there)."""
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    host.copy_(t)
+    return host
 _SNAP_TAG = 1 << 20
 
 
@@ -36,7 +46,7 @@ class _BuddySnapshots:
         t0 = time.perf_counter()
         n, r = self.view.world_size, self.view.rank
         self._current_keys()
-        own = {"step": self.step, "row": self._row_vector().clone(), "k": self.layout.row_of(r),
+        own = {"step": self.step, "row": _to_host(self._row_vector()), "k": self.layout.row_of(r),
                "layout": self.layout.to_json(), "keys": list(self._keys), "scalars": self._scalars(),
                "groups": self._groups_json(), "buffers": self._buffers(), "run": self._run_state()}
         if n < 2:

@@ -1,0 +1,26 @@
+"""``benchmarks/gpu_check.py --cpu --quick`` end to end (issue 25): the GPU check's three
+executors, each killed from outside, with its checks, on the CPU -- so that the script a GPU
+machine runs is known to work before its minutes are spent."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import gpu_check  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    res = gpu_check.main(["--cpu", "--quick", "--hidden", "32", "--json", str(tmp_path / "gpu.json")])
+    assert set(res["kinds"]) == {"dp", "pipeline", "sharded"}
+    for kind, r in res["kinds"].items():
+        assert r["device"] == "cpu"
+        assert r["exactly_once"], kind
+        assert r["trajectory_ok"], (kind, r["trajectory_rel"])
+        assert r["replicas_equal"] is not False, kind
+        assert r["survivors"] == [0, 1, 3] and 0 < r["mttr_s"] < 10, (kind, r["mttr_s"])
+    assert res["passed"] and "overhead" in res["kinds"]["dp"]
+    assert res["nccl_abort"] == {"ran": False, "why": "--cpu"}
