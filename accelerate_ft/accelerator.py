@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import warnings
 from typing import Any, Iterable, Optional
 
@@ -52,6 +53,24 @@ NOT_LAUNCHED = (
     "at start when a checkpoint exists, and launch with `accelerate launch --max_restarts N` "
     "(checkpoint-restart).  For survivors that keep training in place run "
     "`chameleon-ft run --nproc-per-node N train.py`.")
+
+
+def not_launched_message(env=None) -> str:
+    """``NOT_LAUNCHED``, ending with the exact command that would recover this job: under
+    ``accelerate launch`` (torchrun's variables set) its own flags, with ``chameleon-ft run``
+    in place of ``accelerate launch``."""
+    env = os.environ if env is None else env
+    world, local = env.get("WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
+    if not world or not local:
+        return NOT_LAUNCHED
+    machines = max(1, int(world) // max(1, int(local)))
+    cmd = ["chameleon-ft run", f"--num_processes {world}"]
+    if machines > 1:
+        cmd += [f"--num_machines {machines}", f"--machine_rank {env.get('GROUP_RANK', '0')}",
+                f"--main_process_ip {env.get('MASTER_ADDR', '<node 0>')}", f"--main_process_port {env.get('MASTER_PORT', '29500')}"]
+    script = " ".join([os.path.basename(sys.argv[0] or "train.py"), *sys.argv[1:]])
+    return (f"{NOT_LAUNCHED}  This job, recoverable: {' '.join(cmd)} {script} "
+            "(the same flags as `accelerate launch`, the command name swapped)")
 
 
 def _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change=False) -> ElasticConfig:
@@ -190,9 +209,9 @@ class FaultTolerantAccelerator(Accelerator):
         env = launch_env()
         if env is None:
             if require_launcher:
-                raise LauncherError(NOT_LAUNCHED)
+                raise LauncherError(not_launched_message())
             if other_launcher():
-                warnings.warn(NOT_LAUNCHED, stacklevel=2)
+                warnings.warn(not_launched_message(), stacklevel=2)
             super().__init__(*args, **kwargs)
             return
         _refuse_accelerators(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)))
@@ -510,9 +529,9 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
     env = launch_env()
     if env is None:
         if require:
-            raise LauncherError(NOT_LAUNCHED)
+            raise LauncherError(not_launched_message())
         if other_launcher():
-            warnings.warn(NOT_LAUNCHED, stacklevel=2)
+            warnings.warn(not_launched_message(), stacklevel=2)
         return accelerator
     if accelerator.distributed_type != DistributedType.NO or torch.distributed.is_initialized():
         raise LauncherError(

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
-from chameleon_ft.cli.launch_flags import LaunchError, build_parser, parse_endpoint, parse_nnodes
+from chameleon_ft.cli.launch_flags import (LaunchError, apply_accelerate_flags, build_parser, parse_endpoint,
+                                           parse_nnodes)
 from chameleon_ft.cli.netif import NoRoute, route_interface
 from chameleon_ft.cli.warmstart import WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
@@ -481,8 +482,13 @@ def _say(msg: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        # accelerate launch's flags, before ours are checked; the script's own args are not ours
+        ours = argv[:len(argv) - len(args.script_args) - 1]
+        for key, value in apply_accelerate_flags(args, ours).items():
+            os.environ.setdefault(key, value)
         launcher = Launcher(args)
     except LaunchError as exc:
         _say(f"error: {exc}")

@@ -4,10 +4,12 @@ no running job; ``cli/launch.py`` does the rest."""
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Optional
 
 from chameleon_ft.cli.warmstart import DEFAULT_PRELOAD
 
-__all__ = ["LaunchError", "build_parser", "parse_endpoint", "parse_nnodes"]
+__all__ = ["LaunchError", "build_parser", "parse_endpoint", "parse_nnodes", "apply_accelerate_flags"]
 
 
 class LaunchError(RuntimeError):
@@ -76,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "'+lightning,lightning_ft' for Lightning scripts; '' starts each worker "
                         "as a fresh interpreter; see cli/warmstart.py for what a module may not "
                         "do at import)")
+    acc = p.add_argument_group(
+        "accelerate launch's flags (swap `accelerate launch` for `chameleon-ft run`, keep the rest; "
+        "without --config_file the default Accelerate config is read when it exists)")
+    acc.add_argument("--num_processes", "--num-processes", type=int, default=None,
+                     help="processes of the whole job (per node: this / --num_machines)")
+    acc.add_argument("--num_machines", "--num-machines", type=int, default=None)
+    acc.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
+    acc.add_argument("--main_process_ip", "--main-process-ip", default=None)
+    acc.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
+    acc.add_argument("--config_file", "--config-file", default=None)
+    acc.add_argument("--multi_gpu", "--multi-gpu", action="store_true", help="accepted (the script decides its device)")
+    acc.add_argument("--cpu", action="store_true", help="sets ACCELERATE_USE_CPU for the workers")
+    acc.add_argument("--mixed_precision", "--mixed-precision", default=None,
+                     help="sets ACCELERATE_MIXED_PRECISION for the workers")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -98,3 +114,58 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if not 1 <= lo_n <= hi_n:
         raise LaunchError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
     return lo_n, hi_n
+
+
+def default_accelerate_config() -> Optional[str]:
+    """Accelerate's default config file (``accelerate config`` writes it), when it exists."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
+    path = os.path.join(os.environ.get("ACCELERATE_CONFIG_HOME", os.path.join(home, "accelerate")),
+                        "default_config.yaml")
+    return path if os.path.isfile(path) else None
+
+
+def apply_accelerate_flags(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Turn ``accelerate launch``'s flags (and its config file's keys) into ours; flags given on
+    the command line win over the config file, ours (``--nproc-per-node`` ...) over both.
+    Returns the environment the workers get for Accelerate (``ACCELERATE_USE_CPU``, ...)."""
+    import yaml
+
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    path = args.config_file or default_accelerate_config()
+    cfg: dict = {}
+    if args.config_file and not os.path.isfile(args.config_file):
+        raise LaunchError(f"--config_file {args.config_file!r}: no such file")
+    if path:
+        try:
+            with open(path) as f:
+                cfg = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise LaunchError(f"--config_file {path!r}: not a readable Accelerate config: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise LaunchError(f"--config_file {path!r}: not a readable Accelerate config")
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return v if v not in (None, False) else cfg.get(name)
+
+    procs, machines = pick("num_processes"), pick("num_machines") or 1
+    ip, port, rank = pick("main_process_ip"), pick("main_process_port"), pick("machine_rank")
+    if procs is not None and not given & {"--nproc-per-node", "--nproc_per_node"}:
+        if int(procs) % int(machines):
+            raise LaunchError(f"--num_processes {procs} is not a multiple of --num_machines {machines}")
+        args.nproc_per_node = int(procs) // int(machines)
+    if not given & {"--nnodes"} and machines:
+        args.nnodes = str(int(machines))
+    if rank is not None and not given & {"--node-rank", "--node_rank"}:
+        args.node_rank = int(rank)
+    if (ip or port) and not args.rdzv_endpoint:
+        if int(machines) > 1 and not ip:
+            raise LaunchError("--num_machines > 1 needs --main_process_ip (node 0's address)")
+        args.rdzv_endpoint = f"{ip or '127.0.0.1'}:{port or 29500}"
+    env = {}
+    if pick("cpu") or cfg.get("use_cpu"):
+        env["ACCELERATE_USE_CPU"] = "true"
+    if pick("mixed_precision") and pick("mixed_precision") != "no":
+        env["ACCELERATE_MIXED_PRECISION"] = str(pick("mixed_precision"))
+    return env

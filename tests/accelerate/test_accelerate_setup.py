@@ -102,3 +102,14 @@ def test_a_member_whose_collectives_are_local_evaluates_every_sample_itself(catc
     else:
         assert seen == [i for b in eval_batches(50, 4, 1, 3) for i in b[0][:b[1]]]
     assert not rt.in_eval and rt.coll.local_reason is None
+
+
+def test_under_accelerate_launch_the_warning_names_the_command_that_recovers(monkeypatch):
+    from accelerate_ft.accelerator import not_launched_message
+
+    monkeypatch.setattr("sys.argv", ["/home/u/train.py", "--epochs", "2"])
+    env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500"}
+    assert ("chameleon-ft run --num_processes 8 --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 "
+            "--main_process_port 29500 train.py --epochs 2") in not_launched_message(env)
+    assert not_launched_message({}) == NOT_LAUNCHED
