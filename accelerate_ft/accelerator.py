@@ -42,6 +42,7 @@ from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
 from accelerate_ft.step_protocol import StepProtocol
 from chameleon_ft.runtime.adapter_kit import adapter_config
 from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.relaunch import relaunch_local_rank_zero
 from typing_extensions import override
 
 __all__ = ["FaultTolerantAccelerator", "wrap", "LauncherError", "NOT_LAUNCHED"]
@@ -53,6 +54,22 @@ NOT_LAUNCHED = (
     "at start when a checkpoint exists, and launch with `accelerate launch --max_restarts N` "
     "(checkpoint-restart).  For survivors that keep training in place run "
     "`chameleon-ft run --nproc-per-node N train.py`.")
+
+
+def relaunch_torchrun(env=None) -> None:
+    """Under ``accelerate launch`` (torchrun: one process per worker, its agent restarts them
+    all when one dies), hand the job to ``chameleon-ft run``: the node's local rank 0 becomes
+    its launcher for every local worker, the others leave (``runtime/relaunch.py``).  Returns
+    only when relaunching is turned off (``CHAMELEON_FT_NO_RELAUNCH=1``)."""
+    env = os.environ if env is None else env
+    try:
+        world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+        local_rank, node = int(env["LOCAL_RANK"]), int(env.get("GROUP_RANK", "0"))
+    except (KeyError, ValueError):
+        return
+    relaunch_local_rank_zero(local_rank, local, max(1, world // max(1, local)), node,
+                             env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
+                             why="started by accelerate launch (torchrun)")
 
 
 def not_launched_message(env=None) -> str:
@@ -208,6 +225,8 @@ class FaultTolerantAccelerator(Accelerator):
         self._ft: Optional[StepProtocol] = None
         env = launch_env()
         if env is None:
+            if other_launcher():  # accelerate launch / torchrun: its local rank 0 becomes our launcher
+                relaunch_torchrun()
             if require_launcher:
                 raise LauncherError(not_launched_message())
             if other_launcher():

@@ -39,6 +39,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from chameleon_ft.runtime.adapter_kit import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker
+from chameleon_ft.runtime.relaunch import launched
+from lightning_ft.launch import relaunch_lightning
 from chameleon_ft.runtime.recovery import ElasticConfig
 from lightning_ft.hooks import StrategyHooks
 from lightning_ft.sharded import FaultTolerantModelParallelStrategy
@@ -65,6 +67,19 @@ def install_as_ddp() -> None:
     for name in ("ddp", "ddp_ft"):
         StrategyRegistry.register(name, FaultTolerantDDPStrategy, override=True,
                                   description="fault-tolerant DDP (chameleon-ft)")
+    if not getattr(ModelParallelStrategy._configure_launcher, "_cft", False):
+        configure_launcher = ModelParallelStrategy._configure_launcher
+
+        def _configure_launcher(strategy) -> None:
+            # A FaultToleranceCallback exists (it called this): started Lightning's way, the
+            # job goes to our launcher instead (lightning_ft/launch.py).
+            if not launched():
+                relaunch_lightning(strategy.cluster_environment, len(strategy.parallel_devices or [None]),
+                                   strategy.num_nodes)
+            configure_launcher(strategy)
+
+        _configure_launcher._cft = True
+        ModelParallelStrategy._configure_launcher = _configure_launcher
     if not getattr(ModelParallelStrategy.setup_environment, "_cft", False):
         original = ModelParallelStrategy.setup_environment
 

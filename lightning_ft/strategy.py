@@ -67,6 +67,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.utils.data import DataLoader, DistributedSampler
 
 from chameleon_ft.runtime.errors import ConfigError, LauncherError
+from chameleon_ft.runtime.relaunch import launched
+from lightning_ft.launch import relaunch_lightning
 from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
@@ -83,7 +85,8 @@ log = logging.getLogger(__name__)
 __all__ = ["FaultTolerantDDPStrategy", "LauncherError"]
 
 _NOT_LAUNCHED = (
-    "fault-tolerant training needs the chameleon-ft launcher: start the script with "
+    "fault-tolerant training needs the chameleon-ft launcher (CHAMELEON_FT_NO_RELAUNCH=1 kept "
+    "this process from becoming it): start the script with "
     "`chameleon-ft run --nproc-per-node N train.py` (or `python -m chameleon_ft.cli.launch ...`). "
     "Lightning's own launcher runs rank 0 inside your `python train.py` process and torchrun "
     "restarts every worker on a failure, so neither can keep the survivors training in place. "
@@ -200,9 +203,10 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
     # ---------------------------------------------------------------- set-up
     @override
     def _configure_launcher(self) -> None:
-        env = self.cluster_environment
-        if env is not None and not env.creates_processes_externally:
-            # Lightning would start the workers itself, with rank 0 in the user's process.
+        if not launched():
+            # Started Lightning's way (``python train.py``, ``srun``, torchrun): hand the job to
+            # our launcher, which returns only when relaunching is turned off.
+            relaunch_lightning(self.cluster_environment, len(self.parallel_devices or [None]), self.num_nodes)
             raise LauncherError(_NOT_LAUNCHED)
         self._launcher = None
 
