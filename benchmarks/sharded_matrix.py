@@ -210,8 +210,14 @@ def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optio
                                       "_auto": pool.submit(run, work / name, engine, kind, seed, k, at),
                                       "_name": name})
     forced = []
+    errors = []  # a run that did not end cleanly is a finding, reported, not a crash of the matrix
     for c in cells:
-        auto = c.pop("_auto").result()
+        try:
+            auto = c.pop("_auto").result()
+        except RuntimeError as exc:
+            errors.append({"run": c["_name"], "error": str(exc)[-1500:]})
+            print(f"{c['_name']}: ERROR", flush=True)
+            continue
         c["auto"] = auto
         d = auto[min(auto)].get("decision") or {}
         # Before the first trained snapshot the engine never rehabilitates (the lost rows would
@@ -222,11 +228,21 @@ def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optio
                                           None if c["k_label"] == "default" else c["k"], c["kill_step"], paths)))
         print(f"{c['_name']}: {d.get('chosen')}", flush=True)
     for c, fut in forced:
-        c["forced"] = fut.result()
-    refs = {key: fut.result() for key, fut in free.items()}
+        try:
+            c["forced"] = fut.result()
+        except RuntimeError as exc:
+            errors.append({"run": c["_name"] + "-rehab", "error": str(exc)[-1500:]})
+    refs = {}
+    for key, fut in free.items():
+        try:
+            refs[key] = fut.result()
+        except RuntimeError as exc:
+            errors.append({"run": "-".join(map(str, key)) + " (failure-free)", "error": str(exc)[-1500:]})
     pool.shutdown()
-    return {"cells": [summarize(c, refs[(c["engine"], c["kind"], c["seed"])]) for c in cells],
-            "free": {f"{e}-{kd}-{s}": _free_summary(v) for (e, kd, s), v in refs.items()}}
+    done = [c for c in cells if "auto" in c and (c["engine"], c["kind"], c["seed"]) in refs]
+    return {"cells": [summarize(c, refs[(c["engine"], c["kind"], c["seed"])]) for c in done],
+            "free": {f"{e}-{kd}-{s}": _free_summary(v) for (e, kd, s), v in refs.items()},
+            "errors": errors}
 
 
 def _free_summary(finals: dict) -> dict:
@@ -357,7 +373,10 @@ def markdown(res: dict) -> list[str]:
                 f"{sum(f['engine_ok'] for f in figs)}/{len(pc)} |")
         lines.append("")
     late = t["late"]
+    errs = res.get("errors") or []
     lines += ["### Against the goals", "",
+              f"* Runs that did not end cleanly (left out of every figure): {len(errs)}"
+              + (": " + ", ".join(e["run"] for e in errs) if errs else "") + ".",
               f"* The engine rehabilitated {t['rehab']} of {t['cells']} killed runs: final test loss inside "
               f"the failure-free seed spread in {t['rehab_in']}, no worse than the worst seed in "
               f"{t['rehab_no_worse']}.  It recomputed {t['rec']} (the reason in each Decision), ending on "

@@ -259,3 +259,24 @@ def test_hsdp_replacement_rejoins_and_reshards(tmp_path, failure_free):
     assert [e["chosen"] for e in decided] == ["heal", "heal"], decided
     assert_exactly_once(events, dataset=512, steps_per_epoch=16, epochs=2, global_batch=32)
     _all_exact(finals, failure_free["hybrid"])
+
+
+def test_a_buddy_lost_after_the_step_committed_recovers_at_the_snapshot(tmp_path, failure_free):
+    """Worker 1 dies after the all-reduce of step 10 (a snapshot step) and before its update:
+    the others committed step 10 and their snapshot sends find the peer gone.  That failure
+    comes after a committed step, outside any step's collectives: the job recovers from there
+    (it used to escape as an error in the script and stop the job).  The survivors' updates
+    are padded so that the peer's sockets are closed when the sends start."""
+    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--snapshot-every", "5",
+                    "--paths", "recompute,restart", nproc=4, hang_timeout=10,
+                    launch_args=("--faults", "kill:rank=1:step=9:phase=optimizer;"
+                                 "slow:rank=0,2,3:step=9:phase=optimizer:factor=2000"))
+    try:
+        job.start()
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals, events = job.final(), job.events()
+    finally:
+        job.cleanup()
+    d = _after_kill(finals, events, 1)
+    assert d["chosen"] == "recompute" and d["lost_rows"] == [1]
+    _all_exact(finals, failure_free["full"])

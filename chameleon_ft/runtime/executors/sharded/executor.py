@@ -310,12 +310,12 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         return True
 
     def _apply_update(self) -> None:
-        self.faults.at(self.step, "optimizer")
         before = self._restored_values()
-        if self._update is not None:
-            self._update()
-        else:
-            self.optimizer.step()
+        with self.faults.phase(self.step, "optimizer"):  # a ``slow`` fault can pad the update
+            if self._update is not None:
+                self._update()
+            else:
+                self.optimizer.step()
         if before is not None:
             self._repair_update(before)
         if self.scheduler is not None:
@@ -342,7 +342,12 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             elif self.planned_steps:  # not measured yet: the prior, bounded by the run as well
                 self.k = max(1, min(_DEFAULT_K, self.planned_steps // sr.SNAPSHOTS_PER_RUN))
         if self.k and (self.step % self.k == 0 or self.step == min(self.k, _FIRST_SNAPSHOT)):
-            self._take_snapshot(wait=False)
+            try:
+                self._take_snapshot(wait=False)
+            except CollectiveFailure as failure:  # the buddy died after the step committed:
+                self._inflight = None             # the step stands; the job recovers from here
+                self.recover(failure)
+                return
         if self._fallback is not None and self._fallback.get("due"):
             self._fall_back()
 
