@@ -16,7 +16,13 @@ itself started that way, it hands the job to our launcher instead of starting it
   manager's port + 1, so as not to meet torchrun's own store there), and the node's other
   processes leave at once with exit 0 -- the launcher's workers take their places.
 
-``CHAMELEON_FT_NO_RELAUNCH=1`` turns it off (the adapters then say what to run instead).
+``CHAMELEON_FT_NO_RELAUNCH=1`` turns it off (the adapters then say what to run instead);
+``CHAMELEON_FT_RUN_ARGS`` adds the launcher's own flags (``"--max-replacements 1 --hang-timeout 5"``)
+and ``CHAMELEON_FT_RUN_DIR`` names its run directory (event log).  The workers see what a
+``chameleon-ft run`` worker sees: the manager's per-process variables (torchrun's ``RANK`` ...,
+SLURM's ``SLURM_PROCID``, ``SLURM_NTASKS`` ...) are taken out, so that the framework inside a
+worker does not mistake it for the manager's task 0 (``SLURM_JOB_ID``, ``SLURM_NODELIST`` and the
+rest stay).
 Limits: the script must be re-runnable from the top by ``python <its path> <its args>`` (as
 with Lightning's own launcher); ``python -m pkg.module`` is re-run as its file.
 """
@@ -24,19 +30,25 @@ with Lightning's own launcher); ``python -m pkg.module`` is re-run as its file.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Optional, Sequence
 
 from chameleon_ft.runtime import env as E
 
-__all__ = ["launched", "relaunch", "relaunch_local_rank_zero", "NO_RELAUNCH"]
+__all__ = ["launched", "relaunch", "relaunch_local_rank_zero", "NO_RELAUNCH", "RUN_ARGS"]
 
 NO_RELAUNCH = "CHAMELEON_FT_NO_RELAUNCH"
+RUN_ARGS = "CHAMELEON_FT_RUN_ARGS"
 # Set by a cluster manager per process; our launcher sets its own for each worker.
 _PER_PROCESS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-                "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                # srun's per-task variables (Lightning's SLURMEnvironment reads them)
+                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE",
+                "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_GTIDS",
+                "SLURM_TASK_PID", "PMI_RANK", "PMI_SIZE", "PMIX_RANK")
 
 
 def launched() -> bool:
@@ -56,10 +68,10 @@ def relaunch(nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, endpoi
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", str(endpoint)]
     if os.environ.get(E.RUN_DIR):  # where the user wants the event log (else a new temp dir)
         argv += ["--run-dir", os.environ[E.RUN_DIR]]
-    argv += [*extra, script, *sys.argv[1:]]
+    argv += [*extra, *shlex.split(os.environ.get(RUN_ARGS, "")), script, *sys.argv[1:]]
     env = {k: v for k, v in os.environ.items() if k not in _PER_PROCESS}
     print(f"chameleon-ft: {why + ': ' if why else ''}running this job under `chameleon-ft run` so that "
-          f"the survivors of a failure train on ({' '.join(argv[2:4])} {' '.join(argv[4:-len(sys.argv)])})",
+          f"the survivors of a failure train on (as `chameleon-ft run {shlex.join(argv[4:])}`)",
           file=sys.stderr, flush=True)
     sys.stderr.flush()
     sys.stdout.flush()

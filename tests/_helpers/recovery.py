@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -46,6 +48,37 @@ class ScriptJob(LocalJob):
             return self.final()
         finally:
             self.cleanup()
+
+
+class UserLaunchedJob(ScriptJob):
+    """The job started the way a framework's user starts it, not by ``chameleon-ft run``:
+    ``python train.py`` (``prefix`` the interpreter), ``accelerate launch ... train.py`` or one
+    process per task with SLURM's variables as ``srun`` sets them (``tasks``: each one's extra
+    environment).  The adapter hands the job to our launcher (``runtime/relaunch.py``), whose run
+    directory is ``run_dir`` (``CHAMELEON_FT_RUN_DIR``); ``wait`` returns every started process's
+    exit code, the user's terminal output is ``output()``."""
+
+    def __init__(self, script: Path, run_dir: Path, *args: str, prefix: Sequence[str] = (),
+                 tasks: Sequence[dict] = ({},), env: Optional[dict] = None):
+        super().__init__(script, run_dir, *args, env={"CHAMELEON_FT_RUN_DIR": str(run_dir), **(env or {})})
+        self.argv = [*(prefix or [sys.executable]), str(script), "--out", str(run_dir), *args]
+        self.tasks = list(tasks)
+
+    def start(self, *_, **__) -> subprocess.Popen:
+        for i, extra in enumerate(self.tasks):
+            out = open(self.run_dir / f"launcher{i}.out", "wb")
+            self.launchers.append(subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                                   env={**self.env, **extra}, start_new_session=True))
+            out.close()
+        return self.launchers[0]
+
+
+def srun_tasks(ntasks: int, job_id: int = 4242) -> list[dict]:
+    """The variables ``srun --ntasks-per-node=N python train.py`` gives each task on one node."""
+    common = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "train", "SLURM_NTASKS": str(ntasks),
+              "SLURM_NTASKS_PER_NODE": str(ntasks), "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+              "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": str(ntasks)}
+    return [{**common, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)} for i in range(ntasks)]
 
 
 def kill_at_random_step(job: LocalJob, workers: int = 4, steps: tuple[int, int] = (2, 7),

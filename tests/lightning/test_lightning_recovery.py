@@ -33,8 +33,9 @@ import pytest
 
 from chameleon_ft.runtime.eventlog import committed_attempts
 
-from _helpers.recovery import (LIGHTNING_PRELOAD, ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
-                               kill_at_random_step, rel_diff, stop_and_survive)
+from _helpers.recovery import (LIGHTNING_PRELOAD, ScriptJob, UserLaunchedJob,  # noqa: E402
+                               assert_exactly_once, assert_replicas_equal, kill_at_random_step, rel_diff,
+                               srun_tasks, stop_and_survive)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -448,3 +449,38 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
     assert "recovered at once" in job.output()
     assert sorted(p.name for p in (job.run_dir / "ckpt").glob("*.ckpt")) == [
         f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", f"epoch=1-step={EPOCHS * STEPS_PER_EPOCH}.ckpt"]
+
+
+@pytest.mark.parametrize("how,victim", [
+    ("python", 0), ("srun", 2),
+    pytest.param("python", 2, marks=pytest.mark.chaos), pytest.param("srun", 0, marks=pytest.mark.chaos)])
+def test_started_lightnings_own_way_survives_a_kill(tmp_path, reference, how, victim):
+    """Issue 26: the script started as Lightning users start it -- ``python lit_train.py``
+    with ``devices=4`` (Lightning would start 3 more processes itself), or 4 tasks with the
+    variables ``srun --ntasks-per-node=4`` sets -- and no ``chameleon-ft run``.  The process the
+    user started becomes our launcher (same PID; under srun, task 0 does and tasks 1-3 leave
+    with 0), the workers are its children; worker ``victim`` (rank 0 included) is SIGKILLed
+    from outside mid-epoch.  Every started process ends with 0, the user's terminal has the
+    workers' final output and the recovery line, and the survivors end on the failure-free
+    trajectory (steps, samples, weights, every validation)."""
+    tasks = srun_tasks(4) if how == "srun" else [{}]
+    job = UserLaunchedJob(SCRIPT, tmp_path, "--val-size", str(VAL), "--devices", "4", "--mb-sleep", "0.01",
+                          tasks=tasks)
+    try:
+        job.start()
+        job.wait_step(random.randrange(2, 6))
+        launcher = job.launchers[0].pid
+        assert launcher not in job.worker_pids().values()  # the user's process is the launcher
+        job.kill(victim)
+        assert job.wait(180) == [0] * len(tasks), job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    lost_one_on_trajectory(job, finals, victim, reference)
+    out = job.output()
+    assert "running this job under `chameleon-ft run`" in out
+    assert sum(f"worker {w} done: step {EPOCHS * STEPS_PER_EPOCH}" in out for w in range(4)) == 3
+    assert any("lightning_ft: recovered at step" in ln and f"lost worker(s) [{victim}]" in ln
+               for ln in out.splitlines()), out[-3000:]
+    if how == "srun":
+        assert out.count("leaves its place to a worker") == 3
