@@ -11,12 +11,16 @@ reroute, and every evaluation sample gathered exactly once, in order, after the 
 from __future__ import annotations
 
 import json
+import random
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
-                               committed_ids, kill_at_random_step, rel_diff, stop_and_survive)
+from _helpers.recovery import (ScriptJob, UserLaunchedJob, assert_exactly_once,  # noqa: E402
+                               assert_replicas_equal, committed_ids, kill_at_random_step, rel_diff,
+                               stop_and_survive)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -145,3 +149,48 @@ def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     job = AccJob(tmp_path, "--mb-sleep", "0.01", hang_timeout=hang_timeout)
     finals = stop_and_survive(job, 1, hang_timeout)
     check(job, finals, [0, 2, 3], reference)
+
+
+ACCELERATE = shutil.which("accelerate") or "accelerate"
+
+
+@pytest.mark.parametrize("how,victim", [
+    ("accelerate launch", 0), ("chameleon-ft run", 2),
+    pytest.param("accelerate launch", 2, marks=pytest.mark.chaos),
+    pytest.param("chameleon-ft run", 0, marks=pytest.mark.chaos)])
+def test_started_with_accelerate_launchs_flags_survives_a_kill(tmp_path, reference, how, victim):
+    """Issue 26: the script started with ``accelerate launch --multi_gpu --num_processes 4``
+    (torchrun underneath: its local rank 0 becomes our launcher, ranks 1-3 leave with 0, so
+    torchrun's agent has no worker whose death would make it stop the rest), or with
+    ``chameleon-ft run`` and ``accelerate launch``'s own flags (the command name swapped).
+    Worker ``victim`` (rank 0 included) is SIGKILLed from outside mid-epoch: every started
+    process ends with 0, the terminal has the recovery line, and the survivors end on the
+    failure-free trajectory."""
+    hf = tmp_path / "hf"  # no user Accelerate config of this machine is read
+    env = {"HF_HOME": str(hf)}
+    if how == "accelerate launch":
+        prefix = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    else:
+        prefix = [sys.executable, "-m", "chameleon_ft.cli.launch", "--num_processes", "4", "--cpu",
+                  "--run-dir", str(tmp_path)]
+    job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", prefix=prefix, env=env)
+    try:
+        job.start()
+        job.wait_step(random.randrange(2, 6))
+        job.kill(victim)
+        assert job.wait(180) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    got = check(job, finals, sorted(set(range(4)) - {victim}), reference)
+    assert rel_diff(got, reference) < 1e-5
+    evs = job.events()
+    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
+    assert failures and failures[0]["workers"] == [victim]
+    out = job.output()
+    assert any("accelerate_ft: recovered at step" in ln and f"lost worker(s) [{victim}]" in ln
+               for ln in out.splitlines()), out[-3000:]
+    if how == "accelerate launch":
+        assert "running this job under `chameleon-ft run`" in out
+        assert out.count("leaves its place to a worker") == 3
