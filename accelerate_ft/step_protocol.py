@@ -94,6 +94,9 @@ class StepProtocol:
     def __init__(self, acc: Accelerator, env: WorkerEnv, cfg: ElasticConfig,
                  event_log: Optional[str] = None) -> None:
         self.acc, self.env, self.cfg, self.event_log = acc, env, cfg, event_log
+        # What ``backward`` multiplies the loop's loss by to get the item's mean loss: 1 for an
+        # Accelerate loop; the HF Trainer divides by gradient_accumulation_steps itself.
+        self.loss_scale = 1.0
         if env.replacement:
             raise RuntimeError("accelerate_ft does not heal replacement workers (the user's loop "
                                "state cannot be replayed): run `chameleon-ft run` without --max-replacements")
@@ -160,10 +163,14 @@ class StepProtocol:
         return float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
 
     def publish(self) -> None:
-        """Accelerate's ``num_processes``/``process_index`` are the live membership's."""
+        """Accelerate's ``num_processes``/``process_index``/``local_process_index`` are the live
+        membership's (the HF Trainer's ``args`` read them too)."""
         v = self.view()
+        lws = max(1, self.env.local_world_size)
+        local = sorted(w for w in v.members if w // lws == self.env.worker_id // lws)
         for st in (self.acc.state, PartialState()):
             st.num_processes, st.process_index = v.world_size, v.rank
+            st.local_process_index = local.index(self.env.worker_id) if self.env.worker_id in local else 0
 
     def is_main(self) -> bool:
         return self.view().rank == 0
@@ -288,6 +295,8 @@ class StepProtocol:
             return  # a ghost item: this member has nothing of this step to compute
         self.replay.on_backward(loss)
         self.ctx.faults.at(self.ctx.step, "backward")
+        loss = loss * self.loss_scale
+        self.ctx.record_loss(loss, self.current.weight)
         (loss * self.current.weight).backward(**kwargs)
 
     def defer(self, fn: Callable[[], None]) -> None:
@@ -376,6 +385,8 @@ class StepProtocol:
             batch = loader.load_item(mb, step)
             loss = self.replay.loss(self.model, batch)
             ctx.faults.at(ctx.step, "backward")
+            loss = loss * self.loss_scale
+            ctx.record_loss(loss, mb.weight)
             (loss * mb.weight).backward()
             self._compute += time.perf_counter() - t0
 

@@ -52,9 +52,20 @@ class DataParallelExecutor(RecoveryCore):
         self._redo_slots: Optional[list[int]] = None
         self._spilled: list[MicroBatch] = []  # see items(spill=True)
         self._home_slots: Optional[frozenset] = None  # slots of this member under its first allocation
+        # This member's share of the step's mean loss (sum of micro-batch loss x weight), kept
+        # with its gradients; reduced with them, so ``last_loss`` is the global batch's mean
+        # loss of the last committed step on every member (None until one is known).
+        self._step_loss = 0.0
+        self.last_loss: Optional[float] = None
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
+        self._step_loss = 0.0
+
+    def record_loss(self, loss: torch.Tensor, weight: float) -> None:
+        """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
+        adapters that run ``backward`` themselves."""
+        self._step_loss += float(loss.detach()) * weight
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._salvage(top, n, r)
@@ -144,6 +155,7 @@ class DataParallelExecutor(RecoveryCore):
     def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
         """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""
         self.faults.at(self.step, "backward")
+        self.record_loss(loss, mb.weight)
         (loss * mb.weight).backward()
 
     def sync_and_step(self) -> bool:
@@ -160,10 +172,14 @@ class DataParallelExecutor(RecoveryCore):
         self.faults.at(self.step, "allreduce")
         grads = [p.grad.reshape(-1) if p.grad is not None
                  else torch.zeros(p.numel(), dtype=self.dtype, device=p.device) for p in self.params]
-        reduced = self._reduce_step(grads, self._compute_s)
+        device = grads[0].device if grads else torch.device("cpu")
+        loss = torch.tensor([self._step_loss], dtype=self.dtype, device=device)
+        reduced = self._reduce_step([*grads, loss], self._compute_s)
         if reduced is None:
             return False  # this member's gradients are kept for the redone step (see _salvage)
         buf, timings, comm = reduced
+        self.last_loss = float(buf[sum(g.numel() for g in grads)])
+        self._step_loss = 0.0
         at = 0
         for p in self.params:
             g = buf[at:at + p.numel()].view_as(p)

@@ -1,0 +1,85 @@
+"""A plain HuggingFace ``Trainer`` script, one line changed (``FaultTolerantTrainer``): a small
+classifier with dropout, AdamW, a linear schedule with warm-up, gradient accumulation 2,
+``eval_strategy="steps"``, checkpoints every 4 steps with ``save_total_limit=2`` and
+``load_best_model_at_end``; then one more ``trainer.evaluate()``.  Writes
+``<out>/final_<worker>.pt``: the final weights, ``state.global_step``, ``state.log_history``,
+the checkpoint folders left, the best checkpoint and the last evaluation's metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch import nn
+from transformers import TrainingArguments
+
+from transformers_ft import FaultTolerantTrainer
+
+DATASET, EVAL, FEATURES, CLASSES = 256, 100, 16, 4
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
+        w = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(0))
+        self.y = (self.x @ w).argmax(-1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Classifier(nn.Module):
+    def __init__(self, sleep: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, CLASSES))
+        self.sleep = sleep
+
+    def forward(self, x, labels=None):
+        if self.sleep and self.training:
+            time.sleep(self.sleep)
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+def accuracy(pred) -> dict:
+    return {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mb-sleep", type=float, default=0.0)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=os.path.join(a.out, "ckpt"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=3,
+        lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0, logging_steps=2,
+        eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", use_cpu=True, report_to="none",
+        seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = FaultTolerantTrainer(model=Classifier(a.mb_sleep), args=args, train_dataset=Data(DATASET, 1),
+                                   eval_dataset=Data(EVAL, 2), compute_metrics=accuracy)
+    result = trainer.train()
+    metrics = trainer.evaluate()
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0"))
+    ckpts = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
+    torch.save({"params": [v.detach().clone() for v in trainer.model.state_dict().values()],
+                "global_step": trainer.state.global_step, "log_history": json.dumps(trainer.state.log_history),
+                "checkpoints": ckpts, "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
+                "eval": json.dumps(metrics), "train_loss": result.training_loss,
+                "world_size": trainer.args.world_size}, os.path.join(a.out, f"final_{wid}.pt"))
+    print(f"worker {wid} done: global_step {trainer.state.global_step} eval_loss {metrics['eval_loss']:.6f}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

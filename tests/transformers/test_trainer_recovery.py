@@ -1,0 +1,129 @@
+"""transformers_ft: a plain HuggingFace ``Trainer`` script with one line changed
+(``FaultTolerantTrainer``, ``_workers/hf_train.py``) on 4 real worker processes; a worker is
+SIGKILLed from outside by PID, rank 0 included.
+
+Compared with the failure-free run of the same script: the same ``global_step``, the same
+``state.log_history`` (every logged training loss, learning rate and gradient norm within the
+summation-order tolerance, every evaluation over all 100 samples with the same metrics), the
+same checkpoint folders left by ``save_steps`` / ``save_total_limit`` and the same best
+checkpoint (``load_best_model_at_end``), the final weights within 1e-5 relative, and the
+same final ``trainer.evaluate()``.  Started by ``chameleon-ft run``, by ``accelerate launch``
+(which hands the job to it) and as ``python train.py`` alone (a plain single-process Trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from _helpers.recovery import ROOT, ScriptJob, UserLaunchedJob, rel_diff  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("_workers") / "hf_train.py"
+STEPS = 16  # 256 samples, global batch 4 workers x 4 x accumulation 2 = 32, two epochs
+TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
+EVAL_KEYS = ("eval_loss", "eval_accuracy")
+
+
+def history(final: dict) -> tuple[list[dict], list[dict]]:
+    """(training logs, evaluation logs) of ``state.log_history``, the user's keys only."""
+    logs = json.loads(final["log_history"])
+    train = [{k: h[k] for k in ("step", "epoch", *TRAIN_KEYS)} for h in logs if "loss" in h]
+    evals = [{k: h[k] for k in ("step", "epoch", *EVAL_KEYS)} for h in logs if "eval_loss" in h]
+    return train, evals
+
+
+def close(a: float, b: float, tol: float = 1e-5) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b), 1e-12)
+
+
+def same_as(final: dict, ref: dict) -> None:
+    assert final["global_step"] == ref["global_step"] == STEPS
+    (tr, ev), (rtr, rev) = history(final), history(ref)
+    assert [(h["step"], h["epoch"]) for h in tr] == [(h["step"], h["epoch"]) for h in rtr]
+    for h, r in zip(tr, rtr):
+        assert all(close(h[k], r[k]) for k in TRAIN_KEYS), (h, r)
+    assert [(h["step"], h["epoch"]) for h in ev] == [(h["step"], h["epoch"]) for h in rev]
+    for h, r in zip(ev, rev):
+        assert h["eval_accuracy"] == r["eval_accuracy"] and close(h["eval_loss"], r["eval_loss"]), (h, r)
+    assert final["checkpoints"] == ref["checkpoints"] and final["best"] == ref["best"]
+    assert rel_diff(final, ref) < 1e-5
+    m, rm = json.loads(final["eval"]), json.loads(ref["eval"])
+    assert m["eval_accuracy"] == rm["eval_accuracy"] and close(m["eval_loss"], rm["eval_loss"])
+    assert close(final["train_loss"], ref["train_loss"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = ScriptJob(SCRIPT, tmp_path_factory.mktemp("reference"))
+    finals = job.run_to_end()
+    assert sorted(finals) == [0, 1, 2, 3]
+    ref = finals[0]
+    for f in finals.values():
+        assert history(f) == history(ref) and f["checkpoints"] == ref["checkpoints"]
+    tr, ev = history(ref)
+    assert [h["step"] for h in tr] == list(range(2, STEPS + 1, 2)) and [h["step"] for h in ev] == [4, 8, 12, 16, 16]  # the last: trainer.evaluate() after train()
+    assert ref["checkpoints"] and ref["best"] in ref["checkpoints"]
+    # One process writes the checkpoints; every evaluation saw each of the 100 samples.
+    assert json.loads(ref["eval"])["eval_accuracy"] * 100 == pytest.approx(round(json.loads(ref["eval"])["eval_accuracy"] * 100))
+    ref["run_dir"] = job.run_dir
+    return ref
+
+
+ACCELERATE = shutil.which("accelerate") or "accelerate"
+
+
+@pytest.mark.parametrize("how,victim", [
+    ("chameleon-ft run", 0), ("chameleon-ft run", 2), ("accelerate launch", 2),
+    pytest.param("accelerate launch", 0, marks=pytest.mark.chaos)])
+def test_a_trainer_script_survives_a_kill(tmp_path, reference, how, victim):
+    prefix = ([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "4", "--run-dir", str(tmp_path)]
+              if how == "chameleon-ft run" else
+              [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"])
+    job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", prefix=prefix, env={"HF_HOME": str(tmp_path / "hf")})
+    try:
+        job.start()
+        job.wait_step(random.randrange(1, 4))  # before the first save (step 4): see docs/transformers.md
+        job.kill(victim)
+        assert job.wait(180) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    for f in finals.values():
+        same_as(f, reference)
+        assert f["world_size"] == 3
+    evs = job.events()
+    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
+    assert failures and failures[0]["workers"] == [victim]
+    # The recovery reached the user's log history (ft/* metrics) and the console, once.
+    logs = json.loads(next(iter(finals.values()))["log_history"])
+    assert any("ft/mttr_s" in h for h in logs) and logs[-3].get("ft/world_size", 3.0) == 3.0
+    assert any(k.startswith("ft/policy/") for h in logs for k in h)
+    out = job.output()
+    assert sum("accelerate_ft: recovered at step" in ln and f"lost worker(s) [{victim}]" in ln
+               for ln in out.splitlines()) == 1, out[-3000:]
+    # One process printed the logs (the live rank 0), not every survivor.
+    assert out.count("'eval_loss'") == len(history(reference)[1])
+
+
+def test_python_train_py_alone_is_the_plain_trainer(tmp_path):
+    """Without a launcher the class is the ``Trainer``: one process trains the same 16 steps."""
+    env = {"PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "CHAMELEON_FT_NO_RELAUNCH": "1"}
+    import os
+    p = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import torch
+    f = torch.load(tmp_path / "final_0.pt", weights_only=True)
+    assert f["global_step"] == 64 and f["world_size"] == 1  # 256 samples / (4 x 2) per step, 2 epochs

@@ -1,0 +1,5 @@
+"""chameleon-ft for the HuggingFace ``Trainer``: ``FaultTolerantTrainer`` (docs/transformers.md)."""
+
+from transformers_ft.trainer import FaultTolerantTrainer
+
+__all__ = ["FaultTolerantTrainer"]

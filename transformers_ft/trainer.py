@@ -1,0 +1,184 @@
+"""``FaultTolerantTrainer``: the HuggingFace ``Trainer`` whose workers survive failures in place.
+
+A subclass of ``transformers.Trainer`` with the same arguments (docs/transformers.md).  The
+``Trainer`` already trains through an ``Accelerator`` it builds itself
+(``create_accelerator_and_postprocess``); this class builds accelerate_ft's
+``FaultTolerantAccelerator`` there instead, so the data, the step and the recovery are
+accelerate_ft's (docs/accelerate.md), and translates the four places where the ``Trainer``
+does something a plain Accelerate loop does not:
+
+* **Gradient accumulation.**  The ``Trainer`` accumulates itself (Accelerate's
+  ``num_steps`` = 1) and divides each micro-batch loss by ``gradient_accumulation_steps``;
+  here the Accelerator knows the real count (the training loader yields that many items per
+  global step) and ``backward`` multiplies the loss back, so every item contributes its
+  mean loss weighted by its share of the global batch (``StepProtocol.loss_scale``).  Losses
+  are weighted by samples, not by tokens: ``num_items_in_batch`` is not computed (a token-
+  weighted loss over a global batch whose micro-batches move between workers would need the
+  token count of micro-batches a worker never sees).
+* **Prefetching.**  The ``Trainer`` takes all of a step's batches from the loader before the
+  first forward; here they are taken one at a time as the loop reaches them (the loader
+  knows which micro-batch each item is).
+* **The logged loss** is the global batch's mean loss of each committed step (reduced with
+  the gradients, ``DataParallelExecutor.last_loss``), not the local worker's, so
+  ``state.log_history`` holds the failure-free values whoever computed what.
+* **Rank zero follows the live membership**: ``args.process_index``/``world_size`` read
+  Accelerate's state, which accelerate_ft keeps live; ``state.is_world_process_zero`` is
+  refreshed before every callback, so after worker 0 dies the next lowest one saves the
+  checkpoints, writes ``trainer_state.json`` and logs.  Every log also carries the ``ft/*``
+  metrics (``ft/world_size``, ``ft/recoveries`` ...; the first one after a recovery
+  ``ft/mttr_s`` and ``ft/policy/<chosen>``), and the live rank 0 prints one line per recovery.
+
+Started by ``chameleon-ft run`` (or ``accelerate launch`` / torchrun, which hand the job to it:
+``runtime/relaunch.py``); under plain ``python train.py`` it is the ``Trainer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+import transformers.trainer as hf_trainer
+from transformers import Trainer, TrainerCallback
+
+from accelerate_ft import FaultTolerantAccelerator
+from accelerate_ft._env import launch_env, other_launcher
+from accelerate_ft.accelerator import relaunch_torchrun
+
+__all__ = ["FaultTolerantTrainer"]
+
+
+class _OneAtATime:
+    """A step's batches, taken from the loader as the loop reaches them (``len`` known: the
+    training loader yields ``gradient_accumulation_steps`` items per step)."""
+
+    def __init__(self, iterator: Iterator, n: int) -> None:
+        self.iterator, self.n = iterator, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.n):
+            try:
+                yield next(self.iterator)
+            except StopIteration:
+                return
+
+
+class _LiveRankZero(TrainerCallback):
+    """First in the callback list: ``state.is_world_process_zero`` and
+    ``is_local_process_zero`` follow the live membership before any other callback runs."""
+
+    def __init__(self, trainer: "FaultTolerantTrainer") -> None:
+        self.trainer = trainer
+
+    def _refresh(self, args, state, control, **kwargs):
+        state.is_world_process_zero = self.trainer.is_world_process_zero()
+        state.is_local_process_zero = self.trainer.is_local_process_zero()
+
+    on_train_begin = on_epoch_begin = on_step_begin = on_substep_end = on_pre_optimizer_step = _refresh
+    on_optimizer_step = on_step_end = on_epoch_end = on_evaluate = on_predict = on_save = on_log = _refresh
+    on_prediction_step = on_train_end = _refresh
+
+
+class FaultTolerantTrainer(Trainer):
+    """``transformers.Trainer`` with in-place fault tolerance (see module doc); same arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if launch_env() is None and other_launcher():  # accelerate launch / torchrun
+            relaunch_torchrun()
+        self._ft_loss = 0.0          # the global losses of the steps since the last log
+        self._ft_counted = -1        # the global_step whose loss is in _ft_loss
+        super().__init__(*args, **kwargs)
+        if self._ft is not None:
+            self.callback_handler.callbacks.insert(0, _LiveRankZero(self))
+
+    # ---------------------------------------------------------------- the accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        saved = hf_trainer.Accelerator
+        hf_trainer.Accelerator = FaultTolerantAccelerator
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            hf_trainer.Accelerator = saved
+        if self._ft is not None:
+            # The Trainer accumulates itself: the training loader must still yield a step's
+            # items, and only the Trainer's optimizer.step() commits.
+            self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process if self._ft is not None else super().is_world_process_zero()
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process if self._ft is not None else super().is_local_process_zero()
+
+    @property
+    def _ft(self):
+        acc = getattr(self, "accelerator", None)
+        return getattr(acc, "_ft", None)
+
+    # ---------------------------------------------------------------- the step
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self._ft is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        return _OneAtATime(epoch_iterator, num_batches), None
+
+    def _loss_is_scaled_for_ga(self) -> bool:
+        """The Trainer's own rule (``training_step``) with no ``num_items_in_batch``."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return self.compute_loss_func is not None
+
+    def training_step(self, model, inputs, num_items_in_batch: Optional[Any] = None):
+        ft = self._ft
+        if ft is not None:
+            ft.loss_scale = 1.0 if self._loss_is_scaled_for_ga() else float(self.current_gradient_accumulation_steps)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    # ---------------------------------------------------------------- checkpoints
+    # The Trainer synchronizes its processes around a checkpoint only through
+    # ``torch.distributed`` (its ``parallel_mode``), which the live group replaces: without a
+    # barrier the others would look for the new folder (``best_model_checkpoint``) or load the
+    # best model before the main process wrote it.  A member dying while a checkpoint is
+    # written makes the barrier recover the job; the (new) main process then writes it again.
+    def _written_by_everyone(self, write) -> None:
+        ft = self._ft
+        while True:
+            before = ft.ctx.recoveries
+            write()
+            self.accelerator.wait_for_everyone()
+            if ft.ctx.recoveries == before:
+                return
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        ft = self._ft
+        if ft is None or ft.ctx is None or not _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        self._written_by_everyone(lambda: super(FaultTolerantTrainer, self).save_model(output_dir, _internal_call))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        ft = self._ft
+        if ft is None or ft.ctx is None:
+            return super()._save_checkpoint(model, trial)
+        self._written_by_everyone(lambda: super(FaultTolerantTrainer, self)._save_checkpoint(model, trial))
+
+    # ---------------------------------------------------------------- logging
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        ft = self._ft
+        if ft is None or ft.ctx is None:
+            return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        if self.state.global_step != self._ft_counted and ft.ctx.last_loss is not None:
+            self._ft_loss += ft.ctx.last_loss
+            self._ft_counted = self.state.global_step
+        with torch.no_grad():
+            tr_loss.fill_(self._ft_loss)  # the global losses since the last log, not the local ones
+        logged = self._globalstep_last_logged
+        super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        if self._globalstep_last_logged != logged:
+            self._ft_loss = 0.0
+
+    def log(self, logs: dict, start_time: Optional[float] = None) -> None:
+        ft = self._ft
+        if ft is not None and "loss" in logs:  # training logs carry the ft/* metrics
+            logs = ft.log_values(logs)
+        super().log(logs, start_time)
