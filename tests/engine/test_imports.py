@@ -16,7 +16,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("chameleon_ft", "lightning_ft", "accelerate_ft")
+PACKAGES = ("chameleon_ft", "lightning_ft", "accelerate_ft", "transformers_ft")
 
 # layer -> the layers it may import (its own included).  engine <- sim; engine <- runtime <-
 # adapters <- cli; examples are user scripts (the public face and the runtime).
@@ -34,7 +34,7 @@ ALLOWED = {
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if parts[0] in ("lightning_ft", "accelerate_ft"):
+    if parts[0] in ("lightning_ft", "accelerate_ft", "transformers_ft"):
         return "adapters"
     if len(parts) == 1:
         return "top"

@@ -53,3 +53,15 @@ def test_lightning_recipe_survives_a_kill_with_the_same_eval_metric(tmp_path):
     assert got["workers"] == 3 and got["recoveries"] >= 1 and "recovered at step" in got["stdout"]
     assert got["steps"] == ref["steps"]
     assert abs(got["eval_accuracy"] - ref["eval_accuracy"]) <= 0.02
+
+
+@pytest.mark.chaos  # the Trainer path stays in CI with tests/transformers (tests/README.md)
+def test_trainer_recipe_survives_a_kill_with_the_same_eval_metric(tmp_path):
+    short = ("--epochs", "1", "--max-samples", "128")
+    ref = run("trainer_cls.py", tmp_path / "ref", *short)
+    got = run("trainer_cls.py", tmp_path / "kill", *short, "--kill-rank", "2", "--at-step", "3")
+    assert got["workers"] == 3 and got["recoveries"] >= 1 and "recovered at step" in got["stdout"]
+    assert got["steps"] == ref["steps"]
+    assert abs(got["eval_accuracy"] - ref["eval_accuracy"]) <= 0.02
+    losses = [h["loss"] for h in got["log_history"] if "loss" in h]
+    assert losses == pytest.approx([h["loss"] for h in ref["log_history"] if "loss" in h], rel=1e-4)
