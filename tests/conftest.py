@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -29,3 +31,19 @@ def pytest_sessionstart(session) -> None:
     for pkg in ("chameleon_ft", "lightning_ft", "accelerate_ft", "benchmarks", "recipes", "tests"):
         if (ROOT / pkg).is_dir():
             compileall.compile_dir(str(ROOT / pkg), quiet=1, workers=1)
+
+
+@pytest.fixture(autouse=True)
+def _no_exec_of_the_test_process(monkeypatch):
+    """The adapters turn ``python train.py`` into ``chameleon-ft run`` by exec (issue 26).  Done
+    in the pytest process by mistake, it replaces pytest with a launcher that keeps
+    pytest-timeout's pending SIGALRM and dies of it ("Alarm clock"), ending the whole run with
+    no report: refuse it here so that the test that did it fails by name."""
+    import os
+
+    def refuse(path, argv, env=None):
+        raise AssertionError(f"a test tried to exec the pytest process into {argv[:6]}...; "
+                             "set CHAMELEON_FT_NO_RELAUNCH=1 or patch os.execve in that test")
+
+    monkeypatch.setattr(os, "execve", refuse)
+    monkeypatch.setattr(os, "execv", refuse)

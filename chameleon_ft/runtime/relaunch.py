@@ -71,7 +71,7 @@ def relaunch(nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, endpoi
     argv += [*extra, *shlex.split(os.environ.get(RUN_ARGS, "")), script, *sys.argv[1:]]
     env = {k: v for k, v in os.environ.items() if k not in _PER_PROCESS}
     print(f"chameleon-ft: {why + ': ' if why else ''}running this job under `chameleon-ft run` so that "
-          f"the survivors of a failure train on (as `chameleon-ft run {shlex.join(argv[4:])}`)",
+          f"the survivors of a failure train on (as `chameleon-ft run {shlex.join(argv[3:])}`)",
           file=sys.stderr, flush=True)
     sys.stderr.flush()
     sys.stdout.flush()

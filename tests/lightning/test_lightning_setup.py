@@ -21,13 +21,34 @@ def no_launcher_env(monkeypatch):
 
 def test_callback_makes_ddp_fault_tolerant_and_ddp_ft_is_registered(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")  # processes started by a launcher
+    monkeypatch.setenv("CHAMELEON_FT_WORKER_ID", "0")  # a worker of chameleon-ft run
     cb = FaultToleranceCallback()
     for name in ("ddp", "ddp_ft"):
         t = Trainer(accelerator="cpu", devices=1, strategy=name, callbacks=[cb], logger=False)
         assert isinstance(t.strategy, FaultTolerantDDPStrategy)
 
 
-def test_lightnings_own_launcher_gives_a_clear_message():
+def test_lightnings_own_launcher_becomes_chameleon_ft_run(monkeypatch, capsys):
+    # ``python train.py`` with devices=2: this process becomes the launcher (exec captured here;
+    # the real-process tests in test_lightning_recovery.py run it for real).
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((path, argv, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setenv("MASTER_PORT", "12345")  # a per-process variable the workers must not inherit
+    with pytest.raises(SystemExit):
+        Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[FaultToleranceCallback()])
+    (path, argv, env), = calls
+    assert argv[1:5] == ["-m", "chameleon_ft.cli.launch", "--nproc-per-node", "2"]
+    assert "--preload" in argv and "MASTER_PORT" not in env
+    assert "Lightning would start the workers itself" in capsys.readouterr().err
+
+
+def test_lightnings_own_launcher_gives_a_clear_message_when_relaunching_is_off(monkeypatch):
+    monkeypatch.setenv("CHAMELEON_FT_NO_RELAUNCH", "1")
     with pytest.raises(LauncherError, match="chameleon-ft run.*rank 0.*ckpt_path"):
         Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[FaultToleranceCallback()])
 
