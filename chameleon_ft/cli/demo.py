@@ -11,7 +11,7 @@ By default the launcher may start one replacement (``--replacements 1``), expect
 runtime's configured ``replacement_eta_s`` (5 s), so the engine weighs ``wait`` (reroute until
 the replacement arrives, then heal it) against carrying on rerouted for good, over ``D``, the
 expected time to the next failure (estimated from a per-device failure rate and this run, or
-fixed with ``--mttf``).  With the estimate (days) waiting wins; with ``--mttf 5`` the next failure
+fixed with ``--mttf``).  With the estimate (days) waiting wins; with ``--mttf 3`` the next failure
 is expected before the replacement can help, so ``wait`` scores the same as ``reroute`` and the
 engine reroutes (equal scores go to the shorter transition).
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Optional
@@ -99,8 +100,15 @@ class CoordinatorServer:
                  *, min_replicas: int = 1, join_timeout_ms: int = 50,
                  heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10, token: Optional[str] = None):
         self.host = host
-        self._raw = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=30))
+        # The store listens on a socket bound here, to ``host`` only: given a port, TCPStore's
+        # server binds every interface (IPv6 dual-stack), whatever ``host`` says, and formats
+        # each peer's address with a reverse DNS look-up in its one event-loop thread -- for a
+        # v4-mapped ``::ffff:127.0.0.1`` that look-up goes to the DNS server, and where that
+        # answers slowly (measured: 5 s) every client of the job waits, the workers' cut-off
+        # (3 s) fires and the job stops.  Bound to 127.0.0.1 the peer is found in /etc/hosts.
+        self._listen = _listen_socket(host, store_port)
+        self._raw = dist.TCPStore(host, self._listen.getsockname()[1], is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=30), master_listen_fd=self._listen.fileno())
         digest = job_digest(token)
         self._raw.set(AUTH_KEY, digest)
         self.store = namespaced(self._raw, digest)  # what the launcher reads and writes
@@ -137,6 +145,23 @@ class CoordinatorServer:
 
     def shutdown(self) -> None:
         self._lighthouse.shutdown()
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host:port`` (port 0: any free one) for the store."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def read_latest(store: dist.Store) -> Optional[dict]:

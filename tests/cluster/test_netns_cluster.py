@@ -119,7 +119,7 @@ def test_a_partitioned_node_stops_by_itself_and_rejoins_once_healed(net, tmp_pat
 
 
 def test_delay_and_loss_slow_the_job_but_declare_no_failure(net, tmp_path):
-    """From step 3 on, 50 ms of delay and 1 % loss on every packet's way: TCP retransmits, the
+    """From step 3 on, 20 ms of delay and 1 % loss on every packet's way: TCP retransmits, the
     job trains to the end (slower), and no heartbeat timeout or collective watchdog fires.  (The
     job starts before the network is impaired: the embedded coordinator's quorum gathers its
     members for ``--join-timeout-ms`` after the first asks, so a start-up over a link this slow
@@ -130,7 +130,7 @@ def test_delay_and_loss_slow_the_job_but_declare_no_failure(net, tmp_path):
         _start(job, net)
         job.wait_step(3, 180)
         t0 = time.time()
-        print("from step 3:", net.impair(delay_ms=50, loss_pct=1.0))
+        print("from step 3:", net.impair(delay_ms=20, loss_pct=1.0))
         assert [p.wait(240) for p in job.launchers] == [0, 0, 0], job.output()[-4000:]
         evs = job.events()
     finally:

@@ -1,7 +1,7 @@
 """``--mttf`` from the launcher to the worker's engine, and ``chameleon-ft demo --mttf``: a
 short D changes the engine's decision in a real run (local CPU workers, one SIGKILLed from
 outside).  The default D comes from the failure-rate estimate
-(days): ``wait`` for the replacement wins; with ``--mttf 5`` the next failure is expected before
+(days): ``wait`` for the replacement wins; with ``--mttf 3`` the next failure is expected before
 the replacement (configured eta 5 s) could help, so waiting scores as rerouting and the engine
 reroutes."""
 
@@ -23,15 +23,15 @@ def _decision(run_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_with_a_short_mttf_reroutes_instead_of_waiting(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "chameleon_ft.cli", "demo", "--mttf", "5", "--epochs", "1",
+    out = subprocess.run([sys.executable, "-m", "chameleon_ft.cli", "demo", "--mttf", "3", "--epochs", "1",
                           "--at-step", "4", "--run-dir", str(tmp_path), "--timeout", "240"],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     d = _decision(tmp_path)
-    assert d["mttf_s"] == 5.0 and d["chosen"] == "reroute"
+    assert d["mttf_s"] == 3.0 and d["chosen"] == "reroute"
     cand = {c["policy"]: c for c in d["candidates"]}
     assert cand["wait"]["feasible"] and cand["wait"]["score"] == pytest.approx(cand["reroute"]["score"])
-    assert "D = 5" in out.stdout and "reroute" in out.stdout
+    assert "D = 3" in out.stdout and "reroute" in out.stdout
 
 
 

@@ -201,3 +201,36 @@ def test_replacement_worker_is_admitted(tmp_path):
         last = {w: [e for e in c.events(w) if e["event"] == "done"][-1] for w in range(N)}
         assert all(e["members"] == [0, 1, 2, 3] for e in last.values()), last
         assert all(e["ok"] for w in range(N) for e in _steps(c, w))
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp{,6}) with a socket listening on ``port``."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                out.add(addr)
+    return out
+
+
+def test_coordinator_store_listens_on_loopback_only():
+    # TCPStore's own server binds every interface whatever its host says (and then formats
+    # each peer by a reverse DNS look-up); ours is handed a socket bound to the given host.
+    from chameleon_ft.runtime.coordination import CoordinatorServer
+    from chameleon_ft.runtime.membership import connect_store
+
+    server = CoordinatorServer()
+    try:
+        port = int(server.store_addr.rsplit(":", 1)[1])
+        assert _listening(port) == {"0100007F"}, _listening(port)  # 127.0.0.1, nothing else
+        client = connect_store(server.store_addr, 5.0)
+        client.set("k", "v")
+        assert server.store.get("k") == b"v"
+    finally:
+        server.shutdown()

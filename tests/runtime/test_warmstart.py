@@ -49,7 +49,8 @@ def spawner(tmp_path):
 
 def _run(spawner, tmp_path, mode, rank="0"):
     script = tmp_path / "probe.py"
-    script.write_text(PROBE)
+    if not script.exists():  # rewriting it could truncate it under a child still reading it
+        script.write_text(PROBE)
     out = tmp_path / f"probe_{mode}.json"
     env = dict(os.environ, RANK=rank, PROBE_OUT=str(out))
     return spawner.spawn([str(script), mode, "x"], env), out
