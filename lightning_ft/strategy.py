@@ -340,7 +340,8 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         # At least one micro-batch per member and step (ElasticConfig.one_microbatch_each).
         config = dataclasses.replace(self.ft_config or ElasticConfig(), one_microbatch_each=True)
         return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
-                                    scheduler=_SchedulerState(self), config=config, env=self.env, **kw)
+                                    scheduler=_SchedulerState(self), config=config, env=self.env,
+                                    control_collectives=True, **kw)  # metric syncs, barriers
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None,

@@ -21,8 +21,9 @@ How survivors learn about a death (measured on torch 2.13, gloo/TCP, loopback):
 
 Collective headers.  Gloo pairs the ops of a group by their order only: a barrier on one member
 meets whatever its peer runs next, and two ops of different sizes abort the process in gloo's
-size check (``EnforceNotMet``, SIGABRT, uncatchable).  So the step's gradient all-reduce and
-the adapters' control collectives run ``checked(kind, tensor)`` first: one all-gather of a
+size check (``EnforceNotMet``, SIGABRT, uncatchable).  So the step's gradient all-reduce (where
+control collectives can run between steps: ``control_allowed``) and the adapters' control
+collectives run ``checked(kind, tensor)`` first: one all-gather of a
 fixed-size int64 header (``HEADER_LEN`` on every member, whatever the op) carrying the op kind
 and the facts that must agree (label, dtype, reduce op or broadcast source, size, shape).  Data
 moves only when every member's header agrees.  Otherwise every member sees the same headers
@@ -68,6 +69,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.membership import MembershipView, abort_key
 
 log = logging.getLogger(__name__)
@@ -222,6 +224,9 @@ class GroupManager:
         # Why control collectives are skipped until the next runtime header matches (module doc).
         self.realigning: Optional[str] = None
         self._p2p_pool: Optional[ThreadPoolExecutor] = None
+        # False when the executor's step all-reduce runs without a header: a control
+        # collective could then meet it and abort the process in gloo's size check.
+        self.control_allowed = True
 
     # ------------------------------------------------------------------ groups
     @property
@@ -416,6 +421,10 @@ class GroupManager:
         differing runtime kinds abort the generation (``CollectiveFailure``, ``"mismatch"``).
         """
         runtime = kind in RUNTIME_KINDS
+        if not runtime and not self.control_allowed:
+            raise ConfigError(f"a {kind} collective outside the training step: this executor's step "
+                              "all-reduce carries no header, so a peer could meet it there; construct "
+                              "the executor with control_collectives=True to run control collectives")
         mine = encode_header(kind, tensor, label, arg)
         call = describe_header(mine)
         if not runtime and self.realigning is not None:

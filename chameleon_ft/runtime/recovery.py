@@ -210,6 +210,8 @@ class RecoveryCore:
         if joined is None:
             joined = join_job(self.env, self.cfg, self.hang_timeout_s)
         self.membership, self.gm = joined.membership, joined.gm
+        # Without a step header a control collective could meet the step's all-reduce: refused.
+        self.gm.control_allowed = self.step_header is not None
         view = joined.view
         timer.mark("membership")
         if self.log:

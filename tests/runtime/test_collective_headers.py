@@ -101,3 +101,19 @@ def test_collective_mismatch_is_not_a_failure():
     # Adapters catch CollectiveFailure to recover the job; a mismatch must not trigger that.
     from chameleon_ft.runtime.groups import CollectiveFailure
     assert not issubclass(CollectiveMismatch, CollectiveFailure)
+
+
+def test_control_collectives_are_refused_where_the_step_has_no_header():
+    # The data-parallel executor's step all-reduce runs without a header unless it is built
+    # with control_collectives=True (the adapters do): a control collective could meet it
+    # there and abort the process in gloo's size check, so it is refused before any I/O.
+    from chameleon_ft.runtime.errors import ConfigError
+    from chameleon_ft.runtime.executors.dp import DataParallelExecutor
+    from chameleon_ft.runtime.groups import GroupManager
+
+    assert DataParallelExecutor.step_header is None
+    gm = GroupManager(None, 0, lambda: None)
+    gm.control_allowed = False
+    for kind in ("barrier", "reduce", "all_gather", "broadcast"):
+        with pytest.raises(ConfigError, match="control_collectives=True"):
+            gm.checked(kind)

@@ -44,7 +44,15 @@ class DataParallelExecutor(RecoveryCore):
     POLICIES = frozenset({"reroute", "replan", "shrink", "wait", "restart", "keep", "rebalance",
                           "heal", "grow"})
 
-    def __init__(self, *args, **kwargs):
+    # The step's all-reduce carries no header (one collective per step, as DDP): between two
+    # steps the members run nothing else unless an adapter offers the user control
+    # collectives (metric syncs, barriers), which must then give way to the step
+    # (``control_collectives=True``: the adapters pass it; groups.py, "Collective headers").
+    step_header = None
+
+    def __init__(self, *args, control_collectives: bool = False, **kwargs):
+        if control_collectives:
+            self.step_header = "step"
         super().__init__(*args, **kwargs)
         # Slots of the current step whose gradients this member holds (kept across a failed
         # all-reduce), and the slots it still has to compute when a failure interrupted it.

@@ -45,7 +45,7 @@ def main():
     data = Synthetic()
     ce = torch.nn.CrossEntropyLoss()
     ctx = DataParallelExecutor(model, opt, len(data), 32, 4, seed=3,
-                         config=ElasticConfig(stragglers=False))
+                               config=ElasticConfig(stragglers=False), control_collectives=True)
     coll = LiveCollectives(lambda: ctx.gm, lambda: ctx.view, lambda: ctx.hang_timeout_s,
                            who="mismatch_worker")
     seen: dict = {}
