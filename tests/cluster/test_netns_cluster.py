@@ -119,24 +119,24 @@ def test_a_partitioned_node_stops_by_itself_and_rejoins_once_healed(net, tmp_pat
 
 
 def test_delay_and_loss_slow_the_job_but_declare_no_failure(net, tmp_path):
-    """From step 3 on, 20 ms of delay and 1 % loss on every packet's way: TCP retransmits, the
+    """From step 3 on, 50 ms of delay and 1 % loss on every packet's way: TCP retransmits, the
     job trains to the end (slower), and no heartbeat timeout or collective watchdog fires.  (The
     job starts before the network is impaired: the embedded coordinator's quorum gathers its
     members for ``--join-timeout-ms`` after the first asks, so a start-up over a link this slow
     needs a longer window; docs/cluster.md.)"""
     print("before:", net.impair(0, 0))
-    job = Job(tmp_path, nproc=2, epochs=3, mb_sleep=0.02, hang_timeout=10)
+    job = Job(tmp_path, nproc=2, epochs=2, mb_sleep=0.02, hang_timeout=10)  # ~2 s a step once impaired
     try:
         _start(job, net)
         job.wait_step(3, 180)
         t0 = time.time()
-        print("from step 3:", net.impair(delay_ms=20, loss_pct=1.0))
+        print("from step 3:", net.impair(delay_ms=50, loss_pct=1.0))
         assert [p.wait(240) for p in job.launchers] == [0, 0, 0], job.output()[-4000:]
         evs = job.events()
     finally:
         job.cleanup()
     assert not _events(evs, "failure") and not _events(evs, "recovery"), _events(evs, "failure")
-    assert_exactly_once(evs, 3)
+    assert_exactly_once(evs, 2)
     ts = sorted(e["ts"] for e in _events(evs, "step") if e["worker"] == 0)
     gaps = lambda pick: sorted(b - a for a, b in zip(ts, ts[1:]) if pick(a))  # noqa: E731
     fast, slow = gaps(lambda a: a < t0), gaps(lambda a: a > t0 + 1)
