@@ -171,13 +171,15 @@ def migrate(
 
 def _transfers(old, plan, workload, cluster, held, classes_changed) -> tuple[list[Transfer], list[Held]]:
     k = plan.shard_degree
-    sources = _SourceIndex(held, cluster) if old is not None else None
+    sources = None  # built for the first slot that needs state (O(devices): often none does)
     out: list[Transfer] = []
     lost: list[Held] = []
     for j, pipe in enumerate(plan.pipelines):
         for s, d in enumerate(pipe.devices):
             if d not in classes_changed:
                 continue
+            if sources is None and old is not None:
+                sources = _SourceIndex(held, cluster)
             need = pipe.layers_of_stage(s)
             for lo, hi in missing_ranges(need, _covers(held.get(d), j % k, k)):
                 at = lo

@@ -169,7 +169,7 @@ def estimate(
     parts = np.zeros((len(plan.pipelines), 3))  # compute, bubble, p2p
     memory: list = []
     over: list[int] = []
-    alive_nodes: set[int] = set()
+    node_lo, node_hi = None, None  # the alive devices' lowest and highest node (one node: equal)
     peak = 0.0
     for bounds, members in groups.items():
         p = len(bounds) - 1
@@ -218,9 +218,12 @@ def estimate(
         if mem_alive.size:
             peak = max(peak, float(mem_alive.max()))
             over.extend(ids[mem_alive > mem_of[idx[alive]]].tolist())
-            alive_nodes.update(np.unique(node_of[idx[alive]]).tolist())
+            nodes = node_of[idx[alive]]
+            lo, hi = int(nodes.min()), int(nodes.max())
+            node_lo = lo if node_lo is None else min(node_lo, lo)
+            node_hi = hi if node_hi is None else max(node_hi, hi)
 
-    coll_link = cluster.inter if len(alive_nodes) > 1 else cluster.intra
+    coll_link = cluster.inter if node_lo is not None and node_lo != node_hi else cluster.intra
     allreduce, fsdp = _sync_times(plan, workload, cluster, dead, coll_link)
     allreduce *= ms
     fsdp *= ms

@@ -166,19 +166,24 @@ def validate(
     ``num_microbatches`` defaults to the workload's (global batch conserved exactly)."""
     if not plan.pipelines:
         raise PlanError("the plan has no pipelines")
+    checked: set[tuple[int, tuple]] = set()  # (depth, bounds) already found valid: most pipelines share one
     for j, pipe in enumerate(plan.pipelines):
-        if pipe.depth == 0:
+        if pipe.microbatches < 0:
+            raise PlanError(f"pipeline {j}: negative micro-batch count")
+        depth = len(pipe.devices)
+        if (depth, pipe.bounds) in checked:
+            continue
+        if depth == 0:
             raise PlanError(f"pipeline {j} has no stages")
-        if len(pipe.bounds) != pipe.depth + 1:
+        if len(pipe.bounds) != depth + 1:
             raise PlanError(
-                f"pipeline {j}: {pipe.depth} stages need {pipe.depth + 1} layer bounds, got {len(pipe.bounds)}"
+                f"pipeline {j}: {depth} stages need {depth + 1} layer bounds, got {len(pipe.bounds)}"
             )
         if pipe.bounds[0] != 0 or pipe.bounds[-1] != workload.num_layers:
             raise PlanError(f"pipeline {j}: layer bounds must cover 0..{workload.num_layers}, got {pipe.bounds}")
         if any(b >= c for b, c in zip(pipe.bounds, pipe.bounds[1:])):
             raise PlanError(f"pipeline {j}: every stage needs at least one layer, bounds {pipe.bounds}")
-        if pipe.microbatches < 0:
-            raise PlanError(f"pipeline {j}: negative micro-batch count")
+        checked.add((depth, pipe.bounds))
     devices = plan.devices
     seen = set(devices)
     if len(seen) != len(devices):

@@ -229,7 +229,14 @@ def at_least_one_each(counts: Sequence[int], members: Sequence[int]) -> list[int
 
 # -- search -----------------------------------------------------------------------------
 def _ordered(cluster: Cluster, devices: Iterable[int]) -> list[int]:
-    return sorted(devices, key=lambda d: (cluster[d].node, d))
+    """``devices`` by (node, id); vectorised (131k devices: a Python sort key was ~60 ms)."""
+    ids = np.fromiter(devices, dtype=np.int64)
+    arrays = cluster.arrays()
+    known = (ids >= 0) & (ids < len(arrays.index))
+    pos = arrays.index[np.where(known, ids, 0)]
+    if not bool((known & (pos >= 0)).all()):  # an unknown device: the same KeyError as cluster[d]
+        return sorted(ids.tolist(), key=lambda d: (cluster[d].node, d))
+    return ids[np.lexsort((ids, arrays.node[pos]))].tolist()
 
 
 class _Builder:

@@ -15,11 +15,11 @@ def _stage_counts(plan: Plan, alive: set[int]) -> dict[tuple, int]:
     """Alive devices per (layer bounds, shard index, stage) — grouped by pipeline template so
     that this costs O(pipelines + dead devices), not O(devices)."""
     k = plan.shard_degree
-    counts: dict[tuple, int] = {}
+    templates: dict[tuple, int] = {}  # (layer bounds, shard index) -> pipelines
     for j, pipe in enumerate(plan.pipelines):
-        for s in range(pipe.depth):
-            key = (pipe.bounds, j % k, s)
-            counts[key] = counts.get(key, 0) + 1
+        key = (pipe.bounds, j % k)
+        templates[key] = templates.get(key, 0) + 1
+    counts = {(bounds, q, s): n for (bounds, q), n in templates.items() for s in range(len(bounds) - 1)}
     for d in set(plan.devices) - alive:
         j, s = plan.locate(d)
         counts[(plan.pipelines[j].bounds, j % k, s)] -= 1
