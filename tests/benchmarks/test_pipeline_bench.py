@@ -50,7 +50,7 @@ def synthetic():
          "rounds": 2, "predicted_bytes": 3000, "predicted_s": 0.01, "seconds": 0.7},
         {"event": "migration", "ts": 11.6, "step": 11, "phase": "end", "bytes": 0, "transfers": 0,
          "rounds": 2, "predicted_bytes": 3000, "predicted_s": 0.01, "seconds": 0.5},
-        {"event": "recovery", "ts": 12.0, "mttr": {"detect": 0.3, "membership": 0.1, "rebuild": 0.05,
+        {"event": "recovery", "ts": 12.0, "mttr": {"detect": 0.9, "membership": 0.1, "rebuild": 0.05,
                                                      "state_transfer": 0.7, "first_step": 0.35}},
     ]
     predicted = [[5, 0.9, "2x PP4 on 8 devices"], [11, 0.95, "2x PP4 on 8 devices"],
@@ -65,6 +65,8 @@ def test_kill_metrics_from_a_synthetic_log():
     assert m["mttr_s"] == pytest.approx(1.5)
     assert m["mttr_log_s"] == pytest.approx(1.5)
     assert m["breakdown"]["state_transfer"] == pytest.approx(0.7)
+    # Noticed 0.3 s after the kill, although the member's detect phase (from its step start) is 0.9.
+    assert m["noticed_s"] == pytest.approx(0.3)
     # Only the migration after the kill counts; the start-up one (step 0) does not.
     assert m["migration"]["bytes"] == 3000 and m["migration"]["transfers"] == 3
     assert m["migration"]["predicted_bytes"] == 3000 and m["migration"]["rounds"] == 2
