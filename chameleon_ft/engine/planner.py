@@ -248,10 +248,12 @@ class _Builder:
         self.min_each = min_each
         self._unit: dict[tuple, float] = {}
 
-    def pipeline(self, devs: Sequence[int]) -> tuple[tuple[int, ...], float] | None:
-        speeds = tuple(self.c[d].speed for d in devs)
-        mems = tuple(self.c[d].memory_bytes for d in devs)
-        nodes = tuple(self.c[d].node for d in devs)
+    def pipeline(self, devs: Sequence[int], facts: tuple | None = None) -> tuple[tuple[int, ...], float] | None:
+        """``facts``: the chunk's (speeds, memories, nodes), when the caller has them already."""
+        if facts is None:
+            facts = (tuple(self.c[d].speed for d in devs), tuple(self.c[d].memory_bytes for d in devs),
+                     tuple(self.c[d].node for d in devs))
+        speeds, mems, nodes = facts
         bounds = _balanced(self.w, speeds, self.k, mems, self.shard)
         if bounds is None:
             return None
@@ -267,8 +269,17 @@ class _Builder:
             return None
         pipes = [(pipe.devices, pipe.bounds) for pipe in fixed]
         units = unit_times(fixed, self.w, self.c, self.k).tolist() if fixed else []
+        # Every chunk's device facts in one gather (131k dict look-ups per plan otherwise).
+        flat = [d for devs in chunks for d in devs]
+        arrays = self.c.arrays()
+        pos = arrays.index[np.asarray(flat, dtype=np.int64)] if flat else np.zeros(0, dtype=np.int64)
+        speed, mem, node = (arrays.speed[pos].tolist(), arrays.memory[pos].tolist(), arrays.node[pos].tolist())
+        at = 0
         for devs in chunks:
-            built = self.pipeline(devs)
+            n = len(devs)
+            facts = (tuple(speed[at:at + n]), tuple(mem[at:at + n]), tuple(node[at:at + n]))
+            at += n
+            built = self.pipeline(devs, facts)
             if built is None:
                 return None
             pipes.append((tuple(devs), built[0]))
