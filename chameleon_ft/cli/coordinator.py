@@ -49,6 +49,7 @@ class CoordinatorOps:
     def __init__(self):
         self.server = None
         self.store = None
+        self.lighthouse_addr: Optional[str] = None  # None: etcd keeps the membership
 
     def host(self, host: str, port: int, join_timeout_ms: int,
              heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
@@ -62,6 +63,7 @@ class CoordinatorOps:
             raise CoordinatorOpError("failed", str(exc)) from exc
         self.store = self.server.store
         self.store.set(LIGHTHOUSE_KEY, self.server.lighthouse_addr)
+        self.lighthouse_addr = self.server.lighthouse_addr
         return self.server.store_addr, self.server.lighthouse_addr
 
     def connect(self, endpoint: str, timeout_s: float) -> str:
@@ -75,6 +77,7 @@ class CoordinatorOps:
             # From here a call that gets no answer fails fast: the launcher polls every 50 ms
             # and must stay responsive (SIGTERM) when node 0 is out of reach.
             self.store.set_timeout(timedelta(seconds=2))
+            self.lighthouse_addr = lighthouse
             return lighthouse
         except MembershipError as exc:
             raise CoordinatorOpError("refused" if "refused by" in str(exc) else "unreachable", str(exc)) from exc
@@ -106,9 +109,11 @@ class CoordinatorOps:
                 time.sleep(0.5)
 
     def report_dead(self, worker_id: int, reason: str) -> None:
-        from chameleon_ft.runtime.membership import report_dead
+        from chameleon_ft.runtime.membership import report_dead, stand_in_for_the_dead
 
         report_dead(self.store, worker_id, reason)
+        if self.lighthouse_addr:  # the survivors agree as soon as they all asked
+            stand_in_for_the_dead(self.lighthouse_addr, worker_id)
 
     def read_latest(self) -> Optional[dict]:
         from chameleon_ft.runtime.membership import read_latest

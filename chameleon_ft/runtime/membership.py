@@ -17,10 +17,13 @@ Pieces:
 
 How a quorum forms (Lighthouse rules): at once when every member of the previous quorum asks
 again ("fast quorum"); otherwise when every heartbeating worker has asked, or ``join_timeout_ms``
-after the first request, provided more than half of the heartbeating workers asked.  So after
-a SIGKILL agreement takes about ``join_timeout_ms`` (the dead worker still looks healthy until
-``heartbeat_timeout_ms``); if two of four die before their heartbeats expire, agreement waits
-for ``heartbeat_timeout_ms`` (split-brain guard).
+after the first request, provided more than half of the heartbeating workers asked.  A dead
+worker never asks and looks healthy until ``heartbeat_timeout_ms``, so after a SIGKILL the
+survivors waited ``join_timeout_ms``.  Now the launcher that saw the worker exit asks in its
+name (``stand_in_for_the_dead``, marked in the member data, dropped from every member's view):
+the quorum is complete as soon as every survivor asked.  A death nobody saw (a lost node, a
+partition, a hang) still takes the join window; if two of four die before their heartbeats
+expire, agreement waits for ``heartbeat_timeout_ms`` (split-brain guard).
 
 Limits, honestly:
 
@@ -62,7 +65,7 @@ from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd
 log = logging.getLogger(__name__)
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
-           "read_latest", "report_dead", "stop_job", "read_stop", "connect_store"]
+           "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,44 @@ class MembershipView:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "members": list(self.members),
                            "token": self.token})
+
+
+STAND_IN = "stand_in_for_dead"  # quorum member data of a request made for a dead worker
+
+
+def _stood_in(member) -> bool:
+    data = getattr(member, "data", None) or {}
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return False
+    return isinstance(data, dict) and bool(data.get(STAND_IN))
+
+
+def stand_in_for_the_dead(lighthouse_addr: str, worker_id: int, timeout_s: float = 5.0) -> threading.Thread:
+    """Ask the Lighthouse for the next quorum in the name of ``worker_id``, which its launcher
+    saw exit, so that the survivors agree as soon as all of them asked.
+
+    The Lighthouse forms a quorum at once only when every member of the previous one asked;
+    a dead worker never asks and keeps looking healthy until its heartbeat times out, so the
+    survivors waited ``join_timeout_ms`` (most of a recovery's agreement).  This request
+    completes the set; its member data marks it, and every member drops it from the view
+    (``Membership._to_view``), alike since they all receive the same quorum.  The request runs
+    in a daemon thread and gives up after ``timeout_s`` (nobody asked: nothing happens)."""
+    from torchft._torchft import LighthouseClient
+
+    def ask() -> None:
+        try:
+            client = LighthouseClient(lighthouse_addr, timedelta(seconds=2))
+            client.quorum(replica_id=str(worker_id), timeout=timedelta(seconds=timeout_s),
+                          data={"worker_id": int(worker_id), STAND_IN: True})
+        except Exception as exc:  # timed out (no round), or the coordinator is gone
+            log.debug("stand-in request for worker %d: %s", worker_id, exc)
+
+    t = threading.Thread(target=ask, name=f"cft-stand-in-{worker_id}", daemon=True)
+    t.start()
+    return t
 
 
 def _parse_hostport(addr: str) -> tuple[str, int]:
@@ -432,6 +473,8 @@ class Membership:
                     raise MembershipError(f"coordinator unreachable: {exc}") from exc
                 continue
             view = self._to_view(quorum)
+            if view is None:
+                continue
             self._view = view
             self._publish(view)
             dead = self._reported_dead(view.members)
@@ -442,8 +485,13 @@ class Membership:
                 continue
             return view
 
-    def _to_view(self, quorum) -> MembershipView:
-        members = tuple(sorted(int(p.replica_id) for p in quorum.participants))
+    def _to_view(self, quorum) -> Optional[MembershipView]:
+        """The view of ``quorum`` without the dead workers a launcher stood in for
+        (``stand_in_for_the_dead``); None when this worker's own request was overwritten by
+        such a stand-in (a replacement that reuses a dead worker's id: it asks again)."""
+        members = tuple(sorted(int(p.replica_id) for p in quorum.participants if not _stood_in(p)))
+        if self.worker_id not in members:
+            return None
         created = quorum.created
         token = f"{quorum.quorum_id}.{created.seconds}{created.nanos:09d}"
         return MembershipView(generation=int(quorum.quorum_id), members=members,
