@@ -234,3 +234,46 @@ def test_coordinator_store_listens_on_loopback_only():
         assert server.store.get("k") == b"v"
     finally:
         server.shutdown()
+
+
+def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
+    # A join window far longer than the test: only a complete set of askers forms a quorum in
+    # time.  Round 1: workers 0, 1, 2.  Worker 2 dies; its launcher asks in its name: the
+    # survivors' round forms at once, and every view leaves worker 2 out.
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torchft._torchft import LighthouseClient
+
+    from chameleon_ft.runtime.membership import stand_in_for_the_dead
+
+    server = CoordinatorServer(join_timeout_ms=20_000, heartbeat_timeout_ms=60_000)
+    addr = server.lighthouse_addr
+    got: dict = {}
+
+    def ask(w):
+        c = LighthouseClient(addr, timedelta(seconds=5))
+        c.heartbeat(str(w))
+        t0 = time.monotonic()
+        q = c.quorum(replica_id=str(w), timeout=timedelta(seconds=15), data={"worker_id": w})
+        got[w] = (time.monotonic() - t0, q)
+
+    try:
+        ts = [threading.Thread(target=ask, args=(w,)) for w in (0, 1, 2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        got.clear()
+        ts = [threading.Thread(target=ask, args=(w,)) for w in (0, 1)]
+        [t.start() for t in ts]
+        stand_in_for_the_dead(addr, 2).join(10)
+        [t.join(20) for t in ts]
+        assert sorted(got) == [0, 1]
+        assert max(s for s, _ in got.values()) < 5.0  # not the 20 s window
+        for w, (_, q) in got.items():
+            view = Membership._to_view(SimpleNamespace(worker_id=w), q)
+            assert view.members == (0, 1) and view.world_size == 2
+        # A replacement whose request a stand-in overwrote is not in its own view: it asks again.
+        assert Membership._to_view(SimpleNamespace(worker_id=2), got[0][1]) is None
+    finally:
+        server.shutdown()
