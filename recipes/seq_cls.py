@@ -59,18 +59,25 @@ def cls_args(doc: str):
                           str(_common.HERE / "data"), "512 by default: 16 steps/epoch on 4 workers").parse_args()
 
 
+def cls_start(doc: str, script: str):
+    """The classification recipes' start: the command line, ``chameleon-ft run`` when not under
+    it yet, one thread and the seed, the data: (args, path, train rows, eval rows, labels, collate)."""
+    a = cls_args(doc)
+    _common.launch_if_needed(a, script)
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    return (a, *classification_data(a))
+
+
 def main():
-    a = cls_args(__doc__)
-    _common.launch_if_needed(a, __file__)
+    a, path, train_rows, eval_rows, labels, collate = cls_start(__doc__, __file__)
     import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification
 
     from accelerate_ft import FaultTolerantAccelerator
-
-    torch.set_num_threads(1)
-    torch.manual_seed(a.seed)
-    path, train_rows, eval_rows, labels, collate = classification_data(a)
 
     acc = FaultTolerantAccelerator(gradient_accumulation_steps=1)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(labels))

@@ -17,21 +17,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from seq_cls import classification_data, cls_args  # noqa: E402
+from seq_cls import cls_start  # noqa: E402
 
 
 def main():
-    a = cls_args(__doc__)
-    _common.launch_if_needed(a, __file__)
+    a, path, train_rows, eval_rows, labels, collate = cls_start(__doc__, __file__)
     import numpy as np
-    import torch
     from transformers import AutoModelForSequenceClassification, TrainingArguments
 
     from transformers_ft import FaultTolerantTrainer  # was: from transformers import Trainer
 
-    torch.set_num_threads(1)
-    torch.manual_seed(a.seed)
-    path, train_rows, eval_rows, labels, collate = classification_data(a)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(labels))
     out = a.out or "."
     steps = max(1, len(train_rows) // (a.batch_size * 2 * a.workers))
