@@ -11,8 +11,10 @@ an etcd cluster instead (``runtime/etcd.py``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Optional
@@ -20,9 +22,11 @@ from typing import Optional
 import torch.distributed as dist
 
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
-from torchft._torchft import LighthouseServer
+from torchft._torchft import LighthouseClient, LighthouseServer
 
-__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop",
+log = logging.getLogger(__name__)
+
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
            "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
@@ -162,6 +166,42 @@ def _listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+STAND_IN = "stand_in_for_dead"  # quorum member data of a request made for a dead worker
+
+
+def _stood_in(member) -> bool:
+    data = getattr(member, "data", None) or {}
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return False
+    return isinstance(data, dict) and bool(data.get(STAND_IN))
+
+
+def stand_in_for_the_dead(lighthouse_addr: str, worker_id: int, timeout_s: float = 5.0) -> threading.Thread:
+    """Ask the Lighthouse for the next quorum in the name of ``worker_id``, which its launcher
+    saw exit, so that the survivors agree as soon as all of them asked.
+
+    The Lighthouse forms a quorum at once only when every member of the previous one asked;
+    a dead worker never asks and keeps looking healthy until its heartbeat times out, so the
+    survivors waited ``join_timeout_ms`` (most of a recovery's agreement).  This request
+    completes the set; its member data marks it, and every member drops it from the view
+    (``Membership._to_view``), alike since they all receive the same quorum.  The request runs
+    in a daemon thread and gives up after ``timeout_s`` (nobody asked: nothing happens)."""
+    def ask() -> None:
+        try:
+            client = LighthouseClient(lighthouse_addr, timedelta(seconds=2))
+            client.quorum(replica_id=str(worker_id), timeout=timedelta(seconds=timeout_s),
+                          data={"worker_id": int(worker_id), STAND_IN: True})
+        except Exception as exc:  # timed out (no round), or the coordinator is gone
+            log.debug("stand-in request for worker %d: %s", worker_id, exc)
+
+    t = threading.Thread(target=ask, name=f"cft-stand-in-{worker_id}", daemon=True)
+    t.start()
+    return t
 
 
 def read_latest(store: dist.Store) -> Optional[dict]:

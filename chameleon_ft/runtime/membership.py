@@ -58,7 +58,8 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, JobTokenError, _beat_key, _dead_key,
-    _incarnation_key, abort_key, check_token, job_digest, namespaced, read_latest, read_stop, report_dead, stop_job)
+    _incarnation_key, _stood_in, abort_key, check_token, job_digest, namespaced, read_latest, read_stop, report_dead,
+    stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
 
@@ -86,44 +87,6 @@ class MembershipView:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "members": list(self.members),
                            "token": self.token})
-
-
-STAND_IN = "stand_in_for_dead"  # quorum member data of a request made for a dead worker
-
-
-def _stood_in(member) -> bool:
-    data = getattr(member, "data", None) or {}
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except ValueError:
-            return False
-    return isinstance(data, dict) and bool(data.get(STAND_IN))
-
-
-def stand_in_for_the_dead(lighthouse_addr: str, worker_id: int, timeout_s: float = 5.0) -> threading.Thread:
-    """Ask the Lighthouse for the next quorum in the name of ``worker_id``, which its launcher
-    saw exit, so that the survivors agree as soon as all of them asked.
-
-    The Lighthouse forms a quorum at once only when every member of the previous one asked;
-    a dead worker never asks and keeps looking healthy until its heartbeat times out, so the
-    survivors waited ``join_timeout_ms`` (most of a recovery's agreement).  This request
-    completes the set; its member data marks it, and every member drops it from the view
-    (``Membership._to_view``), alike since they all receive the same quorum.  The request runs
-    in a daemon thread and gives up after ``timeout_s`` (nobody asked: nothing happens)."""
-    from torchft._torchft import LighthouseClient
-
-    def ask() -> None:
-        try:
-            client = LighthouseClient(lighthouse_addr, timedelta(seconds=2))
-            client.quorum(replica_id=str(worker_id), timeout=timedelta(seconds=timeout_s),
-                          data={"worker_id": int(worker_id), STAND_IN: True})
-        except Exception as exc:  # timed out (no round), or the coordinator is gone
-            log.debug("stand-in request for worker %d: %s", worker_id, exc)
-
-    t = threading.Thread(target=ask, name=f"cft-stand-in-{worker_id}", daemon=True)
-    t.start()
-    return t
 
 
 def _parse_hostport(addr: str) -> tuple[str, int]:
