@@ -136,6 +136,7 @@ class StepProtocol:
         self.eval_restart: Optional[tuple[int, bool]] = None  # (from sample, alone) after a recovery
         self.eval_alone = False  # this evaluation runs over every sample on this member
         self.eval_complete: Optional[bool] = None  # of the last evaluation
+        self.eval_failures = 0  # collectives that failed inside an evaluation, ever
         self.saves = 0  # save_state calls (their activity tag, see barrier_or_redo)
         self.last_step: dict = {}
         # trackers
@@ -446,6 +447,7 @@ class StepProtocol:
         """A collective of an evaluation failed: recover the job now; the evaluation goes on
         from the first sample not every survivor gathered (re-split over them), or -- when
         some survivor was not in this evaluation -- this member finishes it alone."""
+        self.eval_failures += 1
         ctx = self.ctx
         if ctx is None:  # evaluating before training started: no state to agree on
             self.coll.degraded, self.eval_complete = True, False

@@ -311,13 +311,19 @@ class GroupManager:
         """Enqueue ``fn(group) -> Work`` without waiting (a point-to-point send that the
         pipeline executor waits for later); ``wait`` it, or the generation's failure ends it.
         ``check_abort=False`` skips the store look-up (point-to-point ops: their wait checks)."""
-        while self.paused():  # the membership's guard ends the process if this lasts too long
-            time.sleep(0.05)
-        # Someone may already have ended this generation (e.g. a joiner is waiting); checked
-        # first, since a watchdog expiry leaves the generation aborted and its group parked.
-        record = self.abort_record() if check_abort else None
-        if record is not None:
-            raise self._failure("generation aborted", "aborted", record)
+        while True:
+            while self.paused():  # the membership's guard ends the process if this lasts too long
+                time.sleep(0.05)
+            # Someone may already have ended this generation (e.g. a joiner is waiting); checked
+            # first, since a watchdog expiry leaves the generation aborted and its group parked.
+            record = self.abort_record() if check_abort else None
+            if record is not None:
+                raise self._failure("generation aborted", "aborted", record)
+            # The look-up may have blocked on a store that stopped answering (etcd without a
+            # quorum) and reported "no abort": look at the pause again, so that no collective
+            # (a step's commit) starts without a working membership.
+            if not self.paused():
+                break
         pg = self.group()
         try:
             return fn(pg)

@@ -84,9 +84,26 @@ def relaunch_local_rank_zero(local_rank: int, nproc_per_node: int, nnodes: int, 
     node's launcher (coordinator on ``port + 1``), the others leave (exit 0)."""
     if launched() or os.environ.get(NO_RELAUNCH) == "1":
         return
+    _quiesce()
     if local_rank != 0:
         print(f"chameleon-ft: local rank {local_rank} leaves its place to a worker of this node's "
               "`chameleon-ft run` (started by local rank 0)", file=sys.stderr, flush=True)
         os._exit(0)
     relaunch(nproc_per_node, nnodes=nnodes, node_rank=node_rank, endpoint=f"{address}:{int(port) + 1}",
              extra=extra, why=why)
+
+
+def _quiesce() -> None:
+    """Every rank at this point before any leaves: the script may have formed the launcher's
+    process group already (``TrainingArguments`` does, on its ``device``), and a rank that
+    exits while a peer is still connecting that group's full mesh makes the peer fail
+    ("Connection closed by peer", seen under ``accelerate launch``)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # the launcher's group is about to be given up anyway
+        pass
+
