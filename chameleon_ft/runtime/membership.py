@@ -540,15 +540,23 @@ class _Liveness:
     """Which members' liveness counters stopped moving (this worker's clock only: no clock is
     compared across machines)."""
 
-    def __init__(self, worker_id: int, timeout_s: Optional[float], every_s: float = 0.1):
+    def __init__(self, worker_id: int, timeout_s: Optional[float], every_s: float = 0.1,
+                 grace_s: float = 2.0):
         self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
+        self.grace_s = grace_s  # after an outage: a peer's store request may still be blocked this long
         self._next = 0.0
         self._token: Optional[str] = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: set[int] = set()
+        self._judge_after = 0.0
 
     def reset(self) -> None:
+        """This worker's own store requests failed (an outage): start every clock afresh, and
+        judge nobody until the peers' requests blocked by the same outage have given up (the
+        store client's request timeout): a peer whose beat thread is still inside one when the
+        store answers again is not lost (seen: etcd's quorum back, one member reported)."""
         self._token = None
+        self._judge_after = time.monotonic() + self.grace_s
 
     def due(self) -> bool:
         now = time.monotonic()
@@ -570,6 +578,8 @@ class _Liveness:
             last = self._seen.get(w)
             if last is None or last[0] != c:
                 self._seen[w] = (c, now)
+        if now < self._judge_after:
+            return []
         # "the store takes writes now": counters that moved within a few heartbeats
         fresh = {w for w, (_, t) in self._seen.items() if now - t <= min(self.timeout_s, 4 * self.every_s)}
         out = []

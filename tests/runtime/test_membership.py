@@ -277,3 +277,26 @@ def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
         assert Membership._to_view(SimpleNamespace(worker_id=2), got[0][1]) is None
     finally:
         server.shutdown()
+
+
+def test_liveness_judges_nobody_right_after_this_workers_own_outage(monkeypatch):
+    # After this worker's store requests failed, a peer whose beat thread is still blocked in a
+    # request of the same outage must not be reported lost before that request gave up.
+    import chameleon_ft.runtime.membership as m
+
+    now = [100.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    lv = m._Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
+    counts = {0: 0, 1: 0, 2: 0, 3: 0}
+    lv.reset()  # the outage
+    for t in range(30):  # 3 s: workers 0-2 beat every 0.1 s, worker 3 is still blocked
+        now[0] = 100.0 + 0.1 * (t + 1)
+        counts = {w: (c + 1 if w != 3 else c) for w, c in counts.items()}
+        got = lv.silent("g1", counts)
+        if now[0] < 102.0:
+            assert got == [], (now[0], got)
+        elif got:
+            assert got[0][0] == 3 and now[0] >= 102.0  # judged after the grace, as before it
+            break
+    else:
+        raise AssertionError("a member silent past the grace was never reported")
