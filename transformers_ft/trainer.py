@@ -84,6 +84,7 @@ class _LiveRankZero(TrainerCallback):
 
 _log = logging.getLogger("transformers_ft")
 
+
 class FaultTolerantTrainer(Trainer):
     """``transformers.Trainer`` with in-place fault tolerance (see module doc); same arguments."""
 
@@ -125,14 +126,12 @@ class FaultTolerantTrainer(Trainer):
             ft = self._ft
             before = ft.eval_failures if ft is not None else 0
             try:
-                out = super().evaluation_loop(*args, **kwargs)
-            except Exception:
-                if ft is None or ft.eval_failures == before or attempt == 2:
-                    raise  # the user's own error (or a third death in a row): not ours to hide
-                _log.warning("transformers_ft: a worker died during the evaluation; evaluating "
-                             "again over the survivors")
-                continue
+                out, error = super().evaluation_loop(*args, **kwargs), None
+            except Exception as exc:
+                out, error = None, exc
             if ft is None or ft.eval_failures == before or attempt == 2:
+                if error is not None:
+                    raise error  # the user's own error (or a third death in a row): not ours to hide
                 return out
             _log.warning("transformers_ft: a worker died during the evaluation; evaluating again "
                          "over the survivors")

@@ -172,12 +172,9 @@ STAND_IN = "stand_in_for_dead"  # quorum member data of a request made for a dea
 
 
 def _stood_in(member) -> bool:
-    data = getattr(member, "data", None) or {}
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except ValueError:
-            return False
+    """A quorum participant that ``stand_in_for_the_dead`` put there (the Lighthouse hands
+    member data back as a dict; etcd's members carry none)."""
+    data = getattr(member, "data", None)
     return isinstance(data, dict) and bool(data.get(STAND_IN))
 
 

@@ -65,6 +65,10 @@ from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd
 
 log = logging.getLogger(__name__)
 
+# The longest a store request of a worker blocks (etcd's client; a TCPStore client is bounded
+# by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
+STORE_REQUEST_TIMEOUT_S = 2.0
+
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
            "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]
 
@@ -101,7 +105,7 @@ def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
     if is_etcd(store_addr):
         endpoints, prefix = parse_etcd(store_addr)
         raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
-                        request_timeout_s=min(2.0, timeout_s))
+                        request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
         if not raw.client.healthy():
             raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
                                   f"{raw.client.timeout_s:.1f} s with a quorum")
@@ -541,7 +545,7 @@ class _Liveness:
     compared across machines)."""
 
     def __init__(self, worker_id: int, timeout_s: Optional[float], every_s: float = 0.1,
-                 grace_s: float = 2.0):
+                 grace_s: float = STORE_REQUEST_TIMEOUT_S):
         self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
         self.grace_s = grace_s  # after an outage: a peer's store request may still be blocked this long
         self._next = 0.0

@@ -106,4 +106,3 @@ def _quiesce() -> None:
             dist.destroy_process_group()
     except Exception:  # the launcher's group is about to be given up anyway
         pass
-
