@@ -243,7 +243,8 @@ class StepProtocol:
         ctx = DataParallelExecutor(self.model, handle, len(dl.dataset), glob, micro,
                              scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle,
                              drop_last=dl.drop_last, config=self.cfg, env=self.env,
-                             control_collectives=True)  # gather, reduce, wait_for_everyone
+                             control_collectives=True,  # gather, reduce, wait_for_everyone
+                             user_loop=True)
         if self.event_log:
             ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
         if resume:

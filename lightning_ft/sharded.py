@@ -244,7 +244,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         ctx = _LightningShardedContext(
             self.lightning_module, self._template, self._units, self._mesh, self.optimizers[0], dataset_len,
             global_batch, micro_batch, snapshot_every=self.snapshot_every, recipe=self.recipe,
-            scheduler=_SchedulerState(self), config=cfg, env=self.env, **kw)
+            scheduler=_SchedulerState(self), config=cfg, env=self.env, user_loop=True, **kw)
         if self._resume_params is not None:
             ctx.resume_full = (self._resume_params, self._resume_optim)
         return ctx

@@ -341,7 +341,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         config = dataclasses.replace(self.ft_config or ElasticConfig(), one_microbatch_each=True)
         return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
                                     scheduler=_SchedulerState(self), config=config, env=self.env,
-                                    control_collectives=True, **kw)  # metric syncs, barriers
+                                    control_collectives=True, user_loop=True, **kw)  # metric syncs, barriers
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None,

@@ -34,7 +34,7 @@ from typing import Optional
 from chameleon_ft.runtime import env as E
 
 __all__ = ["ConfigError", "LauncherError", "MembershipError", "CheckpointError", "RestartRequested",
-           "WorldTooSmall", "NothingToHeal", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
+           "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
            "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
 CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG
@@ -66,6 +66,13 @@ class NothingToHeal(RuntimeError):
     """A replacement joined a generation in which nobody holds the job's state."""
 
 
+class LeftBehind(RuntimeError):
+    """This worker was left out of the job for more committed steps than its training loop can
+    skip: an adapter's loop is the user's code, which cannot jump over steps its peers took
+    (a stop or a partition longer than the hang timeout but shorter than the launcher's kill).
+    It leaves the job as a lost worker (exit 1); its peers carry on."""
+
+
 class RestartRequested(RuntimeError):
     """The engine chose checkpoint-restart (or nothing in place was feasible).  ``decision``
     is the ``Decision`` (or its JSON, on members that received it from a peer)."""
@@ -86,7 +93,7 @@ def exit_code_for(exc: BaseException) -> Optional[int]:
         return E.RESTART_EXIT_CODE
     if isinstance(exc, MembershipError):
         return E.MEMBERSHIP_EXIT_CODE
-    if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError)):
+    if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError, LeftBehind)):
         return 1
     return None
 

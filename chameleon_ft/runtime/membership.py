@@ -246,9 +246,21 @@ class Membership:
         (a loaded machine, a slow network) got quorums too small to start, asked again, and
         missed each other over and over (seen: jobs that never started).  None for a worker
         that joins a running job, or one the agreed first generation does not hold: it asks
-        the Lighthouse (``_agree``) and is admitted as a late joiner."""
-        if min_world_size <= 1 or self._latest() is not None:
+        the Lighthouse (``_agree``) and is admitted as a late joiner.
+
+        A member of the agreed first generation that gets here after its peers published it
+        (it registered, then its process was slow: a loaded machine) takes it as it is.  Seen
+        in CI: it took the published generation for a running job, ended it to be admitted
+        (``_request_admission``), and its peers trained without it for the steps it took to
+        be admitted -- the first generation of every job must hold every worker that made it."""
+        if min_world_size <= 1:
             return None
+        latest = self._latest()
+        if latest is not None:
+            first = self._first()
+            if first is None or first.get("token") != latest.get("token") or self.worker_id not in first["members"]:
+                return None  # the job moved past its first generation, or this worker is not in it
+            return self._take_first(first)
         while len(self._registered()) < min_world_size:
             if time.monotonic() > deadline:
                 raise MembershipError(f"worker {self.worker_id}: only {len(self._registered())} of "
@@ -258,6 +270,18 @@ class Membership:
         first = json.loads(self.store.compare_set(_FIRST_KEY, "", json.dumps(proposal)).decode())
         if self.worker_id not in first["members"]:
             return None
+        return self._take_first(first)
+
+    def _first(self) -> Optional[dict]:
+        """The job's agreed first generation (``_first_generation``), or None."""
+        if not self.store.check([_FIRST_KEY]):
+            return None
+        try:
+            return json.loads(self.store.get(_FIRST_KEY).decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _take_first(self, first: dict) -> MembershipView:
         members = tuple(first["members"])
         view = MembershipView(generation=0, members=members, rank=members.index(self.worker_id),
                               world_size=len(members), token=first["token"])

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
-from chameleon_ft.runtime.errors import ConfigError, NothingToHeal, RestartRequested, WorldTooSmall
+from chameleon_ft.runtime.errors import ConfigError, LeftBehind, NothingToHeal, RestartRequested, WorldTooSmall
 from chameleon_ft.runtime.env import WorkerEnv, startup_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
@@ -107,8 +107,12 @@ class RecoveryCore:
                  global_batch: int, micro_batch: int, *, scheduler=None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False,
                  config: Optional[ElasticConfig] = None, env: Optional[WorkerEnv] = None,
-                 stages: int = 1):
+                 stages: int = 1, user_loop: bool = False):
         self.env = env or WorkerEnv.from_env()
+        # The training loop is the user's (an adapter's), not driven by ``self.step``: a member
+        # that rejoins may adopt the one step its peers committed while it recovered (its loop
+        # was inside that step), no more -- see ``_sync``.
+        self.user_loop = user_loop
         self.cfg = config or ElasticConfig()
         self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
         if not self.POLICIES:
@@ -438,6 +442,8 @@ class RecoveryCore:
         self.peer_steps, self.peer_fresh = steps, fresh
         self.peer_fields = [v[3 * n + i * k:3 * n + (i + 1) * k].tolist() for i in range(n)]
         top = max(steps)
+        if self.user_loop and not self.env.replacement and top - self.step > (0 if self.fresh else 1):
+            self._leave(view, top)
         if self.env.replacement and all(fresh):
             # Everyone here is new: the job finished, or every worker with state is gone.
             raise NothingToHeal(f"replacement worker {self.worker_id} found no peer with state "
@@ -476,6 +482,21 @@ class RecoveryCore:
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
         self.carry_out(payload, top, n, r)
+
+    def _leave(self, view: MembershipView, top: int) -> None:
+        """This member was left out while its peers committed steps its loop cannot skip (the
+        user's loop: an adapter's); it cannot follow them.  It ends the generation naming
+        itself, stops heartbeating (no quorum waits for it) and raises ``LeftBehind``: the worker
+        exits as a lost one and its peers carry on without it."""
+        where = "before its first step" if self.fresh else f"at step {self.step}"
+        msg = (f"worker {self.worker_id} was left out of the job {where} while its peers committed "
+               f"up to step {top} (it stopped or was cut off for longer than the hang timeout); "
+               f"its training loop cannot skip steps: it leaves the job, its peers carry on")
+        self._store_op(lambda: self.membership.report_failure([self.worker_id], msg, token=view.token))
+        self.membership.close()
+        if self.log:
+            self.log.run_end(step=self.step, left_behind=True, peers_step=top, generation=view.generation)
+        raise LeftBehind(msg)
 
     def recovery_fields(self) -> list[int]:
         """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -149,6 +150,36 @@ def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     job = AccJob(tmp_path, "--mb-sleep", "0.01", hang_timeout=hang_timeout)
     finals = stop_and_survive(job, 1, hang_timeout)
     check(job, finals, [0, 2, 3], reference)
+
+
+def test_a_worker_stopped_past_the_hang_timeout_and_continued_leaves_the_job(tmp_path, reference):
+    """Worker 1 is SIGSTOPped for longer than the liveness and hang timeouts but less than the
+    launcher's kill (hang timeout + 2 s), then SIGCONTinued: its peers went on without it for
+    several steps, which the user's loop cannot skip.  It must not rejoin a step it never ran
+    (seen: an HF Trainer's counters and logs shifted by 4-8 steps): it leaves the job, naming
+    why, with exit code 1, and its peers end on the failure-free trajectory."""
+    hang_timeout = 2.0
+    job = AccJob(tmp_path, "--mb-sleep", "0.03", hang_timeout=hang_timeout)
+    try:
+        job.start()
+        job.wait_step(3)
+        job.kill(1, signal.SIGSTOP)
+        job.wait_for(lambda evs: any(e["event"] == "membership" and 1 not in e["members"] for e in evs),
+                     hang_timeout + 2, "a generation without worker 1")
+        step_then = max(e["step"] for e in job.events() if e["event"] == "step")
+        job.wait_step(step_then + 2)  # its peers committed steps without it
+        job.kill(1, signal.SIGCONT)
+        assert job.wait(120) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    check(job, finals, [0, 2, 3], reference)
+    evs = job.events()
+    left = [e for e in evs if e["event"] == "run_end" and e.get("left_behind")]
+    assert [e["worker"] for e in left] == [1] and left[0]["peers_step"] > left[0]["step"] + 1, left
+    exits = dict(next(e for e in evs if e["event"] == "run_end" and e.get("role") == "launcher")["exits"])
+    assert exits[1] == 1, exits
+    assert "worker 1 was left out of the job" in job.output()
 
 
 ACCELERATE = shutil.which("accelerate") or "accelerate"

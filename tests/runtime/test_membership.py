@@ -300,3 +300,46 @@ def test_liveness_judges_nobody_right_after_this_workers_own_outage(monkeypatch)
             break
     else:
         raise AssertionError("a member silent past the grace was never reported")
+
+
+def test_a_worker_slow_after_registering_takes_the_first_generation_it_is_in():
+    # Seen in CI (a failure-free HF Trainer job): worker 0 registered, then its process was slow;
+    # its peers agreed on the first generation -- worker 0 in it -- and published it.  Worker 0
+    # took the published generation for a running job, ended it to be admitted, and its peers
+    # trained without it for 4-8 steps.  It must take the first generation as it is.
+    import threading
+
+    from chameleon_ft.runtime.coordination import abort_key
+
+    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=5_000)
+    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
+                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(N)}
+    published = threading.Event()
+    slow_once = members[0]._heartbeat_once
+
+    def slow(*a, **kw):  # right after worker 0 registered: it waits until the others agreed
+        published.wait(10)
+        return slow_once(*a, **kw)
+
+    members[0]._heartbeat_once = slow
+    views: dict = {}
+
+    def join(w):
+        views[w] = members[w].join(min_world_size=N, timeout_s=20)
+
+    try:
+        ts = {w: threading.Thread(target=join, args=(w,)) for w in range(N)}
+        [t.start() for t in ts.values()]
+        for w in (1, 2, 3):
+            ts[w].join(20)
+        assert sorted(views) == [1, 2, 3]
+        published.set()
+        ts[0].join(20)
+        assert sorted(views) == list(range(N))
+        assert {(v.generation, v.members, v.token) for v in views.values()} == {(0, tuple(range(N)), views[1].token)}
+        assert [v.rank for _, v in sorted(views.items())] == list(range(N))
+        assert not members[1].store.check([abort_key(views[1].token)])  # nobody ended it
+    finally:
+        for m in members.values():
+            m.close()
+        server.shutdown()

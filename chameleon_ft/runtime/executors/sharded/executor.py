@@ -104,11 +104,12 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
                  global_batch: int, micro_batch: int, *, replicas: int = 1,
                  snapshot_every: Optional[int] = None, recipe: Optional[RehabRecipe] = None,
                  scheduler=None, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 config: Optional[ElasticConfig] = None, env=None):
+                 config: Optional[ElasticConfig] = None, env=None, user_loop: bool = False):
         cfg = copy.copy(config) if config is not None else ElasticConfig()
         cfg.allowed_policies = SHARDED_POLICIES & frozenset(cfg.allowed_policies or SHARDED_POLICIES)
         super().__init__(model, optimizer, dataset_len, global_batch, micro_batch, scheduler=scheduler,
-                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env)
+                         seed=seed, shuffle=shuffle, drop_last=drop_last, config=cfg, env=env,
+                         user_loop=user_loop)
         if replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {replicas}")
         if snapshot_every is not None and snapshot_every < 0:
