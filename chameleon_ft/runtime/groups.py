@@ -218,6 +218,8 @@ class GroupManager:
         self._view: Optional[MembershipView] = None
         self._pg: Optional[dist.ProcessGroup] = None
         self._stores: list = []  # the stores of the newest groups (kept alive: see rebuild)
+        # Group set-ups given up while still blocked in gloo's connect (see rebuild, close).
+        self._abandoned: list[tuple[threading.Thread, float]] = []
         # (group, work or None) pairs whose op may still be blocked; see module docstring.
         self._parked: list[tuple[object, object]] = []
         self._parked_lock = threading.Lock()
@@ -283,8 +285,10 @@ class GroupManager:
                 # The builder thread stays blocked until gloo's connect timeout; it only
                 # holds its own store client, so it is left to finish alone.
                 if record is not None:
+                    self._abandoned.append((builder, deadline))
                     raise self._failure("aborted during rebuild", "rebuild", record)
                 if now > deadline:
+                    self._abandoned.append((builder, deadline))
                     raise self._local_failure("rebuild timed out", "rebuild")
         if "error" in result:
             # Usually a member died or never arrived: end this generation for everyone.
@@ -540,10 +544,17 @@ class GroupManager:
         self._store.compare_set(abort_key(self._view.token), "", record)
 
     def close(self) -> None:
-        """Drop the current group; parked groups stay parked (see module docstring)."""
+        """Drop the current group; parked groups stay parked (see module docstring).  Waits
+        for the group set-ups given up while blocked in gloo's connect (each until its connect
+        timeout): a process whose script then ends normally would otherwise be aborted at exit
+        (seen: "terminate called without an active exception", SIGABRT after a finished run,
+        when such a thread's store wait timed out during the interpreter's finalization)."""
         self._retire(None)
         self._view = None
         self.realigning = None
+        for builder, deadline in self._abandoned:
+            builder.join(max(0.0, deadline - time.monotonic()))
+        self._abandoned = [(b, d) for b, d in self._abandoned if b.is_alive()]
 
     # ---------------------------------------------------------------- helpers
     def _local_failure(self, message: str, kind: str) -> CollectiveFailure:

@@ -343,3 +343,37 @@ def test_a_worker_slow_after_registering_takes_the_first_generation_it_is_in():
         for m in members.values():
             m.close()
         server.shutdown()
+
+
+
+def test_closing_waits_for_a_given_up_group_set_up():
+    # A member's two-member group set-up is ended (its peer never comes) while gloo's connect
+    # still waits in the set-up thread.  close() must wait for that thread: seen once, a worker
+    # killed by SIGABRT ("terminate called without an active exception") after its script had
+    # finished, when such a wait timed out during the interpreter's finalization.
+    import json
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime.coordination import abort_key
+    from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+    from chameleon_ft.runtime.membership import MembershipView
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    def client():
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+
+    gm = GroupManager(client(), 0, client, op_timeout_s=2.0, connect_timeout_s=1.5)
+    view = MembershipView(generation=0, members=(0, 1), rank=0, world_size=2, token="0.t")
+    threading.Timer(0.3, lambda: client().compare_set(abort_key(view.token), "", json.dumps({"by": 1}))).start()
+    with pytest.raises(CollectiveFailure, match="aborted during rebuild"):
+        gm.rebuild(view)
+    building = [t for t in threading.enumerate() if t.name.startswith("cft-pg-build-")]
+    assert building  # still in gloo's connect
+    t0 = time.monotonic()
+    gm.close()
+    assert not any(t.is_alive() for t in building)
+    assert time.monotonic() - t0 < 1.5 + 1.0  # no longer than its connect timeout
