@@ -63,7 +63,7 @@ from chameleon_ft.runtime.executors.pipeline.calibration import PipelineCalibrat
 from chameleon_ft.engine.stragglers import StragglerDetector
 from chameleon_ft.engine.workload import Layer, Workload
 
-__all__ = ["EngineBridge", "RestartRequested"]
+__all__ = ["EngineBridge", "RestartRequested", "layer_params"]
 
 _DEFAULT_MB_S = 1e-3  # per-micro-batch compute assumed before anything was measured
 # Knobs of the rebalance check, next to the StragglerDetector's own fields.
@@ -571,5 +571,14 @@ class EngineBridge(PipelineCalibration):
         self._predicted = None
 
 
+def layer_params(model: "torch.nn.Module") -> list[int]:
+    """Parameters of each parameterised top-level child (the engine's layers), plus the
+    model's own direct parameters as one more layer when it has any."""
+    sizes = [sum(p.numel() for p in child.parameters()) for child in model.children()]
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    return [s for s in sizes if s > 0] + ([own] if own else []) or [max(1, own)]
+
+
 # The old name, kept working with a deprecation warning.
 __getattr__ = renamed_getattr(__name__, {"EnginePolicy": "EngineBridge"})
+

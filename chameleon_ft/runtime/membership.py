@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
 STORE_REQUEST_TIMEOUT_S = 2.0
 
+from chameleon_ft.runtime.liveness import Liveness as _Liveness  # noqa: E402
+
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
            "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]
 
@@ -351,7 +353,7 @@ class Membership:
         except MembershipError:
             return
         watched: Optional[str] = None
-        self._liveness = _Liveness(self.worker_id, self.heartbeat_timeout_s)
+        self._liveness = _Liveness(self.worker_id, self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S)
         if self.cut_off_s is not None:
             threading.Thread(target=self._guard_loop, daemon=True, name=f"cft-cut-off-{self.worker_id}").start()
         while not self._stop.is_set():
@@ -562,62 +564,3 @@ class Membership:
             except Exception as exc:  # unreachable: the watcher's cut-off decides
                 store = None
                 log.debug("liveness beat of worker %d failed: %s", self.worker_id, exc)
-
-
-class _Liveness:
-    """Which members' liveness counters stopped moving (this worker's clock only: no clock is
-    compared across machines)."""
-
-    def __init__(self, worker_id: int, timeout_s: Optional[float], every_s: float = 0.1,
-                 grace_s: float = STORE_REQUEST_TIMEOUT_S):
-        self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
-        self.grace_s = grace_s  # after an outage: a peer's store request may still be blocked this long
-        self._next = 0.0
-        self._token: Optional[str] = None
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._reported: set[int] = set()
-        self._judge_after = 0.0
-
-    def reset(self) -> None:
-        """This worker's own store requests failed (an outage): start every clock afresh, and
-        judge nobody until the peers' requests blocked by the same outage have given up (the
-        store client's request timeout): a peer whose beat thread is still inside one when the
-        store answers again is not lost (seen: etcd's quorum back, one member reported)."""
-        self._token = None
-        self._judge_after = time.monotonic() + self.grace_s
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + self.every_s
-        return True
-
-    def silent(self, token: str, counts: dict[int, int]) -> list[tuple[int, float]]:
-        """(member, seconds silent) of the members silent for longer than the timeout while
-        more than half of the others (this worker included: ``counts`` holds every member's)
-        moved in the last few heartbeats -- a store that stalls everyone's writes (an etcd
-        leader election) is not a lost member -- each once per generation; a new generation
-        starts every member's clock afresh."""
-        now = time.monotonic()
-        if token != self._token:
-            self._token, self._seen, self._reported = token, {}, set()
-        for w, c in counts.items():
-            last = self._seen.get(w)
-            if last is None or last[0] != c:
-                self._seen[w] = (c, now)
-        if now < self._judge_after:
-            return []
-        # "the store takes writes now": counters that moved within a few heartbeats
-        fresh = {w for w, (_, t) in self._seen.items() if now - t <= min(self.timeout_s, 4 * self.every_s)}
-        out = []
-        for w in counts:
-            quiet = now - self._seen[w][1]
-            others = len(counts) - 1
-            if (quiet > self.timeout_s and w not in self._reported and w != self.worker_id
-                    and len(fresh - {w}) > others / 2):
-                self._reported.add(w)
-                out.append((w, quiet))
-        return out
-
-

@@ -50,9 +50,9 @@ from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
 from chameleon_ft.runtime.join import Joined, join_job
 from chameleon_ft.runtime.membership import Membership, MembershipError, MembershipView
-from chameleon_ft.runtime.engine_bridge import EngineBridge
+from chameleon_ft.runtime.engine_bridge import EngineBridge, layer_params
 from chameleon_ft.runtime.predictions import PredictionTracker
-from chameleon_ft.runtime.sampler import ElasticSampler
+from chameleon_ft.runtime.sampler import ElasticSampler, seed_generators
 from chameleon_ft.runtime import codec as run_state
 
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
@@ -70,23 +70,6 @@ class StepEnd(str, Enum):
     COMMITTED = "committed"  # this member's all-reduce succeeded and it applied the update
     ADOPTED = "adopted"  # a failure interrupted it here, but a peer had committed it: its state is ours
     REDO = "redo"  # nobody committed it: the job reconfigured and the step runs again
-
-
-def seed_generators(seed: int) -> None:
-    """Seed the CPU generator (and CUDA's, once initialised).  Not ``torch.manual_seed``: for a
-    backend not yet initialised it records a formatted stack trace per call (cuda, mtia, xpu),
-    about 0.5 ms each -- too much once per micro-batch."""
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(seed)
-
-
-def layer_params(model: torch.nn.Module) -> list[int]:
-    """Parameters of each parameterised top-level child (the engine's layers), plus the
-    model's own direct parameters as one more layer when it has any."""
-    sizes = [sum(p.numel() for p in child.parameters()) for child in model.children()]
-    own = sum(p.numel() for p in model.parameters(recurse=False))
-    return [s for s in sizes if s > 0] + ([own] if own else []) or [max(1, own)]
 
 
 class RecoveryCore:
@@ -109,10 +92,7 @@ class RecoveryCore:
                  config: Optional[ElasticConfig] = None, env: Optional[WorkerEnv] = None,
                  stages: int = 1, user_loop: bool = False):
         self.env = env or WorkerEnv.from_env()
-        # The training loop is the user's (an adapter's), not driven by ``self.step``: a member
-        # that rejoins may adopt the one step its peers committed while it recovered (its loop
-        # was inside that step), no more -- see ``_sync``.
-        self.user_loop = user_loop
+        self.user_loop = user_loop  # an adapter's loop, which cannot skip steps (``_leave``)
         self.cfg = config or ElasticConfig()
         self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
         if not self.POLICIES:
@@ -388,7 +368,7 @@ class RecoveryCore:
         record = self._store_op(self.gm.abort_record) or {}
         hang = failure.kind == "timeout" or str(record.get("reason", "")).startswith("timeout")
         info = {"kind": failure.kind, "hang": hang, "failed_generation": failure.generation,
-                "reporter": failure.reporter}
+                "reporter": failure.reporter, "reason": str(record.get("reason", ""))[:300]}
         token = failure.token or None
         self._store_op(lambda: self.membership.report_failure(
             failure.suspects, f"{failure.kind}: {str(failure)[:200]}", token=token))
@@ -484,14 +464,13 @@ class RecoveryCore:
         self.carry_out(payload, top, n, r)
 
     def _leave(self, view: MembershipView, top: int) -> None:
-        """This member was left out while its peers committed steps its loop cannot skip (the
-        user's loop: an adapter's); it cannot follow them.  It ends the generation naming
-        itself, stops heartbeating (no quorum waits for it) and raises ``LeftBehind``: the worker
-        exits as a lost one and its peers carry on without it."""
-        where = "before its first step" if self.fresh else f"at step {self.step}"
-        msg = (f"worker {self.worker_id} was left out of the job {where} while its peers committed "
-               f"up to step {top} (it stopped or was cut off for longer than the hang timeout); "
-               f"its training loop cannot skip steps: it leaves the job, its peers carry on")
+        """Peers committed more steps than the one a user's loop was inside (an adapter's: it
+        may adopt that one, no more): end the generation naming this member, stop heartbeating
+        and raise ``LeftBehind`` -- the worker exits as a lost one, its peers carry on."""
+        msg = (f"worker {self.worker_id} was left out of the job "
+               f"{'before its first step' if self.fresh else f'at step {self.step}'} while its peers "
+               f"committed up to step {top} (it stopped or was cut off for longer than the hang "
+               f"timeout); its training loop cannot skip steps: it leaves the job, its peers carry on")
         self._store_op(lambda: self.membership.report_failure([self.worker_id], msg, token=view.token))
         self.membership.close()
         if self.log:
@@ -552,7 +531,7 @@ class RecoveryCore:
                 "node_loss" if any(d["event"]["kind"] == "node_loss" for d in payload["decisions"])
                 else "fail_stop")
             self.log.failure(dead, kind, detected_by=f"worker {self.worker_id}", step=self.step,
-                             collective=info.get("kind"))
+                             collective=info.get("kind"), reason=info.get("reason"))
         self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
                             token=view.token, step=self.step, state_sent=payload["state"] is not None)
         for d in payload["decisions"]:

@@ -252,17 +252,22 @@ def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
     addr = server.lighthouse_addr
     got: dict = {}
 
-    def ask(w):
+    beating = threading.Barrier(3)
+
+    def ask(w, first_round=False):
         c = LighthouseClient(addr, timedelta(seconds=5))
         c.heartbeat(str(w))
+        if first_round:  # every one healthy before anyone asks: else the first two form a round alone
+            beating.wait(10)
         t0 = time.monotonic()
         q = c.quorum(replica_id=str(w), timeout=timedelta(seconds=15), data={"worker_id": w})
         got[w] = (time.monotonic() - t0, q)
 
     try:
-        ts = [threading.Thread(target=ask, args=(w,)) for w in (0, 1, 2)]
+        ts = [threading.Thread(target=ask, args=(w, True)) for w in (0, 1, 2)]
         [t.start() for t in ts]
         [t.join() for t in ts]
+        assert sorted(got) == [0, 1, 2] and all(len(q.participants) == 3 for _, q in got.values())
         got.clear()
         ts = [threading.Thread(target=ask, args=(w,)) for w in (0, 1)]
         [t.start() for t in ts]

@@ -1,0 +1,69 @@
+"""Which members of a generation went silent: each worker's abort watcher reads every member's
+liveness counter in the coordinator's store (bumped by the member's own beat thread,
+``Membership._beat_loop``) and reports the ones that stopped moving (``Membership._check_liveness``).
+Only this worker's clock is used: no clock is compared across machines."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+__all__ = ["Liveness"]
+
+
+class Liveness:
+    """Which members' liveness counters stopped moving (this worker's clock only: no clock is
+    compared across machines)."""
+
+    def __init__(self, worker_id: int, timeout_s: Optional[float], *, grace_s: float, every_s: float = 0.1):
+        self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
+        # After an outage: a peer's store request may still be blocked this long (the store
+        # client's request timeout, ``membership.STORE_REQUEST_TIMEOUT_S``).
+        self.grace_s = grace_s
+        self._next = 0.0
+        self._token: Optional[str] = None
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._reported: set[int] = set()
+        self._judge_after = 0.0
+
+    def reset(self) -> None:
+        """This worker's own store requests failed (an outage): start every clock afresh, and
+        judge nobody until the peers' requests blocked by the same outage have given up (the
+        store client's request timeout): a peer whose beat thread is still inside one when the
+        store answers again is not lost (seen: etcd's quorum back, one member reported)."""
+        self._token = None
+        self._judge_after = time.monotonic() + self.grace_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
+
+    def silent(self, token: str, counts: dict[int, int]) -> list[tuple[int, float]]:
+        """(member, seconds silent) of the members silent for longer than the timeout while
+        more than half of the others (this worker included: ``counts`` holds every member's)
+        moved in the last few heartbeats -- a store that stalls everyone's writes (an etcd
+        leader election) is not a lost member -- each once per generation; a new generation
+        starts every member's clock afresh."""
+        now = time.monotonic()
+        if token != self._token:
+            self._token, self._seen, self._reported = token, {}, set()
+        for w, c in counts.items():
+            last = self._seen.get(w)
+            if last is None or last[0] != c:
+                self._seen[w] = (c, now)
+        if now < self._judge_after:
+            return []
+        # "the store takes writes now": counters that moved within a few heartbeats
+        fresh = {w for w, (_, t) in self._seen.items() if now - t <= min(self.timeout_s, 4 * self.every_s)}
+        out = []
+        for w in counts:
+            quiet = now - self._seen[w][1]
+            others = len(counts) - 1
+            if (quiet > self.timeout_s and w not in self._reported and w != self.worker_id
+                    and len(fresh - {w}) > others / 2):
+                self._reported.add(w)
+                out.append((w, quiet))
+        return out
