@@ -362,8 +362,10 @@ class Membership:
                 if view is not None:
                     self._check_liveness(store, view)
                 # polled: a blocking store.wait logs a c10d warning at every timeout
+                t0 = time.monotonic()
                 aborted = view is not None and store.check([abort_key(view.token)])
                 self._last_ok = time.monotonic()
+                self._liveness.took(self._last_ok - t0)
             except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
                 aborted = False
                 self._liveness.reset()  # counters could not be written either: start afresh
@@ -390,7 +392,9 @@ class Membership:
         lv = self._liveness
         if lv.timeout_s is None or not lv.due():
             return
+        t0 = time.monotonic()
         counts = {w: store.add(_beat_key(w), 0) for w in view.members}  # ours too: see silent()
+        lv.took(time.monotonic() - t0)
         for w, silent in lv.silent(view.token, counts):
             self.lost_reports += 1
             self.report_failure([w], f"timeout: no heartbeat from worker {w} for {silent:.1f} s "

@@ -382,3 +382,32 @@ def test_closing_waits_for_a_given_up_group_set_up():
     gm.close()
     assert not any(t.is_alive() for t in building)
     assert time.monotonic() - t0 < 1.5 + 1.0  # no longer than its connect timeout
+
+
+def test_liveness_restarts_its_clocks_after_a_stalled_read(monkeypatch):
+    # An etcd leader election stalls this worker's liveness read for 0.8 s; afterwards worker 3's
+    # beat (failed over to another etcd member) comes 0.5 s later than the others'.  Judged by a
+    # clock that counted the stall, worker 3 looked silent for 1.3 s (> 1 s): a false loss.
+    import chameleon_ft.runtime.membership as m
+
+    def run(stall_noticed: bool) -> list:
+        now = [100.0]
+        monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+        lv = m._Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
+        counts = {0: 0, 1: 0, 2: 0, 3: 0}
+        reported = []
+        for t in range(10):  # 1 s of beats from everyone
+            now[0] += 0.1
+            counts = {w: c + 1 for w, c in counts.items()}
+            reported += lv.silent("g1", counts)
+        now[0] += 0.8  # the read that stalled
+        if stall_noticed:
+            lv.took(0.8)
+        for t in range(10):  # beats again; worker 3's only from 0.5 s on
+            now[0] += 0.1
+            counts = {w: c + (1 if w != 3 or t >= 5 else 0) for w, c in counts.items()}
+            reported += lv.silent("g1", counts)
+        return reported
+
+    assert [w for w, _ in run(stall_noticed=False)] == [3]  # what happened before
+    assert run(stall_noticed=True) == []
