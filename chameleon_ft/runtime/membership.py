@@ -276,12 +276,7 @@ class Membership:
 
     def _first(self) -> Optional[dict]:
         """The job's agreed first generation (``_first_generation``), or None."""
-        if not self.store.check([_FIRST_KEY]):
-            return None
-        try:
-            return json.loads(self.store.get(_FIRST_KEY).decode())
-        except (ValueError, UnicodeDecodeError):
-            return None
+        return self._json_key(_FIRST_KEY)
 
     def _take_first(self, first: dict) -> MembershipView:
         members = tuple(first["members"])
@@ -510,10 +505,14 @@ class Membership:
         return {int(x) for x in raw.split(",") if x.strip()}
 
     def _latest(self) -> Optional[dict]:
-        if not self.store.check([_LATEST_KEY]):
+        return self._json_key(_LATEST_KEY)
+
+    def _json_key(self, key: str) -> Optional[dict]:
+        """The JSON object the store holds at ``key``, or None (absent or unreadable)."""
+        if not self.store.check([key]):
             return None
         try:
-            return json.loads(self.store.get(_LATEST_KEY).decode())
+            return json.loads(self.store.get(key).decode())
         except (ValueError, UnicodeDecodeError):
             return None
 
