@@ -34,7 +34,10 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 def test_straggler_flagged_after_recovery_keeps_members_agreed_and_on_trajectory(tmp_path, tmp_path_factory):
     faults = "slow:rank=1:factor=4;kill:rank=3:step=1:phase=allreduce"
-    job = Job(tmp_path, mb_sleep=0.02, epochs=2, launch_args=["--faults", faults])
+    # A 200 ms join window (default 50): seen on a slower machine, worker 2 had not asked within
+    # 50 ms of the kill and the quorum left it out too (the failure then named [2, 3]); what is
+    # tested here is the straggler flagged after the recovery, not the window.
+    job = Job(tmp_path, mb_sleep=0.02, epochs=2, launch_args=["--faults", faults, "--join-timeout-ms", "200"])
     try:
         job.start()
         assert job.wait(150) == [0], job.output()[-4000:]
