@@ -581,4 +581,3 @@ def layer_params(model: "torch.nn.Module") -> list[int]:
 
 # The old name, kept working with a deprecation warning.
 __getattr__ = renamed_getattr(__name__, {"EnginePolicy": "EngineBridge"})
-

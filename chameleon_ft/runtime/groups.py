@@ -285,10 +285,10 @@ class GroupManager:
                 # The builder thread stays blocked until gloo's connect timeout; it only
                 # holds its own store client, so it is left to finish alone.
                 if record is not None:
-                    self._abandoned.append((builder, deadline))
+                    self._abandon(builder, deadline)
                     raise self._failure("aborted during rebuild", "rebuild", record)
                 if now > deadline:
-                    self._abandoned.append((builder, deadline))
+                    self._abandon(builder, deadline)
                     raise self._local_failure("rebuild timed out", "rebuild")
         if "error" in result:
             # Usually a member died or never arrived: end this generation for everyone.
@@ -554,7 +554,14 @@ class GroupManager:
         self.realigning = None
         for builder, deadline in self._abandoned:
             builder.join(max(0.0, deadline - time.monotonic()))
+        self._abandon()
+
+    def _abandon(self, builder: Optional[threading.Thread] = None, deadline: float = 0.0) -> None:
+        """Remember a group set-up given up while gloo's connect still waits (``close`` waits
+        for it); forget the ones that have finished."""
         self._abandoned = [(b, d) for b, d in self._abandoned if b.is_alive()]
+        if builder is not None:
+            self._abandoned.append((builder, deadline))
 
     # ---------------------------------------------------------------- helpers
     def _local_failure(self, message: str, kind: str) -> CollectiveFailure:

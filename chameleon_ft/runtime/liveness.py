@@ -12,8 +12,7 @@ __all__ = ["Liveness"]
 
 
 class Liveness:
-    """Which members' liveness counters stopped moving (this worker's clock only: no clock is
-    compared across machines)."""
+    """One watcher's clocks for the members of its current generation (see module doc)."""
 
     def __init__(self, worker_id: int, timeout_s: Optional[float], *, grace_s: float, every_s: float = 0.1):
         self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s

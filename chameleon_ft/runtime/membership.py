@@ -62,14 +62,13 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
     stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
+from chameleon_ft.runtime.liveness import Liveness as _Liveness  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 # The longest a store request of a worker blocks (etcd's client; a TCPStore client is bounded
 # by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
 STORE_REQUEST_TIMEOUT_S = 2.0
-
-from chameleon_ft.runtime.liveness import Liveness as _Liveness  # noqa: E402
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
            "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]

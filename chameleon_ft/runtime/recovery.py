@@ -366,9 +366,10 @@ class RecoveryCore:
         timer = RecoveryTimer(start=t_start, clock=time.perf_counter)
         timer.mark("detect")
         record = self._store_op(self.gm.abort_record) or {}
-        hang = failure.kind == "timeout" or str(record.get("reason", "")).startswith("timeout")
+        reason = str(record.get("reason", ""))
+        hang = failure.kind == "timeout" or reason.startswith("timeout")
         info = {"kind": failure.kind, "hang": hang, "failed_generation": failure.generation,
-                "reporter": failure.reporter, "reason": str(record.get("reason", ""))[:300]}
+                "reporter": failure.reporter, "reason": reason[:300]}
         token = failure.token or None
         self._store_op(lambda: self.membership.report_failure(
             failure.suspects, f"{failure.kind}: {str(failure)[:200]}", token=token))
