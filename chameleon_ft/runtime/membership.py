@@ -69,6 +69,12 @@ log = logging.getLogger(__name__)
 # The longest a store request of a worker blocks (etcd's client; a TCPStore client is bounded
 # by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
 STORE_REQUEST_TIMEOUT_S = 2.0
+# A worker asking to be admitted again within ADMISSION_BACKOFF_RESET_S of its last admission
+# waits first: ADMISSION_BACKOFF_S, doubling each time, at most ADMISSION_BACKOFF_MAX_S
+# (``Membership._request_admission``).
+ADMISSION_BACKOFF_S = 0.25
+ADMISSION_BACKOFF_MAX_S = 8.0
+ADMISSION_BACKOFF_RESET_S = 30.0
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
            "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]
@@ -199,6 +205,8 @@ class Membership:
         self._no_quorum_at: Optional[float] = None  # an etcd member answered without a quorum
         self._paused_said = False
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
+        self._admitted_at: Optional[float] = None  # when this worker last ended a generation to join
+        self._admission_tries = 0  # its admissions since, each within the reset time of the one before
 
     def connect_store(self) -> dist.Store:
         """A fresh client to the coordinator store (for a process group's set-up)."""
@@ -516,9 +524,29 @@ class Membership:
             return None
 
     def _request_admission(self, previous_token: Optional[str]) -> None:
-        """If a generation is running without us, end it so its members come and admit us."""
+        """If a generation is running without us, end it so its members come and admit us.
+
+        A worker that asks again soon after its last admission first waits, longer each time
+        (``ADMISSION_BACKOFF_S``), unless someone else ends that generation meanwhile.  Seen
+        (issue 24): a healed node's two restarted workers evicted each other for minutes --
+        each admission ended the generation the other had just joined while that one was in
+        its first sync; it asked after the Lighthouse's join window, was left out, and its own
+        admission ended the next generation the same way.  The wait lets the other finish its
+        sync, so the next round finds every member asking at once."""
         latest = self._latest()
         if latest is None or latest.get("token") == previous_token:
+            return
+        now = time.monotonic()
+        recent = self._admitted_at is not None and now - self._admitted_at < ADMISSION_BACKOFF_RESET_S
+        self._admission_tries = self._admission_tries + 1 if recent else 0
+        self._admitted_at = now
+        wait = min(ADMISSION_BACKOFF_S * 2 ** (self._admission_tries - 1), ADMISSION_BACKOFF_MAX_S) \
+            if self._admission_tries else 0.0
+        while time.monotonic() < now + wait and not self.store.check([abort_key(latest["token"])]):
+            time.sleep(min(0.02, wait))
+        if wait:
+            latest = self._latest() or latest
+        if latest.get("token") == previous_token:
             return
         record = {"by": self.worker_id, "reason": "admission", "suspects": [],
                   "time": time.time(), "generation": latest.get("generation")}

@@ -411,3 +411,78 @@ def test_liveness_restarts_its_clocks_after_a_stalled_read(monkeypatch):
 
     assert [w for w, _ in run(stall_noticed=False)] == [3]  # what happened before
     assert run(stall_noticed=True) == []
+
+
+def test_two_workers_admitted_at_once_do_not_evict_each_other():
+    # Issue 24's rejoin livelock, read in the Lighthouse's log: a healed node's two restarted
+    # workers joined a running job one after the other.  Each admission ended the generation the
+    # other had just joined while that one was still in its first sync (it notices an end only
+    # after the sync); it then asked later than the 50 ms join window, was left out, and its own
+    # admission ended the next generation the same way: 768 rounds in 120 s, no step trained.
+    import threading
+
+    from chameleon_ft.runtime.coordination import abort_key
+
+    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=5_000)
+    workers = range(N + 2)
+    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
+                             heartbeat_timeout_s=None, cut_off_s=None) for w in workers}
+    stop = threading.Event()
+    views: dict = {}
+    rounds = [0]
+
+    def follow(w, view, sync_s):
+        """A member: it goes to the next generation when its own ends; a fresh one first syncs
+        (``sync_s``) after each generation it is in, and notices an end only afterwards."""
+        m, synced = members[w], sync_s == 0
+        while not stop.is_set():
+            views[w] = view
+            if not synced:
+                time.sleep(sync_s)
+            if m.store.check([abort_key(view.token)]):
+                rounds[0] += 1
+                try:
+                    view = m.next_view(timeout_s=20, after=view.token)
+                except MembershipError:
+                    if stop.is_set():
+                        return  # closed at the test's end
+                    raise
+                continue
+            synced = True
+            time.sleep(0.005)
+
+    def start(w, sync_s=0.0, **join):
+        t = threading.Thread(target=lambda: follow(w, members[w].join(timeout_s=20, **join), sync_s), daemon=True)
+        t.start()
+        return t
+
+    try:
+        running = [start(w, min_world_size=N) for w in range(N)]
+        deadline = time.monotonic() + 20
+        while len(views) < N and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(views) == list(range(N))
+        start(N, sync_s=0.15)  # the healed node's first worker ...
+        while N not in views and time.monotonic() < deadline:
+            time.sleep(0.005)
+        start(N + 1, sync_s=0.15)  # ... and its second, once the first is in a generation
+        settled, deadline = None, time.monotonic() + 15
+        while time.monotonic() < deadline:  # everyone in one generation that nobody ends for 1 s
+            now = {(v.token, v.members) for v in list(views.values())}
+            latest = next(iter(now)) if len(views) == N + 2 and len(now) == 1 else None
+            if latest is None or latest[1] != tuple(workers) or members[0].store.check([abort_key(latest[0])]):
+                settled = None
+            elif settled is None:
+                settled = time.monotonic()
+            elif time.monotonic() - settled > 1.0:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"no generation held all {N + 2} workers for 1 s in 15 s "
+                                 f"({rounds[0]} views taken after an end)")
+        assert rounds[0] < 10 * (N + 2)  # a few rounds, not a livelock that happened to end
+    finally:
+        stop.set()
+        for m in members.values():
+            m.close()
+        server.shutdown()
