@@ -9,7 +9,7 @@ state migration.  Plain data; the planner and the performance model read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -96,6 +96,10 @@ class Cluster:
     def ids(self) -> tuple[int, ...]:
         return tuple(self._by_id)  # type: ignore[attr-defined]
 
+    def ids_except(self, keep: Iterable[int]) -> set[int]:
+        """This cluster's device ids that are not in ``keep`` (one set operation in C)."""
+        return self._by_id.keys() - keep  # type: ignore[attr-defined]
+
     def link(self, a: int, b: int) -> Link:
         return self.intra if self[a].node == self[b].node else self.inter
 
@@ -109,8 +113,33 @@ class Cluster:
         return self.intra if len(nodes) <= 1 else self.inter
 
     def without(self, dead: Iterable[int]) -> "Cluster":
-        gone = set(dead)
-        return replace(self, devices=tuple(d for d in self.devices if d.id not in gone))
+        """This cluster less ``dead``; derived from this one's tables (at 131k devices,
+        rebuilding them was a tenth of a decision)."""
+        by_id = self._by_id  # type: ignore[attr-defined]
+        gone = sorted({d for d in dead if d in by_id})
+        if not gone:
+            return self
+        arrays = self.arrays()
+        pos = np.sort(arrays.index[np.array(gone, dtype=np.int64)])
+        devices = list(self.devices)
+        for i in pos[::-1].tolist():
+            del devices[i]
+        keep = np.ones(len(self.devices), dtype=bool)
+        keep[pos] = False
+        index = arrays.index - np.searchsorted(pos, arrays.index)  # positions shift past removed ones
+        index[arrays.index < 0] = -1
+        index[np.array(gone, dtype=np.int64)] = -1
+        out = object.__new__(Cluster)
+        for f in fields(self):
+            object.__setattr__(out, f.name, getattr(self, f.name))
+        object.__setattr__(out, "devices", tuple(devices))
+        by_id = dict(by_id)
+        for d in gone:
+            del by_id[d]
+        object.__setattr__(out, "_by_id", by_id)
+        object.__setattr__(out, "_arrays", DeviceArrays(index=index, speed=arrays.speed[keep],
+                                                        node=arrays.node[keep], memory=arrays.memory[keep]))
+        return out
 
     def with_speeds(self, speeds: Mapping[int, float]) -> "Cluster":
         return replace(

@@ -23,6 +23,7 @@ can only be served by the same shard index or a full replica.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Hashable
 
 import numpy as np
@@ -76,9 +77,18 @@ def held_state(plan: Plan | None, alive: set[int]) -> dict[int, Held]:
     if plan is None:
         return out
     k = plan.shard_degree
+    per_split: dict[tuple, list[Held]] = {}  # (layer split, shard) -> what its stages hold
+    stages = []
     for j, pipe in enumerate(plan.pipelines):
-        b, q = pipe.bounds, j % k
-        out.update({d: (b[s], b[s + 1], q, k) for s, d in enumerate(pipe.devices) if d in alive})
+        key = (pipe.bounds, j % k)
+        held = per_split.get(key)
+        if held is None:
+            b = pipe.bounds
+            held = per_split[key] = [(b[s], b[s + 1], j % k, k) for s in range(len(b) - 1)]
+        stages.append(held)
+    out = dict(zip(plan.devices, chain.from_iterable(stages)))  # (one pass in C: 131k devices)
+    for d in plan.device_set.difference(alive):
+        del out[d]
     return out
 
 
@@ -137,7 +147,7 @@ def migrate(
     # Slots that are not kept verbatim, grouped by the class of the device planned there.
     classes: dict[Hashable, list[tuple[int, int, int]]] = {}  # class -> [(pipeline, stage, device)]
     for j, pipe in enumerate(new.pipelines):
-        if (pipe.devices, pipe.bounds, j % k, k) in kept_verbatim and all(d in held for d in pipe.devices):
+        if (pipe.devices, pipe.bounds, j % k, k) in kept_verbatim and all(map(held.__contains__, pipe.devices)):
             continue
         for s, d in enumerate(pipe.devices):
             classes.setdefault(klass(d), []).append((j, s, d))

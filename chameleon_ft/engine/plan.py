@@ -14,10 +14,15 @@ Plans are immutable values; :func:`validate` rejects an invalid one with a clear
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
+from itertools import accumulate, chain
 from typing import Iterable, Iterator
 
 from chameleon_ft.engine.workload import Workload
+
+
+_SCANNED_LOCATES = 16  # look-ups of a plan answered by a scan before its table is built
 
 
 class PlanError(ValueError):
@@ -57,8 +62,11 @@ class Slot:
 class Plan:
     pipelines: tuple[Pipeline, ...]
     shard_degree: int = 1
+    # Derived tables, built on first use (a plan is immutable): device -> (pipeline, stage),
+    # the flat device tuple and set, and ``_memo`` for the rest (``templates``, ``locate``).
     _where: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _devices: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -78,8 +86,15 @@ class Plan:
     @property
     def devices(self) -> tuple[int, ...]:
         if not self._devices:
-            self._devices.append(tuple(d for p in self.pipelines for d in p.devices))
+            self._devices.append(tuple(chain.from_iterable(p.devices for p in self.pipelines)))
         return self._devices[0]
+
+    @property
+    def device_set(self) -> frozenset[int]:
+        """The plan's devices as a set (built once: 131k devices cost milliseconds)."""
+        if len(self._devices) < 2:
+            self._devices.append(frozenset(self.devices))
+        return self._devices[1]
 
     @property
     def num_microbatches(self) -> int:
@@ -90,12 +105,38 @@ class Plan:
         return max(p.depth for p in self.pipelines)
 
     def locate(self, device: int) -> tuple[int, int] | None:
-        """(pipeline, stage) of ``device``, or None when the plan does not use it."""
-        if not self._where:
+        """(pipeline, stage) of ``device``, or None when the plan does not use it.
+
+        The first few look-ups scan the flat device tuple (a failure looks up its dead devices
+        only: the full table costs ~10 ms at 131k devices); later ones build the table."""
+        if self._where:
+            return self._where.get(device)
+        memo = self._memo
+        memo["locates"] = memo.get("locates", 0) + 1
+        if memo["locates"] > _SCANNED_LOCATES:
             for j, pipe in enumerate(self.pipelines):
                 for s, dev in enumerate(pipe.devices):
                     self._where[dev] = (j, s)
-        return self._where.get(device)
+            return self._where.get(device)
+        if device not in self.device_set:
+            return None
+        i = self.devices.index(device)
+        ends = memo.get("ends")
+        if ends is None:
+            ends = memo["ends"] = list(accumulate(len(p.devices) for p in self.pipelines))
+        j = bisect_right(ends, i)
+        return j, i - (ends[j - 1] if j else 0)
+
+    def templates(self) -> dict[tuple[tuple[int, ...], int], list[int]]:
+        """Pipeline indices by (layer split, shard index): the pipelines that hold the same
+        state (built once per plan; treat as read-only)."""
+        if "templates" not in self._memo:
+            k = self.shard_degree
+            out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+            for j, pipe in enumerate(self.pipelines):
+                out.setdefault((pipe.bounds, j % k), []).append(j)
+            self._memo["templates"] = out
+        return self._memo["templates"]
 
     def slot(self, device: int) -> Slot:
         where = self.locate(device)
@@ -185,7 +226,7 @@ def validate(
             raise PlanError(f"pipeline {j}: every stage needs at least one layer, bounds {pipe.bounds}")
         checked.add((depth, pipe.bounds))
     devices = plan.devices
-    seen = set(devices)
+    seen = plan.device_set
     if len(seen) != len(devices):
         counts: dict[int, int] = {}
         for d in devices:

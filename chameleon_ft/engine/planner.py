@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from itertools import chain, filterfalse
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -35,6 +37,8 @@ from chameleon_ft.engine.cluster import Cluster
 from chameleon_ft.engine.perf import Coefficients, Estimate, estimate, unit_times
 from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, validate
 from chameleon_ft.engine.workload import Workload
+
+_SPLIT_AND_LOAD = attrgetter("bounds", "microbatches")
 
 
 @dataclass(frozen=True)
@@ -359,7 +363,7 @@ def plan_search(
         if not est.fits:
             rejected[label] = f"needs more memory than devices {list(est.over_memory[:4])} have"
             return
-        key = tuple((p.devices, p.bounds, p.microbatches) for p in plan.pipelines)
+        key = (plan.devices, tuple(map(_SPLIT_AND_LOAD, plan.pipelines)))  # (the depths are in the bounds)
         found.setdefault(key, Candidate(plan, est, kind))
 
     if len(alive) <= space.global_limit or base is None:
@@ -372,9 +376,9 @@ def plan_search(
                 label = f"global {len(lay)}x~PP{depth}"
                 consider(builder.plan(chunks, total), "global", label)
     if base is not None:
-        intact = [p for p in base.pipelines if all(d in alive_set for d in p.devices)]
-        used = {d for p in intact for d in p.devices}
-        loose = [d for d in alive if d not in used]
+        intact = [p for p in base.pipelines if alive_set.issuperset(p.devices)]
+        used = set(chain.from_iterable(p.devices for p in intact))
+        loose = list(filterfalse(used.__contains__, alive))
         depths = sorted({p.depth for p in base.pipelines} | {p.depth - 1 for p in base.pipelines})
         for depth in depths:
             if depth < max(1, space.pp_min) or depth > (space.pp_max or workload.num_layers):

@@ -15,12 +15,8 @@ def _stage_counts(plan: Plan, alive: set[int]) -> dict[tuple, int]:
     """Alive devices per (layer bounds, shard index, stage) — grouped by pipeline template so
     that this costs O(pipelines + dead devices), not O(devices)."""
     k = plan.shard_degree
-    templates: dict[tuple, int] = {}  # (layer bounds, shard index) -> pipelines
-    for j, pipe in enumerate(plan.pipelines):
-        key = (pipe.bounds, j % k)
-        templates[key] = templates.get(key, 0) + 1
-    counts = {(bounds, q, s): n for (bounds, q), n in templates.items() for s in range(len(bounds) - 1)}
-    for d in set(plan.devices) - alive:
+    counts = {(bounds, q, s): len(js) for (bounds, q), js in plan.templates().items() for s in range(len(bounds) - 1)}
+    for d in plan.device_set.difference(alive):
         j, s = plan.locate(d)
         counts[(plan.pipelines[j].bounds, j % k, s)] -= 1
     return counts
@@ -54,9 +50,7 @@ def reroute_load(plan: Plan, dead: set[int], alive: set[int]) -> tuple[dict[int,
     makes the most loaded peer as light as possible -- per dead device, one peer could end up
     with a whole remainder (8 workers losing 4: ``{5,1,1,1}`` instead of ``{2,2,2,2}``)."""
     k = plan.shard_degree
-    by_template: dict[tuple, list[int]] = {}
-    for j, pipe in enumerate(plan.pipelines):
-        by_template.setdefault((pipe.bounds, j % k), []).append(j)
+    by_template = plan.templates()
     work: dict[tuple, int] = {}  # (template, stage) -> micro-batches to reroute
     for d in sorted(dead):
         where = plan.locate(d)

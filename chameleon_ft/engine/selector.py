@@ -103,7 +103,7 @@ def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfi
         mttf_s = config.mttf_s
     if mttf_s is None or mttf_s <= 0:
         raise ValueError("select() needs the expected time to the next failure (mttf_s > 0)")
-    unknown = set(event.devices) - set(state.cluster.ids)
+    unknown = {d for d in event.devices if d not in state.cluster}
     if unknown:
         raise ValueError(f"event names unknown devices {sorted(unknown)}")
     B = state.workload.global_batch
@@ -152,11 +152,12 @@ def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster
 
 def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s: float) -> tuple[list[Option], float]:
     w, plan = state.workload, state.plan
-    alive = set(state.alive) - set(event.devices)
-    dead = set(plan.devices) - alive  # earlier reroutes may have left dead devices in the plan
+    alive = set(state.alive)
+    alive.difference_update(event.devices)
+    dead = set(plan.device_set.difference(alive))  # earlier reroutes may have left dead devices in the plan
     wanted = cfg.allowed
     B = w.global_batch
-    survivors = state.cluster.without(set(state.cluster.ids) - alive)
+    survivors = state.cluster.without(state.cluster.ids_except(alive))
     lost = unreplicated(plan, alive)
     lost_msg = ""
     if lost:
