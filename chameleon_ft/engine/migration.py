@@ -152,7 +152,9 @@ def migrate(
         for s, d in enumerate(pipe.devices):
             classes.setdefault(klass(d), []).append((j, s, d))
 
-    placed = [list(p.devices) for p in new.pipelines]
+    # Only the pipelines with a slot that is not kept verbatim are touched (at 131k devices,
+    # copying and comparing every pipeline was a tenth of a decision).
+    placed: dict[int, list[int]] = {}
     moves: dict[int, int] = {}
     for slots in classes.values():
         devices = [d for _, _, d in slots]
@@ -165,48 +167,47 @@ def migrate(
         rows, cols = linear_sum_assignment(cost)
         for r, c in zip(rows, cols):
             j, s, planned = slots[c]
+            if j not in placed:
+                placed[j] = list(new.pipelines[j].devices)
             placed[j][s] = devices[r]
             if devices[r] != planned:
                 moves[devices[r]] = planned
-    # Only the pipelines whose devices changed are rebuilt (dataclasses.replace per pipeline
-    # was a third of a decision at 131k devices).
-    plan = Plan(
-        tuple(p if tuple(placed[j]) == p.devices else Pipeline(tuple(placed[j]), p.bounds, p.microbatches)
-              for j, p in enumerate(new.pipelines)),
-        shard_degree=k,
-    )
-    transfers, lost = _transfers(old, plan, workload, cluster, held, classes_changed={
-        placed[j][s] for slots in classes.values() for (j, s, _) in slots
-    })
+    pipes = list(new.pipelines)
+    for j, devs in placed.items():
+        if tuple(devs) != pipes[j].devices:
+            pipes[j] = Pipeline(tuple(devs), pipes[j].bounds, pipes[j].microbatches)
+    plan = Plan(tuple(pipes), shard_degree=k)
+    transfers, lost = _transfers(old, plan, workload, cluster, held,
+                                 sorted((j, s) for slots in classes.values() for (j, s, _) in slots))
     return MigrationPlan(plan, moves, transfers, schedule_rounds(transfers), lost)
 
 
-def _transfers(old, plan, workload, cluster, held, classes_changed) -> tuple[list[Transfer], list[Held]]:
+def _transfers(old, plan, workload, cluster, held, slots) -> tuple[list[Transfer], list[Held]]:
+    """The transfers that fill ``slots`` ((pipeline, stage), in plan order) of ``plan``."""
     k = plan.shard_degree
     sources = None  # built for the first slot that needs state (O(devices): often none does)
     out: list[Transfer] = []
     lost: list[Held] = []
-    for j, pipe in enumerate(plan.pipelines):
-        for s, d in enumerate(pipe.devices):
-            if d not in classes_changed:
-                continue
-            if sources is None and old is not None:
-                sources = _SourceIndex(held, cluster)
-            need = pipe.layers_of_stage(s)
-            for lo, hi in missing_ranges(need, _covers(held.get(d), j % k, k)):
-                at = lo
-                while at < hi:
-                    src = sources.pick(at, j % k, k, d) if sources else None
-                    if src is None:
-                        nxt = sources.next_covered(at, hi, j % k, k) if sources else hi
-                        lost.append((at, nxt, j % k, k))
-                        at = nxt
-                        continue
-                    src_id, (_, b) = src
-                    stop = min(b, hi)
-                    nbytes = workload.params_in(at, stop) * workload.state_bytes_per_param / k
-                    out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.state_link(src_id, d).transfer_s(nbytes)))
-                    at = stop
+    for j, s in slots:
+        pipe = plan.pipelines[j]
+        d = pipe.devices[s]
+        if sources is None and old is not None:
+            sources = _SourceIndex(held, cluster)
+        need = pipe.layers_of_stage(s)
+        for lo, hi in missing_ranges(need, _covers(held.get(d), j % k, k)):
+            at = lo
+            while at < hi:
+                src = sources.pick(at, j % k, k, d) if sources else None
+                if src is None:
+                    nxt = sources.next_covered(at, hi, j % k, k) if sources else hi
+                    lost.append((at, nxt, j % k, k))
+                    at = nxt
+                    continue
+                src_id, (_, b) = src
+                stop = min(b, hi)
+                nbytes = workload.params_in(at, stop) * workload.state_bytes_per_param / k
+                out.append(Transfer(src_id, d, (at, stop), nbytes, cluster.state_link(src_id, d).transfer_s(nbytes)))
+                at = stop
     return out, lost
 
 

@@ -39,9 +39,8 @@ Limits: communication is not overlapped with compute (calibration folds overlap 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain, cycle
+from itertools import chain
 from operator import attrgetter
 from typing import Mapping
 
@@ -165,9 +164,7 @@ def estimate(
         extra_flat[lut[np.fromiter(known.keys(), dtype=np.int64)]] = np.fromiter(known.values(), dtype=float)
     per_param_state = (workload.weight_bytes + workload.grad_bytes + workload.optim_bytes) / k
 
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for j, pipe in enumerate(plan.pipelines):
-        groups.setdefault(pipe.bounds, []).append(j)
+    groups = plan.by_split()
 
     busiest = 0  # most parameters any alive device updates
     times = np.zeros(len(plan.pipelines))
@@ -178,9 +175,9 @@ def estimate(
     peak = 0.0
     for bounds, members in groups.items():
         p = len(bounds) - 1
-        dev = _device_matrix([plan.pipelines[j] for j in members], p)
+        dev = plan.device_rows(members)
         idx = _positions(lut, dev, unknown)
-        m = np.array([plan.pipelines[j].microbatches for j in members], dtype=float)[:, None]
+        m = plan.loads()[members][:, None]
         dead_m = dead_mask_flat[idx]
         e = extra_flat[idx]
         c, x_max = _stage_times(bounds, idx, workload, cluster, speed_of, node_of, cs, ms, coeffs.task_overhead_s)
@@ -189,8 +186,9 @@ def estimate(
         n = mm + e.max(axis=1)  # micro-batches through the busiest stage (its own + rerouted)
         rerouted = (e * c).max(axis=1)
         busy = (mm > 0) | (rerouted > 0)
-        fill, period = _fill_and_period(c, x_max / 2.0)
-        bare_fill, bare_period = _fill_and_period(c, np.zeros_like(x_max))  # the same without hops
+        suffix = _suffix(c)
+        fill, period = _fill_and_period(c, x_max / 2.0, suffix)
+        bare_fill, bare_period = _fill_and_period(c, None, suffix)  # the same without hops
         hop = coeffs.hop_overhead_s if p > 1 else 0.0
         # A pipeline with only rerouted work has no fill: its peers' stages take it in turn.
         t = np.where(mm > 0, fill + (n - 1) * period + hop * (n + p - 1), rerouted)
@@ -280,7 +278,8 @@ def _stage_times(bounds, idx, workload: Workload, cluster: Cluster, speed, node,
     return c, x.max(axis=1)
 
 
-def _fill_and_period(c: np.ndarray, hop_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _fill_and_period(c: np.ndarray, hop_s: np.ndarray | None,
+                     suffix: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """1F1B of pipelines (rows) with per-micro-batch stage seconds ``c`` (forward + backward)
     and one hop's seconds ``hop_s`` (an activation out or a gradient back): the first
     micro-batch's round trip (every stage's work + 2 (p - 1) hops) and the steady-state period.
@@ -289,10 +288,19 @@ def _fill_and_period(c: np.ndarray, hop_s: np.ndarray) -> tuple[np.ndarray, np.n
     the period is the slowest stage's work, or that round trip shared by ``p - s`` micro-batches
     when it is longer (hops are hidden where later stages leave slack, exposed where they do not)."""
     p = c.shape[1]
-    suffix = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]  # per micro-batch, stages s..p-1
+    if suffix is None:
+        suffix = _suffix(c)
+    if hop_s is None:  # no hops (the pipeline's bare schedule)
+        period = np.maximum(c.max(axis=1), (suffix / (p - np.arange(p))[None, :]).max(axis=1))
+        return suffix[:, 0].copy(), period
     hops = 2.0 * (p - 1 - np.arange(p))[None, :] * hop_s[:, None]
     period = np.maximum(c.max(axis=1), ((suffix + hops) / (p - np.arange(p))[None, :]).max(axis=1))
     return suffix[:, 0] + 2.0 * (p - 1) * hop_s, period
+
+
+def _suffix(c: np.ndarray) -> np.ndarray:
+    """Per pipeline (row) and stage ``s``: the work of stages ``s..p-1`` per micro-batch."""
+    return np.cumsum(c[:, ::-1], axis=1)[:, ::-1]
 
 
 def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coefficients = Coefficients()) -> np.ndarray:
@@ -323,13 +331,13 @@ def _sync_times(
         n = len(plan.device_set) - len(plan.device_set.intersection(dead))
         return ring_allreduce_s(n, workload.total_params * workload.grad_bytes, coll_link), 0.0
     # Segments of the layer chain over which the holder set is constant.
-    splits = list(map(_BOUNDS, plan.pipelines))
-    first = dict.fromkeys(splits)  # every layer split, in order of first use
+    first = plan.by_split()  # every layer split, in order of first use
     cuts = sorted({b for bounds in first for b in bounds})
     index = {c: i for i, c in enumerate(cuts)}
     nseg = len(cuts) - 1
     # (template, shard) -> pipelines
-    count = Counter(zip(splits, cycle(range(k)))) if k > 1 else {(b, 0): n for b, n in Counter(splits).items()}
+    count = {key: len(js) for key, js in plan.templates().items()} if k > 1 else \
+        {(b, 0): len(js) for b, js in first.items()}
     holders = [[0] * k for _ in range(nseg)]
     for (bounds, q), n in count.items():
         for s in range(len(bounds) - 1):

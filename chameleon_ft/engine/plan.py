@@ -17,11 +17,15 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain
+from operator import attrgetter
 from typing import Iterable, Iterator
+
+import numpy as np
 
 from chameleon_ft.engine.workload import Workload
 
 
+_DEVICES, _BOUNDS, _MICROBATCHES = attrgetter("devices"), attrgetter("bounds"), attrgetter("microbatches")
 _SCANNED_LOCATES = 16  # look-ups of a plan answered by a scan before its table is built
 
 
@@ -36,8 +40,10 @@ class Pipeline:
     microbatches: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(self.devices))
-        object.__setattr__(self, "bounds", tuple(self.bounds))
+        if type(self.devices) is not tuple:  # (a plan at 131k devices makes 8k of these)
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if type(self.bounds) is not tuple:
+            object.__setattr__(self, "bounds", tuple(self.bounds))
 
     @property
     def depth(self) -> int:
@@ -86,7 +92,7 @@ class Plan:
     @property
     def devices(self) -> tuple[int, ...]:
         if not self._devices:
-            self._devices.append(tuple(chain.from_iterable(p.devices for p in self.pipelines)))
+            self._devices.append(tuple(chain.from_iterable(map(_DEVICES, self.pipelines))))
         return self._devices[0]
 
     @property
@@ -98,7 +104,7 @@ class Plan:
 
     @property
     def num_microbatches(self) -> int:
-        return sum(p.microbatches for p in self.pipelines)
+        return sum(map(_MICROBATCHES, self.pipelines))
 
     @property
     def max_depth(self) -> int:
@@ -121,11 +127,52 @@ class Plan:
         if device not in self.device_set:
             return None
         i = self.devices.index(device)
-        ends = memo.get("ends")
-        if ends is None:
-            ends = memo["ends"] = list(accumulate(len(p.devices) for p in self.pipelines))
+        ends = self._ends()
         j = bisect_right(ends, i)
         return j, i - (ends[j - 1] if j else 0)
+
+    def by_split(self) -> dict[tuple[int, ...], list[int]]:
+        """Pipeline indices by layer split, in order of first use (built once per plan;
+        treat as read-only)."""
+        if "by_split" not in self._memo:
+            splits = list(map(_BOUNDS, self.pipelines))
+            code = {b: i for i, b in enumerate(dict.fromkeys(splits))}
+            if len(code) == 1:
+                out = {splits[0]: list(range(len(splits)))}
+            else:  # (grouped in numpy: a Python loop over 8k pipelines was ~6 ms)
+                codes = np.fromiter(map(code.__getitem__, splits), dtype=np.int64, count=len(splits))
+                out = {b: np.flatnonzero(codes == i).tolist() for b, i in code.items()}
+            self._memo["by_split"] = out
+        return self._memo["by_split"]
+
+    def loads(self) -> np.ndarray:
+        """Each pipeline's micro-batches as a float array (built once per plan; read-only)."""
+        if "loads" not in self._memo:
+            self._memo["loads"] = np.fromiter(map(_MICROBATCHES, self.pipelines), dtype=float,
+                                              count=len(self.pipelines))
+        return self._memo["loads"]
+
+    def device_rows(self, members: list[int]) -> np.ndarray:
+        """The devices of pipelines ``members`` (all of one depth) as a (pipelines x depth)
+        int64 array; a contiguous run of pipelines is a view of the plan's flat device array."""
+        depth = len(self.pipelines[members[0]].devices) if members else 0
+        if members and members[-1] - members[0] + 1 == len(members):
+            flat = self._memo.get("device_array")
+            if flat is None:
+                flat = self._memo["device_array"] = np.fromiter(self.devices, dtype=np.int64, count=len(self.devices))
+            ends = self._ends()
+            start = ends[members[0] - 1] if members[0] else 0
+            return flat[start:ends[members[-1]]].reshape(len(members), depth)
+        rows = np.fromiter(chain.from_iterable(self.pipelines[j].devices for j in members), dtype=np.int64,
+                           count=len(members) * depth)
+        return rows.reshape(len(members), depth)
+
+    def _ends(self) -> list[int]:
+        """Where each pipeline's devices end in the flat device tuple."""
+        ends = self._memo.get("ends")
+        if ends is None:
+            ends = self._memo["ends"] = list(accumulate(map(len, map(_DEVICES, self.pipelines))))
+        return ends
 
     def templates(self) -> dict[tuple[tuple[int, ...], int], list[int]]:
         """Pipeline indices by (layer split, shard index): the pipelines that hold the same
@@ -207,13 +254,16 @@ def validate(
     ``num_microbatches`` defaults to the workload's (global batch conserved exactly)."""
     if not plan.pipelines:
         raise PlanError("the plan has no pipelines")
-    checked: set[tuple[int, tuple]] = set()  # (depth, bounds) already found valid: most pipelines share one
-    for j, pipe in enumerate(plan.pipelines):
-        if pipe.microbatches < 0:
-            raise PlanError(f"pipeline {j}: negative micro-batch count")
-        depth = len(pipe.devices)
-        if (depth, pipe.bounds) in checked:
-            continue
+    # Checked once per distinct (depth, bounds) (most pipelines share one), in order of first
+    # use, so that an error names the first pipeline that breaks a rule; the scans run in C.
+    pipes = plan.pipelines
+    loads = list(map(_MICROBATCHES, pipes))
+    if min(loads) < 0:
+        raise PlanError(f"pipeline {next(j for j, m in enumerate(loads) if m < 0)}: negative micro-batch count")
+    shapes = list(zip(map(len, map(_DEVICES, pipes)), map(_BOUNDS, pipes)))
+    for depth, bounds in dict.fromkeys(shapes):
+        j = shapes.index((depth, bounds))
+        pipe = pipes[j]
         if depth == 0:
             raise PlanError(f"pipeline {j} has no stages")
         if len(pipe.bounds) != depth + 1:
@@ -224,7 +274,6 @@ def validate(
             raise PlanError(f"pipeline {j}: layer bounds must cover 0..{workload.num_layers}, got {pipe.bounds}")
         if any(b >= c for b, c in zip(pipe.bounds, pipe.bounds[1:])):
             raise PlanError(f"pipeline {j}: every stage needs at least one layer, bounds {pipe.bounds}")
-        checked.add((depth, pipe.bounds))
     devices = plan.devices
     seen = plan.device_set
     if len(seen) != len(devices):
@@ -244,6 +293,7 @@ def validate(
     k = plan.shard_degree
     if k < 1 or len(plan.pipelines) % k:
         raise PlanError(f"shard degree {k} must divide the number of pipelines ({len(plan.pipelines)})")
-    for group in plan.shard_groups():
-        if len({plan.pipelines[j].bounds for j in group}) != 1:
-            raise PlanError(f"pipelines {group} shard the same state and need the same layer split")
+    if k > 1:  # (with k = 1 every group is one pipeline)
+        for group in plan.shard_groups():
+            if len({plan.pipelines[j].bounds for j in group}) != 1:
+                raise PlanError(f"pipelines {group} shard the same state and need the same layer split")

@@ -251,6 +251,7 @@ class _Builder:
         self.w, self.c, self.k, self.shard = workload, cluster, coeffs, shard_degree
         self.min_each = min_each
         self._unit: dict[tuple, float] = {}
+        self._fixed: tuple = ((), [])  # the last ``fixed`` pipelines and their unit times
 
     def pipeline(self, devs: Sequence[int], facts: tuple | None = None) -> tuple[tuple[int, ...], float] | None:
         """``facts``: the chunk's (speeds, memories, nodes), when the caller has them already."""
@@ -272,7 +273,9 @@ class _Builder:
         if not fixed and not chunks:
             return None
         pipes = [(pipe.devices, pipe.bounds) for pipe in fixed]
-        units = unit_times(fixed, self.w, self.c, self.k).tolist() if fixed else []
+        if fixed and self._fixed[0] is not fixed:  # (one search passes the same intact pipelines each time)
+            self._fixed = (fixed, unit_times(fixed, self.w, self.c, self.k).tolist())
+        units = list(self._fixed[1]) if fixed else []
         # Every chunk's device facts in one gather (131k dict look-ups per plan otherwise).
         flat = [d for devs in chunks for d in devs]
         arrays = self.c.arrays()
@@ -296,7 +299,10 @@ class _Builder:
                 if any(pipes[g + i][1] != bounds for i in range(self.shard)):
                     return None
         alloc = allocate_microbatches(units, [len(d) for d, _ in pipes], total, self.min_each)
-        kept = [Pipeline(d, b, m) for (d, b), m in zip(pipes, alloc)]
+        # A fixed pipeline whose micro-batches did not change is kept as the same object.
+        kept = [pipe if pipe.microbatches == m else Pipeline(pipe.devices, pipe.bounds, m)
+                for pipe, m in zip(fixed, alloc)]
+        kept += [Pipeline(d, b, m) for (d, b), m in zip(pipes[len(fixed):], alloc[len(fixed):])]
         if self.shard == 1:
             kept = [p for p in kept if p.microbatches > 0]
         return Plan(tuple(kept), shard_degree=self.shard)

@@ -33,9 +33,14 @@ to JSON.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from collections import Counter
+from itertools import chain
+from operator import attrgetter
 
 from chameleon_ft.engine.cluster import Cluster
 # The decision types, the scoring and the reroute arithmetic live in their own modules; they
@@ -96,8 +101,29 @@ class JobState:
     lr: float | None = None
 
 
+@contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic collector off for one decision.  A decision at 131k devices makes
+    hundreds of thousands of short-lived objects, all freed by reference counting; the
+    collections they triggered walked the job's whole heap (the cluster, the plans) and were a
+    third of the decision's time (386 ms median with them, 265 ms without, this machine).
+    Cycles made meanwhile are collected after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def select(event: Event, state: JobState, config: SelectorConfig = SelectorConfig(), mttf_s: float | None = None) -> Decision:
     """Every candidate for ``event``, scored, and the choice."""
+    with _no_cyclic_gc():
+        return _select(event, state, config, mttf_s)
+
+
+def _select(event: Event, state: JobState, config: SelectorConfig, mttf_s: float | None) -> Decision:
     t0 = time.perf_counter()
     if config.mttf_s is not None:
         mttf_s = config.mttf_s
@@ -205,7 +231,7 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
     # shrink: drop every pipeline that lost a device (whole shard groups under FSDP)
     k = plan.shard_degree
     broken_groups = {plan.locate(d)[0] // k for d in dead if plan.locate(d) is not None}
-    kept = [p for j, p in enumerate(plan.pipelines) if j // k not in broken_groups]
+    kept = [p for j, p in enumerate(plan.pipelines) if j // k not in broken_groups] if broken_groups else list(plan.pipelines)
     if not kept:
         options.append(Option("shrink", False, "no intact replica is left"))
     else:
@@ -281,12 +307,10 @@ def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: in
     missing = budget - sum(p.microbatches for p in pipes)
     if missing <= 0 or not pipes:
         return pipes, set()
-    shapes: dict[tuple, int] = {}
-    for p in pipes:
-        shapes[(p.bounds, p.microbatches)] = shapes.get((p.bounds, p.microbatches), 0) + 1
+    shapes = Counter(map(attrgetter("bounds", "microbatches"), pipes))
     bounds, m = max(shapes, key=lambda k: (shapes[k], k[1]))
-    used = {d for p in pipes for d in p.devices}
-    loose = sorted((d for d in alive if d not in used), key=lambda d: (cluster[d].node, d))
+    used = set(chain.from_iterable(p.devices for p in pipes))
+    loose = sorted(alive.difference(used), key=lambda d: (cluster[d].node, d))
     depth = len(bounds) - 1
     out, added = list(pipes), set()
     while missing > 0 and len(loose) >= depth and m > 0:
