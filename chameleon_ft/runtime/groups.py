@@ -220,6 +220,9 @@ class GroupManager:
         self._stores: list = []  # the stores of the newest groups (kept alive: see rebuild)
         # Group set-ups given up while still blocked in gloo's connect (see rebuild, close).
         self._abandoned: list[tuple[threading.Thread, float]] = []
+        # A set-up started ahead of ``rebuild`` (``prebuild``): (token, thread, result, deadline).
+        self._pre: Optional[tuple] = None
+        self._pre_lock = threading.RLock()  # (also guards ``_abandoned``: two threads touch both)
         # (group, work or None) pairs whose op may still be blocked; see module docstring.
         self._parked: list[tuple[object, object]] = []
         self._parked_lock = threading.Lock()
@@ -256,25 +259,14 @@ class GroupManager:
         self._retire(None)
         self._view = view
         self.realigning = None  # a new generation's members all start in the recovery protocol
-        result: dict = {}
-
-        def build() -> None:
-            try:
-                store = self._store_factory()
-                prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
-                pg = dist.ProcessGroupGloo(prefix, view.rank, view.world_size,
-                                           timedelta(seconds=self.connect_timeout_s))
-                # Connection set-up and ops get separate limits.
-                pg.set_timeout(timedelta(seconds=self.op_timeout_s))
-                if self.nccl is not None:
-                    self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
-                result["pg"], result["store"] = pg, store
-            except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
-                result["error"] = exc
-
-        builder = threading.Thread(target=build, name=f"cft-pg-build-{view.token}", daemon=True)
-        builder.start()
-        deadline = time.monotonic() + self.connect_timeout_s + 1.0
+        with self._pre_lock:
+            pre, self._pre = self._pre, None
+        if pre is not None and pre[0] == view.token:  # set up meanwhile (``prebuild``)
+            _, builder, result, deadline = pre
+        else:
+            if pre is not None:
+                self._abandon(pre[1], pre[3])
+            builder, result, deadline = self._start_build(view)
         next_check = 0.0
         while builder.is_alive():
             builder.join(0.002)
@@ -298,6 +290,44 @@ class GroupManager:
         # the C++ side holds no reference to the Python object.
         self._stores = (self._stores + [result["store"]])[-4:]
         return self._pg
+
+    def prebuild(self, view: MembershipView) -> None:
+        """Start setting up ``view``'s group now, in the background; ``rebuild(view)`` then
+        takes it.  The membership's abort watcher calls this when it agreed on the next view
+        while the main thread still computes: the survivors' set-up overlaps that compute
+        instead of following it (a kill between steps cost ~30 ms of rebuild after the
+        compute).  Not with NCCL (its communicator set-up stays on the main thread)."""
+        if self.nccl is not None:
+            return
+        with self._pre_lock:
+            if self._pre is not None:
+                if self._pre[0] == view.token:
+                    return
+                self._abandon(self._pre[1], self._pre[3])
+            self._pre = (view.token, *self._start_build(view))
+
+    def _start_build(self, view: MembershipView) -> tuple[threading.Thread, dict, float]:
+        """A thread that sets up ``view``'s group into the returned dict ("pg" and "store",
+        or "error"), and the time by which it must have ended."""
+        result: dict = {}
+
+        def build() -> None:
+            try:
+                store = self._store_factory()
+                prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
+                pg = dist.ProcessGroupGloo(prefix, view.rank, view.world_size,
+                                           timedelta(seconds=self.connect_timeout_s))
+                # Connection set-up and ops get separate limits.
+                pg.set_timeout(timedelta(seconds=self.op_timeout_s))
+                if self.nccl is not None:
+                    self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
+                result["pg"], result["store"] = pg, store
+            except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
+                result["error"] = exc
+
+        builder = threading.Thread(target=build, name=f"cft-pg-build-{view.token}", daemon=True)
+        builder.start()
+        return builder, result, time.monotonic() + self.connect_timeout_s + 1.0
 
     # ------------------------------------------------------------- collectives
     def collective(self, fn: Callable[[dist.ProcessGroup], object],
@@ -552,16 +582,21 @@ class GroupManager:
         self._retire(None)
         self._view = None
         self.realigning = None
-        for builder, deadline in self._abandoned:
+        with self._pre_lock:
+            if self._pre is not None:
+                self._abandon(self._pre[1], self._pre[3])
+                self._pre = None
+        for builder, deadline in list(self._abandoned):
             builder.join(max(0.0, deadline - time.monotonic()))
         self._abandon()
 
     def _abandon(self, builder: Optional[threading.Thread] = None, deadline: float = 0.0) -> None:
         """Remember a group set-up given up while gloo's connect still waits (``close`` waits
         for it); forget the ones that have finished."""
-        self._abandoned = [(b, d) for b, d in self._abandoned if b.is_alive()]
-        if builder is not None:
-            self._abandoned.append((builder, deadline))
+        with self._pre_lock:
+            self._abandoned = [(b, d) for b, d in self._abandoned if b.is_alive()]
+            if builder is not None:
+                self._abandoned.append((builder, deadline))
 
     # ---------------------------------------------------------------- helpers
     def _local_failure(self, message: str, kind: str) -> CollectiveFailure:
@@ -587,5 +622,13 @@ class GroupManager:
             self._park(self._pg, work)
         with self._parked_lock:
             # Release groups whose blocked op has finished (success, error or gloo timeout).
-            self._parked = [(g, w) for g, w in self._parked
-                            if w is not None and not w.is_completed()]
+            done = [(g, w) for g, w in self._parked if w is None or w.is_completed()]
+            self._parked = [(g, w) for g, w in self._parked if w is not None and not w.is_completed()]
+        if done:
+            # In a helper thread: a gloo group's destructor closes its connections and joins
+            # its threads (14-24 ms seen), which a recovery would otherwise wait for between
+            # the membership's answer and the new group.  ``close`` waits for it.
+            dropper = threading.Thread(target=done.clear, daemon=True, name="cft-pg-drop")
+            del done
+            dropper.start()
+            self._abandon(dropper, time.monotonic() + self.connect_timeout_s)

@@ -52,6 +52,7 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
                       paused=membership.paused,
                       # etcd: every abort poll is an HTTP request (the watcher polls too)
                       abort_poll_s=0.02 if is_etcd(env.store) else 0.005)
+    membership.on_early_view = gm.prebuild  # the next group's set-up overlaps compute
     min_world = env.min_world_size if env.replacement == 0 else 1
     try:
         view = membership.join(min_world_size=min_world, timeout_s=cfg.join_timeout_s)

@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist  # noqa: E402
 
@@ -197,6 +197,9 @@ class Membership:
         self._agree_lock = threading.Lock()
         self._watch_thread: Optional[threading.Thread] = None
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
+        # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
+        # group's set-up overlaps the main thread's compute).
+        self.on_early_view: Optional[Callable[[MembershipView], None]] = None
         self.early_joins = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.cut_off_s = cut_off_s
@@ -384,6 +387,8 @@ class Membership:
                     new = self._agree(time.monotonic() + self.retry_s * 10, previous_token=view.token)
                     self._early = new.token
                     self.early_joins += 1
+                    if self.on_early_view is not None:
+                        self.on_early_view(new)
             except Exception as exc:  # closed, or no quorum: the main thread will ask itself
                 log.debug("abort watcher of worker %d: %s", self.worker_id, exc)
             finally:
