@@ -44,6 +44,7 @@ loss curve is flat (its local slope ~0) is not measured (None).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -52,6 +53,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -134,6 +136,19 @@ def path_cost(d: dict, run: dict[int, float], ref: dict[int, float], step_s: flo
 
 # ------------------------------------------------------------------ runs
 REUSE = False
+REUSE_STAMP = "matrix_run.json"  # what made a run: ``--reuse`` keeps it only when it matches
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the code a run executes (the packages and this benchmark's scripts): a run
+    that other code finished is not reused."""
+    h = hashlib.sha256()
+    files = [f for d in ("chameleon_ft", "lightning_ft") for f in sorted((ROOT / d).rglob("*.py"))]
+    files += sorted((ROOT / "benchmarks").glob("*shard*.py"))
+    for f in files:
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
@@ -156,13 +171,22 @@ def _run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: O
          paths: Optional[str] = None) -> dict:
     from chameleon_ft.cli.localjob import LocalJob
 
+    args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(STEPS),
+            "--sample-sleep", str(SAMPLE_SLEEP)]
+    stamp = {"engine": engine, "args": args, "kill": kill, "k": k, "paths": paths, "code": code_fingerprint()}
     if REUSE and list(out.glob("final_*.json")):
-        return _finals(out)
+        try:
+            same = json.loads((out / REUSE_STAMP).read_text()) == stamp
+        except (OSError, ValueError):
+            same = False
+        if same:
+            return _finals(out)
+        print(f"{out.name}: finished by other code or settings, run again", flush=True)
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt's event log would mislead
-    args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(STEPS),
-            "--sample-sleep", str(SAMPLE_SLEEP)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REUSE_STAMP).write_text(json.dumps(stamp))
     if engine == "ours":
         args += ["--lr", "3e-3", "--default-config"]
     if k is not None:
@@ -316,7 +340,7 @@ def markdown(res: dict) -> list[str]:
     cells, free = res["cells"], res["free"]
     lines = ["## Rehabilitate or recompute: the matrix (issue 23)", "",
              f"`{res['command']}` ({res['date']}; {res['minutes']:.0f} min on a shared 2-core machine"
-             + ("; `--reuse`: the runs an earlier, interrupted invocation of the same code finished were "
+             + ("; `--reuse`: the runs an earlier, interrupted invocation of the same code (a hash of the packages and the benchmark's scripts, checked per run) finished were "
                 "kept, so the minutes are this invocation's only" if "--reuse" in res["command"] else "") + ").  "
              "4 CPU workers, FSDP2 over all 4, AdamW, 64 steps of 64 samples, accelerator emulation "
              "(1 ms per sample); worker 2 SIGKILLed from outside once the kill step is under way; every "
@@ -415,7 +439,8 @@ def main(argv=None) -> dict:
     p.add_argument("--ks", default="default,4", help="snapshot intervals: 'default' and/or numbers")
     p.add_argument("--jobs", type=int, default=2, help="jobs at once")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--reuse", action="store_true", help="reuse the work dir's finished runs")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse the work dir's finished runs made by the same code and settings")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)

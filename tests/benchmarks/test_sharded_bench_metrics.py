@@ -1,6 +1,7 @@
 """The sharded matrix's figures from synthetic loss curves (pure functions of
 ``benchmarks/sharded_matrix.py``)."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -52,3 +53,33 @@ def test_path_cost_and_the_engines_pick():
     f = sm.figures(cell, step_s=0.1)
     assert f["recompute"]["lost_steps"] == 4 and f["recompute"]["lost_s"] == pytest.approx(0.6)
     assert f["ratio"] == pytest.approx(0.4 / 0.6) and f["engine_ok"]
+
+
+def test_reuse_keeps_only_runs_the_same_code_and_settings_finished(tmp_path, monkeypatch):
+    # --reuse used to trust any finished run in the work dir, whatever code or settings made it.
+    import chameleon_ft.cli.localjob as localjob
+
+    class Ran(Exception):
+        pass
+
+    def no_job(*a, **kw):
+        raise Ran()
+
+    monkeypatch.setattr(localjob, "LocalJob", no_job)
+    monkeypatch.setattr(sm, "REUSE", True)
+    out = tmp_path / "run"
+    with pytest.raises(Ran):  # nothing finished yet: it runs (and stamps the dir first)
+        sm._run(out, "ours", "mlp", 0, None, kill=9)
+    (out / "final_0.json").write_text(json.dumps({"loss": 1.0}))
+    assert sm._run(out, "ours", "mlp", 0, None, kill=9) == {0: {"loss": 1.0}}  # same code, same settings
+    with pytest.raises(Ran):  # other settings
+        sm._run(out, "ours", "mlp", 0, None, kill=10)
+    (out / "final_0.json").write_text(json.dumps({"loss": 1.0}))
+    stamp = json.loads((out / sm.REUSE_STAMP).read_text())
+    (out / sm.REUSE_STAMP).write_text(json.dumps({**stamp, "code": "another"}))
+    with pytest.raises(Ran):  # other code
+        sm._run(out, "ours", "mlp", 0, None, kill=10)
+    (out / "final_0.json").write_text(json.dumps({"loss": 1.0}))
+    (out / sm.REUSE_STAMP).unlink()
+    with pytest.raises(Ran):  # a run from before the stamps
+        sm._run(out, "ours", "mlp", 0, None, kill=10)
