@@ -60,7 +60,6 @@ import json
 import logging
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
@@ -71,87 +70,13 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.membership import MembershipView, abort_key
+from chameleon_ft.runtime.headers import (  # noqa: F401  (HEADER_LEN ... re-exported)
+    AGREED, CONTROL_KINDS, FREE_DIMS, GATHERS, HEADER_LEN, RUNTIME_KINDS, code_of, describe_header, encode_header,
+    header_kind, op_name)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CollectiveFailure", "CollectiveMismatch", "GroupManager", "HEADER_LEN"]
-
-# ------------------------------------------------------------------------ collective headers
-RUNTIME_KINDS = ("step", "sync")
-CONTROL_KINDS = ("reduce", "all_gather", "gather_object", "broadcast", "barrier")
-_GATHERS = ("all_gather", "gather_object")  # shapes may differ between members
-_KIND_CODE = {k: i + 1 for i, k in enumerate(RUNTIME_KINDS + CONTROL_KINDS)}
-_KIND_NAME = {v: k for k, v in _KIND_CODE.items()}
-_CALL = {"step": "the training step's gradient all-reduce", "sync": "a recovery all-reduce"}
-_MAGIC = 0x63667468_0001  # "cfth", version 1
-# Slots [0, _AGREED) must be equal on every member: magic, kind, label, dtype, reduce op or
-# broadcast source, numel, ndim, shape code.  Slots from _AGREED on are per member (a gather's
-# numel and its first _FREE_DIMS dims).
-HEADER_LEN, _AGREED, _FREE_DIMS = 16, 8, 7
-_NAMES: dict[int, str] = {}  # code -> text, to name a peer's call in a warning
-
-
-def _code(text: str, remember: bool = True) -> int:
-    """A code for ``text`` that every process computes alike (``hash`` is salted per process)."""
-    if not text:
-        return 0
-    code = zlib.crc32(text.encode())
-    if remember:
-        _NAMES.setdefault(code, text)
-    return code
-
-
-for _d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
-    _code(str(_d).replace("torch.", ""))
-for _o in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM") + tuple(_KIND_CODE):
-    _code(_o)
-
-
-def _op_name(op) -> str:
-    return getattr(getattr(op, "op", op), "name", str(op))
-
-
-def encode_header(kind: str, tensor: Optional[torch.Tensor] = None, label: str = "", arg: int = 0) -> torch.Tensor:
-    """This member's header for a ``kind`` collective over ``tensor`` (see module doc)."""
-    if kind not in _KIND_CODE:
-        raise ValueError(f"unknown collective kind {kind!r}")
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[0], h[1], h[2], h[4] = _MAGIC, _KIND_CODE[kind], _code(label), int(arg)
-    if tensor is not None:
-        shape = list(tensor.shape)
-        h[3], h[6] = _code(str(tensor.dtype).replace("torch.", "")), len(shape)
-        if kind in _GATHERS:
-            h[_AGREED] = tensor.numel()
-            dims = shape[:_FREE_DIMS]
-            h[_AGREED + 1:_AGREED + 1 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
-        else:
-            h[5], h[7] = tensor.numel(), _code(str(tuple(shape)), remember=False)
-    return h
-
-
-def describe_header(h: torch.Tensor) -> str:
-    """A header as words, for warnings: the call, its label, dtype and size."""
-    v = [int(x) for x in h.tolist()]
-    if v[0] != _MAGIC:
-        return "an op without a chameleon-ft header"
-    kind = _KIND_NAME.get(v[1], f"unknown kind {v[1]}")
-    text = _CALL.get(kind, kind)
-    label = _NAMES.get(v[2], "")  # a peer's label this process never used is left out
-    if label and label != kind:
-        text += f" '{label}'"
-    if kind == "reduce":
-        text += f" ({_NAMES.get(v[4], v[4])})"
-    elif kind == "broadcast":
-        text += f" (from rank {v[4]})"
-    if v[3]:
-        size = v[_AGREED] if kind in _GATHERS else v[5]
-        text += f" of {_NAMES.get(v[3], 'dtype #%d' % v[3])}[{size}]"
-    return text
-
-
-def header_kind(h: torch.Tensor) -> Optional[str]:
-    return _KIND_NAME.get(int(h[1])) if int(h[0]) == _MAGIC else None
-
 
 class CollectiveFailure(RuntimeError):
     """A collective of generation ``token`` did not complete on this member.
@@ -478,7 +403,7 @@ class GroupManager:
             rows = torch.zeros(n, HEADER_LEN, dtype=torch.int64)
             parts = list(rows.unbind(0))
             self.collective(lambda pg: pg.allgather([parts], [mine]), timeout_s)
-            differ = [i for i in range(n) if not torch.equal(rows[i, :_AGREED], mine[:_AGREED])]
+            differ = [i for i in range(n) if not torch.equal(rows[i, :AGREED], mine[:AGREED])]
             if not differ:
                 if runtime:
                     self.realigning = None
@@ -508,7 +433,7 @@ class GroupManager:
         header exchange (``checked``) runs first.  None: no header (every member must be known
         to run this same op)."""
         if header is not None:
-            self.checked(header, tensor, label=label, arg=_code(_op_name(op)), timeout_s=timeout_s)
+            self.checked(header, tensor, label=label, arg=code_of(op_name(op)), timeout_s=timeout_s)
         buf = tensor.clone() if copy else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -526,19 +451,19 @@ class GroupManager:
         """Every member's ``tensor`` (on CPU), in rank order; shapes may differ between members
         (same dtype and number of dimensions): the header carries each member's shape, the data
         travels flattened and padded.  ``kind``: ``"all_gather"`` or ``"gather_object"``."""
-        if kind not in _GATHERS:
-            raise ValueError(f"all_gather kind must be one of {_GATHERS}, got {kind!r}")
+        if kind not in GATHERS:
+            raise ValueError(f"all_gather kind must be one of {GATHERS}, got {kind!r}")
         t = tensor.detach().to("cpu").contiguous()
         rows = self.checked(kind, t, label=label, timeout_s=timeout_s)
         n = rows.shape[0]
-        if t.ndim <= _FREE_DIMS:
-            shapes = rows[:, _AGREED + 1:_AGREED + 1 + t.ndim]
+        if t.ndim <= FREE_DIMS:
+            shapes = rows[:, AGREED + 1:AGREED + 1 + t.ndim]
         else:  # every member has this many dims (checked), so the shapes have one size
             shapes = torch.zeros(n, t.ndim, dtype=torch.int64)
             parts = list(shapes.unbind(0))
             mine = torch.tensor(t.shape, dtype=torch.int64)
             self.collective(lambda pg: pg.allgather([parts], [mine]), timeout_s)
-        numels = [int(x) for x in rows[:, _AGREED].tolist()]
+        numels = [int(x) for x in rows[:, AGREED].tolist()]
         flat = torch.zeros(max(1, max(numels)), dtype=t.dtype)
         flat[:t.numel()] = t.reshape(-1)
         out = [torch.empty_like(flat) for _ in range(n)]

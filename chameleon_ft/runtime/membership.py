@@ -530,14 +530,8 @@ class Membership:
 
     def _request_admission(self, previous_token: Optional[str]) -> None:
         """If a generation is running without us, end it so its members come and admit us.
-
-        A worker that asks again soon after its last admission first waits, longer each time
-        (``ADMISSION_BACKOFF_S``), unless someone else ends that generation meanwhile.  Seen
-        (issue 24): a healed node's two restarted workers evicted each other for minutes --
-        each admission ended the generation the other had just joined while that one was in
-        its first sync; it asked after the Lighthouse's join window, was left out, and its own
-        admission ended the next generation the same way.  The wait lets the other finish its
-        sync, so the next round finds every member asking at once."""
+        Asked again soon after our last admission, first wait, longer each time, unless the
+        generation ends meanwhile (``ADMISSION_BACKOFF_S``; why: docs/runtime-membership.md)."""
         latest = self._latest()
         if latest is None or latest.get("token") == previous_token:
             return
