@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.median imports it on first use: 27 ms, seen inside a recovery
 
 from chameleon_ft.engine.cluster import Link
 from chameleon_ft.engine.perf import Coefficients
