@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from chameleon_ft._compat import renamed_getattr
 
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -54,6 +55,7 @@ from typing import Optional, Sequence
 from chameleon_ft.engine.calibrate import Calibrator, PipelineCalibrator, PipelineFit, StepSample
 from chameleon_ft.engine.cluster import homogeneous
 from chameleon_ft.engine.failures import Event, EventKind, FailureRateEstimator
+from chameleon_ft.engine.migration import warm_imports
 from chameleon_ft.engine.perf import Coefficients, estimate
 from chameleon_ft.engine.plan import Pipeline, Plan, even_split
 from chameleon_ft.engine.planner import SearchSpace, at_least_one_each, balance_layers
@@ -108,6 +110,8 @@ class EngineBridge(PipelineCalibration):
         # Pipeline jobs (``stages`` > 1): the first plan has pipelines of that depth, and the
         # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
         self.stages = max(1, int(stages))
+        if self.stages > 1:  # a re-plan's migration imports these on first use: not in a recovery
+            threading.Thread(target=warm_imports, daemon=True, name="cft-warm-imports").start()
         # Bytes per parameter that a migration moves (weights, optimizer state): measured by
         # the pipeline runtime after its first step, so the migration plan predicts real bytes.
         self.weight_bytes, self.optim_bytes = 4, 8
