@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import chain
 from operator import attrgetter
 from typing import Mapping
 
 import numpy as np
 
 from chameleon_ft.engine.cluster import Cluster, Link
-from chameleon_ft.engine.plan import Plan
+from chameleon_ft.engine.plan import Plan, device_matrix
 from chameleon_ft.engine.workload import Workload
 
 _BOUNDS = attrgetter("bounds")
@@ -247,13 +246,6 @@ def estimate(
     )
 
 
-def _device_matrix(pipes, depth: int) -> np.ndarray:
-    """The devices of pipelines of one depth as a (pipelines x depth) int64 array (from one
-    flat iterator: numpy's conversion of a list of tuples was ~8 ms per 131k devices)."""
-    flat = np.fromiter(chain.from_iterable(p.devices for p in pipes), dtype=np.int64, count=len(pipes) * depth)
-    return flat.reshape(len(pipes), depth)
-
-
 def _positions(lut: np.ndarray, dev: np.ndarray, unknown: int) -> np.ndarray:
     """Array positions of device ids; ``unknown`` for ids the cluster does not have."""
     ok = (dev >= 0) & (dev < len(lut))
@@ -311,7 +303,7 @@ def unit_times(pipelines, workload: Workload, cluster: Cluster, coeffs: Coeffici
     for j, pipe in enumerate(pipelines):
         groups.setdefault(pipe.bounds, []).append(j)
     for bounds, members in groups.items():
-        idx = arrays.index[_device_matrix([pipelines[j] for j in members], len(bounds) - 1)]
+        idx = arrays.index[device_matrix([pipelines[j] for j in members], len(bounds) - 1)]
         c, x_max = _stage_times(bounds, idx, workload, cluster, arrays.speed, arrays.node,
                                 coeffs.compute_scale, coeffs.comm_scale, coeffs.task_overhead_s)
         out[members] = _fill_and_period(c, x_max / 2.0)[1] + (coeffs.hop_overhead_s if len(bounds) > 2 else 0.0)

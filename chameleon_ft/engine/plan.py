@@ -69,7 +69,8 @@ class Plan:
     pipelines: tuple[Pipeline, ...]
     shard_degree: int = 1
     # Derived tables, built on first use (a plan is immutable): device -> (pipeline, stage),
-    # the flat device tuple and set, and ``_memo`` for the rest (``templates``, ``locate``).
+    # the flat device tuple, and ``_memo`` for the rest (the device set and array, the
+    # pipelines by split, ``locate``'s scan).
     _where: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _devices: list = field(default_factory=list, init=False, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -98,9 +99,9 @@ class Plan:
     @property
     def device_set(self) -> frozenset[int]:
         """The plan's devices as a set (built once: 131k devices cost milliseconds)."""
-        if len(self._devices) < 2:
-            self._devices.append(frozenset(self.devices))
-        return self._devices[1]
+        if "device_set" not in self._memo:
+            self._memo["device_set"] = frozenset(self.devices)
+        return self._memo["device_set"]
 
     @property
     def num_microbatches(self) -> int:
@@ -163,9 +164,7 @@ class Plan:
             ends = self._ends()
             start = ends[members[0] - 1] if members[0] else 0
             return flat[start:ends[members[-1]]].reshape(len(members), depth)
-        rows = np.fromiter(chain.from_iterable(self.pipelines[j].devices for j in members), dtype=np.int64,
-                           count=len(members) * depth)
-        return rows.reshape(len(members), depth)
+        return device_matrix([self.pipelines[j] for j in members], depth)
 
     def _ends(self) -> list[int]:
         """Where each pipeline's devices end in the flat device tuple."""
@@ -233,6 +232,14 @@ class Plan:
         shape = " + ".join(f"{n}x PP{d}" for d, n in sorted(depths.items()))
         shard = f", shard {self.shard_degree}" if self.shard_degree > 1 else ""
         return f"{shape}{shard} on {len(self.devices)} devices"
+
+
+def device_matrix(pipes: Iterable[Pipeline], depth: int) -> np.ndarray:
+    """The devices of pipelines of one depth as a (pipelines x depth) int64 array (from one
+    flat iterator: numpy's conversion of a list of tuples was ~8 ms per 131k devices)."""
+    pipes = list(pipes)
+    flat = np.fromiter(chain.from_iterable(map(_DEVICES, pipes)), dtype=np.int64, count=len(pipes) * depth)
+    return flat.reshape(len(pipes), depth)
 
 
 def even_split(total: int, parts: int) -> list[int]:
