@@ -87,7 +87,7 @@ def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_pa
 # each one's admission request ended the generation the other had just been admitted to, and the
 # other re-asked later than the Lighthouse's 50 ms join window (768 rounds of 5 of 6 in 120 s, read
 # in the Lighthouse's log with RUST_LOG=info).  Fixed by the admission back-off (membership.py;
-# test_membership.py reproduces it in process); after it 35 of 36 runs passed, the other with a
+# test_membership.py reproduces it in process); after it 45 of 46 runs passed, the other with a
 # store client timing out after 30 s connecting to node 0 (cause not found).  The partition's
 # detection and the minority's stop are measured by benchmarks/cluster_bench.py.
 @pytest.mark.chaos
