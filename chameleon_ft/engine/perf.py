@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Mapping
 
 import numpy as np
@@ -48,8 +47,6 @@ import numpy as np
 from chameleon_ft.engine.cluster import Cluster, Link
 from chameleon_ft.engine.plan import Plan, device_matrix
 from chameleon_ft.engine.workload import Workload
-
-_BOUNDS = attrgetter("bounds")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from chameleon_ft.engine.workload import Workload
 
 
 _DEVICES, _BOUNDS, _MICROBATCHES = attrgetter("devices"), attrgetter("bounds"), attrgetter("microbatches")
+# A pipeline's (layer split, micro-batches): its shape in a plan (the depth is in the split).
+split_and_load = attrgetter("bounds", "microbatches")
 _SCANNED_LOCATES = 16  # look-ups of a plan answered by a scan before its table is built
 
 

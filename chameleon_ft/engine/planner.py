@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 from itertools import chain, filterfalse
-from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -35,10 +34,8 @@ import numpy as np
 
 from chameleon_ft.engine.cluster import Cluster
 from chameleon_ft.engine.perf import Coefficients, Estimate, estimate, unit_times
-from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, validate
+from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, split_and_load, validate
 from chameleon_ft.engine.workload import Workload
-
-_SPLIT_AND_LOAD = attrgetter("bounds", "microbatches")
 
 
 @dataclass(frozen=True)
@@ -369,7 +366,7 @@ def plan_search(
         if not est.fits:
             rejected[label] = f"needs more memory than devices {list(est.over_memory[:4])} have"
             return
-        key = (plan.devices, tuple(map(_SPLIT_AND_LOAD, plan.pipelines)))  # (the depths are in the bounds)
+        key = (plan.devices, tuple(map(split_and_load, plan.pipelines)))
         found.setdefault(key, Candidate(plan, est, kind))
 
     if len(alive) <= space.global_limit or base is None:

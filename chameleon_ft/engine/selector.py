@@ -40,7 +40,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from collections import Counter
 from itertools import chain
-from operator import attrgetter
 
 from chameleon_ft.engine.cluster import Cluster
 # The decision types, the scoring and the reroute arithmetic live in their own modules; they
@@ -48,7 +47,7 @@ from chameleon_ft.engine.cluster import Cluster
 from chameleon_ft.engine.decision import Decision, Option, crossover_mttf, phased_score, score  # noqa: F401
 from chameleon_ft.engine.failures import Event, EventKind
 from chameleon_ft.engine.perf import Coefficients, estimate
-from chameleon_ft.engine.plan import Pipeline, Plan, PlanError
+from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, split_and_load
 from chameleon_ft.engine.planner import SearchSpace, plan_search
 from chameleon_ft.engine.rehab import LossTrend, rehab_cost
 from chameleon_ft.engine.migration import migrate
@@ -231,7 +230,7 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
     # shrink: drop every pipeline that lost a device (whole shard groups under FSDP)
     k = plan.shard_degree
     broken_groups = {plan.locate(d)[0] // k for d in dead if plan.locate(d) is not None}
-    kept = [p for j, p in enumerate(plan.pipelines) if j // k not in broken_groups] if broken_groups else list(plan.pipelines)
+    kept = [p for j, p in enumerate(plan.pipelines) if j // k not in broken_groups]
     if not kept:
         options.append(Option("shrink", False, "no intact replica is left"))
     else:
@@ -307,7 +306,7 @@ def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: in
     missing = budget - sum(p.microbatches for p in pipes)
     if missing <= 0 or not pipes:
         return pipes, set()
-    shapes = Counter(map(attrgetter("bounds", "microbatches"), pipes))
+    shapes = Counter(map(split_and_load, pipes))
     bounds, m = max(shapes, key=lambda k: (shapes[k], k[1]))
     used = set(chain.from_iterable(p.devices for p in pipes))
     loose = sorted(alive.difference(used), key=lambda d: (cluster[d].node, d))
