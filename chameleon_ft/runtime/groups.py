@@ -154,6 +154,9 @@ class GroupManager:
         # Why control collectives are skipped until the next runtime header matches (module doc).
         self.realigning: Optional[str] = None
         self._p2p_pool: Optional[ThreadPoolExecutor] = None
+        # This generation's subgroups (``subgroup``) and the last op started on each.
+        self._subs: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._sub_work: dict[tuple[int, ...], object] = {}
         # False when the executor's step all-reduce runs without a header: a control
         # collective could then meet it and abort the process in gloo's size check.
         self.control_allowed = True
@@ -192,24 +195,7 @@ class GroupManager:
             if pre is not None:
                 self._abandon(pre[1], pre[3])
             builder, result, deadline = self._start_build(view)
-        next_check = 0.0
-        while builder.is_alive():
-            builder.join(0.002)
-            now = time.monotonic()
-            if builder.is_alive() and now >= next_check:
-                next_check = now + self.abort_poll_s
-                record = self.abort_record()
-                # The builder thread stays blocked until gloo's connect timeout; it only
-                # holds its own store client, so it is left to finish alone.
-                if record is not None:
-                    self._abandon(builder, deadline)
-                    raise self._failure("aborted during rebuild", "rebuild", record)
-                if now > deadline:
-                    self._abandon(builder, deadline)
-                    raise self._local_failure("rebuild timed out", "rebuild")
-        if "error" in result:
-            # Usually a member died or never arrived: end this generation for everyone.
-            raise self._local_failure(f"group formation failed: {result['error']}", "rebuild")
+        self._await_build(builder, result, deadline, "rebuild")
         self._pg = result["pg"]
         # A store written in Python (etcd's) must outlive the group that may call into it:
         # the C++ side holds no reference to the Python object.
@@ -218,9 +204,8 @@ class GroupManager:
 
     def prebuild(self, view: MembershipView) -> None:
         """Start setting up ``view``'s group now, in the background; ``rebuild(view)`` then
-        takes it.  The membership's abort watcher calls this when it agreed on the next view
-        while the main thread still computes: the survivors' set-up overlaps that compute
-        instead of following it (a kill between steps cost ~30 ms of rebuild after the
+        takes it (the membership's abort watcher calls this when the next view is agreed while
+        the main thread still computes: a kill between steps cost ~30 ms of rebuild after the
         compute).  Not with NCCL (its communicator set-up stays on the main thread)."""
         if self.nccl is not None:
             return
@@ -231,20 +216,27 @@ class GroupManager:
                 self._abandon(self._pre[1], self._pre[3])
             self._pre = (view.token, *self._start_build(view))
 
-    def _start_build(self, view: MembershipView) -> tuple[threading.Thread, dict, float]:
-        """A thread that sets up ``view``'s group into the returned dict ("pg" and "store",
-        or "error"), and the time by which it must have ended."""
+    def _start_build(self, view: MembershipView, ranks: Optional[tuple[int, ...]] = None
+                     ) -> tuple[threading.Thread, dict, float]:
+        """A thread that sets up ``view``'s group (or, with ``ranks``, its subgroup of those
+        ranks, on the generation's store client) into the returned dict ("pg" and "store", or
+        "error"), and the time by which it must have ended."""
         result: dict = {}
 
         def build() -> None:
             try:
-                store = self._store_factory()
-                prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
-                pg = dist.ProcessGroupGloo(prefix, view.rank, view.world_size,
-                                           timedelta(seconds=self.connect_timeout_s))
+                if ranks is None:
+                    store = self._store_factory()
+                    prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
+                    rank, size = view.rank, view.world_size
+                else:
+                    store = self._stores[-1]
+                    prefix = dist.PrefixStore(f"cft/pg/{view.token}/sub/{'.'.join(map(str, ranks))}", store)
+                    rank, size = ranks.index(view.rank), len(ranks)
+                pg = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.connect_timeout_s))
                 # Connection set-up and ops get separate limits.
                 pg.set_timeout(timedelta(seconds=self.op_timeout_s))
-                if self.nccl is not None:
+                if self.nccl is not None and ranks is None:
                     self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
                 result["pg"], result["store"] = pg, store
             except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
@@ -253,6 +245,43 @@ class GroupManager:
         builder = threading.Thread(target=build, name=f"cft-pg-build-{view.token}", daemon=True)
         builder.start()
         return builder, result, time.monotonic() + self.connect_timeout_s + 1.0
+
+    def _await_build(self, builder: threading.Thread, result: dict, deadline: float, what: str) -> None:
+        """Wait for a set-up from ``_start_build`` while watching the abort key and the deadline;
+        a failure ends the generation (``CollectiveFailure``)."""
+        next_check = 0.0
+        while builder.is_alive():
+            builder.join(0.002)
+            now = time.monotonic()
+            if builder.is_alive() and now >= next_check:
+                next_check = now + self.abort_poll_s
+                record = self.abort_record()
+                if record is not None:  # the builder stays blocked until gloo's connect timeout
+                    self._abandon(builder, deadline)
+                    raise self._failure(f"aborted during {what}", "rebuild", record)
+                if now > deadline:
+                    self._abandon(builder, deadline)
+                    raise self._local_failure(f"{what} timed out", "rebuild")
+        if "error" in result:  # usually a member died or never arrived: end the generation
+            raise self._local_failure(f"group formation failed: {result['error']}", "rebuild")
+
+    def subgroup(self, ranks) -> dist.ProcessGroup:
+        """The gloo group of ``ranks`` (ranks of this generation, this member among them), set
+        up on first use by exactly those members and kept until the next generation: a
+        pipeline job reduces each block's gradient among its replicas only.  Members in
+        several subgroups must set them up in one order (they block until all arrive)."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if self._view is None or self._view.rank not in ranks:
+            raise ValueError(f"rank {self._view.rank if self._view else None} is not in subgroup {ranks}")
+        if ranks == tuple(range(self._view.world_size)):
+            return self.group()
+        pg = self._subs.get(ranks)
+        if pg is None:
+            self.group()  # the generation's group (and store client) exist
+            builder, result, deadline = self._start_build(self._view, ranks)
+            self._await_build(builder, result, deadline, f"subgroup {ranks} set-up")
+            pg = self._subs[ranks] = result["pg"]
+        return pg
 
     # ------------------------------------------------------------- collectives
     def collective(self, fn: Callable[[dist.ProcessGroup], object],
@@ -426,18 +455,23 @@ class GroupManager:
 
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM,
                   timeout_s: Optional[float] = None, copy: bool = True,
-                  header: Optional[str] = None, label: str = "") -> torch.Tensor:
+                  header: Optional[str] = None, label: str = "", ranks=None) -> torch.Tensor:
         """All-reduce ``tensor`` in place; with ``copy`` an abandoned op can't touch it later.
 
         ``header``: the collective's kind (``"step"``, ``"sync"``, ``"reduce"``...); its
         header exchange (``checked``) runs first.  None: no header (every member must be known
-        to run this same op)."""
+        to run this same op).  ``ranks``: over that ``subgroup`` only (gloo, no header)."""
         if header is not None:
             self.checked(header, tensor, label=label, arg=code_of(op_name(op)), timeout_s=timeout_s)
         buf = tensor.clone() if copy else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        if buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
+        if ranks is not None:
+            key = tuple(sorted(int(r) for r in ranks))
+            sub = self.subgroup(key)
+            work = self._sub_work[key] = self.start(lambda pg: sub.allreduce([buf], opts))
+            self.wait(work, timeout_s, abandon=lambda: self._park_sub(key))
+        elif buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
             nccl = self.nccl.pg  # CUDA tensors over NCCL; a failure aborts its communicator
             self.wait(self.start(lambda pg: nccl.allreduce([buf], opts)), timeout_s, abandon=self.nccl.abort)
         else:
@@ -542,17 +576,24 @@ class GroupManager:
         if self._pg is pg:
             self._pg = None
 
+    def _park_sub(self, ranks: tuple[int, ...]) -> None:
+        """A subgroup whose op was abandoned: parked (see ``_park``), never used again."""
+        if ranks in self._subs:
+            self._park(self._subs.pop(ranks), self._sub_work.get(ranks))
+
     def _retire(self, work) -> None:
         if self._pg is not None:
             self._park(self._pg, work)
+        for key in list(self._subs):
+            self._park_sub(key)
+        self._sub_work = {}
         with self._parked_lock:
             # Release groups whose blocked op has finished (success, error or gloo timeout).
             done = [(g, w) for g, w in self._parked if w is None or w.is_completed()]
             self._parked = [(g, w) for g, w in self._parked if w is not None and not w.is_completed()]
         if done:
-            # In a helper thread: a gloo group's destructor closes its connections and joins
-            # its threads (14-24 ms seen), which a recovery would otherwise wait for between
-            # the membership's answer and the new group.  ``close`` waits for it.
+            # In a helper thread: a gloo group's destructor closes its connections and joins its
+            # threads (14-24 ms seen), which a recovery would wait for.  ``close`` waits for it.
             dropper = threading.Thread(target=done.clear, daemon=True, name="cft-pg-drop")
             del done
             dropper.start()

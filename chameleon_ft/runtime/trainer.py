@@ -13,8 +13,10 @@ For scripts started by ``chameleon-ft run``::
 Every member of the job runs the same loop; failures, replacements and stragglers are
 handled inside ``DataParallelExecutor.sync_and_step`` -- the loop only asks again what to compute.
 
-Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (an
-``nn.Sequential``) and ``stages=P``; the engine's plan then decides the layout (pipelines of
+Pipeline parallelism (DP x PP): give the model as an ordered list of blocks (per-block
+factories ``fn() -> nn.Module``, so that a worker builds only the blocks it holds, or an
+``nn.Sequential``, built or on the ``meta`` device; ``device=`` where held blocks live) and
+``stages=P``; the engine's plan then decides the layout (pipelines of
 ``P`` stages at first, re-planned over the survivors after a failure) and ``loss_fn(output,
 batch)`` receives the last block's output (``input_fn(batch)``, default ``batch[0]``, feeds the
 first block).  See ``runtime/executors/pipeline/``.
@@ -61,7 +63,8 @@ class ElasticTrainer:
                  checkpoint: Optional[str] = None, checkpoint_every: int = 0,
                  on_step: Optional[Callable] = None, stages: int = 1,
                  input_fn: Optional[Callable] = None, sharding: Optional[str] = None,
-                 replicas: int = 2, snapshot_every: Optional[int] = None, recipe=None):
+                 replicas: int = 2, snapshot_every: Optional[int] = None, recipe=None,
+                 device=None):
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.collate_fn = collate_fn
         self.pipeline = stages > 1
@@ -70,6 +73,8 @@ class ElasticTrainer:
             raise ConfigError(f"sharding must be None, 'full' or 'hybrid', got {sharding!r}")
         if self.sharded and self.pipeline:
             raise ConfigError("sharding and pipeline stages together are not supported")
+        if device is not None and not self.pipeline:
+            raise ConfigError("device= is for pipeline jobs (stages > 1): move the model yourself")
         if self.sharded:
             from chameleon_ft.runtime.executors.sharded.executor import ShardedExecutor
             self.ctx = ShardedExecutor(model, optimizer, len(dataset), global_batch, micro_batch,
@@ -84,7 +89,7 @@ class ElasticTrainer:
             self.ctx = PipelineExecutor(model, optimizer, dataset, loss_fn, global_batch, micro_batch,
                                        stages, input_fn=input_fn, collate_fn=collate_fn,
                                        scheduler=scheduler, seed=seed, shuffle=shuffle,
-                                       drop_last=drop_last, config=config)
+                                       drop_last=drop_last, config=config, device=device)
         else:
             self.ctx = DataParallelExecutor(model, optimizer, len(dataset), global_batch, micro_batch,
                                       scheduler=scheduler, seed=seed, shuffle=shuffle,

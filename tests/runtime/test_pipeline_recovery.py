@@ -100,16 +100,23 @@ def kill_run(run_dir: Path, victims, *args: str, at_step=None, rng=None, then=No
 
 # adaptive: the engine's own choice between the two, on a live pipeline job in CI by
 # test_pipeline_calibration_live.py::test_crossover_short_d_reroutes_long_d_replans (tests/README.md).
-@pytest.mark.parametrize("policy", ["reroute", "replan", pytest.param("adaptive", marks=pytest.mark.chaos)])
-def test_kill_a_middle_stage_worker(tmp_path, reference, policy):
+# The blocks given three ways (blocks.py): the reference run's built model, a meta-device model
+# here for reroute, per-block factories for replan; all three train the same model.
+@pytest.mark.parametrize("policy,build", [("reroute", "meta"), ("replan", "factories"),
+                                          pytest.param("adaptive", "modules", marks=pytest.mark.chaos)])
+def test_kill_a_middle_stage_worker(tmp_path, reference, policy, build):
     rng = random.Random()
     victim = rng.choice([1, 2, 5, 6])
     allowed = {"reroute": "reroute", "replan": "replan", "adaptive": "reroute,replan"}[policy]
-    codes, j = kill_run(tmp_path, [victim], "--allowed", allowed, rng=rng)
+    codes, j = kill_run(tmp_path, [victim], "--allowed", allowed, "--build", build, rng=rng)
     assert codes == [0], j.output()[-4000:]
     finals = j.final()
     assert sorted(finals) == sorted(set(range(8)) - {victim})
     check_run(tmp_path, finals, reference)
+    if build != "modules":  # nothing but its slot's blocks was materialised before the first step
+        for w in finals:
+            first = json.loads((tmp_path / f"result_{w}.json").read_text())["first_step"]
+            assert first["made"] == first["materialised"] == first["slot"], (w, first)
     ds = decisions(tmp_path)
     assert [d["event"]["devices"] for d in ds] == [[victim]]
     chosen = ds[0]["chosen"]

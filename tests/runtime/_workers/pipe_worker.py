@@ -6,6 +6,7 @@ state) to ``<out>/final_<worker id>.pt`` and its last migration to ``migration_<
 """
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -14,6 +15,7 @@ import torch
 
 from chameleon_ft.runtime.trainer import ElasticTrainer, elastic_main
 from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.executors.pipeline.blocks import block_seed
 from mlp_worker import Synthetic  # the same seeded data as the data-parallel tests
 
 
@@ -47,6 +49,8 @@ class Block(torch.nn.Module):
 
 
 SLOW = 1.0  # this worker's emulated slowdown (--slow)
+SEED = 3
+FIRST: dict = {}  # what this worker had materialised at its first committed step
 
 
 def main():
@@ -64,6 +68,8 @@ def main():
     p.add_argument("--slow", default=None, help="W:F: worker W's emulated compute F times slower")
     p.add_argument("--emulate-link", default=None, help="LATENCY_S:BANDWIDTH_BPS (ElasticConfig.emulate_link)")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--build", choices=["modules", "factories", "meta"], default="modules",
+                   help="how the blocks are given: a built model, per-block factories, a meta-device model")
     a = p.parse_args()
     global SLOW
     if a.slow:
@@ -71,21 +77,40 @@ def main():
         if int(w) == int(os.environ.get("CHAMELEON_FT_WORKER_ID", "-1")):
             SLOW = float(f)
     torch.set_num_threads(1)
-    # A different init per worker: the start-up migration must make the replicas equal.
-    torch.manual_seed(int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0")) + 7)
     dims = [16] + [32] * (a.blocks - 1) + [4]
-    blocks = torch.nn.Sequential(*[Block(dims[i], dims[i + 1], a.block_sleep, act=i < a.blocks - 1,
-                                         dropout=0.1 if 0 < i < a.blocks - 1 else 0.0, bwd_sleep=a.bwd_sleep)
-                                   for i in range(a.blocks)])
-    opt = torch.optim.AdamW(blocks.parameters(), lr=0.01, weight_decay=0.01)
+
+    def make(i):
+        return Block(dims[i], dims[i + 1], a.block_sleep, act=i < a.blocks - 1,
+                     dropout=0.1 if 0 < i < a.blocks - 1 else 0.0, bwd_sleep=a.bwd_sleep)
+    worker = int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0"))
+    if a.build == "factories":  # each holder builds its blocks, under the block's seed
+        blocks = [functools.partial(make, i) for i in range(a.blocks)]
+    elif a.build == "meta":  # shapes only; held blocks reset_parameters() under their seed
+        with torch.device("meta"):
+            blocks = torch.nn.Sequential(*[make(i) for i in range(a.blocks)])
+    else:
+        # A built model, a different init per worker: the start-up migration must make the
+        # replicas equal (worker 0's copy, made as the other forms make theirs, so that every
+        # form trains the same model).
+        mods = []
+        for i in range(a.blocks):
+            torch.manual_seed(block_seed(SEED, i) if worker == 0 else worker * 100 + i)
+            mods.append(make(i))
+        blocks = torch.nn.Sequential(*mods)
+    opt = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.01)
     ce = torch.nn.CrossEntropyLoss()
     trainer = ElasticTrainer(
         blocks, opt, Synthetic(), lambda out, batch: ce(out, batch[1]), a.global_batch, a.micro_batch,
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.7),
-        seed=3, stages=a.stages,
+        seed=SEED, stages=a.stages,
         config=ElasticConfig(allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
                              mttf_s=a.mttf,
                              emulate_link=tuple(map(float, a.emulate_link.split(":"))) if a.emulate_link else None))
+    def on_step(ctx):
+        if not FIRST:
+            FIRST.update(materialised=ctx.blockset.materialised(), slot=sorted(ctx.slot_blocks()),
+                         made=list(ctx.blockset.made))
+    trainer.on_step = on_step
     result = trainer.fit(epochs=a.epochs, max_steps=a.max_steps)
     ctx = trainer.ctx
     final = {"step": result["step"], "members": result["members"], "held": sorted(ctx.held),
@@ -98,7 +123,8 @@ def main():
     with open(os.path.join(a.out, f"result_{wid}.json"), "w") as f:
         json.dump({"plan": ctx.policy.plan.to_json(), "loss": ctx.last_loss,
                    "migration": ctx.last_migration, "decisions": ctx.last_decisions,
-                   "calibration": ctx.policy.calibration_json(), "predictions": ctx.predictions}, f)
+                   "calibration": ctx.policy.calibration_json(), "predictions": ctx.predictions,
+                   "first_step": FIRST, "made": ctx.blockset.made}, f)
 
 
 if __name__ == "__main__":

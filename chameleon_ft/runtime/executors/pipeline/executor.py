@@ -3,18 +3,18 @@
 The user gives the model as an ordered list of blocks (an ``nn.Sequential``: embedding, N
 transformer blocks, head); the engine's plan decides the layout -- pipelines of stages holding
 contiguous blocks, possibly of different depths and splits, and how many micro-batches each
-pipeline runs.  Every worker builds all blocks (the user's constructor) and keeps only those of
-its slot; the others are released to the ``meta`` device, so a block a worker newly holds
-really arrives from a peer.
+pipeline runs.  A worker materialises only the blocks of its slot (``blocks.py``: per-block
+factories or a model on the ``meta`` device; a built model is released to ``meta`` after the
+first plan), so a block a worker newly holds really arrives from a peer.
 
 A step (``train_step``): the schedule's routes (``schedule.py``) and this worker's 1F1B task
-order run in ``executor.run_step``; then every member all-reduces *one* buffer with the gradient
-of every block (zeros for the blocks it does not hold) -- each pipeline holds each block once,
-so the sum is the gradient of each block over the whole global batch -- plus the step's loss
-and timings; then each held block's own optimizer steps.  A buffer over the whole model makes
-the commit atomic in the same way as data parallelism (``runtime/recovery.py``): a member that a failure
-left one step behind receives the reduced buffer of that step from the source and applies it
-to its own blocks (roll-forward), so no step is half applied anywhere.
+order run in ``executor.run_step``; then each block's gradient is summed among its replicas
+only (``reduce.py``: one all-reduce per set of holders, over a subgroup) -- each pipeline holds
+each block once, so the sum is the block's gradient over the whole global batch; then one small
+all-reduce over every member (loss, calibration, timings) commits the step, and each held
+block's own optimizer steps.  The commit is atomic as in data parallelism
+(``runtime/recovery.py``): a member that a failure left one step behind holds its blocks'
+reduced gradients of that step and applies them (roll-forward), so no step is half applied.
 
 Recovery is the shared protocol (membership, group rebuild, step agreement, the engine's
 Decision shipped by the source).  The recovery all-reduce carries which blocks each member holds;
@@ -25,8 +25,7 @@ member then runs the rounds (``migration.py``: weights, optimizer and scheduler 
 blocks, point to point, only what is missing) and drops the blocks its slot no longer has.
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
-Limits, honestly: the gradient all-reduce moves the whole model per member (the pipelines'
-sum needs no per-block groups, and gives the roll-forward above); the migration runs during
+Limits, honestly: the migration runs during
 recovery, not overlapped with rerouted steps; straggler rebalancing and batch-changing
 policies (shrink) are off for pipeline jobs; checkpoints are not written (a restart starts the
 job over); gradient clipping over the whole model is not offered (each block's optimizer is
@@ -50,6 +49,8 @@ from chameleon_ft.engine.migration import critical_path, held_state, transfers_t
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.executors.pipeline import migration
+from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
+from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import run_step
 from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
 from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
@@ -93,16 +94,21 @@ class PipelineExecutor(RecoveryCore):
     """One worker of an elastic DP x PP job (see module doc).
 
     Args:
-        blocks: the model's ordered blocks (an ``nn.Sequential`` or a list of modules); every
-            worker builds them identically, the first plan's holders broadcast nothing: the
-            lowest worker's blocks are sent to every other holder once at start.
+        blocks: the model's ordered blocks: a list of per-block factories ``fn() -> module``
+            (each holder builds its blocks under the block's seed; nothing else is
+            materialised), an ``nn.Sequential`` built on the ``meta`` device (held blocks are
+            ``reset_parameters()``-initialised), or a built ``nn.Sequential`` / list of modules
+            (the lowest worker's blocks are sent to every other holder once at start).  See
+            ``blocks.py``.
         optimizer: an optimizer over the model (its class and defaults are reused per block)
-            or ``fn(params) -> optimizer``.
+            or ``fn(params) -> optimizer`` (e.g. ``functools.partial(torch.optim.AdamW, lr=...)``).
         dataset, collate_fn: micro-batch ``i`` is ``collate_fn([dataset[k] for k in ids])``.
         input_fn: the first block's input from a batch (default ``batch[0]``).
         loss_fn: ``loss_fn(last block's output, batch)``, the micro-batch's mean loss.
         stages: depth of the first plan's pipelines.
         scheduler: optional ``fn(optimizer) -> LR scheduler`` (one per block, stepped together).
+        device: where held blocks live (default: a built model's device; for factories and
+            meta models the local CUDA device when there is one, else the CPU).
     """
 
     # No shrink (the global batch is kept) and no straggler rebalance (module doc).
@@ -114,11 +120,10 @@ class PipelineExecutor(RecoveryCore):
                  micro_batch: int, stages: int, *, input_fn: Optional[Callable] = None,
                  collate_fn: Callable = default_collate, scheduler: Optional[Callable] = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 config: Optional[ElasticConfig] = None, env=None):
-        model = blocks if isinstance(blocks, torch.nn.Module) else torch.nn.Sequential(*blocks)
-        self.blocks = list(model.children())
-        if not self.blocks:
-            raise ConfigError("a pipeline job needs the model as an ordered list of blocks")
+                 config: Optional[ElasticConfig] = None, env=None, device=None):
+        self.blockset = Blocks(blocks, seed=seed, device=device)
+        model = self.blockset.model
+        self.blocks = self.blockset.modules  # the same list: a block made later replaces its entry
         cfg = config or ElasticConfig()
         cfg = ElasticConfig(**{**vars(cfg), "stragglers": False})
         self.make_optimizer = _optimizer_factory(optimizer)
@@ -128,12 +133,13 @@ class PipelineExecutor(RecoveryCore):
                          stages=stages)
         self.dataset, self.collate_fn, self.loss_fn = dataset, collate_fn, loss_fn
         self.input_fn = input_fn or (lambda batch: batch[0])
-        self.device = next(model.parameters()).device
+        self.device = self.blockset.device
         sizes = [sum(p.numel() for p in b.parameters()) for b in self.blocks]
         self.block_numel = sizes
         self.policy.layer_params = [max(1, n) for n in sizes]
         self.policy.min_replicas = max(1, int(cfg.min_replicas))
-        self.held: set[int] = set(range(len(self.blocks)))  # all built; trimmed at the first sync
+        # A built model: all held until the first sync; lazy blocks: made by their holders then.
+        self.held: set[int] = set() if self.blockset.lazy else set(range(len(self.blocks)))
         # Blocks whose state is the job's (received, or kept through a completed migration);
         # a block only built here is not, until the first migration agrees on one copy.
         self.agreed: set[int] = set()
@@ -143,7 +149,9 @@ class PipelineExecutor(RecoveryCore):
             self._new_optimizer(b)
         self.last_loss: Optional[float] = None
         self.last_migration: Optional[dict] = None  # measured, on every member that moved state
-        self._last_reduced: Optional[torch.Tensor] = None
+        # This member's blocks' reduced gradients of the step being committed (``reduce.py``):
+        # what it rolls forward with when a failure leaves it one step behind its peers.
+        self._staged: Optional[dict[int, torch.Tensor]] = None
         self._measured = False
         self._schedule_key = None
         self._routes, self._orders = [], {}
@@ -194,9 +202,7 @@ class PipelineExecutor(RecoveryCore):
 
     def put_block(self, b: int, state: dict) -> None:
         """Hold block ``b`` with ``state`` (from a peer)."""
-        block = self.blocks[b]
-        if b not in self.held:
-            block.to_empty(device=self.device)
+        block = self.blocks[b] if b in self.held else self.blockset.make(b)
         block.load_state_dict(state["params"])
         self._new_optimizer(b)
         self.block_opt[b].load_state_dict(state["optim"])
@@ -205,8 +211,16 @@ class PipelineExecutor(RecoveryCore):
         self.held.add(b)
         self.agreed.add(b)
 
+    def build_block(self, b: int) -> None:
+        """Hold block ``b`` as its initialisation (lazy blocks, before the first committed step:
+        every holder makes the same one under the block's seed)."""
+        self.blockset.make(b)
+        self._new_optimizer(b)
+        self.held.add(b)
+        self.agreed.add(b)
+
     def drop_block(self, b: int) -> None:
-        self.blocks[b].to("meta")
+        self.blockset.release(b)
         self.held.discard(b)
         self.agreed.discard(b)
         self.block_opt.pop(b, None)
@@ -217,22 +231,24 @@ class PipelineExecutor(RecoveryCore):
         return {b: self.block_state(b) for b in sorted(self.held)}
 
     def state_dict(self) -> dict:
-        """The run state without the blocks (they move by migration), plus the last reduced
-        gradient buffer: a member one step behind applies it (roll-forward)."""
+        """The run state without the blocks (they move by migration)."""
         return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step,
                 "lr_scale": self.lr_scale, "sampler": self.sampler.state_dict(),
-                "engine": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()},
-                "reduced": self._last_reduced}
+                "engine": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()}}
 
     def load_state_dict(self, s: dict) -> None:
-        if not self.fresh and s.get("reduced") is not None and self.step == int(s["step"]) - 1:
-            self._apply_update(s["reduced"])
+        if not self.fresh and self.step == int(s["step"]) - 1:
+            # Peers committed the step this member was committing: roll forward with its own
+            # blocks' reduced gradients (``reduce.py`` says why it has them).
+            if self._staged is None:
+                raise RuntimeError(f"worker {self.worker_id} is one step behind without that step's "
+                                   "reduced gradients; cannot roll forward")
+            self._apply_update(self._staged)
         self.sampler.load_state_dict(s["sampler"])
         self.policy.load_state_dict(s["engine"])
         torch.set_rng_state(s["rng"]["torch"])
         self.step = int(s["step"])
         self.last_checkpoint_step = int(s["last_checkpoint_step"])
-        self._last_reduced = s.get("reduced")
 
     def save_checkpoint(self, path: str) -> None:
         raise ConfigError("checkpoints of pipeline jobs are not written yet (each worker holds "
@@ -297,6 +313,12 @@ class PipelineExecutor(RecoveryCore):
         payload = super().source_payload(view, info)
         if payload["restart"]:
             return payload
+        if self.blockset.lazy and max(self.peer_steps) == 0:
+            # No step committed: every block's state is its initialisation, which each holder
+            # makes itself under the block's seed (``carry_out``) -- nothing moves.
+            self.policy.last_migration = self.policy.migrating_from = None
+            payload["migration"] = {"rounds": [], "build": True}
+            return payload
         workload, cluster = self.policy.workload(), self.policy.cluster(members)
         mig = self.policy.last_migration
         expected = None
@@ -335,6 +357,9 @@ class PipelineExecutor(RecoveryCore):
             self._store_op(lambda: self.gm.allreduce(done, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
                                                      header="sync", label="migrated"))
         self.policy.migrating_from = None
+        if plan.get("build"):
+            for b in sorted(want - self.held):
+                self.build_block(b)
         for b in sorted(self.held - want):
             self.drop_block(b)
         self.agreed = set(self.held)
@@ -372,6 +397,7 @@ class PipelineExecutor(RecoveryCore):
 
     def reset_step(self) -> None:
         self._measured_step = None
+        self._staged = None
 
     def apply_allocation(self) -> None:
         # The sampler's per-member allocation is data parallel's; routes come from the plan.
@@ -425,33 +451,32 @@ class PipelineExecutor(RecoveryCore):
         self.faults.at(self.step, "allreduce")
         held_numel = sum(self.block_numel[b] for b in self.held)
         frac = held_numel / max(1, sum(self.block_numel))
-        parts = []
-        for b, block in enumerate(self.blocks):
-            for p in block.parameters():
-                if b in self.held and p.grad is not None:
-                    parts.append(p.grad.detach().reshape(-1).to("cpu", self.dtype))
-                else:
-                    parts.append(torch.zeros(p.numel(), dtype=self.dtype))
-        parts.append(torch.tensor([loss], dtype=self.dtype))
-        parts.append(self._calibration_row())
+        t0 = time.perf_counter()
+        try:
+            self._staged = self._reduce_blocks()
+        except CollectiveFailure as failure:
+            self._step_start = None
+            self._recover(failure, t0)
+            return False
+        sets_s = time.perf_counter() - t0
         # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
-        # seconds scaled by the share of the model it runs.
+        # seconds scaled by the share of the model it runs.  The commit point (reduce.py).
+        parts = [torch.tensor([loss], dtype=self.dtype), self._calibration_row()]
         reduced = self._reduce_step(parts, self._compute_s / frac if frac else 0.0)
         if reduced is None:
             return False
         buf, timings, comm = reduced
-        total = sum(self.block_numel)
         self.faults.at(self.step, "optimizer")
         t_opt = time.perf_counter()
-        self._apply_update(buf[:total])
+        self._apply_update(self._staged)
+        self._staged = None
         # Shared with the next step's calibration row: (seconds, parameters updated).
         self._optimizer_s = (time.perf_counter() - t_opt, float(held_numel))
-        self._last_reduced = buf[:total]
         if not self._measured and self.held:
             self._measure_state_bytes()
-        self.last_loss = float(buf[total])
-        self._observe_calibration(buf[total + 1:])
-        self._finish_step(timings, comm)
+        self.last_loss = float(buf[0])
+        self._observe_calibration(buf[1:])
+        self._finish_step(timings, sets_s + comm)
         # Pipeline jobs report commit-to-commit seconds (what the engine's step time is checked
         # against); the step's own seconds when a recovery came between.
         now = time.perf_counter()
@@ -459,6 +484,21 @@ class PipelineExecutor(RecoveryCore):
             self._prev_step = now - self._last_commit
         self._last_commit = now
         return True
+
+    def _reduce_blocks(self) -> dict[int, torch.Tensor]:
+        """Every held block's gradient summed over its replicas (``reduce.py``)."""
+        plan, alive = self.policy.plan, self.policy.alive
+        key = (repr(plan.to_json()), tuple(sorted(alive)), self.view.token)
+        if key != getattr(self, "_sets_key", None):
+            self._sets = holder_sets(plan, alive, len(self.blocks))
+            self._sets_key = key
+        rank_of = {w: i for i, w in enumerate(self.view.members)}
+
+        def grads_of(b: int) -> list[torch.Tensor]:
+            return [p.grad.detach().reshape(-1).to("cpu", self.dtype) if p.grad is not None
+                    else torch.zeros(p.numel(), dtype=self.dtype) for p in self.blocks[b].parameters()]
+        return self._store_op(lambda: reduce_sets(self.gm, self._sets, self.worker_id, rank_of, grads_of,
+                                                  self.dtype, self.hang_timeout_s))
 
     # ---------------------------------------------------------------- calibration
     _P2P_SLOTS = 8  # waited-for message samples each member shares per step
@@ -513,16 +553,13 @@ class PipelineExecutor(RecoveryCore):
         self.policy.observe_pipeline(times, out_bytes, p2p, (overhead, tasks), (opt_s, opt_params))
         self._measured_step = None
 
-    def _apply_update(self, reduced: torch.Tensor) -> None:
-        """Set each held block's gradients from the reduced buffer and step its optimizer."""
-        at = 0
-        for b, block in enumerate(self.blocks):
-            params = list(block.parameters())
-            if b not in self.held:
-                at += self.block_numel[b]
-                continue
+    def _apply_update(self, reduced: dict[int, torch.Tensor]) -> None:
+        """Set each held block's gradients from its reduced gradient and step its optimizer."""
+        for b in sorted(self.held):
+            params, flat, at = list(self.blocks[b].parameters()), reduced[b], 0
             for p in params:
-                p.grad = reduced[at:at + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+                # A view of the reduced buffer where it already is (no copy on the CPU).
+                p.grad = flat[at:at + p.numel()].view_as(p).to(p.device, p.dtype)
                 at += p.numel()
             self.block_opt[b].step()
             if b in self.block_sched:

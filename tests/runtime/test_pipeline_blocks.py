@@ -1,0 +1,99 @@
+"""How a pipeline job's blocks are given and made (blocks.py), and which workers reduce each
+block's gradient together (reduce.py).  Pure logic; the live checks are in
+test_pipeline_recovery.py (a meta-device model and per-block factories, killed workers)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from chameleon_ft.engine.plan import Pipeline, Plan
+from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.executors.pipeline.blocks import Blocks, block_seed
+from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets
+
+TWO_BY_FOUR = Plan((Pipeline((0, 1, 2, 3), (0, 2, 4, 6, 8), 4), Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 4)))
+
+
+def block(i: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Dropout(0.1))
+
+
+def test_holder_sets_pair_same_stage_replicas():
+    sets = holder_sets(TWO_BY_FOUR, range(8), 8)
+    assert sets == [((0, 4), (0, 1)), ((1, 5), (2, 3)), ((2, 6), (4, 5)), ((3, 7), (6, 7))]
+
+
+def test_holder_sets_under_reroute_and_uneven_replan():
+    # Worker 5 dead, kept in the plan (rerouted): its blocks' only alive holder is worker 1.
+    assert holder_sets(TWO_BY_FOUR, set(range(8)) - {5}, 8)[1] == ((1,), (2, 3))
+    # A re-plan with different splits: PP3 + PP4, blocks grouped by identical holders.
+    plan = Plan((Pipeline((0, 1, 2), (0, 3, 6, 8), 4), Pipeline((4, 6, 7, 3), (0, 2, 4, 6, 8), 4)))
+    assert holder_sets(plan, [0, 1, 2, 3, 4, 6, 7], 8) == [
+        ((0, 4), (0, 1)), ((0, 6), (2,)), ((1, 6), (3,)), ((1, 7), (4, 5)), ((2, 3), (6, 7))]
+
+
+def test_factories_build_only_on_make_and_alike_everywhere():
+    bs = Blocks([functools.partial(block, i) for i in range(4)], seed=3, device="cpu")
+    assert bs.lazy and bs.materialised() == [] and bs.made == []
+    assert all(p.is_meta for p in bs.model.parameters())
+    m = bs.make(2)
+    assert bs.materialised() == [2] and bs.modules[2] is m and bs.model[2] is m
+    torch.manual_seed(block_seed(3, 2))
+    expected = block(2)
+    for x, y in zip(m.state_dict().values(), expected.state_dict().values()):
+        assert torch.equal(x, y)
+    # The same block made by another holder (another process in a job) is bitwise equal,
+    # whatever the global RNG did meanwhile; making a block leaves the global RNG alone.
+    torch.manual_seed(99)
+    state = torch.get_rng_state()
+    other = Blocks([functools.partial(block, i) for i in range(4)], seed=3, device="cpu").make(2)
+    assert torch.equal(torch.get_rng_state(), state)
+    for x, y in zip(m.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(x, y)
+    bs.release(2)
+    assert bs.materialised() == []
+
+
+def test_meta_model_is_initialised_like_the_factories():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[block(i) for i in range(4)])
+    bs = Blocks(model, seed=3, device="cpu")
+    assert bs.lazy and bs.materialised() == []
+    m = bs.make(1)
+    ref = Blocks([functools.partial(block, i) for i in range(4)], seed=3, device="cpu").make(1)
+    for x, y in zip(m.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(x, y)
+
+
+def test_built_model_is_not_lazy_and_keeps_its_device():
+    bs = Blocks(torch.nn.Sequential(*[block(i) for i in range(3)]))
+    assert not bs.lazy and bs.device == torch.device("cpu") and bs.materialised() == [0, 1, 2]
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_bad_block_forms_are_refused_clearly():
+    with pytest.raises(ConfigError, match="reset_parameters"):
+        with torch.device("meta"):
+            model = torch.nn.Sequential(_Scale(), torch.nn.Linear(4, 4))
+        Blocks(model)
+    with torch.device("meta"):
+        half = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="some blocks are on the meta device"):
+        Blocks([half, torch.nn.Linear(4, 4)])
+    with pytest.raises(ConfigError, match="did not return an nn.Module"):
+        Blocks([lambda: 3])
+    with pytest.raises(ConfigError, match="ordered list of blocks"):
+        Blocks([])
+    with pytest.raises(ConfigError, match="nn.Sequential, a list of modules"):
+        Blocks([torch.nn.Linear(4, 4), 3])
