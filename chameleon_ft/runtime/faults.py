@@ -7,7 +7,9 @@ takes ``factor`` times as long: a straggler), ``jitter`` (the same padding, but 
 ``sys.exit`` with a nonzero code) or ``corrupt`` (sharded jobs, phase ``snapshot``: the
 snapshot this worker sends to its buddy is damaged in flight, after its checksum; phase
 ``restore``: the parameters a rehabilitation restores into this worker's row are negated and
-doubled -- a heal that cannot close), aimed at ranks or at every local rank of a node, at a global
+doubled -- a heal that cannot close) or ``drop`` (phase ``commit``: the step's commit
+all-reduce, completed everywhere, is reported failed on this worker -- gloo's partial completion,
+after which the others have committed the step and this member must roll forward), aimed at ranks or at every local rank of a node, at a global
 step and a step phase.
 
 Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` variable::
@@ -61,9 +63,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt")
+ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt", "drop")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
-PHASES = ("step_start", "forward", "backward", "allreduce", "optimizer", "migrate", "snapshot", "restore", "any")
+PHASES = ("step_start", "forward", "backward", "allreduce", "commit", "optimizer", "migrate", "snapshot", "restore",
+          "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")
@@ -292,7 +295,12 @@ class FaultInjector:
 
     def corrupt(self, step: int, phase: str = "snapshot") -> bool:
         """Whether a ``corrupt`` fault is due now (the caller damages the data itself)."""
-        due = list(self._due(step, phase, ("corrupt",)))
+        return self.fires(step, phase, "corrupt")
+
+    def fires(self, step: int, phase: str, action: str) -> bool:
+        """Whether an ``action`` fault the caller carries out itself (``corrupt``, ``drop``)
+        is due now; announced like the others."""
+        due = list(self._due(step, phase, (action,)))
         for spec in due:
             self._announce(spec, step, phase)
         return bool(due)

@@ -242,6 +242,9 @@ class RecoveryCore:
             # "step" header makes a peer's stray control collective give way (groups.py).
             self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
                                                      copy=False, header=self.step_header))
+            if self.faults.fires(self.step, "commit", "drop"):  # tests: a partial completion
+                raise self.gm._local_failure("injected drop: the commit all-reduce, completed by the peers, "
+                                             "failed here", "peer_error")
         except CollectiveFailure as failure:
             # The executor keeps what it computed: unless a peer committed the step, it may
             # still be this member's share of the redone step.

@@ -199,6 +199,19 @@ def test_kill_during_migration_and_a_second_kill(tmp_path, reference):
     assert all(d["chosen"] == "replan" for d in ds) and len(ds) == 3, [d["chosen"] for d in ds]
 
 
+def test_commit_lost_on_one_member_rolls_it_forward(tmp_path, reference):
+    """gloo completed the step's commit all-reduce for every member but reported it failed on
+    worker 5 (a ``drop`` fault: the partial completion a kill during the all-reduce can leave).
+    Its peers committed the step; worker 5 applies its own blocks' reduced gradients of that
+    step (the per-stage groups left them with it) and nobody redoes or loses the step."""
+    finals = job(tmp_path, launch_args=("--faults", "drop:rank=5:step=4:phase=commit")).run_to_end(240)
+    assert sorted(finals) == list(range(8))
+    check_run(tmp_path, finals, reference)
+    rolled = [e for e in read_events(tmp_path) if e["event"] == "roll_forward"]
+    assert [(e["worker"], e["step"]) for e in rolled] == [(5, 5)], rolled
+    assert rolled[0]["blocks"] == [2, 3]
+
+
 @pytest.mark.chaos  # flaky on 2 cores: the launcher kills a replacement not admitted within 7 s
 def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
     # Slower steps (30 ms per block forward): the replacement needs seconds to start and join.

@@ -244,6 +244,8 @@ class PipelineExecutor(RecoveryCore):
                 raise RuntimeError(f"worker {self.worker_id} is one step behind without that step's "
                                    "reduced gradients; cannot roll forward")
             self._apply_update(self._staged)
+            if self.log:
+                self.log.write("roll_forward", step=self.step + 1, blocks=sorted(self._staged))
         self.sampler.load_state_dict(s["sampler"])
         self.policy.load_state_dict(s["engine"])
         torch.set_rng_state(s["rng"]["torch"])
