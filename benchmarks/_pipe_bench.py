@@ -45,7 +45,8 @@ import time
 
 import torch
 
-DIM, IN, CLASSES, N = 64, 16, 4, 8192
+IN, CLASSES, N = 16, 4, 8192
+DIM = {"width": 64}  # hidden width (``--dim``)
 
 # Emulated compute multiplier of this worker (``--slow``); set per step by the training loop.
 SLOW = {"factor": 1.0}
@@ -86,10 +87,34 @@ class Block(torch.nn.Module):
         return torch.tanh(y) if self.act else y
 
 
-def model(blocks: int, sleep: float) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    dims = [IN] + [DIM] * (blocks - 1) + [CLASSES]
-    return torch.nn.Sequential(*[Block(dims[i], dims[i + 1], sleep, i < blocks - 1) for i in range(blocks)])
+def block(i: int, blocks: int, sleep: float) -> Block:
+    """Block ``i`` of the MLP (the same on both sides)."""
+    dims = [IN] + [DIM["width"]] * (blocks - 1) + [CLASSES]
+    return Block(dims[i], dims[i + 1], sleep, i < blocks - 1)
+
+
+def stage_blocks(lo: int, hi: int, blocks: int, sleep: float) -> torch.nn.Sequential:
+    """Blocks ``lo..hi-1`` only, each under its own seed: what a pipeline stage builds (torch's
+    pipelining docs: build only the stage's part of the model, e.g. on ``meta``)."""
+    mods = []
+    for i in range(lo, hi):
+        torch.manual_seed(1000 + i)
+        mods.append(block(i, blocks, sleep))
+    return torch.nn.Sequential(*mods)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in kB)."""
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def write_memory(path: str, who: int, extra: dict) -> None:
+    """``<out>.mem/<who>.json``: this worker's peak RSS and what it held."""
+    d = path + ".mem"
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"{who}.json"), "w") as f:
+        json.dump({"worker": who, "peak_rss": peak_rss_bytes(), **extra}, f)
 
 
 def dataset():
@@ -118,11 +143,10 @@ def run_torch(a) -> None:
     # Every rank creates every group, in the same order (new_group is collective).
     pp = [dist.new_group([j * P + s for s in range(P)]) for j in range(2)]
     dp = [dist.new_group([s, s + P]) for s in range(P)]
-    full = model(a.blocks, a.block_sleep)
     per = a.blocks // P
-    sub = torch.nn.Sequential(*list(full.children())[stage * per:(stage + 1) * per])
+    sub = stage_blocks(stage * per, (stage + 1) * per, a.blocks, a.block_sleep)
     mbs = a.global_batch // a.micro_batch // 2  # micro-batches per pipeline
-    mb_in = torch.zeros(a.micro_batch, IN if stage == 0 else DIM)
+    mb_in = torch.zeros(a.micro_batch, IN if stage == 0 else DIM["width"])
     st = PipelineStage(sub, stage, P, torch.device("cpu"), input_args=mb_in, group=pp[pipe])
     ce = torch.nn.CrossEntropyLoss()
     sched = Schedule1F1B(st, mbs, loss_fn=lambda out, y: ce(out, y))
@@ -159,6 +183,7 @@ def run_torch(a) -> None:
                 ck.save(step + 1, sub, opt)
     if rank == 0:
         write(a.out, "torch", stamps)
+    write_memory(a.out, rank, {"params": sum(p.numel() for p in sub.parameters())})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -253,8 +278,12 @@ def run_ft(a) -> None:
         _diag_blocking_p2p()
 
     def main():
-        net = model(a.blocks, a.block_sleep)
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        import functools
+        if a.build == "factories":  # each worker builds only the blocks it holds
+            net = [functools.partial(block, i, a.blocks, a.block_sleep) for i in range(a.blocks)]
+        else:  # the whole model on every worker, its other blocks released after the first plan
+            net = stage_blocks(0, a.blocks, a.blocks, a.block_sleep)
+        opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
         ce = torch.nn.CrossEntropyLoss()
         stamps: list = []
         predicted: list = []  # [step, the engine's step time of the running plan, its plan]
@@ -285,6 +314,9 @@ def run_ft(a) -> None:
         trainer.fit(max_steps=a.steps)
         if writer:
             write(a.out, "ft", stamps, predicted)
+        ctx = trainer.ctx
+        write_memory(a.out, worker, {"params": sum(ctx.block_numel[b] for b in ctx.held),
+                                     "made": list(ctx.blockset.made)})
 
     elastic_main(main)
 
@@ -299,6 +331,9 @@ if __name__ == "__main__":
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--block-sleep", type=float, default=0.004, help="emulated forward per block (s); backward 2x")
+    ap.add_argument("--dim", type=int, default=64, help="hidden width of the MLP's blocks")
+    ap.add_argument("--build", choices=["factories", "modules"], default="factories",
+                    help="ft: blocks as per-block factories (each worker builds its own) or a built model")
     ap.add_argument("--predict", action="store_true",
                     help="ft: worker 0 records the engine's predicted step time of the running plan per step "
                          "(without the rerouted extra micro-batches; off in overhead runs)")
@@ -315,6 +350,7 @@ if __name__ == "__main__":
     ap.add_argument("--ckpt-dir", default=None, help="torch: checkpoint-restart directory (see the doc)")
     ap.add_argument("--ckpt-every", type=int, default=10, help="torch: steps between checkpoints")
     a = ap.parse_args()
+    DIM["width"] = a.dim
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_torch(a) if a.mode == "torch" else run_ft(a)

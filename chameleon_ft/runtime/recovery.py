@@ -238,10 +238,8 @@ class RecoveryCore:
                           token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""), ids=self._ids if self.cfg.log_samples else None)
         t0 = time.perf_counter()
         try:
-            # A fresh buffer each step, so an abandoned op can't touch anything we keep.  The
-            # "step" header makes a peer's stray control collective give way (groups.py).
-            self._store_op(lambda: self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     copy=False, header=self.step_header))
+            # A fresh buffer each step, so an abandoned op can't touch anything we keep.
+            self._store_op(lambda: self._commit_reduce(buf))
             if self.faults.fires(self.step, "commit", "drop"):  # tests: a partial completion
                 raise self.gm._local_failure("injected drop: the commit all-reduce, completed by the peers, "
                                              "failed here", "peer_error")
@@ -255,6 +253,11 @@ class RecoveryCore:
         at = buf.numel() - _TAIL * n
         rows = buf[at:].view(n, _TAIL).cpu().tolist()
         return buf[:at], {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}, comm
+
+    def _commit_reduce(self, buf: torch.Tensor) -> None:
+        """The step's all-reduce, in place; its "step" header makes a peer's stray control
+        collective give way (groups.py).  An executor may reduce another way (pipeline)."""
+        self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False, header=self.step_header)
 
     def _finish_step(self, timings: dict, comm: float) -> None:
         """Commit the step whose update was applied, then feed its timings to the engine."""
@@ -447,10 +450,9 @@ class RecoveryCore:
             if payload["state"] is not None and (self.fresh or self.step < top):
                 self.load_state_dict(payload["state"])
             self.sampler.load_state_dict(payload["sampler"])
-        # The source too: straggler Decisions are taken by every member on its own, so the
-        # engine state must be identical everywhere, including what its state_dict leaves out
-        # (the detector's hysteresis counters, cached predictions); a source that kept its own
-        # flagged a straggler steps before the others, and they ran different allocations.
+        # The source too: straggler Decisions are taken by every member on its own, so the engine
+        # state must be identical everywhere, also what its state_dict leaves out (hysteresis
+        # counters, cached predictions: a source that kept its own ran other allocations).
         self.policy.load_state_dict(payload["engine"])
         if was_behind or self.sampler.global_batch != batch_before:
             # Nothing of ours belongs to the step everyone is at now (or the step's samples
@@ -459,12 +461,10 @@ class RecoveryCore:
         self._apply_lr_scale()
         self.fresh = False
         self.last_decisions = list(payload["decisions"])
-        if payload["restart"]:
-            if self._is_source and self.log:
-                self._log_reconfiguration(view, info, payload)
-            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
+        if payload["restart"]:
+            raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         self.carry_out(payload, top, n, r)
 
     def _leave(self, view: MembershipView, top: int) -> None:

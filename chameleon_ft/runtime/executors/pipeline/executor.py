@@ -25,11 +25,9 @@ member then runs the rounds (``migration.py``: weights, optimizer and scheduler 
 blocks, point to point, only what is missing) and drops the blocks its slot no longer has.
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
-Limits, honestly: the migration runs during
-recovery, not overlapped with rerouted steps; straggler rebalancing and batch-changing
-policies (shrink) are off for pipeline jobs; checkpoints are not written (a restart starts the
-job over); gradient clipping over the whole model is not offered (each block's optimizer is
-its own).
+Limits, honestly: the migration runs during recovery, not overlapped with rerouted steps;
+straggler rebalancing and shrink are off; checkpoints are not written (a restart starts over);
+no gradient clipping over the whole model (each block's optimizer is its own).
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.executors.pipeline import migration
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
-from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_sets
+from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_at_root, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import run_step
 from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
 from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
@@ -116,6 +114,10 @@ class PipelineExecutor(RecoveryCore):
     # over (it stays the fallback when nothing in place is feasible).
     POLICIES = frozenset({"reroute", "replan", "wait", "heal", "grow", "keep"})
 
+    # The commit all-reduce carries no header: a pipeline job's members run nothing but the same
+    # collectives in the same order between two syncs (no adapter offers control collectives).
+    step_header = None
+
     def __init__(self, blocks, optimizer, dataset, loss_fn: Callable, global_batch: int,
                  micro_batch: int, stages: int, *, input_fn: Optional[Callable] = None,
                  collate_fn: Callable = default_collate, scheduler: Optional[Callable] = None,
@@ -154,6 +156,7 @@ class PipelineExecutor(RecoveryCore):
         self._staged: Optional[dict[int, torch.Tensor]] = None
         self._measured = False
         self._schedule_key = None
+        self._wire: tuple = (None, {})  # (generation token, the message sizes of its pairs)
         self._routes, self._orders = [], {}
         self._measured_step = None  # the executor's StepResult of the step being committed
         self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
@@ -431,6 +434,9 @@ class PipelineExecutor(RecoveryCore):
         def on_task(task) -> None:
             self.faults.at(self.step, "forward" if task.kind == "F" else "backward")
 
+        if self._wire[0] != self.view.token:  # message sizes are agreed per generation (step.py)
+            self._wire = (self.view.token, {})
+
         try:
             res = run_step(
                 self.gm, rank_of, self.worker_id, self.blocks, rs, order,
@@ -439,7 +445,7 @@ class PipelineExecutor(RecoveryCore):
                 seed_of=lambda slot, b: (base + slot) * 1_009 + b,
                 seed_fn=seed_generators if self.cfg.seed_microbatches else (lambda s: None),
                 timeout_s=self.hang_timeout_s, device=self.device, on_task=on_task,
-                link_delay=self._link_delay)
+                link_delay=self._link_delay, wire=self._wire[1])
         except CollectiveFailure as failure:
             self._step_start = None
             self._recover(failure, t_start)
@@ -486,6 +492,9 @@ class PipelineExecutor(RecoveryCore):
             self._prev_step = now - self._last_commit
         self._last_commit = now
         return True
+
+    def _commit_reduce(self, buf: torch.Tensor) -> None:
+        reduce_at_root(self.gm, buf, self.hang_timeout_s)  # the commit point (reduce.py)
 
     def _reduce_blocks(self) -> dict[int, torch.Tensor]:
         """Every held block's gradient summed over its replicas (``reduce.py``)."""

@@ -13,6 +13,12 @@ timings; ``RecoveryCore._reduce_step``) comes *after* these and is the commit po
 complete somewhere only once every member has contributed to it, hence once every member has
 finished its own sets: a member that a failure left one step behind therefore holds the
 reduced gradients of its blocks for that step (``staged``) and rolls forward with them.
+
+That commit all-reduce (a few hundred numbers) is ``reduce_at_root``: every member sends its
+buffer to rank 0, which adds them in rank order and sends the sum back -- two message latencies
+after the last member's contribution, where gloo's ring all-reduce takes 2 (n - 1) (measured on
+8 workers sharing 2 cores: 15 ms per step on the critical path).  It completes everywhere or
+fails like the ring: a member that got the sum committed, one that did not rolls forward.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ import torch
 
 from chameleon_ft.engine.plan import Plan
 
-__all__ = ["holder_sets", "reduce_sets"]
+__all__ = ["holder_sets", "reduce_at_root", "reduce_sets"]
+
+# Point-to-point tags of the commit: above every step message's (step.py: slot * 1024 + ...,
+# for fewer than 2**19 micro-batches a step), below the migration's (migration.py, 2**30 on).
+_COMMIT_TAG = 1 << 29
 
 
 def holder_sets(plan: Plan, alive: Iterable[int], n_blocks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -62,3 +72,20 @@ def reduce_sets(gm, sets, me: int, rank_of: dict[int, int], grads_of, dtype: tor
             out[b] = buf[at:at + n]
             at += n
     return out
+
+
+def reduce_at_root(gm, buf: torch.Tensor, timeout_s: float) -> None:
+    """Sum ``buf`` (CPU) over every member of ``gm``'s generation, in place, through rank 0
+    (module doc); the same bits everywhere.  Raises ``CollectiveFailure`` like a collective."""
+    n, r = gm.view.world_size, gm.view.rank
+    if n == 1:
+        return
+    if r == 0:
+        parts = [torch.empty_like(buf) for _ in range(n - 1)]
+        gm.wait_p2p([gm.recv(p, i + 1, _COMMIT_TAG) for i, p in enumerate(parts)], timeout_s)
+        for p in parts:  # rank order
+            buf += p
+        gm.wait_p2p([gm.send(buf, i, _COMMIT_TAG + 1) for i in range(1, n)], timeout_s)
+    else:
+        mine = buf.clone()
+        gm.wait_p2p([gm.send(mine, 0, _COMMIT_TAG), gm.recv(buf, 0, _COMMIT_TAG + 1)], timeout_s)

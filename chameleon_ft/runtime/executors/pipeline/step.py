@@ -3,7 +3,12 @@
 ``run_step`` takes the schedule's routes and this worker's task order and moves activations
 forward and gradients back with point-to-point sends and receives on the generation's group
 (``GroupManager.send/recv/wait_p2p``: sends are asynchronous, receives block but fail fast on
-an abort or a dead peer).  Each message is a fixed-size header (dtype, shape) and the tensor.
+an abort or a dead peer).  A message is a fixed-size header (dtype, shape, send time) and the
+tensor: the first between two workers on a tag in a generation goes as two messages (the
+receiver learns the size), later ones as one buffer of header + bytes whose size both sides
+know from the previous one (``wire``: one receive and one wait per hop instead of two).  A
+sender whose tensor's shape changed sends a header-only marker of the expected size first, then
+the two-message form; sizes always agree, which gloo requires (a mismatch aborts the process).
 The first hop of a route builds its input from the batch (``input_fn``), the last computes
 ``loss_fn(output, batch) * weight`` (the micro-batch's share of the global batch's samples) and
 starts the backward; gradients accumulate in the blocks' ``.grad`` as in data parallelism.
@@ -43,6 +48,8 @@ __all__ = ["run_step", "StepResult"]
 
 _MAX_DIMS = 6
 _HEADER = 3 + _MAX_DIMS  # dtype, ndim, send time (float64 bits), shape
+_HEAD_BYTES = _HEADER * 8
+_CHANGED = 255  # header dtype code of a marker: the shape changed, the two-message form follows
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
@@ -68,6 +75,14 @@ class StepResult:
 _WAITED_S = 1e-3  # a receive that waited this long for the header: the sender sent just then
 
 
+def _size(spec: tuple[int, tuple[int, ...]]) -> int:
+    """Bytes of a tensor of ``(dtype code, shape)``."""
+    n = 1
+    for d in spec[1]:
+        n *= d
+    return n * torch.empty(0, dtype=_DTYPES[spec[0]]).element_size()
+
+
 def _split_backward(lo: int, hi: int, t0: float, t1: float, stamps: dict, fwd: dict) -> dict[int, float]:
     """Backward seconds per block of a hop from the gradient-hook stamps (``stamps[b]``: the
     gradient of block ``b``'s output is ready, i.e. block ``b + 1``'s backward is done); in
@@ -84,10 +99,13 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
              input_fn: Callable, loss_fn: Callable, weight_of: Callable[[int], float],
              seed_of: Callable[[int, int], int], seed_fn: Callable[[int], None],
              timeout_s: float, device: torch.device, on_task: Callable[[Task], None] | None = None,
-             link_delay: Callable[[int], float] | None = None) -> StepResult:
+             link_delay: Callable[[int], float] | None = None, wire: dict | None = None) -> StepResult:
     """Run ``order`` (this worker's tasks); returns what it computed.  ``batch_of(slot)`` loads
     a micro-batch; ``seed_of(slot, block)`` gives the per-block seed, ``seed_fn`` applies it;
-    ``rank_of`` maps worker ids to ranks of ``gm``'s group."""
+    ``rank_of`` maps worker ids to ranks of ``gm``'s group.  ``wire``: (peer, tag) -> the
+    size of the last message exchanged there, kept by the caller for the generation (empty at
+    its start on every member: both ends of a pair then agree on every size)."""
+    wire = {} if wire is None else wire
     by_slot = {r.slot: r for r in rs}
     res = StepResult()
     stash: dict[tuple[int, int], tuple] = {}
@@ -100,17 +118,67 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
         head[0], head[1] = _DTYPES.index(t.dtype), t.ndim
         head[2] = torch.tensor([time.time()], dtype=torch.float64).view(torch.int64)[0]
         head[3:3 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
-        sends.append((gm.send(head, rank_of[dst], tag), head))
-        sends.append((gm.send(t, rank_of[dst], tag + 1), t))
+        nbytes, key, r = t.numel() * t.element_size(), (dst, tag), rank_of[dst]
+        expected = wire.get(key)
+        if expected is not None:
+            same = expected == (head[0].item(), tuple(t.shape))
+            buf = torch.empty(_HEAD_BYTES + (nbytes if same else _size(expected)), dtype=torch.uint8)
+            buf[:_HEAD_BYTES] = head.view(torch.uint8)
+            if same:
+                buf[_HEAD_BYTES:] = t.reshape(-1).view(torch.uint8)
+                sends.append((gm.send(buf, r, tag + 1), buf))
+                return
+            buf[:8] = torch.tensor([_CHANGED], dtype=torch.int64).view(torch.uint8)
+            sends.append((gm.send(buf, r, tag + 1), buf))
+        wire[key] = (head[0].item(), tuple(t.shape))
+        sends.append((gm.send(head, r, tag), head))
+        sends.append((gm.send(t, r, tag + 1), t))
+
+    def post(src: int, tag: int):
+        """Post the one-buffer receive of a message whose size is known (None: not known)."""
+        expected = wire.get((src, tag))
+        if expected is None:
+            return None
+        buf = torch.empty(_HEAD_BYTES + _size(expected), dtype=torch.uint8)
+        return gm.recv(buf, rank_of[src], tag + 1), buf, expected
+
+    # Every receive of a known size is posted now: gloo completes a send only once its
+    # receive is posted, so a message then moves while this worker computes something else.
+    posted = {}
+    for task in order:
+        r = by_slot[task.slot]
+        if task.kind == "F" and task.hop > 0:
+            src, tag = r.hops[task.hop - 1].worker, _tag(task.slot, task.hop, False, 0)
+        elif task.kind == "B" and task.hop < len(r.hops) - 1:
+            src, tag = r.hops[task.hop + 1].worker, _tag(task.slot, task.hop, True, 0)
+        else:
+            continue
+        got = post(src, tag)
+        if got is not None:
+            posted[(src, tag)] = got
 
     def recv(src: int, tag: int) -> torch.Tensor:
-        head = torch.zeros(_HEADER, dtype=torch.int64)
+        key, r = (src, tag), rank_of[src]
         t_post = time.perf_counter()
-        gm.wait_p2p([gm.recv(head, rank_of[src], tag)], timeout_s)
+        head = None
+        pending = posted.pop(key, None) or post(src, tag)
+        if pending is not None:
+            work, buf, expected = pending
+            gm.wait_p2p([work], timeout_s)
+            head = buf[:_HEAD_BYTES].view(torch.int64)
+            if int(head[0]) == _CHANGED:
+                head = None
+            else:
+                t = buf[_HEAD_BYTES:].view(_DTYPES[expected[0]]).view(expected[1])
         t_head = time.perf_counter()
-        ndim = int(head[1])
-        t = torch.empty([int(x) for x in head[3:3 + ndim]], dtype=_DTYPES[int(head[0])])
-        gm.wait_p2p([gm.recv(t, rank_of[src], tag + 1)], timeout_s)
+        if head is None:
+            head = torch.zeros(_HEADER, dtype=torch.int64)
+            gm.wait_p2p([gm.recv(head, r, tag)], timeout_s)
+            t_head = time.perf_counter()
+            ndim = int(head[1])
+            t = torch.empty([int(x) for x in head[3:3 + ndim]], dtype=_DTYPES[int(head[0])])
+            gm.wait_p2p([gm.recv(t, r, tag + 1)], timeout_s)
+            wire[key] = (int(head[0]), tuple(t.shape))
         nbytes = t.numel() * t.element_size()
         sent = float(head[2:3].view(torch.float64)[0])
         if link_delay is not None:
@@ -119,7 +187,7 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
                 time.sleep(hold)
         t_done = time.perf_counter()
         res.waited_s += t_head - t_post
-        wire[0] += t_done - t_head
+        wire_s[0] += t_done - t_head
         if t_head - t_post > _WAITED_S:
             # The receiver was waiting: send to arrival is the hop's cost (wall clocks, so
             # only as good as the workers' clock sync; exact on one machine).
@@ -132,11 +200,11 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
         return batches[slot]
 
     seen: set[int] = set()
-    wire = [0.0]  # tensor transfer seconds of this task's receive
+    wire_s = [0.0]  # tensor transfer seconds of this task's receive
     for task in order:
         if on_task is not None:
             on_task(task)
-        t_task, waited0, compute0, wire[0] = time.perf_counter(), res.waited_s, res.compute_s, 0.0
+        t_task, waited0, compute0, wire_s[0] = time.perf_counter(), res.waited_s, res.compute_s, 0.0
         r = by_slot[task.slot]
         hop = r.hops[task.hop]
         last = task.hop == len(r.hops) - 1
@@ -186,6 +254,6 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
                 send(x.grad, r.hops[task.hop - 1].worker, _tag(task.slot, task.hop - 1, True, 0))
         res.tasks += 1
         res.task_overhead_s += max(0.0, time.perf_counter() - t_task - (res.waited_s - waited0)
-                                   - (res.compute_s - compute0) - wire[0])
+                                   - (res.compute_s - compute0) - wire_s[0])
     gm.wait_p2p([w for w, _ in sends], timeout_s)
     return res
