@@ -84,8 +84,6 @@ class ElasticTrainer:
                                       drop_last=drop_last, config=config)
         elif self.pipeline:
             from chameleon_ft.runtime.executors.pipeline.executor import PipelineExecutor
-            if checkpoint:
-                raise ConfigError("checkpoints of pipeline jobs are not written yet")
             self.ctx = PipelineExecutor(model, optimizer, dataset, loss_fn, global_batch, micro_batch,
                                        stages, input_fn=input_fn, collate_fn=collate_fn,
                                        scheduler=scheduler, seed=seed, shuffle=shuffle,
@@ -96,6 +94,8 @@ class ElasticTrainer:
                                       drop_last=drop_last, config=config)
         self.checkpoint = checkpoint
         self.ctx.checkpoint_path = checkpoint  # the engine weighs restart only when one is written
+        if self.pipeline and checkpoint:
+            self.ctx.allow_restart()
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
 

@@ -97,3 +97,38 @@ def test_bad_block_forms_are_refused_clearly():
         Blocks([])
     with pytest.raises(ConfigError, match="nn.Sequential, a list of modules"):
         Blocks([torch.nn.Linear(4, 4), 3])
+
+
+def test_checkpoint_block_files_are_plain_and_checked(tmp_path):
+    from chameleon_ft.runtime import codec
+    from chameleon_ft.runtime.errors import CheckpointError
+    from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt
+
+    blocks = [block(i) for i in range(2)]
+    folder = ckpt.blocks_dir(str(tmp_path / "c.pt"), 6)
+    opt = torch.optim.AdamW(blocks[0].parameters())
+    blocks[0](torch.randn(2, 8)).sum().backward()
+    opt.step()
+    digests = [ckpt.write_block(folder, b, {"params": m.state_dict(), "optim": (opt.state_dict() if b == 0 else {}),
+                                            "sched": None}) for b, m in enumerate(blocks)]
+    # A plain torch file: torch.load(weights_only=True), no chameleon-ft needed.
+    plain = torch.load(f"{folder}/0.pt", weights_only=True)
+    assert torch.equal(plain["params"]["0.weight"], blocks[0][0].weight)
+    assert ckpt.read_block(folder, 0, digests[0])["optim"]["state"]
+    codec.save_checkpoint(tmp_path / "c.pt", {"step": 6, "blocks": digests})
+    whole = ckpt.model_state_dict(str(tmp_path / "c.pt"))
+    model = torch.nn.Sequential(*[block(i) for i in range(2)])
+    model.load_state_dict(whole)  # the keys of an nn.Sequential of the blocks
+    assert torch.equal(model[1][0].weight, blocks[1][0].weight)
+    with pytest.raises(CheckpointError, match="2 blocks, the model has 3"):
+        ckpt.read_run(str(tmp_path / "c.pt"), 3)
+    raw = bytearray(open(f"{folder}/1.pt", "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(f"{folder}/1.pt", "wb").write(bytes(raw))
+    with pytest.raises(CheckpointError, match="does not match its digest"):
+        ckpt.read_block(folder, 1, digests[1])
+    with pytest.raises(CheckpointError, match="missing"):
+        ckpt.read_block(folder, 5, None)
+    codec.save_checkpoint(tmp_path / "dp.pt", {"step": 3})
+    with pytest.raises(CheckpointError, match="not a pipeline checkpoint"):
+        ckpt.read_run(str(tmp_path / "dp.pt"))

@@ -68,6 +68,8 @@ def main():
     p.add_argument("--slow", default=None, help="W:F: worker W's emulated compute F times slower")
     p.add_argument("--emulate-link", default=None, help="LATENCY_S:BANDWIDTH_BPS (ElasticConfig.emulate_link)")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--checkpoint", default=None, help="ElasticTrainer(checkpoint=...)")
+    p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--build", choices=["modules", "factories", "meta"], default="modules",
                    help="how the blocks are given: a built model, per-block factories, a meta-device model")
     a = p.parse_args()
@@ -102,7 +104,7 @@ def main():
     trainer = ElasticTrainer(
         blocks, opt, Synthetic(), lambda out, batch: ce(out, batch[1]), a.global_batch, a.micro_batch,
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.7),
-        seed=SEED, stages=a.stages,
+        seed=SEED, stages=a.stages, checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every,
         config=ElasticConfig(allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
                              mttf_s=a.mttf,
                              emulate_link=tuple(map(float, a.emulate_link.split(":"))) if a.emulate_link else None))

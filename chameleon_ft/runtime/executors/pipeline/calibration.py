@@ -19,7 +19,62 @@ from chameleon_ft.engine.perf import coefficients_to_json, estimate
 from chameleon_ft.engine.selector import select
 from chameleon_ft.engine.workload import workload_to_json
 
-__all__ = ["PipelineCalibration"]
+import torch
+
+__all__ = ["PipelineCalibration", "calibration_row", "read_rows"]
+
+_P2P_SLOTS = 8  # waited-for message samples each member shares per step
+
+
+def _row_width(n_blocks: int) -> int:
+    """Per block 4 figures, then task overhead, tasks, optimizer s, parameters, then the
+    message samples (bytes, seconds)."""
+    return 4 * n_blocks + 4 + 2 * _P2P_SLOTS
+
+
+def calibration_row(res, n_blocks: int, world: int, rank: int, optimizer_s: tuple) -> torch.Tensor:
+    """This member's row of the step's calibration matrix (every member's row is zero
+    elsewhere, so the commit's sum hands everyone every row), from its ``step.StepResult``
+    (None: zeros): per block forward s, backward s, micro-batches and output bytes, then task
+    overhead, tasks, ``optimizer_s`` (seconds, parameters) and up to ``_P2P_SLOTS`` (bytes,
+    seconds) messages."""
+    nb, width = n_blocks, _row_width(n_blocks)
+    row = torch.zeros(world * width, dtype=torch.float64)
+    if res is not None:
+        mine = row[rank * width:(rank + 1) * width]
+        for b, (f, bw, cnt) in res.block_times.items():
+            mine[4 * b:4 * b + 3] = torch.tensor([f, bw, cnt], dtype=torch.float64)
+        for b, nbytes in res.out_bytes.items():
+            mine[4 * b + 3] = nbytes
+        mine[4 * nb:4 * nb + 4] = torch.tensor([res.task_overhead_s, res.tasks, *optimizer_s], dtype=torch.float64)
+        p2p = sorted(res.p2p, key=lambda x: x[1])
+        if len(p2p) > _P2P_SLOTS:  # keep an even spread of the step's samples
+            p2p = [p2p[i * len(p2p) // _P2P_SLOTS] for i in range(_P2P_SLOTS)]
+        for i, (nbytes, sec) in enumerate(p2p):
+            at = 4 * nb + 4 + 2 * i
+            mine[at:at + 2] = torch.tensor([nbytes, sec], dtype=torch.float64)
+    return row
+
+
+def read_rows(flat: torch.Tensor, members, n_blocks: int) -> tuple:
+    """Every member's row back, as ``PipelineCalibration.observe_pipeline``'s arguments."""
+    nb, width = n_blocks, _row_width(n_blocks)
+    rows = flat[:len(members) * width].double().view(len(members), width).tolist()
+    times, out_bytes, p2p, overhead, tasks, opt_s, opt_params = {}, {}, [], 0.0, 0, 0.0, 0.0
+    for w, row in zip(members, rows):
+        for b in range(nb):
+            f, bw, cnt, ob = row[4 * b:4 * b + 4]
+            if cnt > 0:
+                times[(w, b)] = (f, bw, int(round(cnt)))
+                out_bytes[b] = int(round(ob))
+        overhead += row[4 * nb]
+        tasks += int(round(row[4 * nb + 1]))
+        opt_s, opt_params = opt_s + row[4 * nb + 2], opt_params + row[4 * nb + 3]
+        for i in range(_P2P_SLOTS):
+            nbytes, sec = row[4 * nb + 4 + 2 * i:4 * nb + 6 + 2 * i]
+            if nbytes > 0 and sec > 0:
+                p2p.append((nbytes, sec))
+    return times, out_bytes, p2p, (overhead, tasks), (opt_s, opt_params)
 
 _REFIT_EVERY = 5  # steps between refits of the pipeline terms (each costs a few ms of Python)
 

@@ -26,8 +26,7 @@ blocks, point to point, only what is missing) and drops the blocks its slot no l
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
 Limits, honestly: the migration runs during recovery, not overlapped with rerouted steps;
-straggler rebalancing and shrink are off; checkpoints are not written (a restart starts over);
-no gradient clipping over the whole model (each block's optimizer is its own).
+straggler rebalancing and shrink are off; no gradient clipping over the whole model (each block's optimizer is its own).
 """
 
 from __future__ import annotations
@@ -46,8 +45,10 @@ from chameleon_ft.engine.plan import Plan
 from chameleon_ft.engine.migration import critical_path, held_state, transfers_to
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.executors.pipeline import migration
+from chameleon_ft.runtime import codec as run_state
+from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt, migration
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
+from chameleon_ft.runtime.executors.pipeline.calibration import calibration_row, read_rows
 from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_at_root, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import run_step
 from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
@@ -110,8 +111,8 @@ class PipelineExecutor(RecoveryCore):
     """
 
     # No shrink (the global batch is kept) and no straggler rebalance (module doc).
-    # ``restart`` is not a choice either: without pipeline checkpoints it would start the job
-    # over (it stays the fallback when nothing in place is feasible).
+    # ``restart`` is a choice only once checkpoints are written (``allow_restart``); without
+    # them it would start the job over (it stays the fallback when nothing in place is feasible).
     POLICIES = frozenset({"reroute", "replan", "wait", "heal", "grow", "keep"})
 
     # The commit all-reduce carries no header: a pipeline job's members run nothing but the same
@@ -154,6 +155,7 @@ class PipelineExecutor(RecoveryCore):
         # This member's blocks' reduced gradients of the step being committed (``reduce.py``):
         # what it rolls forward with when a failure leaves it one step behind its peers.
         self._staged: Optional[dict[int, torch.Tensor]] = None
+        self._resume: Optional[tuple] = None  # (blocks folder, step, digests) of a loaded checkpoint
         self._measured = False
         self._schedule_key = None
         self._wire: tuple = (None, {})  # (generation token, the message sizes of its pairs)
@@ -256,10 +258,40 @@ class PipelineExecutor(RecoveryCore):
         self.last_checkpoint_step = int(s["last_checkpoint_step"])
 
     def save_checkpoint(self, path: str) -> None:
-        raise ConfigError("checkpoints of pipeline jobs are not written yet (each worker holds "
-                          "only its blocks); run without a checkpoint path")
+        """Call on every member at the same step (``checkpoint.py``): each block is written by
+        its lowest alive holder, then rank 0 writes the run state naming them.  A failure
+        meanwhile recovers as after a step and leaves the previous checkpoint in force."""
+        step, folder = self.step, ckpt.blocks_dir(path, self.step)
+        digests = torch.zeros(len(self.blocks), dtype=torch.int64)
+        for holders, blocks in holder_sets(self.policy.plan, self.policy.alive, len(self.blocks)):
+            if holders and holders[0] == self.worker_id:
+                for b in blocks:
+                    digests[b] = ckpt.write_block(folder, b, self.block_state(b))
+        try:
+            self._store_op(lambda: self.gm.allreduce(digests, dist.ReduceOp.SUM, copy=False,
+                                                     timeout_s=self.hang_timeout_s))
+        except CollectiveFailure as failure:
+            self.recover(failure)
+            return
+        self.last_checkpoint_step = step
+        if self.rank == 0:
+            run_state.save_checkpoint(path, {**self.state_dict(), "blocks": digests.tolist()})
+            ckpt.prune(path, step)
 
-    load_checkpoint = save_checkpoint
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from ``path`` before ``start()``: the run state now, each worker's blocks once
+        the first layout over whoever is there is agreed (``carry_out``)."""
+        tree = ckpt.read_run(path, len(self.blocks))
+        self.load_state_dict(tree)
+        self.policy.plan = None
+        self._resume = (ckpt.blocks_dir(path, tree["step"]), int(tree["step"]), list(tree["blocks"]))
+
+    def allow_restart(self) -> None:
+        """Checkpoints are written: checkpoint-restart becomes one of the engine's choices
+        (unless the user's ``allowed_policies`` leaves it out)."""
+        if "restart" in (self.cfg.allowed_policies or {"restart"}):
+            self.allowed = self.allowed | {"restart"}
+            self.policy.allowed = self.allowed
 
     # ---------------------------------------------------------------- recovery hooks
     def recovery_fields(self) -> list[int]:
@@ -318,6 +350,13 @@ class PipelineExecutor(RecoveryCore):
         payload = super().source_payload(view, info)
         if payload["restart"]:
             return payload
+        resume = self._resume
+        if resume is not None and max(self.peer_steps) == resume[1] and not any(2 in f for f in self.peer_fields):
+            # Resumed from a checkpoint, nobody holds the job's state of a block yet: every
+            # member loads its slot's blocks from the checkpoint (``carry_out``).
+            self.policy.last_migration = self.policy.migrating_from = None
+            payload["migration"] = {"rounds": [], "load": True}
+            return payload
         if self.blockset.lazy and max(self.peer_steps) == 0:
             # No step committed: every block's state is its initialisation, which each holder
             # makes itself under the block's seed (``carry_out``) -- nothing moves.
@@ -365,6 +404,13 @@ class PipelineExecutor(RecoveryCore):
         if plan.get("build"):
             for b in sorted(want - self.held):
                 self.build_block(b)
+        if plan.get("load"):
+            if self._resume is None:
+                raise ConfigError(f"worker {self.worker_id} was asked to load its blocks from a checkpoint "
+                                  "it did not resume from")
+            folder, _, digests = self._resume
+            for b in sorted(want):
+                self.put_block(b, ckpt.read_block(folder, b, digests[b]))
         for b in sorted(self.held - want):
             self.drop_block(b)
         self.agreed = set(self.held)
@@ -512,56 +558,13 @@ class PipelineExecutor(RecoveryCore):
                                                   self.dtype, self.hang_timeout_s))
 
     # ---------------------------------------------------------------- calibration
-    _P2P_SLOTS = 8  # waited-for message samples each member shares per step
-
-    def _row_width(self) -> int:
-        """Per block 4 figures, then task overhead, tasks, optimizer s, parameters, then the
-        message samples (bytes, seconds)."""
-        return 4 * len(self.blocks) + 4 + 2 * self._P2P_SLOTS
-
     def _calibration_row(self) -> torch.Tensor:
-        """This member's row of the step's calibration matrix (every member's row is zero
-        elsewhere, so the all-reduce hands everyone every row): per block forward s, backward s,
-        micro-batches and output bytes, then up to ``_P2P_SLOTS`` (bytes, seconds) messages."""
-        nb, n, r = len(self.blocks), self.view.world_size, self.view.rank
-        width = self._row_width()
-        row = torch.zeros(n * width, dtype=torch.float64)
-        res = self._measured_step
-        if res is not None:
-            mine = row[r * width:(r + 1) * width]
-            for b, (f, bw, cnt) in res.block_times.items():
-                mine[4 * b:4 * b + 3] = torch.tensor([f, bw, cnt], dtype=torch.float64)
-            for b, nbytes in res.out_bytes.items():
-                mine[4 * b + 3] = nbytes
-            mine[4 * nb:4 * nb + 4] = torch.tensor([res.task_overhead_s, res.tasks, *self._optimizer_s],
-                                                   dtype=torch.float64)
-            p2p = sorted(res.p2p, key=lambda x: x[1])
-            if len(p2p) > self._P2P_SLOTS:  # keep an even spread of the step's samples
-                p2p = [p2p[i * len(p2p) // self._P2P_SLOTS] for i in range(self._P2P_SLOTS)]
-            for i, (nbytes, sec) in enumerate(p2p):
-                at = 4 * nb + 4 + 2 * i
-                mine[at:at + 2] = torch.tensor([nbytes, sec], dtype=torch.float64)
+        row = calibration_row(self._measured_step, len(self.blocks), self.view.world_size, self.view.rank,
+                              self._optimizer_s)
         return row.to(self.dtype)
 
     def _observe_calibration(self, flat: torch.Tensor) -> None:
-        nb, members = len(self.blocks), self.view.members
-        width = self._row_width()
-        rows = flat[:len(members) * width].double().view(len(members), width).tolist()
-        times, out_bytes, p2p, overhead, tasks, opt_s, opt_params = {}, {}, [], 0.0, 0, 0.0, 0.0
-        for w, row in zip(members, rows):
-            for b in range(nb):
-                f, bw, cnt, ob = row[4 * b:4 * b + 4]
-                if cnt > 0:
-                    times[(w, b)] = (f, bw, int(round(cnt)))
-                    out_bytes[b] = int(round(ob))
-            overhead += row[4 * nb]
-            tasks += int(round(row[4 * nb + 1]))
-            opt_s, opt_params = opt_s + row[4 * nb + 2], opt_params + row[4 * nb + 3]
-            for i in range(self._P2P_SLOTS):
-                nbytes, sec = row[4 * nb + 4 + 2 * i:4 * nb + 6 + 2 * i]
-                if nbytes > 0 and sec > 0:
-                    p2p.append((nbytes, sec))
-        self.policy.observe_pipeline(times, out_bytes, p2p, (overhead, tasks), (opt_s, opt_params))
+        self.policy.observe_pipeline(*read_rows(flat, self.view.members, len(self.blocks)))
         self._measured_step = None
 
     def _apply_update(self, reduced: dict[int, torch.Tensor]) -> None:
