@@ -6,8 +6,9 @@ Run by ``chameleon-ft demo --pipeline`` under ``chameleon-ft run`` (8 workers: 2
     chameleon-ft run --nproc-per-node 8 "$(python -c "import chameleon_ft.examples.pipeline_train as m; print(m.__file__)")" --allowed replan
 
 ``--block-sleep`` pads every block's forward to a fixed duration (accelerator emulation: on a
-few shared CPU cores the blocks' real compute is tiny and noisy).  Every worker builds the same
-blocks (one seed); each keeps only its stage's.  At the end the lowest surviving member writes
+few shared CPU cores the blocks' real compute is tiny and noisy).  The blocks are given as
+per-block factories: each worker builds only the blocks its stage holds, each under its own
+seed, so replicas start equal without any transfer.  At the end the lowest surviving member writes
 ``<out>/final.json`` (steps, members, the last step's global loss, its held blocks).
 
 Limits: a toy -- synthetic Gaussian blobs, no evaluation (no worker holds the whole model).
@@ -16,6 +17,7 @@ Limits: a toy -- synthetic Gaussian blobs, no evaluation (no worker holds the wh
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -59,11 +61,12 @@ def main() -> None:
     torch.manual_seed(0)
     data = Blobs(n=a.samples)
     dims = [16] + [a.width] * (a.blocks - 1) + [4]
-    model = torch.nn.Sequential(*[Block(dims[i], dims[i + 1], a.block_sleep, act=i < a.blocks - 1)
-                                  for i in range(a.blocks)])
+    # One factory per block: a worker builds only the blocks it holds (docs/runtime-pipeline.md).
+    blocks = [functools.partial(Block, dims[i], dims[i + 1], a.block_sleep, act=i < a.blocks - 1)
+              for i in range(a.blocks)]
     ce = torch.nn.CrossEntropyLoss()
     allowed = frozenset(a.allowed.split(",")) if a.allowed else None
-    trainer = ElasticTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), data,
+    trainer = ElasticTrainer(blocks, functools.partial(torch.optim.AdamW, lr=3e-3), data,
                              lambda out, batch: ce(out, batch[1]), a.global_batch, a.micro_batch,
                              seed=0, stages=a.stages, config=ElasticConfig(allowed_policies=allowed))
     result = trainer.fit(epochs=a.epochs)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from chameleon_ft._compat import renamed_getattr
 
+import random
 import threading
 import time
 from collections import deque
@@ -110,8 +111,7 @@ class EngineBridge(PipelineCalibration):
         # Pipeline jobs (``stages`` > 1): the first plan has pipelines of that depth, and the
         # selector may re-plan to any depth (the pipeline executor runs unequal pipelines).
         self.stages = max(1, int(stages))
-        if self.stages > 1:  # a re-plan's migration imports these on first use: not in a recovery
-            threading.Thread(target=warm_imports, daemon=True, name="cft-warm-imports").start()
+        self._warmed = self.stages == 1  # see _warm_up
         # Bytes per parameter that a migration moves (weights, optimizer state): measured by
         # the pipeline runtime after its first step, so the migration plan predicts real bytes.
         self.weight_bytes, self.optim_bytes = 4, 8
@@ -319,11 +319,24 @@ class EngineBridge(PipelineCalibration):
             self._apply(d, self.alive | joined, idle=frozenset(joined))
         return decisions
 
+    def _warm_up(self) -> None:
+        """A pipeline job's first re-plan imports networkx and scipy.optimize (its first decision
+        took 0.09-0.26 s against 4-6 ms, seen): import them in a helper thread once the job
+        trains, each worker after a random delay of up to 2 s -- not at start, where 8 workers
+        importing at once on 2 cores starved their heartbeat threads past the 1 s timeout and the
+        start-up churned through generations (seen in 1 of ~10 starts)."""
+        self._warmed = True
+        timer = threading.Timer(random.uniform(0.0, 2.0), warm_imports)
+        timer.daemon = True
+        timer.start()
+
     def observe_step(self, timings: dict[int, tuple[float, int, float, float]], step: int,
                      steps_since_checkpoint: int = 0) -> Optional[Decision]:
         """Feed one committed step's shared timings, per member: (compute seconds,
         micro-batches, previous step's all-reduce seconds, previous step's seconds).  Returns a
         straggler Decision when the detector flags or clears someone or a rebalance is undone."""
+        if not self._warmed:
+            self._warm_up()
         per_mb = {w: c / n for w, (c, n, _, _) in timings.items() if n > 0 and c > 0}
         step_prev = max((s for *_, s in timings.values()), default=0.0)
         if step_prev > 0:
