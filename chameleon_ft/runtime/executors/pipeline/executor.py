@@ -159,7 +159,7 @@ class PipelineExecutor(RecoveryCore):
         self._measured = False
         self._schedule_key = None
         self._wire: tuple = (None, {})  # (generation token, the message sizes of its pairs)
-        self._routes, self._orders = [], {}
+        self._routes, self._orders, self._sets = [], {}, []
         self._measured_step = None  # the executor's StepResult of the step being committed
         self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
         self._last_commit: Optional[float] = None
@@ -263,7 +263,8 @@ class PipelineExecutor(RecoveryCore):
         meanwhile recovers as after a step and leaves the previous checkpoint in force."""
         step, folder = self.step, ckpt.blocks_dir(path, self.step)
         digests = torch.zeros(len(self.blocks), dtype=torch.int64)
-        for holders, blocks in holder_sets(self.policy.plan, self.policy.alive, len(self.blocks)):
+        self._schedule()
+        for holders, blocks in self._sets:
             if holders and holders[0] == self.worker_id:
                 for b in blocks:
                     digests[b] = ckpt.write_block(folder, b, self.block_state(b))
@@ -462,6 +463,7 @@ class PipelineExecutor(RecoveryCore):
         if key != self._schedule_key:
             self._routes = routes(plan, self.policy.alive)
             self._orders = worker_orders(self._routes)
+            self._sets = holder_sets(plan, self.policy.alive, len(self.blocks))  # who reduces what
             self._schedule_key = key
         return self._routes, self._orders.get(self.worker_id, [])
 
@@ -544,11 +546,7 @@ class PipelineExecutor(RecoveryCore):
 
     def _reduce_blocks(self) -> dict[int, torch.Tensor]:
         """Every held block's gradient summed over its replicas (``reduce.py``)."""
-        plan, alive = self.policy.plan, self.policy.alive
-        key = (repr(plan.to_json()), tuple(sorted(alive)), self.view.token)
-        if key != getattr(self, "_sets_key", None):
-            self._sets = holder_sets(plan, alive, len(self.blocks))
-            self._sets_key = key
+        self._schedule()  # the plan's reduction sets
         rank_of = {w: i for i, w in enumerate(self.view.members)}
 
         def grads_of(b: int) -> list[torch.Tensor]:
