@@ -546,7 +546,7 @@ class PipelineExecutor(RecoveryCore):
 
     def _reduce_blocks(self) -> dict[int, torch.Tensor]:
         """Every held block's gradient summed over its replicas (``reduce.py``)."""
-        self._schedule()  # the plan's reduction sets
+        # ``self._sets``: the reduction sets that train_step's ``_schedule`` set for this step.
         rank_of = {w: i for i, w in enumerate(self.view.members)}
 
         def grads_of(b: int) -> list[torch.Tensor]:

@@ -142,26 +142,30 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
         buf = torch.empty(_HEAD_BYTES + _size(expected), dtype=torch.uint8)
         return gm.recv(buf, rank_of[src], tag + 1), buf, expected
 
-    # Every receive of a known size is posted now: gloo completes a send only once its
-    # receive is posted, so a message then moves while this worker computes something else.
-    posted = {}
-    for task in order:
+    def source_of(task: Task):
+        """(sender, tag) of the message ``task`` receives; None when it receives none."""
         r = by_slot[task.slot]
         if task.kind == "F" and task.hop > 0:
-            src, tag = r.hops[task.hop - 1].worker, _tag(task.slot, task.hop, False, 0)
-        elif task.kind == "B" and task.hop < len(r.hops) - 1:
-            src, tag = r.hops[task.hop + 1].worker, _tag(task.slot, task.hop, True, 0)
-        else:
-            continue
-        got = post(src, tag)
+            return r.hops[task.hop - 1].worker, _tag(task.slot, task.hop, False, 0)
+        if task.kind == "B" and task.hop < len(r.hops) - 1:
+            return r.hops[task.hop + 1].worker, _tag(task.slot, task.hop, True, 0)
+        return None
+
+    # Every receive of a known size is posted now: gloo completes a send only once its
+    # receive is posted, so a message then moves while this worker computes something else.
+    # (Each (sender, tag) is received once a step, so no size becomes known later in it.)
+    posted = {}
+    for task in order:
+        at = source_of(task)
+        got = post(*at) if at is not None else None
         if got is not None:
-            posted[(src, tag)] = got
+            posted[at] = got
 
     def recv(src: int, tag: int) -> torch.Tensor:
         key, r = (src, tag), rank_of[src]
         t_post = time.perf_counter()
         head = None
-        pending = posted.pop(key, None) or post(src, tag)
+        pending = posted.pop(key, None)
         if pending is not None:
             work, buf, expected = pending
             gm.wait_p2p([work], timeout_s)
@@ -212,7 +216,7 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
             if task.hop == 0:
                 x = input_fn(batch(task.slot))
             else:
-                x = recv(r.hops[task.hop - 1].worker, _tag(task.slot, task.hop, False, 0))
+                x = recv(*source_of(task))
                 if x.is_floating_point():
                     x.requires_grad_(True)
             t0 = time.perf_counter()
@@ -240,7 +244,7 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
                 res.microbatches += 1
         else:
             x, out, fwd, stamps = stash.pop((task.slot, task.hop))
-            grad = None if last else recv(r.hops[task.hop + 1].worker, _tag(task.slot, task.hop, True, 0))
+            grad = None if last else recv(*source_of(task))
             t0 = time.perf_counter()
             out.backward(grad)
             t1 = time.perf_counter()
