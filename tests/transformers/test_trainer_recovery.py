@@ -83,7 +83,8 @@ ACCELERATE = shutil.which("accelerate") or "accelerate"
 
 
 @pytest.mark.parametrize("how,victim", [
-    ("chameleon-ft run", 0), pytest.param("chameleon-ft run", 2, marks=pytest.mark.chaos), ("accelerate launch", 2),
+    ("chameleon-ft run", 0), pytest.param("chameleon-ft run", 2, marks=pytest.mark.chaos),
+    pytest.param("accelerate launch", 2, marks=pytest.mark.chaos),
     pytest.param("accelerate launch", 0, marks=pytest.mark.chaos)])
 def test_a_trainer_script_survives_a_kill(tmp_path, reference, how, victim):
     prefix = ([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "4", "--run-dir", str(tmp_path)]
