@@ -305,6 +305,18 @@ class _Builder:
         return Plan(tuple(kept), shard_degree=self.shard)
 
 
+def reallocate(plan: Plan, workload: Workload, cluster: Cluster, coeffs: Coefficients = Coefficients(),
+               min_each: int = 1) -> Plan:
+    """``plan``'s pipelines as they are (devices, layer splits), their micro-batches re-allocated
+    for ``cluster``'s speeds, each keeping at least ``min_each`` (>= 1: no pipeline is dropped).
+    A straggler rebalance that moves no state: only which micro-batches each pipeline runs."""
+    got = _Builder(workload, cluster, coeffs, plan.shard_degree, max(1, min_each)).plan(
+        [], plan.num_microbatches, fixed=plan.pipelines)
+    if got is None or len(got.pipelines) != len(plan.pipelines):
+        raise PlanError("the running pipelines cannot share the step's micro-batches at these speeds")
+    return got
+
+
 def _layouts(n: int, depth: int, space: SearchSpace) -> list[list[int]]:
     """Pipeline depths for ``n`` devices around ``depth``: all equal (spares idle), or mixed
     depth/depth+1 using every device."""

@@ -48,7 +48,7 @@ from chameleon_ft.engine.decision import Decision, Option, crossover_mttf, phase
 from chameleon_ft.engine.failures import Event, EventKind
 from chameleon_ft.engine.perf import Coefficients, estimate
 from chameleon_ft.engine.plan import Pipeline, Plan, PlanError, split_and_load
-from chameleon_ft.engine.planner import SearchSpace, plan_search
+from chameleon_ft.engine.planner import SearchSpace, plan_search, reallocate
 from chameleon_ft.engine.rehab import LossTrend, rehab_cost
 from chameleon_ft.engine.migration import migrate
 from chameleon_ft.engine.reroute import reroute_load, unreplicated  # noqa: F401
@@ -74,6 +74,9 @@ class SelectorConfig:
     # passes the last measured one) so that a decision is a pure function of its inputs.
     search_s: float = 0.0
     space: SearchSpace = SearchSpace()
+    # A straggler rebalance of a pipeline plan may re-split its layers (a migration between two
+    # steps); False: it only moves micro-batches between the running pipelines (no state moves).
+    straggler_relayout: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.allowed) - set(POLICIES)
@@ -436,15 +439,21 @@ def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tu
     alive = set(state.alive)
     t0 = time.perf_counter()
     try:
-        result = plan_search(w, slowed.without(set(slowed.ids) - alive), state.coeffs,
-                             cfg.space, survivors=alive, base=plan,
-                             num_microbatches=plan.num_microbatches)
-        best = result.best
-        mig = migrate(plan, best.plan, w, slowed, alive)
+        pool = slowed.without(set(slowed.ids) - alive)
+        if cfg.straggler_relayout or plan.max_depth == 1:
+            best = plan_search(w, pool, state.coeffs, cfg.space, survivors=alive, base=plan,
+                               num_microbatches=plan.num_microbatches).best
+            new, est, rebuild = best.plan, best.estimate, cfg.rebuild_s
+        else:  # the runtime moves micro-batches between its running pipelines, no state
+            if dead:
+                raise PlanError("a rerouted pipeline plan keeps its routes until the next failure Decision")
+            new = reallocate(plan, w, pool, state.coeffs, cfg.space.min_microbatches)
+            est, rebuild = estimate(new, w, pool, state.coeffs), 0.0
+        mig = migrate(plan, new, w, slowed, alive)
         options.append(Option(
-            "rebalance", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
-            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=_plan_batch(state),
-            plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown(),
+            "rebalance", True, step_time=est.step_time, peak_memory=est.peak_memory,
+            transition_s=cfg.search_s + mig.seconds + rebuild, global_batch=_plan_batch(state),
+            plan=mig.plan, migration=mig, breakdown=est.breakdown(),
             reason=event.detail or f"devices {list(event.devices)} measured {event.slowdown:.2f}x slower",
         ))
     except PlanError as e:

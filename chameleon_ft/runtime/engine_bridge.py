@@ -226,7 +226,7 @@ class EngineBridge(PipelineCalibration):
             allowed=self.allowed, allow_batch_change=self.allow_batch_change,
             replacement_eta_s=self._eta(dead),
             rebuild_s=rebuild, restart_s=self.restart_s, search_s=self.search_s,
-            steps_since_checkpoint=steps_since_checkpoint,
+            steps_since_checkpoint=steps_since_checkpoint, straggler_relayout=self.stages == 1,
             space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
                               dp_min=self.min_replicas if self.stages > 1 else 1))
 
@@ -337,7 +337,7 @@ class EngineBridge(PipelineCalibration):
         straggler Decision when the detector flags or clears someone or a rebalance is undone."""
         if not self._warmed:
             self._warm_up()
-        per_mb = {w: c / n for w, (c, n, _, _) in timings.items() if n > 0 and c > 0}
+        per_mb = self._per_mb(timings)  # pipeline jobs: against same-stage peers
         step_prev = max((s for *_, s in timings.values()), default=0.0)
         if step_prev > 0:
             self.estimator.observe(len(self.alive), step_prev)
@@ -355,7 +355,7 @@ class EngineBridge(PipelineCalibration):
         share = sum(self.allocation.values()) / max(1, len(self.alive))
         events = [e for e in self.detector.observe(per_mb, float(step), share=share, step_s=step_prev)
                   if e.devices[0] in self.alive]
-        path = max(c for c, n, _, _ in timings.values() if n > 0 and c > 0)
+        path = self._path(timings)  # what a rebalance must shorten
         changed, notes = set(), []
         undo = self._verify(path)
         self._recent.append(path)

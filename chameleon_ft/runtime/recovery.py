@@ -1,9 +1,8 @@
 """The recovery core shared by every executor: one worker's membership, group, commit
 protocol, engine bridge and state agreement.
 
-``RecoveryCore`` is what every kind of training (``dp.DataParallelExecutor`` for data parallelism,
-``pipeline.context.PipelineExecutor`` for DP x PP) is built on; an executor adds how a step is
-computed and committed, and how a Decision's layout is carried out (``carry_out``).
+``RecoveryCore`` is what every executor (data parallel, DP x PP: ``executors/``) is built on; it
+adds how a step is computed and committed, and how a Decision's layout is carried out (``carry_out``).
 
 **Commit protocol.**  Every member holds a committed step counter.  A step ends with one
 SUM-all-reduce over the generation's gloo group (the executor's gradient buffer plus a small
@@ -77,10 +76,9 @@ class RecoveryCore:
 
     ``stages``: depth of the first plan's pipelines (1: data parallel)."""
 
-    # The step all-reduce's header kind: its exchange lets a peer's stray control collective
-    # (an adapter's metric gather) give way, at one more collective per step.  None: no
-    # header, for executors whose members run nothing but the same collectives in the same
-    # order between two syncs.
+    # The step all-reduce's header kind: its exchange lets a peer's stray control collective (an
+    # adapter's metric gather) give way, at one more collective per step.  None: no header, for
+    # executors whose members run only the same collectives in the same order between two syncs.
     step_header: Optional[str] = "step"
     # The engine's policies this executor carries out: each executor declares its own
     # (executors/protocol.py); the engine is offered only these.
@@ -304,10 +302,11 @@ class RecoveryCore:
 
     def _measure_agreement(self, mttr: dict, decided: list[dict]) -> None:
         """The fixed part of an in-place reconfiguration beyond the group rebuild, for the next
-        Decision: the state transfer phase less the migration and the decisions taken in it."""
+        Decision: the state transfer phase less the migration and the source's engine work in
+        it (the decisions taken, or at start-up the first plan: ``engine_s`` in the payload)."""
         migration_s = (getattr(self, "last_migration", None) or {}).get("seconds") or 0.0
-        self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s
-                                  - sum(d.get("decide_s") or 0.0 for d in decided))
+        engine_s = max(getattr(self, "_engine_s", 0.0), sum(d.get("decide_s") or 0.0 for d in decided))
+        self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s - engine_s)
 
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -441,7 +440,9 @@ class RecoveryCore:
         self._is_source = r == source
         payload = None
         if self._is_source:
+            t_engine = time.perf_counter()
             payload = self.source_payload(view, info)
+            payload["engine_s"] = time.perf_counter() - t_engine  # not agreement (_measure_agreement)
             payload["state"] = self.state_dict() if behind else None
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
@@ -460,7 +461,7 @@ class RecoveryCore:
             self._discard()
         self._apply_lr_scale()
         self.fresh = False
-        self.last_decisions = list(payload["decisions"])
+        self.last_decisions, self._engine_s = list(payload["decisions"]), float(payload.get("engine_s", 0.0))
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload)
         if payload["restart"]:

@@ -398,3 +398,27 @@ def test_config_mttf_overrides_the_argument():
     state = JobState(w, c, plan, frozenset(c.ids))
     d = select(Event(FAIL, (1,)), state, SelectorConfig(mttf_s=123.0), mttf_s=5.0)
     assert d.mttf_s == 123.0
+
+
+def test_pipeline_straggler_without_relayout_moves_only_microbatches():
+    """A runtime that cannot move state between two steps (the pipeline executor) gets a
+    rebalance over its running pipelines: same devices and layer splits, fewer of the step's
+    micro-batches through the slow device's pipeline, every pipeline keeping one; after a reroute
+    (a dead device still in the plan) it has none to offer."""
+    w = chain([1.0] * 8, params=[1_000_000] * 8, microbatches=16)
+    c = cluster(8)
+    plan = Plan((Pipeline((0, 1, 2, 3), (0, 2, 4, 6, 8), 8), Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 8)))
+    ev = Event(EventKind.STRAGGLER, (5,), slowdown=4.0)
+    d = decide(plan, w, c, ev, mttf=1e6, straggler_relayout=False, space=SearchSpace(min_microbatches=1))
+    rb, keep = d.option("rebalance"), d.option("keep")
+    assert rb.feasible and rb.step_time < keep.step_time and d.chosen == "rebalance"
+    assert [(p.devices, p.bounds) for p in rb.plan.pipelines] == [(p.devices, p.bounds) for p in plan.pipelines]
+    m = [p.microbatches for p in rb.plan.pipelines]
+    assert m[1] < m[0] and sum(m) == 16 and min(m) >= 1
+    assert rb.migration.total_bytes == 0 and not rb.migration.transfers
+    # With relayout allowed the search may re-split the slow stage instead (a migration).
+    free = decide(plan, w, c, ev, mttf=1e6, space=SearchSpace(min_microbatches=1)).option("rebalance")
+    assert free.feasible and free.step_time <= rb.step_time + 1e-9
+    # Rerouted (device 2 dead, its micro-batches through 6): no micro-batch rebalance.
+    d = decide(plan, w, c, ev, alive=[0, 1, 3, 4, 5, 6, 7], mttf=1e6, straggler_relayout=False)
+    assert not d.option("rebalance").feasible and "rerouted" in d.option("rebalance").reason

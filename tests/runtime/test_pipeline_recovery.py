@@ -237,6 +237,42 @@ def test_commit_lost_on_one_member_rolls_it_forward(tmp_path, reference):
     assert rolled[5]["blocks"] == [2, 3]
 
 
+def test_a_slow_stage_worker_gets_fewer_microbatches_on_the_same_trajectory(tmp_path, reference):
+    """Issue 27 (4): worker 5 (stage 1 of the second pipeline) runs its emulated compute 4x
+    slower from the start; nobody fails.  The engine flags it from the step timings every member
+    shares and rebalances: the same pipelines, the same blocks on the same workers (nothing
+    migrated, no recovery), fewer of each step's micro-batches through the slow worker's
+    pipeline.  Every sample once, bitwise-equal replicas, within 1e-5 of the failure-free run."""
+    # Emulated compute that outweighs the CPU work of 8 workers on 2 cores (10 ms per block
+    # forward and backward), so that moving micro-batches off the slow worker really pays and
+    # the runtime's check keeps the rebalance (it undoes one whose measured step does not improve).
+    finals = job(tmp_path, "--block-sleep", "0.01", "--bwd-sleep", "0.01", "--slow", "5:4",
+                 "--straggler-window", "3").run_to_end(240)
+    assert sorted(finals) == list(range(8))
+    check_run(tmp_path, finals, reference)
+    evs = read_events(tmp_path)
+    assert not [e for e in evs if e["event"] in ("failure", "recovery")]
+    ds = [d for d in decisions(tmp_path) if d["event"]["kind"] == "straggler"]
+    assert ds and ds[0]["event"]["devices"] == [5] and ds[0]["chosen"] == "rebalance", ds[:1]
+    before = next(c for c in ds[0]["candidates"] if c["policy"] == "keep")["plan"]["pipelines"]
+    after = next(c for c in ds[0]["candidates"] if c["policy"] == "rebalance")["plan"]["pipelines"]
+    assert [(p["devices"], p["bounds"]) for p in after] == [(p["devices"], p["bounds"]) for p in before]
+    slow = next(i for i, p in enumerate(after) if 5 in p["devices"])
+    assert after[slow]["microbatches"] < before[slow]["microbatches"]
+    assert sum(p["microbatches"] for p in after) == BATCH // 4
+    assert not [d for d in ds if "undone" in d["event"]["detail"]], ds  # it paid
+    # What ran at the end is that plan, with no migration.
+    plan = json.loads((tmp_path / "result_0.json").read_text())["plan"]["pipelines"]
+    assert [p["microbatches"] for p in plan] == [p["microbatches"] for p in after], plan
+    assert not [e for e in evs if e["event"] == "migration" and e.get("step", 0) > 0 and e.get("transfers")]
+    # The first stage of the slow worker's pipeline trained fewer samples per step from then on.
+    at = min(e["step"] for e in evs if e["event"] == "decision")
+    firsts = [p["devices"][0] for p in after]
+    per = {w: [len(e["ids"]) for e in evs if e["event"] == "step" and e.get("worker") == w and e["step"] > at + 1]
+           for w in firsts}
+    assert set(per[firsts[slow]]) == {after[slow]["microbatches"] * 4}, per
+
+
 @pytest.mark.chaos  # flaky on 2 cores: the launcher kills a replacement not admitted within 7 s
 def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
     # Slower steps (30 ms per block forward): the replacement needs seconds to start and join.

@@ -10,6 +10,7 @@ so every member holds the same figures.
 from __future__ import annotations
 
 from dataclasses import replace
+from statistics import median
 from typing import Optional
 
 from chameleon_ft.engine.calibrate import CollectiveSample
@@ -99,6 +100,31 @@ class PipelineCalibration:
         self.fit = self.pipe_cal.fit(len(self.layer_params), prior_p2p=None)
         self._predicted = None
         self._steps_since_fit = 0
+
+    def _per_mb(self, timings) -> dict[int, float]:
+        """Each member's compute seconds per micro-batch, as the straggler detector compares
+        them.  The stages of a pipeline job differ in work, so a worker's figure is scaled so
+        that the fastest worker of its stage (the same blocks) reads the median stage's: the
+        detector then sees a worker's slowdown against its same-stage peers only."""
+        per_mb = {w: c / n for w, (c, n, _, _) in timings.items() if n > 0 and c > 0}
+        if self.stages == 1 or self.plan is None or len(per_mb) < 2:
+            return per_mb
+        groups: dict[tuple, list[int]] = {}
+        for p in self.plan.pipelines:
+            for s, d in enumerate(p.devices):
+                if d in per_mb:
+                    groups.setdefault((p.bounds[s], p.bounds[s + 1]), []).append(d)
+        fastest = {k: min(per_mb[d] for d in ds) for k, ds in groups.items()}
+        ref = median(fastest.values())
+        return {d: per_mb[d] / fastest[k] * ref for k, ds in groups.items() for d in ds}
+
+    def _path(self, timings) -> float:
+        """What a straggler rebalance must shorten, measured: the slowest member's compute in a
+        data-parallel job; the step itself in a pipeline job (a worker's compute there is one
+        stage's, not the step's critical path), as the members reported the previous one."""
+        if self.stages == 1:
+            return max(c for c, n, _, _ in timings.values() if n > 0 and c > 0)
+        return max(s for *_, s in timings.values())
 
     def _rerouted_extra(self) -> dict[int, float]:
         return {d: float(n - self._plan_share(d)) for d, n in self.allocation.items() if n > self._plan_share(d)}

@@ -26,7 +26,8 @@ blocks, point to point, only what is missing) and drops the blocks its slot no l
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
 Limits, honestly: the migration runs during recovery, not overlapped with rerouted steps;
-straggler rebalancing and shrink are off; no gradient clipping over the whole model (each block's optimizer is its own).
+shrink is off; a straggler rebalance moves micro-batches between the running pipelines, no state
+(docs/runtime-pipeline.md); no gradient clipping over the whole model (each block's optimizer is its own).
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ class PipelineExecutor(RecoveryCore):
             meta models the local CUDA device when there is one, else the CPU).
     """
 
-    # No shrink (the global batch is kept) and no straggler rebalance (module doc).
+    # No shrink (the global batch is kept); a rebalance moves micro-batches only (module doc).
     # ``restart`` is a choice only once checkpoints are written (``allow_restart``); without
     # them it would start the job over (it stays the fallback when nothing in place is feasible).
-    POLICIES = frozenset({"reroute", "replan", "wait", "heal", "grow", "keep"})
+    POLICIES = frozenset({"reroute", "replan", "wait", "heal", "grow", "keep", "rebalance"})
 
     # The commit all-reduce carries no header: a pipeline job's members run nothing but the same
     # collectives in the same order between two syncs (no adapter offers control collectives).
@@ -128,7 +129,6 @@ class PipelineExecutor(RecoveryCore):
         model = self.blockset.model
         self.blocks = self.blockset.modules  # the same list: a block made later replaces its entry
         cfg = config or ElasticConfig()
-        cfg = ElasticConfig(**{**vars(cfg), "stragglers": False})
         self.make_optimizer = _optimizer_factory(optimizer)
         self.make_scheduler = scheduler
         super().__init__(model, _HeldOptimizers(self), len(dataset), global_batch, micro_batch,
