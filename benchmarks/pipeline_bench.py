@@ -153,7 +153,8 @@ def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optio
 # ---------------------------------------------------------------- runs
 def worker_args(a, out: Path, steps: int) -> list[str]:
     return ["--out", str(out), "--steps", str(steps), "--block-sleep", str(a.block_sleep),
-            "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch), "--dim", str(a.dim)]
+            "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch), "--dim", str(a.dim),
+            *getattr(a, "extra_args", ())]
 
 
 def read_memory(out: Path) -> dict:
