@@ -105,3 +105,27 @@ def test_markdown_has_the_command_the_mode_and_a_row_per_kill():
     assert md.count("accelerator emulation") >= 3  # the header and every table's title
     assert "| {replan} | replan | 1500 ms |" in md
     assert "0.950" in md and "a note" in md
+
+
+def test_straggler_page_reads_worker_0s_straggler_decisions_and_ratios():
+    import pipeline_straggler as ps
+
+    def decision(step, chosen, mbs, worker=0, kind="straggler"):
+        plan = {"pipelines": [{"devices": [0, 1, 2, 3], "bounds": [0, 2, 4, 6, 8], "microbatches": mbs[0]},
+                              {"devices": [4, 5, 6, 7], "bounds": [0, 2, 4, 6, 8], "microbatches": mbs[1]}]}
+        return {"event": "decision", "worker": worker, "step": step, "decision": {
+            "event": {"kind": kind, "devices": [5], "slowdown": 3.5, "detail": "slow"}, "chosen": chosen,
+            "candidates": [{"policy": "keep", "feasible": True, "step_time_s": 3.0, "plan": plan},
+                           {"policy": chosen, "feasible": True, "step_time_s": 2.0, "plan": plan}]}}
+    evs = [decision(11, "rebalance", (12, 4)), decision(11, "rebalance", (12, 4), worker=3),
+           decision(20, "reroute", (8, 8), kind="fail_stop"), {"event": "step", "worker": 0}]
+    got = ps.straggler_decisions(evs)
+    assert [(d["step"], d["chosen"], d["microbatches"]) for d in got] == [(11, "rebalance", [12, 4])]
+    res = {"command": "c", "date": "d", "machine": "m",
+           "config": {"block_sleep": 0.01, "global_batch": 64, "micro_batch": 4, "slow": "5:4:5", "tail": 20, "steps": 50},
+           "runs": [{"system": "torch", "rate": 0.5, "decisions": []},
+                    {"system": "ft", "rate": 0.8, "decisions": got},
+                    {"system": "keep", "rate": 0.4, "decisions": []}]}
+    text = ps.markdown(res)
+    assert "Rebalance on / off: **2.000x** steps/s; on / torch: **1.600x**" in text
+    assert "11: rebalance [12, 4] (3.50x, devices [5])" in text
