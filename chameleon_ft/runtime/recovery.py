@@ -205,7 +205,7 @@ class RecoveryCore:
         # the model), plus joining a running job: measured, not the configured prior.
         if self._startup_s is not None and self.policy.replacement_eta_s is not None and not self.env.replacement:
             self.policy.replacement_eta_s = self._startup_s + _JOIN_S
-        self._measure_agreement(timer.breakdown(), [])  # until a recovery measures it
+        self._measure_agreement(timer.breakdown())  # until a recovery measures it
         if self.env.replacement:
             self._pending = (timer, {"reason": "replacement joined"})
         return self.view
@@ -290,7 +290,7 @@ class RecoveryCore:
             if self.log and self._is_source:
                 self.log.recovery(timer, step=self.step, members=list(self.members), **info)
             mttr = self.last_recovery["mttr"]
-            self._measure_agreement(mttr, [d for d in self.last_decisions if d.get("candidates")])
+            self._measure_agreement(mttr)
             self._tracker.start(self.step, self.last_decisions, mttr, time.perf_counter())
         rec = self._tracker.commit(self.step, time.perf_counter())
         if rec is not None:
@@ -300,13 +300,13 @@ class RecoveryCore:
         if self.log and self.rank == 0 and self.policy.fit is not None and self.step % _CALIBRATION_EVERY == 0:
             self.log.write("calibration", step=self.step, **self.policy.calibration_json())
 
-    def _measure_agreement(self, mttr: dict, decided: list[dict]) -> None:
+    def _measure_agreement(self, mttr: dict) -> None:
         """The fixed part of an in-place reconfiguration beyond the group rebuild, for the next
         Decision: the state transfer phase less the migration and the source's engine work in
         it (the decisions taken, or at start-up the first plan: ``engine_s`` in the payload)."""
         migration_s = (getattr(self, "last_migration", None) or {}).get("seconds") or 0.0
-        engine_s = max(getattr(self, "_engine_s", 0.0), sum(d.get("decide_s") or 0.0 for d in decided))
-        self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s - engine_s)
+        self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s
+                                  - getattr(self, "_engine_s", 0.0))
 
     def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
