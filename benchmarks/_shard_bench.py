@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--snapshot-every", type=int, default=None, help="0: no snapshots; default: Young/Daly")
     p.add_argument("--paths", default=None)
     p.add_argument("--kind", choices=("regression",) + KINDS, default="regression")
+    p.add_argument("--recipe", default="", help="RehabRecipe fields, e.g. warmup_steps=0,extrapolate_snapshots=2")
     p.add_argument("--default-config", action="store_true",
                    help="ElasticConfig's defaults (straggler handling on) besides --paths")
     a = p.parse_args()
@@ -81,7 +82,8 @@ def main() -> None:
         cfg = (ElasticConfig(shard_recovery=paths) if a.default_config
                else ElasticConfig(stragglers=False, shard_recovery=paths))
         tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, a.micro_batch, seed=a.seed, config=cfg,
-                            sharding="full", snapshot_every=a.snapshot_every, on_step=on_step)
+                            sharding="full", snapshot_every=a.snapshot_every, on_step=on_step,
+                            recipe=recipe(a.recipe))
         tr.fit(max_steps=a.steps)
         ctx = tr.ctx
         rank = ctx.worker_id
@@ -91,6 +93,16 @@ def main() -> None:
             extra.update(evaluate(model, test))  # the user's own module holds the trained model
     with open(os.path.join(a.out, f"final_{rank}.json"), "w") as f:
         json.dump({"rows": rows, "rss_mb": rss_mb(), **extra}, f)
+
+
+def recipe(text: str):
+    """``RehabRecipe`` with the named fields changed (None: the default recipe)."""
+    if not text:
+        return None
+    from chameleon_ft.engine.rehab import RehabRecipe
+    fields = dict(kv.split("=") for kv in text.split(","))
+    return RehabRecipe(**{k: (v == "True" if v in ("True", "False") else float(v) if "." in v else int(v))
+                          for k, v in fields.items()})
 
 
 def plain(a, data, model, opt, loss_fn, rows) -> int:

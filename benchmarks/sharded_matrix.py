@@ -28,17 +28,24 @@ SIGKILLed from outside (by PID) once the kill step is under way.
 * **Lost training time** (time to reach the failure-free run's losses): (redone steps + lag) x
   the failure-free step time + the path's measured re-shard.  The **lag** is measured on the
   same batches as the failure-free run of the same seed (the global batch of step ``s`` is the
-  same samples whatever the membership): the median over the steps after the failure of
-  (log loss - log failure-free loss) / -(the failure-free curve's local log slope) -- how many
-  steps of progress the run is behind; the engine's ``predicted_heal_steps`` is its estimate of
-  that very quantity.  A prediction is *within +-50 %* when the measured lag lies in [0.5, 1.5]
-  x predicted; both under one step count as agreeing (a step is the resolution).
+  same samples whatever the membership): the mean over the ``max(8, 2K)`` steps after the
+  failure of (log loss - log failure-free loss), over -(the slope of the failure-free log loss,
+  one least-squares line through 8 steps before to the end of those steps) -- how many steps of
+  progress the run is behind (``lag_estimate``, with its 95 % interval); the engine's
+  ``predicted_heal_steps`` is its estimate of that very quantity.  On a **plateau** (that slope
+  not below zero by two standard errors) steps of progress are not defined: no lag, the gap is
+  kept.  A prediction is *within +-50 %* when the measured lag lies in [0.5, 1.5] x predicted;
+  both under one step count as agreeing (a step is the resolution); a run whose lag interval
+  is wider than ``max(1, lag / 2)`` cannot tell (the runtime's ``HealCheck`` rule) and is not
+  counted.  Per **cell**: the median lag of its runs that can tell against their median
+  prediction.  (Until 2026-12-03 the lag was the median of per-step ratios over a *local*
+  slope: on a plateau it divided noise by ~0.)
 * **Quality.**  The test loss of the user's own model after ``fit()`` against the spread of the
   failure-free seeds (min..max, relative tolerance 1e-4: a recompute over 3 survivors sums in
-  another order).
+  another order), and against the same seed's failure-free test loss (relative).
 
-Limits, honestly: small models on a shared 2-core machine, 64-step runs; the lag of a run whose
-loss curve is flat (its local slope ~0) is not measured (None).
+Limits, honestly: small models on a shared 2-core machine, 64-step runs; a lag on a plateau
+is not measured (None).
 """
 
 from __future__ import annotations
@@ -73,36 +80,50 @@ def trajectory(rows: Sequence[Sequence[float]]) -> dict[int, float]:
     return out
 
 
-def log_slope(ref: dict[int, float], s: int, half: int = 8) -> Optional[float]:
-    """Least-squares slope of log loss over the steps within ``half`` of ``s``."""
-    pts = [(t, math.log(v)) for t, v in ref.items() if abs(t - s) <= half and v > 0]
-    if len(pts) < 4:
-        return None
-    mt = sum(t for t, _ in pts) / len(pts)
-    mv = sum(v for _, v in pts) / len(pts)
+def lag_estimate(run: dict[int, float], ref: dict[int, float], after: int, horizon: int,
+                 before: int = 8) -> dict:
+    """Steps of progress ``run`` is behind ``ref`` (on the same batches) over steps ``after+1 ..
+    after+horizon``, with its uncertainty: the mean log gap ``g = log run - log ref`` over those
+    steps divided by -(the slope of log ``ref``, fitted by least squares over ``after-before ..
+    after+horizon``).  ``half``: the half-width of the lag's 95 % interval (``2 x sqrt(se_g^2 +
+    (lag x se_b)^2) / |b|``, the gap's and the slope's standard errors).  On a **plateau** (the
+    slope not below zero by two standard errors) steps of progress are not defined: ``lag`` is
+    None and only the gap is reported.  ``informative``: the interval narrow enough to test a
+    prediction (``half <= max(1, lag / 2)``: the runtime's ``HealCheck`` rule)."""
+    gaps = [math.log(run[s]) - math.log(ref[s]) for s in range(after + 1, after + horizon + 1)
+            if s in run and s in ref and run[s] > 0 and ref[s] > 0]
+    pts = [(t, math.log(v)) for t, v in ref.items() if after - before <= t <= after + horizon and v > 0]
+    out = {"lag": None, "half": None, "gap": None, "slope": None, "plateau": False, "informative": False}
+    if len(gaps) < 3 or len(pts) < 6:
+        return out
+    n = len(gaps)
+    g = sum(gaps) / n
+    se_g = math.sqrt(sum((x - g) ** 2 for x in gaps) / (n - 1) / n)
+    m = len(pts)
+    mt, mv = sum(t for t, _ in pts) / m, sum(v for _, v in pts) / m
     var = sum((t - mt) ** 2 for t, _ in pts)
-    return sum((t - mt) * (v - mv) for t, v in pts) / var if var else None
+    b = sum((t - mt) * (v - mv) for t, v in pts) / var
+    resid = [v - (mv + b * (t - mt)) for t, v in pts]
+    se_b = math.sqrt(sum(r * r for r in resid) / (m - 2) / var)
+    out.update(gap=g, slope=b)
+    if b + 2 * se_b >= 0:
+        out["plateau"] = True
+        return out
+    lag = g / -b
+    half = 2 * math.sqrt(se_g ** 2 + (lag * se_b) ** 2) / -b
+    out.update(lag=lag, half=half, informative=bool(half <= max(1.0, 0.5 * abs(lag))))
+    return out
 
 
-def measured_lag(run: dict[int, float], ref: dict[int, float], after: int, horizon: int,
-                 min_slope: float = 1e-3) -> Optional[float]:
-    """Median over steps ``after+1 .. after+horizon`` of (log run - log ref) / -(ref's local
-    log slope): steps of progress ``run`` is behind ``ref`` on the same batches.  None with
-    fewer than 3 steps where the curve falls by at least ``min_slope`` per step."""
-    lags = []
-    for s in range(after + 1, after + horizon + 1):
-        if s not in run or s not in ref or run[s] <= 0 or ref[s] <= 0:
-            continue
-        b = log_slope(ref, s)
-        if b is None or b > -min_slope:
-            continue
-        lags.append((math.log(run[s]) - math.log(ref[s])) / -b)
-    return statistics.median(lags) if len(lags) >= 3 else None
+def measured_lag(run: dict[int, float], ref: dict[int, float], after: int, horizon: int) -> Optional[float]:
+    """``lag_estimate``'s lag (None on a plateau)."""
+    return lag_estimate(run, ref, after, horizon)["lag"]
 
 
-def agrees(predicted: Optional[float], measured: Optional[float]) -> Optional[bool]:
-    """Within +-50 % (both under one step: agreeing)."""
-    if predicted is None or measured is None:
+def agrees(predicted: Optional[float], measured: Optional[float], informative: bool = True) -> Optional[bool]:
+    """Within +-50 % (both under one step: agreeing); None when either is missing or the
+    measurement cannot tell (not ``informative``)."""
+    if predicted is None or measured is None or not informative:
         return None
     if predicted < 1 and measured < 1:
         return True
@@ -128,9 +149,11 @@ def path_cost(d: dict, run: dict[int, float], ref: dict[int, float], step_s: flo
     the measured lag, and (redone + lag) x step + re-shard seconds."""
     chosen = d.get("chosen")
     redone = d["step"] - d["rollback_to"] if chosen == "recompute" and d.get("rollback_to") is not None else 0
-    lag = measured_lag(run, ref, d["step"], max(8, 2 * k))
+    est = lag_estimate(run, ref, d["step"], max(8, 2 * k))
+    lag = est["lag"]
     lost = redone + max(lag or 0.0, 0.0)
-    return {"path": chosen, "redone": redone, "lag": lag, "lost_steps": lost,
+    return {"path": chosen, "redone": redone, "lag": lag, "lag_half": est["half"], "informative": est["informative"],
+            "plateau": est["plateau"], "gap": est["gap"], "lost_steps": lost,
             "lost_s": lost * step_s + (d.get("transfer_s") or 0.0), "fallback": bool(d.get("fallback"))}
 
 
@@ -272,7 +295,12 @@ def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optio
 def _free_summary(finals: dict) -> dict:
     w = finals[min(finals)]
     return {"test_loss": w.get("test_loss"), "test_acc": w.get("test_acc"), "k": w.get("k"),
-            "step_s": steady_step_s(w["rows"])}
+            "step_s": steady_step_s(w["rows"]), "traj": _traj(w["rows"])}
+
+
+def _traj(rows) -> dict:
+    """The run's loss per step (kept in the JSON: the figures can be recomputed without runs)."""
+    return {str(s): round(v, 7) for s, v in sorted(trajectory(rows).items())}
 
 
 def _lowest(finals: dict) -> dict:
@@ -302,7 +330,8 @@ def summarize(c: dict, ref_finals: dict) -> dict:
                                      for p, x in (d.get("candidates") or {}).items()},
                       "test_loss": w.get("test_loss"), "test_acc": w.get("test_acc"),
                       "heal_on_track": None if check is None else check["on_track"],
-                      "heal_lag_online": None if check is None else check["lag"], **cost}
+                      "heal_lag_online": None if check is None else check["lag"], **cost,
+                      "traj": _traj(w["rows"])}
     return out
 
 
@@ -350,7 +379,8 @@ def markdown(res: dict) -> list[str]:
              "the path's re-shard; *pred / meas*: the engine's predicted heal steps / the measured lag of "
              "the rehabilitated run (forced where the engine recomputed).", ""]
     t = {"cells": 0, "rehab": 0, "rehab_in": 0, "rehab_no_worse": 0, "rec": 0, "rec_exact": 0, "pred": 0,
-         "pred_ok": 0, "late": [], "wrong": 0, "engine_ok": 0, "fallback": 0}
+         "pred_ok": 0, "late": [], "wrong": 0, "engine_ok": 0, "fallback": 0, "cell_pred": 0, "cell_pred_ok": 0,
+         "cell_flat": 0, "rel": []}
     groups: dict = {}
     for c in cells:
         groups.setdefault((c["engine"], c["kind"], c["k_label"]), []).append(c)
@@ -361,7 +391,7 @@ def markdown(res: dict) -> list[str]:
         lines += [f"### {kind}, {who}, K {klabel} (K measured in the runs: {sorted({c['auto']['k'] for c in cs})})", "",
                   f"Failure-free over {len(accs)} seeds: test loss {lo:.4f}..{hi:.4f}, test accuracy "
                   f"{100 * min(accs):.1f}..{100 * max(accs):.1f} %.", "",
-                  "| in the run | in the interval | kill at | engine chose (runs) | test loss in the spread | rehab pred / meas (median) | pred within +-50 % | lost steps: rehabilitate / recompute (median) | lost s: rehab / recompute (median) | engine lost no more than the other |",
+                  "| in the run | in the interval | kill at | engine chose (runs) | test loss in the spread | rehab pred / meas (median) | pred within +-50 %: runs, cell | lost steps: rehabilitate / recompute (median) | lost s: rehab / recompute (median) | engine lost no more than the other |",
                   "| --- | --- | ---: | --- | --- | --- | --- | --- | --- | --- |"]
         by_pos: dict = {}
         for c in cs:
@@ -369,7 +399,17 @@ def markdown(res: dict) -> list[str]:
         for (pos, ipos, at), pc in by_pos.items():
             figs = [figures(c, free[f"{engine}-{kind}-{c['seed']}"]["step_s"]) for c in pc]
             rh = [f["rehab"] for f in figs if f["rehab"]]
-            ok = [x for x in (agrees(r.get("predicted_heal_steps"), r.get("lag")) for r in rh) if x is not None]
+            ok = [x for x in (agrees(r.get("predicted_heal_steps"), r.get("lag"), r.get("informative", True))
+                              for r in rh) if x is not None]
+            flat = sum(bool(r.get("plateau")) for r in rh)
+            told = [r for r in rh if r.get("informative", True) and r.get("lag") is not None]
+            cell_ok = agrees(statistics.median(r["predicted_heal_steps"] for r in told),
+                             statistics.median(r["lag"] for r in told)) if told else None
+            if cell_ok is not None:
+                t["cell_pred"] += 1
+                t["cell_pred_ok"] += cell_ok
+            elif rh and flat * 2 > len(rh):
+                t["cell_flat"] += 1
             inside = [_inside(c["auto"]["test_loss"], lo, hi) for c in pc]
             for c, f in zip(pc, figs):
                 a = c["auto"]
@@ -380,6 +420,7 @@ def markdown(res: dict) -> list[str]:
                     t["rehab"] += 1
                     t["rehab_in"] += _inside(a["test_loss"], lo, hi)
                     t["rehab_no_worse"] += a["test_loss"] <= hi * (1 + 1e-4)
+                    t["rel"].append(a["test_loss"] / c["ref_test_loss"] - 1.0)
                 elif a["chosen"] == "recompute" and not a["fallback"]:
                     t["rec"] += 1
                     t["rec_exact"] += abs(a["test_loss"] - c["ref_test_loss"]) <= 1e-4 * abs(c["ref_test_loss"])
@@ -393,7 +434,8 @@ def markdown(res: dict) -> list[str]:
             lines.append(
                 f"| {pos} | {ipos} | {at} | {chose} | {sum(inside)}/{len(pc)} | "
                 f"{_med(r.get('predicted_heal_steps') for r in rh)} / {_med(r.get('lag') for r in rh)} | "
-                f"{sum(ok)}/{len(ok)} | {_med(r['lost_steps'] for r in rh)} / "
+                f"{sum(ok)}/{len(ok)}" + (f" ({flat} on a plateau)" if flat else "")
+                + f" {'yes' if cell_ok else 'no' if cell_ok is not None else '-'} | {_med(r['lost_steps'] for r in rh)} / "
                 f"{_med(f['recompute']['lost_steps'] for f in figs if f['recompute'])} | "
                 f"{_med((r['lost_s'] for r in rh), 2)} / {_med((f['recompute']['lost_s'] for f in figs if f['recompute']), 2)} | "
                 f"{sum(f['engine_ok'] for f in figs)}/{len(pc)} |")
@@ -408,8 +450,12 @@ def markdown(res: dict) -> list[str]:
               f"{t['rehab_no_worse']}.  It recomputed {t['rec']} (the reason in each Decision), ending on "
               f"the seed's failure-free test loss (relative 1e-4) in {t['rec_exact']}; a heal check fell "
               f"back to recompute in {t['fallback']}.",
-              f"* Heal steps predicted vs measured, every rehabilitated run with a measurable lag (the "
-              f"engine's and the forced ones): within +-50 % in {t['pred_ok']} of {t['pred']} "
+              f"* Rehabilitated runs' final test loss against the same seed's failure-free one: median "
+              f"{_pct(t['rel'], 50)}, 90th percentile {_pct(t['rel'], 90)}, worst {_pct(t['rel'], 100)}.",
+              f"* Heal steps predicted vs measured (the engine's and the forced rehabilitations): within +-50 % "
+              f"in {t['cell_pred_ok']} of {t['cell_pred']} cells (median over the cell's runs whose lag "
+              f"could be measured; {t['cell_flat']} more cells on a plateau, where steps of progress are "
+              f"not defined), in {t['pred_ok']} of {t['pred']} runs with an informative lag "
               f"({100 * t['pred_ok'] / max(1, t['pred']):.0f} %).",
               f"* Late in the interval, rehabilitation's lost time / recompute's: median {_med(late, 2)}, "
               f"at most {max(late) if late else float('nan'):.2f}, over {len(late)} runs.",
@@ -424,6 +470,13 @@ def _counts(xs) -> str:
     for x in xs:
         out[x] = out.get(x, 0) + 1
     return ", ".join(f"{k} {v}" for k, v in out.items())
+
+
+def _pct(xs, q: float) -> str:
+    xs = sorted(xs)
+    if not xs:
+        return "-"
+    return f"{100 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]:+.2f} %"
 
 
 def _med(xs, nd: int = 1) -> str:

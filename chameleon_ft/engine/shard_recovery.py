@@ -72,6 +72,9 @@ class ShardFacts:
     restart_bias_correction: bool = False  # the restored part's first-moment bias correction restarts
     remaining_steps: Optional[int] = None  # steps left in the run (None: unknown, no bound)
     heal_scale: float = 1.0  # measured / predicted heal steps of this job's earlier rehabilitations
+    # The fraction of the progress since the snapshot the restore recovers by extrapolating the
+    # lost rows along their last two snapshots (``rehab.rehab_cost(recovered=...)``; 0: plain).
+    recovered: float = 0.0
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -145,7 +148,8 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     else:
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
                          repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
-                                             f.restart_bias_correction), heal_scale=f.heal_scale)
+                                             f.restart_bias_correction), heal_scale=f.heal_scale,
+                         recovered=f.recovered)
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:

@@ -19,11 +19,31 @@ def curve(n=64, lag=0.0, start=0):
 
 def test_the_lag_of_a_run_behind_by_two_steps_is_two():
     ref = curve()
-    assert sm.log_slope(ref, 30) == pytest.approx(-0.03)
-    assert sm.measured_lag(curve(lag=2.0, start=20), ref, 20, 16) == pytest.approx(2.0)
+    est = sm.lag_estimate(curve(lag=2.0, start=20), ref, 20, 16)
+    assert est["slope"] == pytest.approx(-0.03) and est["lag"] == pytest.approx(2.0) and est["informative"]
     assert sm.measured_lag(ref, ref, 20, 16) == pytest.approx(0.0)
     flat = {s: 1.0 for s in range(1, 65)}  # no slope: not measured
     assert sm.measured_lag(flat, flat, 20, 16) is None
+
+
+def test_on_a_noisy_plateau_the_lag_is_not_defined_and_a_noisy_slope_cannot_tell():
+    # Seen in the MLP cells: a flat, noisy loss made the old local-slope lag swing by +-10 steps.
+    import random
+
+    rng = random.Random(0)
+    noise = {s: rng.gauss(0.0, 0.05) for s in range(1, 65)}
+    ref = {s: math.exp(noise[s]) for s in range(1, 65)}
+    run = {s: math.exp(noise[s] + (0.01 if s > 36 else 0.0)) for s in range(1, 65)}
+    est = sm.lag_estimate(run, ref, 36, 16)
+    assert est["plateau"] and est["lag"] is None and est["gap"] == pytest.approx(0.01)
+    # a run two steps behind: on a shallow slope under the same noise measured but too
+    # uncertain to test a prediction; on a steeper one measured and told apart
+    for slope, told in ((0.006, False), (0.02, True)):
+        ref2 = {s: math.exp(-slope * s + noise[s]) for s in range(1, 65)}
+        run2 = {s: ref2[s] * math.exp(2 * slope if s > 36 else 0.0) for s in range(1, 65)}
+        est2 = sm.lag_estimate(run2, ref2, 36, 16)
+        assert est2["lag"] == pytest.approx(2.0, abs=0.5) and est2["informative"] is told
+        assert sm.agrees(2.0, est2["lag"], est2["informative"]) is (True if told else None)
 
 
 def test_trajectory_keeps_each_steps_last_attempt():

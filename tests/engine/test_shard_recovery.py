@@ -139,6 +139,18 @@ def test_the_repair_recipe_is_priced_as_it_is_carried_out():
     assert d.predicted_heal_steps == pytest.approx(1.25 + 0.25 * 4.5)
 
 
+def test_an_extrapolated_restore_is_priced_by_the_progress_it_does_not_bring_back():
+    # The lost row moves along its last two snapshots' trend, damped by half: half the progress
+    # since the snapshot comes back, so the lag is half the plain restore's.
+    plain = choose_recovery(facts())
+    moved = choose_recovery(facts(recovered=0.5))
+    assert moved.chosen == "rehabilitate"
+    assert moved.predicted_heal_steps == pytest.approx(0.5 * plain.predicted_heal_steps)
+    assert "x 0.5 not recovered by the extrapolated restore" in moved.candidates["rehabilitate"]["reason"]
+    # a recovered fraction outside [0, 1] is clamped, never a negative lag
+    assert choose_recovery(facts(recovered=3.0)).predicted_heal_steps == pytest.approx(0.0)
+
+
 def test_the_console_line_says_what_was_restored_and_what_was_not_taken():
     line = describe(choose_recovery(facts()).to_json())
     assert line.startswith("shard rows [2] lost: rehabilitate (restore rows [2] from step 15")

@@ -105,6 +105,8 @@ def test_fsdp_kill_rehabilitates_without_rollback(tmp_path, failure_free):
     d = _after_kill(finals, events, 2)
     assert d["chosen"] == "rehabilitate" and d["lost_rows"] == [2]
     assert d["snapshot_step"] == 10 and d["predicted_heal_steps"] is not None
+    # the lost row moved along its snapshots' trend (steps 5 and 10), priced as such
+    assert "not recovered by the extrapolated restore" in d["candidates"]["rehabilitate"]["reason"], d
     # The repair recipe ran on the restored elements: a 10-step warm-up with the bias
     # correction restarted, on exactly the lost row's elements (spread over the new rows).
     reps = [f["decision"]["repair"] for f in finals.values()]

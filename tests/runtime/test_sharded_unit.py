@@ -107,3 +107,19 @@ def test_the_recovery_payload_scalars_never_hold_sharded_optimizer_states():
         assert all(type(v) is torch.Tensor for s in scalars.values() for v in s.values())
     finally:
         dist.destroy_process_group()
+
+
+def test_the_engine_is_told_how_much_progress_the_extrapolated_restore_brings_back():
+    """``_recovered``: the damped trend of a lost row's last two snapshots brings back
+    ``damping x min(1, their gap / steps since the latest)`` of the progress since it; a row
+    with one snapshot, or a plain restore, brings back none (the least over the lost rows)."""
+    from chameleon_ft.engine.rehab import RehabRecipe
+
+    ctx = object.__new__(ShardedExecutor)
+    ctx.step, ctx.recipe = 13, RehabRecipe(extrapolate_snapshots=2, damping=0.5)
+    assert ctx._recovered([2], {2: {5, 10}}) == pytest.approx(0.5)  # gap 5 >= 3 steps since
+    ctx.step = 20
+    assert ctx._recovered([2], {2: {5, 10}}) == pytest.approx(0.5 * 5 / 10)  # 10 since, gap 5
+    assert ctx._recovered([1, 2], {1: {10}, 2: {5, 10}}) == 0.0  # row 1: one snapshot only
+    ctx.recipe = RehabRecipe(extrapolate_snapshots=0)
+    assert ctx._recovered([2], {2: {5, 10}}) == 0.0

@@ -69,7 +69,7 @@ class _Reshard:
             warmup_steps=self.recipe.warmup_steps,
             restart_bias_correction=self.recipe.restart_bias_correction,
             remaining_steps=None if self.planned_steps is None else max(0, self.planned_steps - self.step),
-            heal_scale=self.heal_scale)
+            heal_scale=self.heal_scale, recovered=self._recovered(lost, snaps))
         d = sr.choose_recovery(facts)
         plan = {"mode": d.chosen, "decision": d.to_json(), "keys": list(self._current_keys()),
                 "old": self.layout.to_json()}
@@ -95,6 +95,21 @@ class _Reshard:
         if d.chosen in ("heal", "rehabilitate"):
             plan.update(scalars=self._scalars(), groups=self._groups_json(), buffers=self._buffers(), run=None)
         return plan
+
+    def _recovered(self, lost: list[int], snaps: dict) -> float:
+        """The fraction of the progress since their snapshot that extrapolating the ``lost``
+        rows along their last two snapshots brings back (``_row_source``: ``damping x min(1,
+        gap between the two / steps since the latest)``; the least over the rows; 0 for a
+        plain restore or a row with one snapshot)."""
+        if self.recipe.extrapolate_snapshots < 2 or not lost:
+            return 0.0
+        out = []
+        for k in lost:
+            have = sorted(s for s in snaps.get(k, ()) if s <= self.step)
+            if len(have) < 2 or self.step == have[-1]:
+                return 0.0
+            out.append(self.recipe.damping * min(1.0, (have[-1] - have[-2]) / (self.step - have[-1])))
+        return min(out)
 
     def _rollback_plan(self, t: int, rows: int, snap_at: dict) -> Optional[dict]:
         """A recompute's plan: every row from its snapshot at step ``t`` (``snap_at``: (row,
