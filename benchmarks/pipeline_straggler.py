@@ -113,9 +113,11 @@ def main(argv=None) -> int:
                                     "stamps": stamps})
                 print(f"{name}: {r:.3f} steps/s", flush=True)
     if a.json and not a.from_json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))
     text = markdown(res)
     if a.markdown:
+        Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(a.markdown).write_text(text)
     print(text)
     return 0

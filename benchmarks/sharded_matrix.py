@@ -369,8 +369,8 @@ def markdown(res: dict) -> list[str]:
     cells, free = res["cells"], res["free"]
     lines = ["## Rehabilitate or recompute: the matrix (issue 23)", "",
              f"`{res['command']}` ({res['date']}; {res['minutes']:.0f} min on a shared 2-core machine"
-             + ("; `--reuse`: the runs an earlier, interrupted invocation of the same code (a hash of the packages and the benchmark's scripts, checked per run) finished were "
-                "kept, so the minutes are this invocation's only" if "--reuse" in res["command"] else "") + ").  "
+             + ("; `--reuse` keeps the runs an earlier invocation of the same code (a hash of the packages and the benchmark's scripts, checked per run) "
+                "finished, and the minutes count this invocation's runs only" if "--reuse" in res["command"] else "") + ").  "
              "4 CPU workers, FSDP2 over all 4, AdamW, 64 steps of 64 samples, accelerator emulation "
              "(1 ms per sample); worker 2 SIGKILLed from outside once the kill step is under way; every "
              "setting default but the snapshot interval K where a tuned one is named.  Method and "
