@@ -90,7 +90,11 @@ def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(c
     finally:
         job.cleanup()
     assert not _events(evs, "failure") and not _events(evs, "recovery"), _events(evs, "failure")
-    during = [e for e in _events(evs, "step") if t_lost + 1.0 < e["ts"] < t_back]
+    # A worker starts no collective once the store has not answered for 0.5 s (``paused``); a
+    # step whose commit began before that still ends and is recorded -- on a loaded CI machine
+    # once more than 1.0 s after the kill (CI, 2026-12-03).  A job that did not pause records steps
+    # all through the remaining 2 s of the outage.
+    during = [e for e in _events(evs, "step") if t_lost + 2.0 < e["ts"] < t_back]
     assert not during, f"{len(during)} step records while etcd had no quorum"
     assert "paused, nothing is committed" in out and "answers again" in out
     assert sorted(finals) == [0, 1, 2, 3, 4, 5]
