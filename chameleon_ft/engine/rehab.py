@@ -148,10 +148,11 @@ def rehab_cost(
                                 "the progress since the snapshot")
         lag, how = max(trend.measured_gap, 0.0) / -trend.slope, f"measured gap {trend.measured_gap:.3g} / slope {trend.slope:.3g}"
     else:
-        lag = (1.0 - min(max(recovered, 0.0), 1.0)) * lost_fraction * steps_since_snapshot
+        kept = 1.0 - min(max(recovered, 0.0), 1.0)  # the share of the progress not brought back
+        lag = kept * lost_fraction * steps_since_snapshot
         how = f"lost fraction {lost_fraction:.3g} x {steps_since_snapshot} steps since the snapshot"
-        if recovered:
-            how += f" x {1.0 - recovered:.3g} not recovered by the extrapolated restore"
+        if kept < 1.0:
+            how += f" x {kept:.3g} not recovered by the extrapolated restore"
         if trend is not None and trend.slope < 0:
             how += f" (a loss gap of ~{lag * -trend.slope:.3g})"
     point = heal_scale * lag
