@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -33,38 +32,20 @@ import sharded_matrix as sm  # noqa: E402
 
 
 def run(work: Path, kind: str, seed: int, kill, recipe: str) -> dict:
-    """One job (``kill`` None: failure-free); the lowest member's final JSON."""
-    from chameleon_ft.cli.localjob import LocalJob
-
+    """One job (``kill`` None: failure-free), the matrix's (``sharded_matrix.run``, kept and
+    reused by the same code and settings) with the recipe; the lowest member's final JSON."""
     out = work / f"{kind}-s{seed}-{kill}-{recipe or 'default'}"
-    if not list(out.glob("final_*.json")):
-        out.mkdir(parents=True, exist_ok=True)
-        args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(sm.STEPS),
-                "--sample-sleep", str(sm.SAMPLE_SLEEP), "--lr", "3e-3", "--default-config"]
-        if recipe:
-            args += ["--recipe", recipe]
-        job = LocalJob(out, sm.WORKERS["ours"], args, nproc=4, hang_timeout=10,
-                       env={"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"})
-        try:
-            job.start()
-            if kill is not None:
-                job.wait_step(kill, 300)
-                job.kill(sm.VICTIM)
-            codes = job.wait(600)
-            if codes != [0]:
-                raise RuntimeError(f"run {out} ended with {codes}:\n{job.output()[-2000:]}")
-        finally:
-            job.cleanup()
-    finals = sm._finals(out)
+    finals = sm.run(out, "ours", kind, seed, None, kill, extra=("--recipe", recipe) if recipe else ())
     return finals[min(finals)]
 
 
 def sweep(work: Path, kinds, kills, seeds: int, recipes, jobs: int, jsonl: Path) -> None:
+    sm.REUSE = True  # a run this code already finished is not run again
     pool = ThreadPoolExecutor(max(1, jobs))
     refs = {(k, s): pool.submit(run, work, k, s, None, "") for k in kinds for s in range(seeds)}
     futs = {(k, s, at, r): pool.submit(run, work, k, s, at, r)
             for k in kinds for at in kills for s in range(seeds) for r in recipes}
-    with open(jsonl, "a") as f:
+    with open(jsonl, "w") as f:  # every run again: finished ones are reused, not rerun
         for (k, s, at, r), fut in futs.items():
             try:
                 w, ref = fut.result(), refs[(k, s)].result()
@@ -83,8 +64,8 @@ def sweep(work: Path, kinds, kills, seeds: int, recipes, jobs: int, jsonl: Path)
 def markdown(records: list[dict]) -> list[str]:
     groups: dict = {}
     for r in records:
-        est = sm.lag_estimate(sm.trajectory(r["rows"]), sm.trajectory(r["ref_rows"]), r["step"] or r["kill"],
-                              max(8, 2 * 8))
+        # the matrix's window, max(8, 2K), at the default interval of a 64-step run (K = 8)
+        est = sm.lag_estimate(sm.trajectory(r["rows"]), sm.trajectory(r["ref_rows"]), r["step"] or r["kill"], 16)
         groups.setdefault((r["kind"], r["kill"], r["recipe"] or "default"), []).append(
             (est["lag"], r["test"] / r["ref"], r["chosen"]))
     lines = ["| model | kill at | recipe | runs | lag, median of the measurable (runs) | final test loss / failure-free: median | worst | engine chose |",
@@ -108,7 +89,7 @@ def main(argv=None) -> None:
                                         "warmup_steps=0;warmup_steps=0,extrapolate_snapshots=2")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--jsonl", default=None, help="every run, appended")
+    p.add_argument("--jsonl", default=None, help="every run (written anew; finished runs are reused)")
     p.add_argument("--from-jsonl", default=None, help="render these runs instead of running")
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -117,6 +98,7 @@ def main(argv=None) -> None:
     else:
         work = Path(a.workdir or tempfile.mkdtemp(prefix="cft_recipe_"))
         src = [Path(a.jsonl or work / "runs.jsonl")]
+        src[0].parent.mkdir(parents=True, exist_ok=True)
         sweep(work, a.kinds.split(","), [int(x) for x in a.kills.split(",")], a.seeds, a.recipes.split(";"),
               a.jobs, src[0])
     records = [json.loads(line) for f in src for line in f.read_text().splitlines() if line.strip()]

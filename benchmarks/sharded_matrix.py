@@ -175,15 +175,15 @@ def code_fingerprint() -> str:
 
 
 def run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
-        paths: Optional[str] = None) -> dict:
+        paths: Optional[str] = None, extra: Sequence[str] = ()) -> dict:
     """One job; its workers' final JSONs by worker id (``out`` kept: ``--reuse``).  A job that
     ends before the kill step (it did not start: seen once in ~200 runs on a loaded machine,
     no quorum formed) is run once more, and said so."""
     try:
-        return _run(out, engine, kind, seed, k, kill, paths)
+        return _run(out, engine, kind, seed, k, kill, paths, extra)
     except StartError as exc:
         print(f"{out.name}: did not start, run again ({str(exc).splitlines()[-1][:200]})", flush=True)
-        return _run(out, engine, kind, seed, k, kill, paths)
+        return _run(out, engine, kind, seed, k, kill, paths, extra)
 
 
 class StartError(RuntimeError):
@@ -191,11 +191,11 @@ class StartError(RuntimeError):
 
 
 def _run(out: Path, engine: str, kind: str, seed: int, k: Optional[int], kill: Optional[int] = None,
-         paths: Optional[str] = None) -> dict:
+         paths: Optional[str] = None, extra: Sequence[str] = ()) -> dict:
     from chameleon_ft.cli.localjob import LocalJob
 
     args = ["--out", str(out), "--kind", kind, "--seed", str(seed), "--steps", str(STEPS),
-            "--sample-sleep", str(SAMPLE_SLEEP)]
+            "--sample-sleep", str(SAMPLE_SLEEP), *extra]
     stamp = {"engine": engine, "args": args, "kill": kill, "k": k, "paths": paths, "code": code_fingerprint()}
     if REUSE and list(out.glob("final_*.json")):
         try:
