@@ -30,11 +30,33 @@ from chameleon_ft.engine.perf import Coefficients
 
 
 def _nnls(a, b):
-    """``scipy.optimize.nnls``, imported on first use: scipy.optimize costs most of a second
-    to import, and every worker imports this module but fits only after a failure."""
-    from scipy.optimize import nnls
+    """Non-negative least squares, as ``scipy.optimize.nnls`` returns it: ``(x, residual norm)``.
 
-    return nnls(a, b)
+    Every fit here has two unknowns (a latency and a cost per byte), and importing scipy.optimize
+    costs about a second of a core: the pipeline runtime's first fit, a few steps into every job,
+    did it in every worker's main thread at once (8 workers on 2 cores: a 3-4 s stall, seen, and
+    heartbeats starved with it).  With at most three unknowns the exact answer is found without
+    it: the optimum is the unconstrained least-squares solution on its own support, so the best of
+    the non-negative solutions over every support is the optimum (``tests/engine`` checks it
+    against scipy).  Larger systems use scipy, imported on first use."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    k = a.shape[1]
+    if k > 3:
+        from scipy.optimize import nnls
+
+        return nnls(a, b)
+    best = (np.zeros(k), float(np.linalg.norm(b)))  # the empty support
+    for mask in range(1, 2 ** k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sol = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (sol < 0).any():
+            continue
+        x = np.zeros(k)
+        x[cols] = sol
+        res = float(np.linalg.norm(a @ x - b))
+        if res < best[1] - 1e-12 * max(1.0, best[1]):
+            best = (x, res)
+    return best
 
 
 @dataclass(frozen=True)

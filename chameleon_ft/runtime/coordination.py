@@ -22,12 +22,14 @@ from typing import Optional
 import torch.distributed as dist
 
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
+from chameleon_ft.runtime.errors import MembershipError
+from chameleon_ft.runtime.etcd import EtcdStore, is_etcd, parse_etcd
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
-           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced"]
+           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced", "connect_store"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
 AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token
@@ -242,3 +244,46 @@ def read_stop(store: dist.Store) -> Optional[dict]:
     if not store.check([_STOP_KEY]):
         return None
     return json.loads(store.get(_STOP_KEY).decode())
+
+
+# The longest a store request of a worker blocks (etcd's client; a TCPStore client is bounded
+# by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
+STORE_REQUEST_TIMEOUT_S = 2.0
+
+
+def _parse_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
+    """A new client of the job's store: the coordinator's TCPStore at ``host:port``, or etcd
+    (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time."""
+    digest = job_digest()
+    if is_etcd(store_addr):
+        endpoints, prefix = parse_etcd(store_addr)
+        raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
+                        request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
+        if not raw.client.healthy():
+            raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
+                                  f"{raw.client.timeout_s:.1f} s with a quorum")
+        _checked(raw, digest, f"etcd at {', '.join(endpoints)} (job {prefix})")
+        return EtcdStore(endpoints, f"{prefix}{digest}/", timeout=raw.timeout,
+                         request_timeout_s=raw.client.timeout_s)
+    host, port = _parse_hostport(store_addr)
+    try:
+        raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # DistNetworkError, RuntimeError, TimeoutError
+        raise MembershipError(
+            f"coordinator store at {store_addr} unreachable after {timeout_s:.1f} s: {exc}"
+        ) from exc
+    _checked(raw, digest, f"the coordinator at {store_addr}")
+    return namespaced(raw, digest)
+
+
+def _checked(raw: dist.Store, digest: str, where: str) -> None:
+    try:
+        check_token(raw, digest, where)
+    except JobTokenError as exc:
+        raise MembershipError(str(exc)) from None

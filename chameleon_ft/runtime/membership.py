@@ -23,7 +23,9 @@ survivors waited ``join_timeout_ms``.  Now the launcher that saw the worker exit
 name (``stand_in_for_the_dead``, marked in the member data, dropped from every member's view):
 the quorum is complete as soon as every survivor asked.  A death nobody saw (a lost node, a
 partition, a hang) still takes the join window; if two of four die before their heartbeats
-expire, agreement waits for ``heartbeat_timeout_ms`` (split-brain guard).
+expire, agreement waits for ``heartbeat_timeout_ms`` (split-brain guard).  A quorum that left
+out live members (not scheduled within the join window) is not acted on until they are known
+dead, silent for ``heartbeat_timeout_s``, or have ended it by asking (``_left_out_came_back``).
 
 Limits, honestly:
 
@@ -57,18 +59,15 @@ from chameleon_ft.runtime import _quiet_rust  # noqa: F401,E402  (before torchft
 from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
-    _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, CoordinatorServer, JobTokenError, _beat_key, _dead_key,
-    _incarnation_key, _stood_in, abort_key, check_token, job_digest, namespaced, read_latest, read_stop, report_dead,
+    _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer, _beat_key,
+    _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
     stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
-from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd, parse_etcd  # noqa: E402
-from chameleon_ft.runtime.liveness import Liveness as _Liveness  # noqa: E402
+from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
+from chameleon_ft.runtime.liveness import Liveness as _Liveness, await_the_missing as _await_the_missing  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# The longest a store request of a worker blocks (etcd's client; a TCPStore client is bounded
-# by its own timeout): also how long peers may stay silent after an outage (``_Liveness``).
-STORE_REQUEST_TIMEOUT_S = 2.0
 # A worker asking to be admitted again within ADMISSION_BACKOFF_RESET_S of its last admission
 # waits first: ADMISSION_BACKOFF_S, doubling each time, at most ADMISSION_BACKOFF_MAX_S
 # (``Membership._request_admission``).
@@ -98,44 +97,6 @@ class MembershipView:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "members": list(self.members),
                            "token": self.token})
-
-
-def _parse_hostport(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
-    """A new client of the job's store: the coordinator's TCPStore at ``host:port``, or etcd
-    (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time."""
-    digest = job_digest()
-    if is_etcd(store_addr):
-        endpoints, prefix = parse_etcd(store_addr)
-        raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
-                        request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
-        if not raw.client.healthy():
-            raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
-                                  f"{raw.client.timeout_s:.1f} s with a quorum")
-        _checked(raw, digest, f"etcd at {', '.join(endpoints)} (job {prefix})")
-        return EtcdStore(endpoints, f"{prefix}{digest}/", timeout=raw.timeout,
-                         request_timeout_s=raw.client.timeout_s)
-    host, port = _parse_hostport(store_addr)
-    try:
-        raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # DistNetworkError, RuntimeError, TimeoutError
-        raise MembershipError(
-            f"coordinator store at {store_addr} unreachable after {timeout_s:.1f} s: {exc}"
-        ) from exc
-    _checked(raw, digest, f"the coordinator at {store_addr}")
-    return namespaced(raw, digest)
-
-
-def _checked(raw: dist.Store, digest: str, where: str) -> None:
-    try:
-        check_token(raw, digest, where)
-    except JobTokenError as exc:
-        raise MembershipError(str(exc)) from None
 
 
 class Membership:
@@ -456,6 +417,7 @@ class Membership:
 
     # ---------------------------------------------------------------- internals
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
+        before = self._view
         while True:
             self._request_admission(previous_token)
             self._last_ok = time.monotonic()
@@ -487,7 +449,21 @@ class Membership:
                 # never form a group; end it now rather than after the connect timeout.
                 self.report_failure(dead, "member reported dead by the launcher")
                 continue
+            if before is not None and self._left_out_came_back(before, view):
+                previous_token = view.token  # a live member it left out ended it: ask again
+                continue
             return view
+
+    def _left_out_came_back(self, before: MembershipView, view: MembershipView) -> bool:
+        """``liveness.await_the_missing`` for the members of ``before`` that ``view`` left out."""
+        missing = set(before.members) - set(view.members)
+        if not missing or not self.heartbeat_timeout_s:
+            return False
+        lv = getattr(self, "_liveness", None)
+        return _await_the_missing(
+            missing, self.heartbeat_timeout_s, beat=lambda w: self.store.add(_beat_key(w), 0),
+            ended=lambda: self.store.check([abort_key(view.token)]), dead=self._reported_dead,
+            last_moved=lv.last_moved if lv is not None else (lambda w: None))
 
     def _to_view(self, quorum) -> Optional[MembershipView]:
         """The view of ``quorum`` without the dead workers a launcher stood in for

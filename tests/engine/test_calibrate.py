@@ -99,3 +99,34 @@ def test_calibrator_window_follows_the_job():
     for n, nbytes in [(2, 1e6), (4, 1e7), (8, 1e8)]:
         cal.observe_collective(CollectiveSample(n, nbytes, 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * nbytes / 1e10))
     assert cal.link(Link(1.0, 1.0)).bandwidth_Bps == pytest.approx(1e10, rel=1e-6)
+
+
+def test_the_small_least_squares_fit_matches_scipy_without_importing_it():
+    # The fits have two unknowns; scipy.optimize is imported only for larger ones (its import
+    # stalled every pipeline worker's main thread for seconds at the first fit).
+    import subprocess
+    import sys
+
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from chameleon_ft.engine.calibrate import _nnls
+
+    rng = np.random.default_rng(7)
+    negative_unconstrained = 0
+    for _ in range(3000):
+        n, k = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+        a = rng.normal(size=(n, k)) * rng.choice([1e-3, 1.0, 1e6], size=k)
+        b = rng.normal(size=n)
+        (x_ref, r_ref), (x, r) = nnls(a, b), _nnls(a, b)
+        assert (x >= 0).all()
+        tol = 1e-8 * np.linalg.norm(b) + 1e-12 * np.linalg.norm(a) * np.linalg.norm(x_ref)  # rounding
+        assert r <= r_ref + tol, (a, b, x, x_ref)
+        assert abs(r - np.linalg.norm(a @ x - b)) <= 1e-9 * (1 + r)
+        negative_unconstrained += bool((np.linalg.lstsq(a, b, rcond=None)[0] < 0).any())
+    assert negative_unconstrained > 1000  # the constraint was active in many of them
+    probe = ("import sys; from chameleon_ft.engine.calibrate import _nnls; "
+             "_nnls([[1.0, 2.0], [1.0, 5.0], [1.0, 9.0]], [0.1, 0.2, 0.4]); "
+             "print('scipy.optimize' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

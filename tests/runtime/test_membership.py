@@ -486,3 +486,30 @@ def test_two_workers_admitted_at_once_do_not_evict_each_other():
         for m in members.values():
             m.close()
         server.shutdown()
+
+
+def test_a_live_worker_left_out_of_a_quorum_is_waited_for(tmp_path):
+    # Seen in CI (8 pipeline workers on 2 cores): a generation ended while three live workers
+    # were not scheduled; the quorum formed without them 50 ms later (the join window), their
+    # peers took them for lost and, finding no replica of their stages, restarted the job from
+    # its checkpoint.  Here worker 3 is stopped for less than the heartbeat timeout while the
+    # generation ends: its peers must wait for it, and no step may train without it.
+    import json
+
+    from chameleon_ft.runtime.coordination import abort_key
+
+    steps = 120
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02) as c:
+        _wait_steps(c, range(N), 15)
+        c.kill(3, signal.SIGSTOP)
+        time.sleep(0.05)
+        token = c.coordinator.latest_view()["token"]
+        c.coordinator.store.compare_set(abort_key(token), "", json.dumps(
+            {"by": -1, "reason": "test: a false alarm", "suspects": [], "time": time.time()}))
+        time.sleep(0.45)  # the quorum of 0, 1, 2 forms meanwhile; under the 1 s heartbeat timeout
+        c.kill(3, signal.SIGCONT)
+        rc = c.wait_exit(range(N), 40)
+        assert rc == {w: 0 for w in range(N)}, rc
+        _check_survivors(c, range(N), range(N), steps)
+        trained_with = {tuple(e["members"]) for w in range(N) for e in _steps(c, w)}
+        assert trained_with == {tuple(range(N))}, (trained_with, _reconfigurations(c, range(N)))
