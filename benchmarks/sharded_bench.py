@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=10, help="memory, overhead: a fixed snapshot interval")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--matrix-json", default=None,
-                   help="matrix: render this benchmarks/sharded_matrix.py --json result instead of running it")
+                   help="matrix: render this benchmarks/sharded_matrix.py --json result (or several, comma-separated, "
+                        "merged) instead of running it")
     p.add_argument("--mem-hidden", type=int, default=1024)
     p.add_argument("--sample-sleep", type=float, default=0.002)
     p.add_argument("--parts", default="matrix,memory,overhead")
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
     res["commands"].update({p_: f"{cmd} ({res['date']})" for p_ in parts})
     try:
         if "matrix" in parts:
-            res["matrix"] = (json.loads(Path(a.matrix_json).read_text()) if a.matrix_json else
+            res["matrix"] = (sharded_matrix.merge([json.loads(Path(f).read_text()) for f in a.matrix_json.split(",")])
+                             if a.matrix_json else
                              sharded_matrix.main(["--seeds", str(a.seeds), "--workdir", str(work / "matrix")]))
         if "memory" in parts:
             res["memory"] = memory(work, a.k, a.mem_hidden, 30, common)

@@ -365,12 +365,29 @@ def figures(c: dict, step_s: float) -> dict:
             "ratio": rehab["lost_s"] / rec["lost_s"] if rehab and rec and rec["lost_s"] else None}
 
 
+def merge(results: list[dict]) -> dict:
+    """Several invocations' results as one table (e.g. the ``ElasticTrainer`` rows and, made
+    later, the Lightning rows): their cells, failure-free runs and errors together; each
+    invocation's command, date and minutes are listed (``invocations``)."""
+    if len(results) == 1:
+        return results[0]
+    keep = ("command", "date", "minutes", "workdir")
+    return {"cells": [c for r in results for c in r["cells"]],
+            "free": {k: v for r in results for k, v in r["free"].items()},
+            "errors": [e for r in results for e in r.get("errors", [])],
+            "invocations": [{k: r[k] for k in keep} for r in results],
+            **{k: results[-1][k] for k in keep}}
+
+
 def markdown(res: dict) -> list[str]:
     cells, free = res["cells"], res["free"]
+    made = "; ".join(
+        f"`{r['command']}` ({r['date']}; {r['minutes']:.0f} min on a shared 2-core machine"
+        + ("; `--reuse` keeps the runs an earlier invocation of the same code (a hash of the packages and the benchmark's scripts, checked per run) "
+           "finished, and the minutes count this invocation's runs only" if "--reuse" in r["command"] else "") + ")"
+        for r in res.get("invocations") or [res])
     lines = ["## Rehabilitate or recompute: the matrix (issue 23)", "",
-             f"`{res['command']}` ({res['date']}; {res['minutes']:.0f} min on a shared 2-core machine"
-             + ("; `--reuse` keeps the runs an earlier invocation of the same code (a hash of the packages and the benchmark's scripts, checked per run) "
-                "finished, and the minutes count this invocation's runs only" if "--reuse" in res["command"] else "") + ").  "
+             made + (" -- their rows merged" if res.get("invocations") else "") + ".  "
              "4 CPU workers, FSDP2 over all 4, AdamW, 64 steps of 64 samples, accelerator emulation "
              "(1 ms per sample); worker 2 SIGKILLed from outside once the kill step is under way; every "
              "setting default but the snapshot interval K where a tuned one is named.  Method and "

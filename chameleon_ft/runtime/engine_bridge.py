@@ -324,7 +324,7 @@ class EngineBridge(PipelineCalibration):
         Not at start: 8 workers importing at once on 2 cores starved their heartbeat threads past
         the 1 s timeout and the start-up churned through generations (seen in 1 of ~10 starts)."""
         self._warmed = True
-        import_in_turn(warm_imports)
+        self._warm_thread = import_in_turn(warm_imports)
 
     def observe_step(self, timings: dict[int, tuple[float, int, float, float]], step: int,
                      steps_since_checkpoint: int = 0) -> Optional[Decision]:

@@ -513,3 +513,34 @@ def test_a_live_worker_left_out_of_a_quorum_is_waited_for(tmp_path):
         _check_survivors(c, range(N), range(N), steps)
         trained_with = {tuple(e["members"]) for w in range(N) for e in _steps(c, w)}
         assert trained_with == {tuple(range(N))}, (trained_with, _reconfigurations(c, range(N)))
+
+
+def test_waiting_for_left_out_members_ends_as_each_case_requires(monkeypatch):
+    # liveness.await_the_missing on a fake clock and store: known dead, long silent, alive and
+    # then asking (ends the generation), alive and never asking, and this worker's own stall.
+    import chameleon_ft.runtime.liveness as lv
+
+    now = [100.0]
+    monkeypatch.setattr(lv.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(lv.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+
+    def run(missing, *, beats=lambda w: 0, ended=lambda: False, dead=lambda ws: (), last=lambda w: None):
+        t0 = now[0]
+        got = lv.await_the_missing(missing, 1.0, beat=beats, ended=ended, dead=dead, last_moved=last)
+        return got, round(now[0] - t0, 2)
+
+    assert run([2], dead=lambda ws: tuple(w for w in ws if w == 2)) == (False, 0.0)  # the launcher saw it
+    assert run([2], last=lambda w: (0, now[0] - 1.5)) == (False, 0.0)  # reported for silence: no wait
+    assert run([2], last=lambda w: (7, now[0] - 1.5))[1] >= 1.0  # the counter moved since: timed afresh
+    t_ask = now[0] + 0.3
+    moving = lambda w: int(now[0] * 10)  # noqa: E731  (beats every 0.1 s)
+    got, waited = run([2], beats=moving, ended=lambda: now[0] >= t_ask)
+    assert got is True and 0.3 <= waited <= 0.34  # it came and asked: ask again
+    got, waited = run([2], beats=moving)
+    assert got is False and 1.0 <= waited <= 1.05  # beats but never asks: excluded one timeout later
+    assert run([]) == (False, 0.0)
+
+    stalls = iter([0.0] + [0.7] + [0.02] * 200)  # this worker was not scheduled for 0.7 s once
+    monkeypatch.setattr(lv.time, "sleep", lambda s: now.__setitem__(0, now[0] + next(stalls)))
+    got, waited = run([2])
+    assert got is False and waited >= 0.7 + 1.0  # clocks restarted after the stall

@@ -161,9 +161,12 @@ class PipelineCalibration:
         self._steps_since_fit += 1
         if self.fit is None or self._steps_since_fit >= _REFIT_EVERY:
             self._refit()
-        if self.search_s == 0.0 and self.fit is not None and len(self.alive) > 2:
+        warming = getattr(self, "_warm_thread", None)
+        if self.search_s == 0.0 and self.fit is not None and len(self.alive) > 2 and not (warming and warming.is_alive()):
             # What a failure's plan search costs this job, before the first failure measures
-            # it: price the loss of one worker once (no state changes).
+            # it: price the loss of one worker once (no state changes) -- once the helper thread
+            # imported what a re-plan imports (``EngineBridge._warm_up``): in the main thread
+            # that import stalled every worker of an 8-worker job for ~4 s at step 2 (seen).
             probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
             d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
             self.search_s = max(d.search_s, 1e-6)
