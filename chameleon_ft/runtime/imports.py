@@ -3,11 +3,13 @@
 A pipeline job's first re-plan imports networkx and scipy.optimize (``engine.migration``); its
 first decision took 0.09-0.26 s against 4-6 ms for the next ones, so every worker imports them in
 a helper thread once it trains (``EngineBridge._warm_up``).  Each import is most of a second of
-one core.  Eight workers importing within the same two seconds on two cores starved every
-worker's heartbeat thread for seconds: seen in CI, a 4 s stall at step 3 of an 8-worker pipeline
-job, three live workers left out of the next quorum, and the job restarted from its checkpoint.
-Here the workers of one machine take turns (an ``flock`` on a file in the temporary folder:
-waiting for it costs no CPU), so at most one core is spent on imports at any time."""
+one core.  All eight workers of the benchmark job importing at once on two cores made one step
+take 2.3-3.4 s (measured 2026-12-03), and a CPU that busy starves heartbeat threads too: in CI, a
+stall like it (then in the main threads, see ``engine.calibrate._nnls``) left three live workers
+out of a quorum and the job restarted from its checkpoint.  Here the workers of one machine take
+turns (an ``flock`` on a file in the temporary folder: waiting for it costs no CPU), so at most one
+core is spent on these imports at any time; the price is their CPU spread over the job's first
+~8 steps (each 0.2-0.8 s slower on that job) instead of one long step (``docs/runtime-pipeline.md``)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _in_turn(fn: Callable[[], None], lock_file: str) -> None:
         fn()
 
 
-def import_in_turn(fn: Callable[[], None], max_delay_s: float = 2.0,
+def import_in_turn(fn: Callable[[], None], max_delay_s: float = 0.0,
                    lock_file: str = LOCK_FILE) -> threading.Thread:
     """Run ``fn`` (imports) in a daemon thread after a random delay of up to ``max_delay_s``,
     holding the machine-wide lock; returns the thread (started)."""
