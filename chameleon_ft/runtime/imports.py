@@ -26,12 +26,19 @@ LOCK_FILE = os.path.join(tempfile.gettempdir(), "chameleon-ft-imports.lock")
 
 
 def _in_turn(fn: Callable[[], None], lock_file: str) -> None:
+    f = None
     try:
-        with open(lock_file, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
-            fn()
+        f = open(lock_file, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
     except OSError:  # no writable temporary folder: import without taking turns
+        if f is not None:
+            f.close()
+        f = None
+    try:
         fn()
+    finally:
+        if f is not None:
+            f.close()
 
 
 def import_in_turn(fn: Callable[[], None], max_delay_s: float = 0.0,

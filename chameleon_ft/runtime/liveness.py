@@ -103,7 +103,9 @@ def await_the_missing(missing: Iterable[int], timeout_s: float, *, beat: Callabl
     seen in CI: a pipeline job declared three live stages lost and restarted from its checkpoint.
     Only this worker's clock is used; a gap in its own polling (it was not scheduled either)
     starts every clock afresh, as ``Liveness.took`` does."""
-    pending = sorted(set(missing) - set(dead(tuple(sorted(set(missing))))))  # the common case: all seen dead
+    missing = tuple(sorted(set(missing)))
+    seen_dead = set(dead(missing))  # the common case (a SIGKILL the launcher saw): all of them
+    pending = [w for w in missing if w not in seen_dead]
     if not pending:
         return False
     now = time.monotonic()
