@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from chameleon_ft._compat import renamed_getattr
 
+import random
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -60,7 +62,6 @@ from chameleon_ft.engine.plan import Pipeline, Plan, even_split
 from chameleon_ft.engine.planner import SearchSpace, at_least_one_each, balance_layers
 from chameleon_ft.engine.selector import POLICIES, Decision, JobState, SelectorConfig, select
 from chameleon_ft.runtime.errors import ConfigError, RestartRequested
-from chameleon_ft.runtime.imports import import_in_turn
 from chameleon_ft.runtime.executors.pipeline.calibration import PipelineCalibration
 from chameleon_ft.engine.stragglers import StragglerDetector
 from chameleon_ft.engine.workload import Layer, Workload
@@ -319,12 +320,15 @@ class EngineBridge(PipelineCalibration):
         return decisions
 
     def _warm_up(self) -> None:
-        """A pipeline job's first re-plan imports networkx and scipy.optimize: import them once the
-        job trains, in a helper thread, one worker of the machine at a time (``runtime.imports``).
-        Not at start: 8 workers importing at once on 2 cores starved their heartbeat threads past
-        the 1 s timeout and the start-up churned through generations (seen in 1 of ~10 starts)."""
+        """A pipeline job's first re-plan imports networkx and scipy.optimize (its first decision
+        took 0.09-0.26 s against 4-6 ms, seen): import them in a helper thread once the job
+        trains, each worker after a random delay of up to 2 s -- not at start, where 8 workers
+        importing at once on 2 cores starved their heartbeat threads past the 1 s timeout and the
+        start-up churned through generations (seen in 1 of ~10 starts; docs/runtime-pipeline.md)."""
         self._warmed = True
-        self._warm_thread = import_in_turn(warm_imports)
+        self._warm_thread = threading.Timer(random.uniform(0.0, 2.0), warm_imports)
+        self._warm_thread.daemon = True
+        self._warm_thread.start()
 
     def observe_step(self, timings: dict[int, tuple[float, int, float, float]], step: int,
                      steps_since_checkpoint: int = 0) -> Optional[Decision]:
