@@ -142,7 +142,10 @@ def _select(event: Event, state: JobState, config: SelectorConfig, mttf_s: float
     else:
         options, search_s = _join_options(event, state, config)
     for o in options:
-        if o.feasible and o.policy not in config.allowed:
+        # ``keep`` (go on with the running plan on a straggler or a joiner) is doing nothing,
+        # not a way of recovering: restricting the policies never rules it out (it did, and a
+        # job allowed only {replan, restart} restarted when a live member came back).
+        if o.feasible and o.policy not in config.allowed and o.policy != "keep":
             o.feasible, o.reason = False, "not in the allowed policies"
         if o.feasible and o.policy in BATCH_CHANGING and not config.allow_batch_change:
             o.feasible, o.reason = False, "changes the global batch (allow_batch_change is off)"

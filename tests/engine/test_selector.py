@@ -370,6 +370,19 @@ def test_join_while_another_device_is_still_down():
     assert d.option("heal").feasible
 
 
+def test_keep_is_never_ruled_out_by_the_allowed_policies():
+    """A job allowed only {replan, restart}: a straggler or a returning member is not a reason
+    to restart -- going on with the running plan stays possible."""
+    w, c, plan = straggler_setup()
+    only = frozenset({"replan", "restart"})
+    for ev, alive in ((Event(EventKind.STRAGGLER, (3,), slowdown=3.0), None),
+                      (Event(EventKind.JOIN, (3,)), set(c.ids))):
+        d = decide(plan, w, c, ev, alive=alive, mttf=1e6, allowed=only, space=SearchSpace(pp_max=1))
+        assert d.option("keep").feasible, ev.kind
+        assert d.chosen == "keep", (ev.kind, d.chosen)
+        assert all(not o.feasible for o in d.options if o.policy not in only | {"keep"})
+
+
 # -- bad input -------------------------------------------------------------------------
 def test_bad_input_raises_value_error():
     w, c, plan = straggler_setup()

@@ -32,8 +32,12 @@ def read_events(run_dir: Path) -> list[dict]:
     return _read(run_dir / "events.jsonl")
 
 
-def job(run_dir: Path, *args: str, **kw) -> recovery.ScriptJob:
-    return recovery.ScriptJob(WORKER, run_dir, *ARGS, *args, nproc=8, **kw)
+def job(run_dir: Path, *args: str, launch_args=(), **kw) -> recovery.ScriptJob:
+    # Every kill here is a SIGKILL the launcher reports at once; the heartbeat timeout only
+    # decides when a live worker whose beats stall is left out.  8 workers on 2 loaded cores
+    # stalled one past the default 1 s in a CI run (left out, then back: a fourth Decision).
+    return recovery.ScriptJob(WORKER, run_dir, *ARGS, *args, nproc=8,
+                              launch_args=("--heartbeat-timeout", "3", *launch_args), **kw)
 
 
 def blocks(finals: dict[int, dict]) -> dict[int, list[tuple[int, dict]]]:
