@@ -40,7 +40,7 @@ from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
 from accelerate_ft.step_protocol import StepProtocol
-from chameleon_ft.runtime.adapter_kit import adapter_config
+from chameleon_ft.runtime.adapter_kit import adapter_config, refuse_grad_scaler
 from chameleon_ft.runtime.recovery import ElasticConfig
 from chameleon_ft.runtime.relaunch import relaunch_local_rank_zero
 from typing_extensions import override
@@ -176,19 +176,31 @@ def _drop(data: Any, n: int) -> Any:
     return data
 
 
-def _refuse_accelerators(cpu: bool) -> None:
-    """The runtime reduces CPU tensors over gloo; GPUs (NCCL) are not supported yet.  Say so
-    instead of silently training on the CPU of a machine that has an accelerator."""
+def _place_on_device(cpu: bool, env, mixed_precision=None) -> None:
+    """Put this worker on its device before Accelerate picks one.
+
+    Under ``chameleon-ft run`` Accelerate sees a single process (torchrun's variables are
+    hidden, ``_env.py``), so its device is ``torch.device("cuda")``: the *current* CUDA device.
+    Each worker makes that ``cuda:<local rank mod GPUs>`` (one GPU per worker when the node has
+    enough; several workers share one otherwise, their tensor collectives then go over gloo
+    on CUDA tensors -- ``runtime/nccl.py``).  XPU and MPS are refused clearly (not silently
+    replaced by the CPU), and so is fp16 mixed precision: its ``GradScaler`` skips or rescales
+    updates outside our atomic step (bf16 needs no scaler and is fine)."""
+    mp = str(mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+    if mp == "fp16":
+        refuse_grad_scaler("accelerate_ft", "mixed_precision='fp16'")
     if cpu:
         return
-    found = [name for name, ok in (("CUDA", torch.cuda.is_available()),
-                                   ("XPU", hasattr(torch, "xpu") and torch.xpu.is_available()),
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(getattr(env, "local_rank", 0) or 0) % torch.cuda.device_count())
+        return
+    found = [name for name, ok in (("XPU", hasattr(torch, "xpu") and torch.xpu.is_available()),
                                    ("MPS", torch.backends.mps.is_available())) if ok]
     if found:
         raise LauncherError(
-            f"accelerate_ft runs on the CPU over gloo only; this machine has a {found[0]} device, "
+            f"accelerate_ft runs on CUDA GPUs or the CPU; this machine has a {found[0]} device, "
             "which is not supported yet. Build FaultTolerantAccelerator(cpu=True) to train on the "
-            "CPU, or use a plain Accelerator (no in-place fault tolerance) for the GPU.")
+            "CPU, or use a plain Accelerator (no in-place fault tolerance) for it.")
 
 
 def _refuse_sharding(kwargs: dict) -> None:
@@ -233,7 +245,8 @@ class FaultTolerantAccelerator(Accelerator):
                 warnings.warn(not_launched_message(), stacklevel=2)
             super().__init__(*args, **kwargs)
             return
-        _refuse_accelerators(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)))
+        _place_on_device(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)), env,
+                         args[2] if len(args) > 2 else kwargs.get("mixed_precision"))
         _refuse_sharding(kwargs)
         super().__init__(*args, **kwargs)
         self._ft = StepProtocol(self, env, cfg, event_log)
@@ -352,7 +365,8 @@ class FaultTolerantAccelerator(Accelerator):
         the update; the returned tensor is filled with the total norm when the step commits."""
         if self._ft is None or not self._ft.in_step:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        params, out = list(parameters), torch.zeros(())
+        params = list(parameters)
+        out = torch.zeros((), device=params[0].device if params else None)
         self._ft.defer(lambda: out.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)))
         return out
 
@@ -556,9 +570,10 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
         raise LauncherError(
             f"wrap(): this Accelerator already set up {accelerator.distributed_type} with a fixed-world "
             "process group; import accelerate_ft before building it, or build FaultTolerantAccelerator")
-    if accelerator.device.type != "cpu":
-        raise LauncherError(f"wrap(): accelerate_ft runs on the CPU over gloo only ({accelerator.device.type} "
+    if accelerator.device.type not in ("cpu", "cuda"):
+        raise LauncherError(f"wrap(): accelerate_ft runs on CUDA GPUs or the CPU ({accelerator.device.type} "
                             "is not supported yet); build the Accelerator with cpu=True")
+    _place_on_device(accelerator.device.type == "cpu", env, accelerator.mixed_precision)
     if accelerator._models or accelerator._optimizers or accelerator._dataloaders or accelerator._schedulers:
         raise ConfigError("wrap() must come before accelerator.prepare(...)")
     accelerator.__class__ = FaultTolerantAccelerator

@@ -1,32 +1,39 @@
-"""The GPU check (issue 25): every executor on the accelerator, killed from outside, checked.
+"""The GPU check (issue 25): every executor and both adapters on the accelerator, killed from
+outside, checked against a failure-free run and against torch as shipped on the same device.
 
-    python benchmarks/gpu_check.py [--cpu] [--quick] [--kinds dp,pipeline,sharded] [--json F]
+    python benchmarks/gpu_check.py [--cpu] [--quick] [--kinds dp,pipeline,sharded,accelerate,lightning]
+                                   [--recoveries 3] [--nccl-kinds dp,accelerate,lightning] [--json F]
 
 One script a person with one GPU (or many) runs, in a few minutes, and that CI runs on the CPU
 (``--cpu``), so that the GPU minutes go to running it, not to writing it.  For each kind --
-data parallel (``ElasticTrainer``), pipeline (``stages=2``), sharded (``sharding="full"``) --
-it runs 4 workers under ``chameleon-ft run`` on one device (``cuda:0``, or the CPU with
-``--cpu``), once failure-free and once with worker 2 SIGKILLed from outside at step 6, and
+data parallel (``ElasticTrainer``), pipeline (``stages=2``), sharded (``sharding="full"``),
+Accelerate (``FaultTolerantAccelerator``), Lightning (``FaultToleranceCallback``); the workers
+are in ``_gpu_workers.py`` -- it runs 4 workers under ``chameleon-ft run`` sharing one device
+(``cuda:0``, or the CPU with ``--cpu``), once failure-free and once with worker 2 SIGKILLed from
+outside at step 6 (data parallel: ``--recoveries`` workers, 2, 3 and 1, three steps apart), and
 checks:
 
 * **exactly once**: every step committed once, every sample of every epoch once (event log);
-* **replicas agree**: the survivors' parameters are bitwise equal (data parallel; the sharded
-  job's gathered model);
+* **replicas agree**: the survivors' parameters are bitwise equal (all but the pipeline, whose
+  workers hold different blocks);
 * **trajectory**: the killed run's final parameters within 1e-5 (relative) of the failure-free
   run's (reroute and recompute keep the trajectory; only summation order differs);
-* **MTTR**: the kill to the survivors' first step, and the runtime's own breakdown;
-* **memory**: each worker's peak accelerator memory before the kill and after the recovery
-  (``torch.cuda.max_memory_allocated``; host RSS with ``--cpu``);
-* **overhead**: data parallel only -- the failure-free step time against plain DDP
-  (``torch.nn.parallel.DistributedDataParallel`` over ``torchrun``) on the same device.
-  Not yet: FSDP2 and ``torch.distributed.pipelining`` baselines here (they are in
-  ``benchmarks/sharded_bench.py`` and ``benchmarks/pipeline_bench.py`` for the CPU);
+* **MTTR**: each kill to the survivors' first step after it, and the runtime's own breakdown;
+* **memory**: worker 0's allocated and peak device memory (``torch.cuda.memory_allocated`` /
+  ``max_memory_allocated``; the process's RSS with ``--cpu``) before the first kill and after
+  each recovery, and its growth from the first recovery to the last;
+* **overhead**: the failure-free step time against torch as shipped on the same device and
+  backend under ``torchrun`` -- plain DDP (data parallel and the adapters), plain FSDP2
+  (``fully_shard``), ``torch.distributed.pipelining`` (``Schedule1F1B``, 2 x 2, the stages'
+  gradients all-reduced).  A baseline that cannot run there is reported with its error: with
+  several ranks on one GPU gloo is torch's only choice, and gloo has no CUDA all-gather,
+  reduce-scatter or send/recv;
 * **NCCL** (a CUDA device only): one NCCL process group created, used, aborted and made again
-  inside one process.
+  inside one process; with 2 GPUs or more the ``--nccl-kinds`` run again with one worker per GPU
+  (``CHAMELEON_FT_BACKEND=nccl``, the baselines over NCCL too), a kill included.
 
 Several workers share one GPU, and NCCL refuses two ranks on one device, so the tensor
-collectives there go over gloo on CUDA tensors (gloo stages them through host memory).  With two
-GPUs or more, the runtime's NCCL path (one rank per GPU) is not written yet: the script says so.
+collectives there go over gloo on CUDA tensors (``CHAMELEON_FT_BACKEND=gloo``).
 Results: a table on stdout, ``--json`` for the record (docs/gpu.md).
 """
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,102 +50,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("dp", "pipeline", "sharded")
-KILL_AT, VICTIM, STEPS_PER_EPOCH, DIM = 6, 2, 8, 32
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_workers as W  # noqa: E402
 
-
-# ------------------------------------------------------------------ the worker
-def worker(a) -> None:
-    import torch
-
-    from chameleon_ft import ElasticTrainer, elastic_main
-    from chameleon_ft.runtime.recovery import ElasticConfig
-
-    def main():
-        torch.set_num_threads(1)
-        device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        g = torch.Generator().manual_seed(1234)
-        n = STEPS_PER_EPOCH * a.global_batch
-        x = torch.randn(n, DIM, generator=g)
-        y = torch.tanh(x @ torch.randn(DIM, 4, generator=g))
-        data = torch.utils.data.TensorDataset(x, y)
-        torch.manual_seed(7)
-        blocks = [torch.nn.Sequential(torch.nn.Linear(DIM, a.hidden), torch.nn.Tanh())]
-        blocks += [torch.nn.Sequential(torch.nn.Linear(a.hidden, a.hidden), torch.nn.Tanh()) for _ in range(2)]
-        blocks.append(torch.nn.Linear(a.hidden, 4))
-        model = torch.nn.Sequential(*blocks).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        mem, steps = {}, []
-
-        def peak() -> float:
-            if device.type == "cuda":
-                return torch.cuda.max_memory_allocated(device) / 2**20
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-        def on_step(ctx):
-            steps.append([ctx.step, time.time()])
-            if ctx.step == KILL_AT - 1:
-                mem["before"] = peak()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-        if a.kind == "pipeline":
-            loss_fn = lambda out, batch: torch.nn.functional.mse_loss(out, batch[1].to(device))  # noqa: E731
-            tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, 4, stages=2, on_step=on_step,
-                                input_fn=lambda b: b[0].to(device), config=ElasticConfig(stragglers=False))
-        else:
-            def loss_fn(m, batch):
-                xb, yb = batch
-                return torch.nn.functional.mse_loss(m(xb.to(device)), yb.to(device))
-            tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, 4, on_step=on_step,
-                                config=ElasticConfig(stragglers=False),
-                                sharding="full" if a.kind == "sharded" else None, snapshot_every=2)
-        tr.fit(epochs=a.epochs)
-        ctx = tr.ctx
-        mem["after"] = peak()
-        if a.kind == "pipeline":
-            params = {f"{b}.{k}": v.detach().cpu().tolist() for b in sorted(ctx.held)
-                      for k, v in ctx.blocks[b].state_dict().items()}
-        else:
-            params = {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()}
-        Path(a.out, f"final_{ctx.worker_id}.json").write_text(json.dumps(
-            {"params": params, "mem_mb": mem, "steps": steps, "device": str(device)}))
-
-    elastic_main(main)
-
-
-def plain_ddp(a) -> None:
-    """Plain DDP (torchrun) on the same device: the data-parallel baseline's step time."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    r, n = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    torch.manual_seed(7)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, a.hidden), torch.nn.Tanh(), torch.nn.Linear(a.hidden, a.hidden),
-                                torch.nn.Tanh(), torch.nn.Linear(a.hidden, a.hidden), torch.nn.Tanh(),
-                                torch.nn.Linear(a.hidden, 4)).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(STEPS_PER_EPOCH * a.global_batch, DIM, generator=g)
-    y = torch.tanh(x @ torch.randn(DIM, 4, generator=g))
-    share = a.global_batch // n
-    ts = []
-    for step in range(STEPS_PER_EPOCH * a.epochs):
-        i = (step % STEPS_PER_EPOCH) * a.global_batch + r * share
-        loss = torch.nn.functional.mse_loss(ddp(x[i:i + share].to(device)), y[i:i + share].to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.time())
-    if r == 0:
-        Path(a.out, "plain.json").write_text(json.dumps({"steps": ts}))
-    dist.destroy_process_group()
+KINDS = ("dp", "pipeline", "sharded", "accelerate", "lightning")
+KILL_AT, STEPS_PER_EPOCH = 6, W.STEPS_PER_EPOCH
+RECOVERY_GAP = 3  # steps between the kills of the data-parallel run (--recoveries)
 
 
 def nccl_abort_check() -> dict:
@@ -156,32 +73,41 @@ def nccl_abort_check() -> dict:
         pg.allreduce([t]).wait()
         torch.cuda.synchronize()
         out[attempt] = float(t.sum())
-        before = torch.cuda.memory_allocated()
+        out[f"{attempt}_mem_mb"] = torch.cuda.memory_allocated() / 2**20
         pg.abort()
         out[f"{attempt}_aborted"] = True
-        out[f"{attempt}_mem_mb"] = before / 2**20
     return out
 
 
 # ------------------------------------------------------------------ the harness
-def _job(out: Path, a, kind: str, kill: bool):
-    sys.path.insert(0, str(ROOT))
+def _worker_args(a, kind: str, out: Path, nproc: int, per_gpu: bool) -> list[str]:
+    return (["--worker", "--kind", kind, "--out", str(out), "--epochs", str(a.epochs), "--hidden", str(a.hidden),
+             "--global-batch", str(a.global_batch), "--world", str(nproc)]
+            + (["--cpu"] if a.cpu else []) + (["--per-gpu"] if per_gpu else []))
+
+
+def _env(per_gpu: bool) -> dict:
+    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHAMELEON_FT_BACKEND": "nccl" if per_gpu else "gloo"}
+
+
+def _job(out: Path, a, kind: str, kills: list[tuple[int, int]], nproc: int, per_gpu: bool):
+    """Run ``kind`` under ``chameleon-ft run``; ``kills``: (step, worker) SIGKILLed from
+    outside in turn, each once that step is reached.  Returns (finals, events, kill times)."""
     from chameleon_ft.cli.localjob import LocalJob
 
-    args = ["--worker", "--kind", kind, "--out", str(out), "--epochs", str(a.epochs), "--hidden", str(a.hidden),
-            "--global-batch", str(a.global_batch)] + (["--cpu"] if a.cpu else [])
-    job = LocalJob(out, __file__, args, nproc=4, hang_timeout=10, env={"PYTHONPATH": str(ROOT)})
-    t_kill = None
+    job = LocalJob(out, __file__, _worker_args(a, kind, out, nproc, per_gpu), nproc=nproc, hang_timeout=10,
+                   env=_env(per_gpu))
+    t_kills = []
     try:
         job.start()
-        if kill:
-            job.wait_step(KILL_AT, 300)
-            t_kill = job.kill(VICTIM)
+        for step, victim in kills:
+            job.wait_step(step, 300)
+            t_kills.append(job.kill(victim))
         codes = job.wait(600)
         if codes != [0]:
-            raise RuntimeError(f"{kind} ({'killed' if kill else 'failure-free'}): {codes}\n{job.output()[-3000:]}")
+            raise RuntimeError(f"{kind} ({'killed' if kills else 'failure-free'}): {codes}\n{job.output()[-3000:]}")
         finals = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("final_*.json")}
-        return finals, job.events(), t_kill
+        return finals, job.events(), t_kills
     finally:
         job.cleanup()
 
@@ -196,15 +122,66 @@ def _rel(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / max(float(b[k].norm()), 1e-12)) for k in b if k in a)
 
 
-def check(kind: str, a, work: Path) -> dict:
+def _median_gap(rows) -> float:
+    ts = sorted(r[1] for r in rows)
+    gaps = sorted(b - a_ for a_, b in zip(ts, ts[1:]))
+    return gaps[len(gaps) // 2]
+
+
+def _memory(rows, t_kills: list[float], after_steps: int = 2) -> dict:
+    """Worker 0's device memory (allocated and peak MB) before the first kill and once each
+    recovery has run ``after_steps`` steps (the last record before the next kill)."""
+    out = {"before": None, "after": []}
+    pre = [r for r in rows if r[1] < t_kills[0]] if t_kills else rows
+    if pre:
+        out["before"] = {"allocated": pre[-1][2], "peak": max(r[3] for r in pre)}
+    for i, t in enumerate(t_kills):
+        nxt = t_kills[i + 1] if i + 1 < len(t_kills) else float("inf")
+        win = [r for r in rows if t < r[1] < nxt]
+        if len(win) >= after_steps:
+            out["after"].append({"allocated": win[-1][2], "peak": max(r[3] for r in win)})
+    if out["after"] and len(t_kills) > 1:
+        out["growth_mb"] = out["after"][-1]["allocated"] - out["after"][0]["allocated"]
+    return out
+
+
+def _baseline(a, kind: str, work: Path, nproc: int, per_gpu: bool) -> dict:
+    """Torch as shipped on the same device and layout (torchrun); a baseline that cannot run
+    there (gloo has no CUDA all-gather / reduce-scatter / send-recv, NCCL no two ranks on one
+    GPU) is reported with its error, not left out silently."""
+    out = work / f"plain-{kind}-{'nccl' if per_gpu else 'shared'}"
+    out.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           __file__, "--plain", *_worker_args(a, kind, out, nproc, per_gpu)[1:]]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, **_env(per_gpu)))
+    except subprocess.TimeoutExpired:
+        return {"ran": False, "error": "timed out after 300 s"}
+    if p.returncode != 0:
+        err = [ln for ln in (p.stderr or p.stdout).splitlines() if "Error" in ln or "error" in ln]
+        return {"ran": False, "error": (err[-1] if err else (p.stderr or p.stdout)[-300:]).strip()[:300]}
+    return {"ran": True, "step_s": _median_gap(json.loads((out / "final_0.json").read_text())["steps"])}
+
+
+def check(kind: str, a, work: Path, nproc: int = 4, per_gpu: bool = False) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from _helpers.recovery import committed_ids
 
-    (work / f"{kind}-free").mkdir(parents=True)
-    (work / f"{kind}-kill").mkdir(parents=True)
-    free, free_ev, _ = _job(work / f"{kind}-free", a, kind, kill=False)
-    killed, ev, t_kill = _job(work / f"{kind}-kill", a, kind, kill=True)
-    res = {"kind": kind, "device": next(iter(killed.values()))["device"], "survivors": sorted(killed)}
+    from chameleon_ft.runtime.eventlog import resumed_after
+
+    tag = f"{kind}-{'nccl' if per_gpu else 'shared'}"
+    (work / f"{tag}-free").mkdir(parents=True)
+    (work / f"{tag}-kill").mkdir(parents=True)
+    victims = [w for w in (2, 3, 1) if w < nproc][:a.recoveries if kind == "dp" else 1]
+    kills = [(KILL_AT + RECOVERY_GAP * i, v) for i, v in enumerate(victims)]
+    free, _, _ = _job(work / f"{tag}-free", a, kind, [], nproc, per_gpu)
+    killed, ev, t_kills = _job(work / f"{tag}-kill", a, kind, kills, nproc, per_gpu)
+    res = {"kind": kind, "layout": "one GPU per worker, NCCL" if per_gpu else "one device shared, gloo",
+           "device": next(iter(killed.values()))["device"], "workers": nproc, "killed": victims,
+           "survivors": sorted(killed)}
     ids = committed_ids(ev)
     steps_ok = sorted(ids) == list(range(STEPS_PER_EPOCH * a.epochs))
     seen = [sorted(i for s in range(e * STEPS_PER_EPOCH, (e + 1) * STEPS_PER_EPOCH) for i in ids.get(s, []))
@@ -220,39 +197,23 @@ def check(kind: str, a, work: Path) -> dict:
         res["replicas_equal"] = all(_flat(killed[w]["params"])[k].equal(got[k]) for w in ws[1:] for k in got)
     res["trajectory_rel"] = _rel(got, ref)
     res["trajectory_ok"] = res["trajectory_rel"] < 1e-5
-    from chameleon_ft.runtime.eventlog import resumed_after
-
-    res["mttr_s"] = resumed_after(ev, t_kill)
-    rec = [e for e in ev if e["event"] == "recovery" and e["ts"] > t_kill]
+    res["mttr_s"] = [resumed_after(ev, t) for t in t_kills]
+    rec = [e for e in ev if e["event"] == "recovery" and e["ts"] > t_kills[0]]
     res["mttr_breakdown"] = rec[0]["mttr"] if rec else None
-    res["chosen"] = [e["decision"]["chosen"] for e in ev if e["event"] == "decision"][:1]
-    res["mem_mb"] = {w: f["mem_mb"] for w, f in killed.items()}
-    free_steps = sorted(s[1] for s in next(iter(free.values()))["steps"])
-    gaps = sorted(b - a_ for a_, b in zip(free_steps, free_steps[1:]))
-    res["step_s"] = gaps[len(gaps) // 2]
-    if kind == "dp":
-        res["plain_ddp_step_s"] = _plain_step(a, work)
-        res["overhead"] = res["step_s"] / res["plain_ddp_step_s"] - 1
-    res["passed"] = bool(res["exactly_once"] and res["trajectory_ok"] and res["replicas_equal"] is not False)
+    res["chosen"] = [e["decision"]["chosen"] for e in ev if e["event"] == "decision"]
+    res["memory_mb"] = _memory(killed[0]["steps"], t_kills)
+    res["step_s"] = _median_gap(free[min(free)]["steps"])
+    base_kind = kind if kind in W.BASELINES else "dp"  # the adapters' baseline is plain DDP
+    res["baseline"] = {"dp": "plain DDP", "sharded": "plain FSDP2 (fully_shard)",
+                       "pipeline": "torch.distributed.pipelining Schedule1F1B + DP all-reduce"}[base_kind]
+    cache = a.baselines.setdefault((base_kind, per_gpu), None)
+    a.baselines[(base_kind, per_gpu)] = cache = cache or _baseline(a, base_kind, work, nproc, per_gpu)
+    res["baseline_run"] = cache
+    if cache.get("ran"):
+        res["overhead"] = res["step_s"] / cache["step_s"] - 1
+    res["passed"] = bool(res["exactly_once"] and res["trajectory_ok"] and res["replicas_equal"] is not False
+                         and all(m is not None for m in res["mttr_s"]))
     return res
-
-
-def _plain_step(a, work: Path) -> float:
-    import socket
-
-    out = work / "plain"
-    out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
-           __file__, "--plain", "--out", str(out), "--epochs", str(a.epochs), "--hidden", str(a.hidden),
-           "--global-batch", str(a.global_batch)] + (["--cpu"] if a.cpu else [])
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600,
-                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
-    ts = json.loads((out / "plain.json").read_text())["steps"]
-    gaps = sorted(b - a_ for a_, b in zip(ts, ts[1:]))
-    return gaps[len(gaps) // 2]
 
 
 def main(argv=None) -> dict:
@@ -260,36 +221,48 @@ def main(argv=None) -> dict:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI; no GPU needed)")
     p.add_argument("--quick", action="store_true", help="fewer epochs (CI)")
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--nccl-kinds", default="dp,accelerate,lightning",
+                   help="with 2 GPUs or more: the kinds also run with one worker per GPU over NCCL")
+    p.add_argument("--recoveries", type=int, default=3, help="data parallel: workers killed in turn")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--per-gpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="dp", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--epochs", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--global-batch", type=int, default=32, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.epochs = a.epochs or (2 if a.quick else 4)
     if a.worker:
-        return worker(a)
+        return W.ADAPTERS.get(a.kind, W.elastic)(a)
     if a.plain:
-        return plain_ddp(a)
+        return W.BASELINES[a.kind](a)
     import torch
 
     if not a.cpu and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here; --cpu runs the same checks on the CPU")
+    if KILL_AT + RECOVERY_GAP * (a.recoveries - 1) >= STEPS_PER_EPOCH * a.epochs - 2:
+        raise SystemExit(f"gpu_check: {a.recoveries} recoveries do not fit in {a.epochs} epochs")
     gpus = 0 if a.cpu else torch.cuda.device_count()
+    a.baselines = {}
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "device": "cpu" if a.cpu else torch.cuda.get_device_name(0), "gpus": gpus, "kinds": {}}
-    res["multi_gpu_nccl"] = ("not run: the runtime's NCCL path (one rank per GPU) is not written yet"
-                             if gpus >= 2 else "not run: fewer than 2 GPUs")
     res["nccl_abort"] = nccl_abort_check() if not a.cpu else {"ran": False, "why": "--cpu"}
+    runs = [(k, 4, False) for k in a.kinds.split(",") if k]
+    if gpus >= 2:
+        runs += [(k, min(4, gpus), True) for k in a.nccl_kinds.split(",") if k]
+    else:
+        res["multi_gpu_nccl"] = "not run: fewer than 2 GPUs"
     with tempfile.TemporaryDirectory(prefix="cft-gpu-check-") as tmp:
-        for kind in a.kinds.split(","):
+        for kind, nproc, per_gpu in runs:
             t0 = time.time()
-            res["kinds"][kind] = check(kind, a, Path(tmp))
-            res["kinds"][kind]["seconds"] = time.time() - t0
-            print(json.dumps({k: v for k, v in res["kinds"][kind].items() if k != "mem_mb"}), flush=True)
+            key = f"{kind}+nccl" if per_gpu else kind
+            res["kinds"][key] = r = check(kind, a, Path(tmp), nproc, per_gpu)
+            r["seconds"] = time.time() - t0
+            print(json.dumps({k: v for k, v in r.items() if k != "memory_mb"}), flush=True)
     res["passed"] = all(r["passed"] for r in res["kinds"].values())
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
@@ -299,16 +272,23 @@ def main(argv=None) -> dict:
 
 def table(res: dict) -> str:
     lines = [f"gpu_check on {res['device']} ({res['gpus']} GPU(s)), torch {res['torch']}, {res['date']}",
-             "| kind | chosen | exactly once | replicas equal | trajectory (rel) | MTTR s | step s | vs plain DDP | peak MB before / after (worker 0) | passed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for kind, r in res["kinds"].items():
-        m = r["mem_mb"].get("0") or r["mem_mb"].get(0) or {}
-        ov = f"{100 * r['overhead']:+.1f} %" if "overhead" in r else "-"
-        lines.append(f"| {kind} | {','.join(r['chosen'])} | {r['exactly_once']} | {r['replicas_equal']} | "
-                     f"{r['trajectory_rel']:.2e} | {r['mttr_s']:.3f} | {r['step_s']:.4f} | {ov} | "
-                     f"{m.get('before', 0):.0f} / {m.get('after', 0):.0f} | {r['passed']} |")
+             "| run | workers | chosen | exactly once | replicas equal | trajectory (rel) | MTTR s | step s "
+             "| vs baseline | memory MB (worker 0): before / after each recovery | passed |",
+             "| --- | ---: | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, r in res["kinds"].items():
+        m = r["memory_mb"]
+        mem = (f"{m['before']['allocated']:.0f} / " if m.get("before") else "- / ") + \
+            ", ".join(f"{x['allocated']:.0f}" for x in m["after"])
+        if "overhead" in r:
+            ov = f"{100 * r['overhead']:+.1f} % ({r['baseline']})"
+        else:
+            ov = f"{r['baseline']} did not run: {r['baseline_run'].get('error', '')[:80]}"
+        lines.append(f"| {key} | {r['workers']} | {','.join(r['chosen'])} | {r['exactly_once']} | {r['replicas_equal']} | "
+                     f"{r['trajectory_rel']:.2e} | {', '.join(f'{x:.3f}' for x in r['mttr_s'] if x is not None)} | "
+                     f"{r['step_s']:.4f} | {ov} | {mem} | {r['passed']} |")
     lines.append(f"NCCL abort and re-create: {res['nccl_abort']}")
-    lines.append(f"multi-GPU NCCL path: {res['multi_gpu_nccl']}")
+    if "multi_gpu_nccl" in res:
+        lines.append(f"one worker per GPU over NCCL: {res['multi_gpu_nccl']}")
     return "\n".join(lines)
 
 

@@ -81,10 +81,11 @@ class _LightningShardedContext(ShardedExecutor):
     # commit keeps its header so that a stray one gives way.
     step_header = "step"
 
-    def __init__(self, module, template: dict, units: dict, mesh_fn, *args, **kwargs):
+    def __init__(self, module, template: dict, units: dict, mesh_fn, *args, device=None, **kwargs):
         self._children_template, self._units, self._mesh_fn = template, units, mesh_fn
         self.resume_full: Optional[tuple] = None  # whole state from a checkpoint, loaded at start
         super().__init__(module, *args, **kwargs)
+        self.device = torch.device(device) if device is not None else self.device  # the strategy's root device
         self._live_start = True
 
     def _make_template(self, model):
@@ -101,7 +102,7 @@ class _LightningShardedContext(ShardedExecutor):
         for name, reshard in self._units.items():  # deepest first
             self._fully_shard(lm.get_submodule(name), mesh=dp, reshard_after_forward=reshard)
         for name in self._children_template:
-            lm.get_submodule(name).to_empty(device="cpu")
+            lm.get_submodule(name).to_empty(device=self.device)
         return lm
 
     def _adopt_live(self, n: int, rank: int) -> None:
@@ -182,7 +183,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         LightningModule's ``device_mesh`` (what ``configure_model`` reads)."""
         from torch.distributed.device_mesh import init_device_mesh
         no_comm_world(rank, n)
-        mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        mesh = init_device_mesh(self.root_device.type, (n, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         self.lightning_module._device_mesh = mesh
         return mesh
 
@@ -244,7 +245,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         ctx = _LightningShardedContext(
             self.lightning_module, self._template, self._units, self._mesh, self.optimizers[0], dataset_len,
             global_batch, micro_batch, snapshot_every=self.snapshot_every, recipe=self.recipe,
-            scheduler=_SchedulerState(self), config=cfg, env=self.env, user_loop=True, **kw)
+            scheduler=_SchedulerState(self), config=cfg, env=self.env, user_loop=True, device=self.root_device, **kw)
         if self._resume_params is not None:
             ctx.resume_full = (self._resume_params, self._resume_optim)
         return ctx

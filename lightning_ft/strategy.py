@@ -69,7 +69,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.relaunch import launched
 from lightning_ft.launch import relaunch_lightning
-from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, training_order
+from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, refuse_grad_scaler, training_order
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
@@ -100,6 +100,13 @@ _UNEVEN = ("inside training_step while the members run different numbers of micr
 
 # Why collectives are local after a recovery between steps (see _recover_off_step).
 _OFF_STEP = "until its next training step (a worker was lost between training steps)"
+
+
+def check_precision(plugin) -> None:
+    """A precision plugin with a ``GradScaler`` (``precision="16-mixed"`` on a GPU; Lightning
+    turns it into bf16 on the CPU) is refused clearly (``refuse_grad_scaler``)."""
+    if getattr(plugin, "scaler", None) is not None:
+        refuse_grad_scaler("lightning_ft", f"precision={getattr(plugin, 'precision', '16-mixed')!r}")
 
 
 class _SchedulerState:
@@ -263,6 +270,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                                  "(manual_backward/optimizer.step in training_step is not redone)")
             if len(self.optimizers) != 1:
                 raise ConfigError("lightning_ft supports exactly one optimizer")
+            check_precision(self.precision_plugin)
         self._route_metrics()
         self._wrap_loops(trainer)
 

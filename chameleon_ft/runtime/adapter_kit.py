@@ -144,6 +144,15 @@ class MicroBatchSource:
         return self._feed
 
 
+def refuse_grad_scaler(who: str, how: str) -> None:
+    """fp16 mixed precision's ``GradScaler`` skips and rescales updates outside the step that
+    the runtime commits atomically (a skipped step on one member would be committed on the
+    others), and its scale is not part of the transferred state: refuse it with what to use
+    instead.  ``how``: what the user set (``mixed_precision='fp16'``, ``precision='16-mixed'``)."""
+    raise ConfigError(f"{who}: {how} needs a GradScaler, which skips and rescales updates outside "
+                      "the fault-tolerant step; use bf16 mixed precision (no scaler) or full precision")
+
+
 def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_change: bool, **kw) -> ElasticConfig:
     """The ``ElasticConfig`` an adapter runs with, its options checked.  Adapters map one
     framework batch to a fixed share of one global step, so they keep the global batch fixed:

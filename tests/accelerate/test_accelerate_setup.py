@@ -45,14 +45,40 @@ def test_eval_batches_every_sample_once_in_order_same_count(n, b, world):
     assert sorted(i for r in range(world) for i in shard_indices(n, r, world)) == list(range(n))
 
 
-def test_a_gpu_is_refused_clearly_not_silently_replaced_by_the_cpu(monkeypatch):
+def test_each_worker_is_put_on_its_gpu_and_other_devices_are_refused_clearly(monkeypatch):
+    """CUDA: worker ``local_rank`` goes to ``cuda:<local_rank mod GPUs>`` before Accelerate
+    picks its device (the current one); XPU / MPS are refused, never replaced by the CPU."""
+    from types import SimpleNamespace
+
     import accelerate_ft.accelerator as acc_mod
-    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())  # as if under chameleon-ft run
+    picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(LauncherError, match="CPU over gloo only.*CUDA.*cpu=True"):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    for lr in range(4):
+        acc_mod._place_on_device(False, SimpleNamespace(local_rank=lr))
+    assert picked == [0, 1, 0, 1]
+    acc_mod._place_on_device(True, SimpleNamespace(local_rank=1))  # cpu=True: no device chosen
+    assert picked == [0, 1, 0, 1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: SimpleNamespace(local_rank=0))  # under chameleon-ft run
+    with pytest.raises(LauncherError, match="CUDA GPUs or the CPU.*MPS.*cpu=True"):
         FaultTolerantAccelerator()
-    with pytest.raises(LauncherError, match="CUDA"):
+    with pytest.raises(LauncherError, match="MPS"):
         FaultTolerantAccelerator(None, False, None, 1, False)  # cpu given positionally
+
+
+def test_fp16_mixed_precision_is_refused_clearly(monkeypatch):
+    from types import SimpleNamespace
+
+    import accelerate_ft.accelerator as acc_mod
+    from chameleon_ft.runtime.errors import ConfigError
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: SimpleNamespace(local_rank=0))
+    with pytest.raises(ConfigError, match="fp16.*GradScaler.*bf16"):
+        FaultTolerantAccelerator(cpu=True, mixed_precision="fp16")
+    with pytest.raises(ConfigError, match="fp16"):
+        FaultTolerantAccelerator(True, False, "fp16", 1, True)
 
 
 def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):

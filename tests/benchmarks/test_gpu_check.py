@@ -1,6 +1,6 @@
 """``benchmarks/gpu_check.py --cpu --quick`` end to end (issue 25): the GPU check's three
-executors, each killed from outside, with its checks, on the CPU -- so that the script a GPU
-machine runs is known to work before its minutes are spent."""
+executors and both adapters, each killed from outside, with its checks and its baselines, on
+the CPU -- so that the script a GPU machine runs is known to work before its minutes are spent."""
 
 import sys
 from pathlib import Path
@@ -18,12 +18,17 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 @pytest.mark.chaos
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     res = gpu_check.main(["--cpu", "--quick", "--hidden", "32", "--json", str(tmp_path / "gpu.json")])
-    assert set(res["kinds"]) == {"dp", "pipeline", "sharded"}
+    assert set(res["kinds"]) == {"dp", "pipeline", "sharded", "accelerate", "lightning"}
     for kind, r in res["kinds"].items():
         assert r["device"] == "cpu"
         assert r["exactly_once"], kind
         assert r["trajectory_ok"], (kind, r["trajectory_rel"])
         assert r["replicas_equal"] is not False, kind
-        assert r["survivors"] == [0, 1, 3] and 0 < r["mttr_s"] < 10, (kind, r["mttr_s"])
-    assert res["passed"] and "overhead" in res["kinds"]["dp"]
+        assert r["survivors"] == sorted({0, 1, 2, 3} - set(r["killed"])), kind
+        assert all(m is not None and 0 < m < 10 for m in r["mttr_s"]), (kind, r["mttr_s"])
+        assert r["baseline_run"]["ran"], (kind, r["baseline_run"])  # gloo on the CPU runs every baseline
+        assert "overhead" in r and r["memory_mb"]["before"] and r["memory_mb"]["after"], kind
+    assert res["kinds"]["dp"]["killed"] == [2, 3, 1] and len(res["kinds"]["dp"]["memory_mb"]["after"]) == 3
+    assert "growth_mb" in res["kinds"]["dp"]["memory_mb"]
+    assert res["passed"]
     assert res["nccl_abort"] == {"ran": False, "why": "--cpu"}

@@ -159,3 +159,23 @@ def test_a_model_parallel_strategy_object_becomes_the_fault_tolerant_one_in_plac
     tp = FaultTolerantModelParallelStrategy.adopt(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
         tp.setup_environment()
+
+
+def test_a_grad_scaler_is_refused_clearly_and_the_gpu_is_the_local_ranks():
+    """precision="16-mixed" on a GPU comes with a GradScaler (Lightning makes it bf16 on the
+    CPU, so the plugin is stood in for); each worker's root device is its local rank's GPU."""
+    from types import SimpleNamespace
+
+    from chameleon_ft.runtime.errors import ConfigError
+    from lightning_ft.strategy import check_precision
+
+    with pytest.raises(ConfigError, match="16-mixed.*GradScaler.*bf16"):
+        check_precision(SimpleNamespace(scaler=object(), precision="16-mixed"))
+    check_precision(SimpleNamespace(scaler=None, precision="bf16-mixed"))
+    s = FaultTolerantDDPStrategy()
+    s.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for lr, want in ((0, 0), (1, 1), (3, 1)):
+        s.cluster_environment = SimpleNamespace(local_rank=lambda lr=lr: lr)
+        assert s.root_device == torch.device("cuda", want)
+    s.parallel_devices = [torch.device("cpu")] * 4
+    assert s.root_device == torch.device("cpu")
