@@ -149,7 +149,7 @@ class Calibrator:
 
 def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None = None) -> Link:
     """Alpha-beta fit of point-to-point messages: ``t = alpha + bytes / beta`` (non-negative
-    least squares).  With one message size the two cannot be told apart: the time is then
+    least squares through each size's median).  With one message size the two cannot be told apart: the time is then
     charged to ``beta`` (the prior's latency kept, or none), which predicts that size exactly."""
     x = np.asarray(sizes, dtype=float)
     t = np.asarray(seconds, dtype=float)
@@ -160,7 +160,15 @@ def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))) or np.any(x < 0) or np.any(t < 0):
         raise ValueError("message sizes and times must be finite and non-negative")
     if np.ptp(x) > 0.1 * max(float(x.max()), 1.0):
-        (alpha, inv_bw), _ = _nnls(np.column_stack([np.ones_like(x), x]), t)
+        # Fitted through each message size's median (sizes grouped by power of two): the
+        # times are heavy-tailed (a receiver that posts late, a busy core), and the many
+        # messages of one size would otherwise outweigh the few of another.
+        groups: dict[int, list[int]] = {}
+        for i, v in enumerate(x):
+            groups.setdefault(int(v).bit_length(), []).append(i)
+        gx = np.array([np.median(x[ix]) for ix in groups.values()])
+        gt = np.array([np.median(t[ix]) for ix in groups.values()])
+        (alpha, inv_bw), _ = _nnls(np.column_stack([np.ones_like(gx), gx]), gt)
         if inv_bw > 0:
             return Link(latency_s=float(alpha), bandwidth_Bps=float(1.0 / inv_bw))
     alpha = min(prior.latency_s if prior else 0.0, float(np.median(t)))
@@ -244,7 +252,10 @@ class PipelineCalibrator:
         self.window, self.min_steps = int(window), int(min_steps)
         self.blocks: deque = deque(maxlen=self.window)  # {(d, b): (fwd per mb, bwd per mb)}
         self.out_bytes: dict[int, int] = {}
-        self.p2p: deque = deque(maxlen=8 * self.window)  # (bytes, seconds)
+        # (bytes, seconds) per message size (a power-of-two bucket): a size seen once (the
+        # runtime's start-up link probe) keeps its samples beside the steps' many messages of
+        # one size, which alone cannot tell latency from bandwidth (``fit_p2p``).
+        self._p2p: dict[int, deque] = {}
         self.collectives: deque[CollectiveSample] = deque(maxlen=self.window)
         self.migrations: deque = deque(maxlen=8)  # (critical-path transfers, their bytes, seconds)
         self.residuals: deque = deque(maxlen=self.window)
@@ -274,7 +285,13 @@ class PipelineCalibrator:
 
     def observe_p2p(self, nbytes: float, seconds: float) -> None:
         if math.isfinite(nbytes) and math.isfinite(seconds) and nbytes >= 0 and seconds >= 0:
-            self.p2p.append((float(nbytes), float(seconds)))
+            bucket = int(nbytes).bit_length()
+            self._p2p.setdefault(bucket, deque(maxlen=8 * self.window)).append((float(nbytes), float(seconds)))
+
+    @property
+    def p2p(self) -> list[tuple[float, float]]:
+        """Every kept message sample, (bytes, seconds), by size."""
+        return [x for _, q in sorted(self._p2p.items()) for x in q]
 
     def observe_collective(self, sample: CollectiveSample) -> None:
         if sample.observed_s > 0 and math.isfinite(sample.observed_s) and math.isfinite(sample.nbytes) \
@@ -326,7 +343,8 @@ class PipelineCalibrator:
         if not self.ready:
             return None
         fwd, bwd, speeds = self.block_costs(num_blocks)
-        p2p = fit_p2p(*zip(*self.p2p), prior=prior_p2p) if self.p2p else None
+        samples = self.p2p
+        p2p = fit_p2p(*zip(*samples), prior=prior_p2p) if samples else None
         coll = fit_link(self.collectives, None) if sum(s.n > 1 for s in self.collectives) >= 2 else None
         mig = None
         if self.migrations:
@@ -357,8 +375,9 @@ class PipelineCalibrator:
         for step in s.get("blocks", []):
             self.blocks.append({(int(d), int(b)): (float(f), float(bw)) for d, b, f, bw in step})
         self.out_bytes = {int(b): int(n) for b, n in s.get("out_bytes", [])}
-        self.p2p.clear()
-        self.p2p.extend(tuple(x) for x in s.get("p2p", []))
+        self._p2p.clear()
+        for nbytes, sec in s.get("p2p", []):
+            self.observe_p2p(nbytes, sec)
         self.collectives.clear()
         self.collectives.extend(CollectiveSample(int(n), float(nb), float(t)) for n, nb, t in s.get("collectives", []))
         self.migrations.clear()

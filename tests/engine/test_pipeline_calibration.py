@@ -169,6 +169,27 @@ def test_calibrator_fits_p2p_from_observed_messages():
     assert p2p.bandwidth_Bps == pytest.approx(2e9, rel=1e-6)
 
 
+def test_a_rare_message_size_is_kept_and_the_fit_goes_through_each_sizes_median():
+    """The steps send one size (1 KiB) hundreds of times, heavy-tailed; the link probe sends
+    64 KiB once.  The probe's sample outlives the window of the common size, and the fit goes
+    through both sizes' medians (3 ms + bytes / 200 kB/s), not through their means."""
+    cal = PipelineCalibrator(window=20)
+    feed(cal, np.random.default_rng(8), {}, steps=3)
+    lat, bw = 3e-3, 2e5
+    cal.observe_p2p(65536, lat + 65536 / bw)
+    rng = np.random.default_rng(9)
+    for i in range(1000):  # far more than the window keeps; one in five is 10x late
+        late = 10.0 if i % 5 == 0 else 1.0
+        cal.observe_p2p(1024, (lat + 1024 / bw) * late * rng.uniform(0.98, 1.02))
+    assert len(cal.p2p) == 8 * 20 + 1
+    p2p = cal.fit(8).p2p
+    assert p2p.latency_s == pytest.approx(lat, rel=0.05)
+    assert p2p.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+    restored = PipelineCalibrator(window=20)
+    restored.load_state_dict(json.loads(json.dumps(cal.state_dict())))
+    assert restored.p2p == cal.p2p
+
+
 # -- task, optimizer, residual, collective and migration terms ------------------------------
 def test_task_optimizer_and_residual_are_window_medians():
     cal = PipelineCalibrator()

@@ -5,7 +5,7 @@ mode (each block's forward and backward padded by sleeps; the network emulated b
 
 * Calibration recovers what was injected: each block's forward/backward seconds, a worker's
   2x slowdown (its speed), and the cost of a message between stages (latency + bytes /
-  bandwidth), each within 10 %.
+  bandwidth), each within 10 %; latency and bandwidth apart (the link probe) within 15 %.
 * The crossover: the same job and the same kill with a short expected time to the next failure
   ``D`` reroutes (nothing migrates, the layout stays), with a long one re-plans (blocks migrate,
   the layout changes); the decision's own figures put ``D`` on the matching side of the
@@ -64,6 +64,12 @@ def test_calibration_recovers_injected_costs(tmp_path):
     injected = LATENCY + MSG / BANDWIDTH
     fitted = Link(p2p["latency_s"], p2p["bandwidth_Bps"]).transfer_s(MSG)
     assert fitted == pytest.approx(injected, rel=0.10), f"{fitted * 1e3:.2f} ms vs {injected * 1e3:.2f} ms"
+    # The steps' messages are all of one size; the start-up link probe (one 64 KiB message per
+    # hop before step 2) tells latency from bandwidth, so a block-sized transfer is priced too.
+    assert p2p["latency_s"] == pytest.approx(LATENCY, rel=0.15), p2p
+    big = 1 << 20
+    assert Link(p2p["latency_s"], p2p["bandwidth_Bps"]).transfer_s(big) == pytest.approx(
+        LATENCY + big / BANDWIDTH, rel=0.15), p2p
     # The model's step for the running plan uses them (blocks at their cost, worker 1 slow).
     assert cal["predicted_step_s"] > 0
 

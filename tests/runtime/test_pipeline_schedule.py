@@ -42,6 +42,16 @@ def test_reroute_sends_the_dead_stage_to_its_peer():
     assert check(rs, orders)
 
 
+def test_the_link_probe_pairs_are_the_hops_and_its_size_is_agreed():
+    from chameleon_ft.runtime.executors.pipeline.step import link_pairs, probe_size
+
+    assert link_pairs(routes(TWO_BY_FOUR, range(8))) == [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)]
+    assert link_pairs(routes(TWO_BY_FOUR, set(range(8)) - {2})) == [(0, 1), (1, 6), (4, 5), (5, 6), (6, 3), (6, 7)]
+    assert probe_size([10, 20]) == 64 << 10  # at least 64 KiB
+    assert probe_size([100_000, 30]) == 400_000  # the largest block's parameters
+    assert probe_size([10**9]) == 4 << 20  # at most 4 MiB
+
+
 def test_a_stage_without_a_copy_cannot_be_routed():
     with pytest.raises(ScheduleError, match="lost all of its replicas"):
         routes(TWO_BY_FOUR, set(range(8)) - {1, 5})

@@ -51,7 +51,7 @@ from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt, migratio
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
 from chameleon_ft.runtime.executors.pipeline.calibration import calibration_row, read_rows
 from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_at_root, reduce_sets
-from chameleon_ft.runtime.executors.pipeline.step import run_step
+from chameleon_ft.runtime.executors.pipeline.step import PROBE_STEP, link_pairs, probe_links, probe_size, run_step
 from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
 from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
 
@@ -484,8 +484,9 @@ class PipelineExecutor(RecoveryCore):
 
         if self._wire[0] != self.view.token:  # message sizes are agreed per generation (step.py)
             self._wire = (self.view.token, {})
-
         try:
+            probes = probe_links(self.gm, rank_of, self.worker_id, link_pairs(rs), probe_size(self.block_numel),
+                                 self.hang_timeout_s, self._link_delay) if self.step == PROBE_STEP else []
             res = run_step(
                 self.gm, rank_of, self.worker_id, self.blocks, rs, order,
                 batch_of=lambda slot: self.collate_fn([self.dataset[i] for i in mbs[slot].indices]),
@@ -498,7 +499,7 @@ class PipelineExecutor(RecoveryCore):
             self._step_start = None
             self._recover(failure, t_start)
             return False
-        self._compute_s, self._n_mb = res.compute_s, res.microbatches
+        self._compute_s, self._n_mb, res.probes = res.compute_s, res.microbatches, probes
         self._measured_step = res
         self._ids = [i for r in rs if r.hops[0].worker == self.worker_id for i in mbs[r.slot].indices]
         return self.sync_and_step(res.loss)

@@ -44,7 +44,7 @@ import torch
 
 from chameleon_ft.runtime.executors.pipeline.schedule import Route, Task
 
-__all__ = ["run_step", "StepResult"]
+__all__ = ["run_step", "StepResult", "probe_links", "probe_size", "link_pairs", "PROBE_STEP"]
 
 _MAX_DIMS = 6
 _HEADER = 3 + _MAX_DIMS  # dtype, ndim, send time (float64 bits), shape
@@ -65,6 +65,7 @@ class StepResult:
         self.block_times: dict[int, list] = {}  # block -> [forward s, backward s, micro-batches]
         self.out_bytes: dict[int, int] = {}  # block -> bytes of its output per micro-batch
         self.p2p: list[tuple[int, float]] = []  # (bytes, transfer seconds) of waited-for messages
+        self.probes: list[tuple[int, float]] = []  # the link probe's samples (``probe_links``)
         self.tasks = 0
         # Seconds of this worker's tasks spent neither computing blocks nor waiting for a
         # message (header) or on the wire (tensor): the per-task software cost.
@@ -92,6 +93,58 @@ def _split_backward(lo: int, hi: int, t0: float, t1: float, stamps: dict, fwd: d
         return {hi - 1 - i: max(0.0, edges[i + 1] - edges[i]) for i in range(hi - lo)}
     total = sum(fwd.get(b, 0.0) for b in range(lo, hi)) or 1.0
     return {b: (t1 - t0) * fwd.get(b, 1.0 / (hi - lo)) / total for b in range(lo, hi)}
+
+
+_PROBE_TAG = 2 ** 30  # above every step tag (``_tag``) of a plan with < 2**20 micro-batch slots
+
+
+def probe_links(gm, rank_of: dict[int, int], me: int, pairs: Sequence[tuple[int, int]], nbytes: int,
+                timeout_s: float, link_delay: Callable[[int], float] | None = None) -> list[tuple[int, float]]:
+    """One message of ``nbytes`` over each (sender, receiver) pair this worker is part of; the
+    receiver's (bytes, send-to-arrival seconds) samples.  The steps' messages are all of one
+    size (a micro-batch's activations), from which latency and bandwidth cannot be told apart,
+    and a migration moves far larger blocks: one message of another size, once, anchors the
+    fit (``engine.calibrate.fit_p2p``).  The receiver first says it is ready (a small message),
+    so that the time is the transfer's, not a late receiver's.  Every member calls it at the
+    same point with the same ``pairs`` (the plan's consecutive hops); a dead peer raises like a
+    step's receive."""
+    works, out = [], []
+    for src, dst in pairs:
+        if dst == me:
+            ready = torch.ones(1, dtype=torch.int64)
+            works.append((gm.send(ready, rank_of[src], _PROBE_TAG + 1), ready))
+    for src, dst in pairs:
+        if src == me:
+            gm.wait_p2p([gm.recv(torch.zeros(1, dtype=torch.int64), rank_of[dst], _PROBE_TAG + 1)], timeout_s)
+            buf = torch.zeros(_HEAD_BYTES + nbytes, dtype=torch.uint8)
+            buf[:8] = torch.tensor([time.time()], dtype=torch.float64).view(torch.uint8)
+            works.append((gm.send(buf, rank_of[dst], _PROBE_TAG), buf))
+    for src, dst in pairs:
+        if dst == me:
+            buf = torch.empty(_HEAD_BYTES + nbytes, dtype=torch.uint8)
+            gm.wait_p2p([gm.recv(buf, rank_of[src], _PROBE_TAG)], timeout_s)
+            sent = float(buf[:8].view(torch.float64)[0])
+            if link_delay is not None:
+                hold = sent + link_delay(nbytes) - time.time()
+                if hold > 0:
+                    time.sleep(hold)
+            out.append((nbytes, max(0.0, time.time() - sent)))
+    gm.wait_p2p([w for w, _ in works], timeout_s)
+    return out
+
+
+PROBE_STEP = 2  # the step before which every member probes the links (once a job)
+
+
+def probe_size(block_numel: Sequence[int], element_size: int = 4) -> int:
+    """The probe's bytes: the largest block's parameters (what a migration moves, before its
+    optimizer state) within [64 KiB, 4 MiB] -- the same figure on every member."""
+    return int(min(4 << 20, max(64 << 10, max(block_numel, default=0) * element_size)))
+
+
+def link_pairs(rs: Sequence[Route]) -> list[tuple[int, int]]:
+    """The (sender, receiver) of every hop to the next one on the step's routes, once each."""
+    return sorted({(a.worker, b.worker) for r in rs for a, b in zip(r.hops, r.hops[1:]) if a.worker != b.worker})
 
 
 def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Module],
