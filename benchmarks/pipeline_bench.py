@@ -371,6 +371,8 @@ def main(argv=None) -> int:
                          "model's blocks with their optimizer state, so that it needs its stages as on real accelerators")
     ap.add_argument("--adaptive-mttf", default="0.3,3",
                     help="adaptive kill runs with D = these factors x the predicted crossover D* ('' for none)")
+    ap.add_argument("--no-fixed-at-d", dest="fixed_at_d", action="store_false",
+                    help="skip the fixed-policy runs with the adaptive runs' D")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--hang-timeout", type=float, default=10.0)
@@ -477,11 +479,19 @@ def _crossover(a, res: dict, tmp: Path) -> None:
             got, events, _ = run_ft(a, tmp / f"adaptive-D{f:g}", POLICIES["adaptive"], a.kill_steps, a.kill_step,
                                     mttf=d)
             dec = xo.decision_of(events) or {}
+            # Each fixed policy again with the same D: its plan search prices a re-plan's
+            # migration over D too (always-replan with the job's own D picks the fastest plan).
+            at_d = {"adaptive": xo.goodput_over(got["stamps"], events, a.global_batch, d)}
+            for name in ("reroute", "replan") if a.fixed_at_d else ():
+                g2, ev2, _ = run_ft(a, tmp / f"{name}-D{f:g}", POLICIES[name], a.kill_steps, a.kill_step, mttf=d)
+                at_d[name] = xo.goodput_over(g2["stamps"], ev2, a.global_batch, d)
+                at_d[f"{name}_decision"] = xo.plan_summary(xo.decision_of(ev2))
+            at_d["adaptive_decision"] = xo.plan_summary(dec)
             res["adaptive_d"].append({
                 "mttf": d, "factor": f, "chosen": dec.get("chosen"), "d_star": xo.predicted_crossover(dec) if dec else None,
-                "goodput": {n: xo.goodput_curve_at(curves, n, d) for n in ("reroute", "replan")},
+                "goodput": {n: xo.goodput_curve_at(curves, n, d) for n in ("reroute", "replan")}, "at_d": at_d,
                 "agrees": xo.ordering_agrees(curves, d), "events": _kept(events), "stamps": got["stamps"]})
-            print(f"adaptive D={d:.2f}s: {dec.get('chosen')}", flush=True)
+            print(f"adaptive D={d:.2f}s: {dec.get('chosen')} {at_d}", flush=True)
 
 
 def prediction_records(res: dict) -> list[dict]:

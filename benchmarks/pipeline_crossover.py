@@ -138,6 +138,27 @@ def goodput_curve_at(curves: dict, name: str, d: float) -> Optional[float]:
     return None
 
 
+def goodput_over(stamps: Sequence, events: list[dict], batch: int, d: float) -> Optional[float]:
+    """A run's goodput over ``d`` seconds after its first failure Decision (None: no decision,
+    or the run ended sooner)."""
+    dec = decision_of(events)
+    return None if dec is None else goodput_curve(stamps, dec["ts"], batch, [d])[0]
+
+
+def plan_summary(decision: Optional[dict]) -> Optional[dict]:
+    """The chosen candidate of a Decision: policy, plan (devices per pipeline), predicted step
+    and transition seconds."""
+    if not decision:
+        return None
+    c = next((c for c in decision.get("candidates", []) if c["policy"] == decision.get("chosen")), None)
+    if c is None:
+        return {"policy": decision.get("chosen")}
+    plan = c.get("plan") or {}
+    return {"policy": c["policy"], "pipelines": [p["devices"] for p in plan.get("pipelines", [])],
+            "step_s": c.get("step_time_s"),
+            "transition_s": c.get("transition_s"), "score": c.get("score")}
+
+
 def log_grid(lo: float, hi: float, n: int) -> list[float]:
     return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
 
@@ -230,6 +251,24 @@ def markdown(curves: Optional[dict], adaptive: Sequence[dict], records: Sequence
                          f"{'-' if gr is None else f'{gr:.1f}'} / {'-' if gp is None else f'{gp:.1f}'} | "
                          f"{a.get('agrees')} |")
         lines.append("")
+        fixed = [a for a in adaptive if "reroute" in (a.get("at_d") or {})]
+        if fixed:
+            fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+            lines += ["The same kill with every system given the same `D` (each fixed policy's own plan search "
+                      "then prices a re-plan's migration over that `D` too): goodput over `D` after the decision "
+                      "(samples/s), and the plan each chose.", "",
+                      "| D | adaptive | always-reroute | always-replan | adaptive / better fixed | adaptive's choice | always-replan's choice |",
+                      "| ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+            for a in fixed:
+                g = a["at_d"]
+                best = max((g[n] for n in ("reroute", "replan") if g.get(n) is not None), default=None)
+                ratio = "-" if best in (None, 0) or g.get("adaptive") is None else f"{g['adaptive'] / best:.2f}"
+                desc = lambda p: "-" if not p else (f"{p['policy']} {p.get('pipelines')}, transition "  # noqa: E731
+                                                   f"{(p.get('transition_s') or 0):.2f} s")
+                lines.append(f"| {a['mttf']:.3g} s ({a['factor']:g} x predicted D*) | {fmt(g.get('adaptive'))} | "
+                             f"{fmt(g.get('reroute'))} | {fmt(g.get('replan'))} | {ratio} | "
+                             f"{desc(g.get('adaptive_decision'))} | {desc(g.get('replan_decision'))} |")
+            lines.append("")
     if records:
         acc = accuracy(records)
 

@@ -107,3 +107,22 @@ def test_markdown_and_plots(tmp_path):
     xo.plot_crossover(curves, tmp_path / "x.png", "t")
     xo.plot_accuracy(recs, tmp_path / "a.png", "t")
     assert (tmp_path / "x.png").stat().st_size > 1000 and (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_every_system_at_the_same_d():
+    """The adaptive runs' D given to each fixed policy too: goodput over D after each run's own
+    decision, the ratio to the better fixed one and the plans chosen."""
+    ad, rr, rp = (run(10.0, 0.6, 0.8, 0.8, 0.6, "replan"), run(10.0, 0.2, 1.5, 1.5, 0.2, "reroute"),
+                  run(10.0, 3.0, 0.8, 0.8, 3.0, "replan"))
+    ad["events"][0]["decision"]["candidates"][1]["plan"] = {"pipelines": [{"devices": [4, 5, 6, 7]}, {"devices": [0, 2, 3]}]}
+    g = {n: xo.goodput_over(r["stamps"], r["events"], B, 8.0) for n, r in (("adaptive", ad), ("reroute", rr), ("replan", rp))}
+    assert g["adaptive"] == pytest.approx(B * 10 / 8.0)  # commits at 10.6, 11.4, ... <= 18.0
+    assert g["reroute"] == pytest.approx(B * 6 / 8.0) and g["replan"] == pytest.approx(B * 7 / 8.0)
+    assert xo.goodput_over(rr["stamps"], [], B, 8.0) is None  # no decision
+    summary = xo.plan_summary(xo.decision_of(ad["events"]))
+    assert summary == {"policy": "replan", "pipelines": [[4, 5, 6, 7], [0, 2, 3]], "step_s": 0.8,
+                       "transition_s": 0.6, "score": None}
+    at_d = {**g, "adaptive_decision": summary, "replan_decision": xo.plan_summary(xo.decision_of(rp["events"]))}
+    md = "\n".join(xo.markdown(None, [{"mttf": 8.0, "factor": 1.3, "chosen": "replan", "d_star": 6.0,
+                                        "goodput": {}, "agrees": None, "at_d": at_d}], [], "emu"))
+    assert "| 8 s (1.3 x predicted D*) | 80.0 | 48.0 | 56.0 | 1.43 | replan [[4, 5, 6, 7], [0, 2, 3]], transition 0.60 s |" in md
