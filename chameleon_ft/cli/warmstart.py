@@ -16,7 +16,8 @@ traceback and code 1; a signal kills it) and ``atexit`` handlers.
 The one difference: the preloaded modules were imported *before* the worker's own variables
 (``RANK``, ``LOCAL_RANK``, ...) were set, with the launcher's environment.  A module that reads
 them at import time would see the launcher's.  So the default preload is torch,
-``torch._dynamo`` and chameleon-ft's runtime, none of which does.  Lightning does (its
+``torch._dynamo``, chameleon-ft's runtime and what the engine's first decision imports
+(``scipy.optimize``, ``networkx``), none of which does.  Lightning does (its
 ``rank_zero_only.rank``, from ``RANK`` / ``LOCAL_RANK`` / ``SLURM_PROCID``): it is not in the
 default, and when a script's launcher preloads it (``--preload +lightning,lightning_ft``: ``+``
 adds to the default; it saves each Lightning worker its longest import) every fork sets that
@@ -54,7 +55,10 @@ from chameleon_ft.runtime import env as E
 
 __all__ = ["DEFAULT_PRELOAD", "preload_modules", "WarmSpawner", "WarmProcess", "WarmStartError"]
 
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "chameleon_ft.runtime.trainer")
+# scipy.optimize and networkx: the engine's first decision imports them (0.6 s on 2 cores; the
+# workers' helper threads did it after a random delay, and a failure in those first seconds
+# met survivors busy importing: DP MTTR 272 ms median against ~110 ms, 2026-12-03).
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "chameleon_ft.runtime.trainer", "scipy.optimize", "networkx")
 
 
 def preload_modules(spec: str) -> tuple[str, ...]:
