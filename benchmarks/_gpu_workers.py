@@ -213,14 +213,11 @@ def _backend(a) -> str:
     return "nccl" if a.per_gpu else "gloo"
 
 
-def plain_ddp(a) -> None:
+def _plain_loop(a, model, r: int, n: int, device) -> None:
+    """The data-parallel baselines' loop: each rank's contiguous share of the step's batch."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(_backend(a))
-    r, n = dist.get_rank(), dist.get_world_size()
-    device = device_of(a)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks(a)).to(device))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     mem = Memory(device)
     for step in range(STEPS_PER_EPOCH * a.epochs):
@@ -231,6 +228,16 @@ def plain_ddp(a) -> None:
         mem.step(step + 1)
     write(a, r, {}, mem)
     dist.destroy_process_group()
+
+
+def plain_ddp(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(_backend(a))
+    device = device_of(a)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks(a)).to(device))
+    _plain_loop(a, model, dist.get_rank(), dist.get_world_size(), device)
 
 
 def plain_fsdp(a) -> None:
@@ -240,23 +247,13 @@ def plain_fsdp(a) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(_backend(a))
-    r, n = dist.get_rank(), dist.get_world_size()
     device = device_of(a)
     model = torch.nn.Sequential(*blocks(a)).to(device)
-    mesh = init_device_mesh(device.type, (n,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for child in model:
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    mem = Memory(device)
-    for step in range(STEPS_PER_EPOCH * a.epochs):
-        x, y = _share(a, step, r, n)
-        mse(model(x.to(device)), y).backward()
-        opt.step()
-        opt.zero_grad()
-        mem.step(step + 1)
-    write(a, r, {}, mem)
-    dist.destroy_process_group()
+    _plain_loop(a, model, dist.get_rank(), dist.get_world_size(), device)
 
 
 def plain_pipe(a) -> None:
@@ -287,13 +284,10 @@ def plain_pipe(a) -> None:
             sched.step(x.to(device))
         else:
             sched.step(target=y.to(device))
-        flat = torch.cat([p.grad.reshape(-1) for p in sub.parameters()])
+        grads = [p.grad for p in sub.parameters()]
+        flat = torch.nn.utils.parameters_to_vector(grads)
         dist.all_reduce(flat, group=dp[stage])
-        flat /= 2
-        at = 0
-        for p in sub.parameters():
-            p.grad.copy_(flat[at:at + p.numel()].view_as(p))
-            at += p.numel()
+        torch.nn.utils.vector_to_parameters(flat / 2, grads)  # the stage's gradients, averaged
         opt.step()
         opt.zero_grad()
         mem.step(step + 1)
