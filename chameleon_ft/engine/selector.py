@@ -173,9 +173,12 @@ def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3):
     return best[1], best[2]
 
 
-def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster, **kw) -> Option:
+def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster, running: bool = False,
+                      **kw) -> Option:
+    """``running``: the plan the job runs now (``keep``): it fits whatever the memory model
+    says (an over-estimate must not leave a straggler or a joiner with nothing feasible)."""
     est = estimate(plan, state.workload, cluster, state.coeffs, kw.pop("dead", frozenset()), kw.get("extra"))
-    if not est.fits:
+    if not est.fits and not running:
         return Option(policy, False, f"needs more memory than devices {list(est.over_memory[:4])} have")
     return Option(policy, True, step_time=est.step_time, peak_memory=est.peak_memory,
                   plan=plan, breakdown=est.breakdown(), **kw)
@@ -436,7 +439,7 @@ def _straggler_options(event: Event, state: JobState, cfg: SelectorConfig) -> tu
     speeds = {d: state.cluster[d].speed / event.slowdown for d in event.devices}
     slowed = state.cluster.with_speeds(speeds)
     dead, extra = _rerouted(state)
-    keep = _option_from_plan("keep", plan, state, slowed, dead=dead, extra=extra)
+    keep = _option_from_plan("keep", plan, state, slowed, running=True, dead=dead, extra=extra)
     keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
     options = [keep]
     alive = set(state.alive)
@@ -470,7 +473,7 @@ def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[l
     before = frozenset(state.alive) - set(event.devices)  # the joiners hold nothing yet
     state = replace(state, alive=before)
     dead, extra = _rerouted(state)
-    keep = _option_from_plan("keep", plan, state, state.cluster, dead=dead, extra=extra)
+    keep = _option_from_plan("keep", plan, state, state.cluster, running=True, dead=dead, extra=extra)
     keep.transition_s, keep.global_batch = 0.0, _plan_batch(state)
     options = [keep]
     alive = set(state.alive) | set(event.devices)

@@ -383,6 +383,20 @@ def test_keep_is_never_ruled_out_by_the_allowed_policies():
         assert all(not o.feasible for o in d.options if o.policy not in only | {"keep"})
 
 
+def test_keep_stays_feasible_when_the_memory_model_says_the_running_plan_does_not_fit():
+    """The job runs its plan, so a memory model that over-estimates must not leave a straggler
+    or a joiner with nothing feasible (which would end in a restart)."""
+    w, _, _ = straggler_setup()
+    tiny = cluster(4, memory=1e3)  # far below the model's weights: nothing "fits"
+    plan = Plan.data_parallel(list(range(4)), w)
+    for ev, alive in ((Event(EventKind.STRAGGLER, (3,), slowdown=3.0), None),
+                      (Event(EventKind.JOIN, (3,)), set(tiny.ids))):
+        d = decide(plan, w, tiny, ev, alive=alive, mttf=1e6, space=SearchSpace(pp_max=1))
+        assert d.option("keep").feasible and d.option("keep").step_time > 0, ev.kind
+        assert d.chosen == "keep", (ev.kind, d.chosen)
+        assert all("memory" in o.reason for o in d.options if not o.feasible and o.policy in ("rebalance", "grow"))
+
+
 # -- bad input -------------------------------------------------------------------------
 def test_bad_input_raises_value_error():
     w, c, plan = straggler_setup()
