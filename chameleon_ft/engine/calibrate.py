@@ -147,6 +147,11 @@ class Calibrator:
         return fit_link(self.collectives, prior)
 
 
+def size_bucket(nbytes: float) -> int:
+    """A message size's power-of-two bucket (the p2p fit's unit of "one size")."""
+    return int(nbytes).bit_length()
+
+
 def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None = None) -> Link:
     """Alpha-beta fit of point-to-point messages: ``t = alpha + bytes / beta`` (non-negative
     least squares through each size's median).  With one message size the two cannot be told apart: the time is then
@@ -165,7 +170,7 @@ def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None
         # messages of one size would otherwise outweigh the few of another.
         groups: dict[int, list[int]] = {}
         for i, v in enumerate(x):
-            groups.setdefault(int(v).bit_length(), []).append(i)
+            groups.setdefault(size_bucket(v), []).append(i)
         gx = np.array([np.median(x[ix]) for ix in groups.values()])
         gt = np.array([np.median(t[ix]) for ix in groups.values()])
         (alpha, inv_bw), _ = _nnls(np.column_stack([np.ones_like(gx), gx]), gt)
@@ -285,8 +290,7 @@ class PipelineCalibrator:
 
     def observe_p2p(self, nbytes: float, seconds: float) -> None:
         if math.isfinite(nbytes) and math.isfinite(seconds) and nbytes >= 0 and seconds >= 0:
-            bucket = int(nbytes).bit_length()
-            self._p2p.setdefault(bucket, deque(maxlen=8 * self.window)).append((float(nbytes), float(seconds)))
+            self._p2p.setdefault(size_bucket(nbytes), deque(maxlen=8 * self.window)).append((float(nbytes), float(seconds)))
 
     @property
     def p2p(self) -> list[tuple[float, float]]:

@@ -48,10 +48,11 @@ def calibration_row(res, n_blocks: int, world: int, rank: int, optimizer_s: tupl
         for b, nbytes in res.out_bytes.items():
             mine[4 * b + 3] = nbytes
         mine[4 * nb:4 * nb + 4] = torch.tensor([res.task_overhead_s, res.tasks, *optimizer_s], dtype=torch.float64)
-        p2p, keep = sorted(res.p2p, key=lambda x: x[1]), _P2P_SLOTS - len(res.probes[:_P2P_SLOTS // 2])
-        if len(p2p) > keep:  # keep an even spread of the step's samples (and the link probe's)
-            p2p = [p2p[i * len(p2p) // keep] for i in range(keep)]
-        p2p = res.probes[:_P2P_SLOTS // 2] + p2p
+        probes = res.probes[:_P2P_SLOTS // 2]  # the link probe's samples go first
+        p2p, room = sorted(res.p2p, key=lambda x: x[1]), _P2P_SLOTS - len(probes)
+        if len(p2p) > room:  # keep an even spread of the step's samples
+            p2p = [p2p[i * len(p2p) // room] for i in range(room)]
+        p2p = probes + p2p
         for i, (nbytes, sec) in enumerate(p2p):
             at = 4 * nb + 4 + 2 * i
             mine[at:at + 2] = torch.tensor([nbytes, sec], dtype=torch.float64)

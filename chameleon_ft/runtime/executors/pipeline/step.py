@@ -95,6 +95,14 @@ def _split_backward(lo: int, hi: int, t0: float, t1: float, stamps: dict, fwd: d
     return {b: (t1 - t0) * fwd.get(b, 1.0 / (hi - lo)) / total for b in range(lo, hi)}
 
 
+def _hold(sent: float, nbytes: int, link_delay: Callable[[int], float] | None) -> None:
+    """Emulated network: hold a received message until ``sent + link_delay(nbytes)``."""
+    if link_delay is not None:
+        wait = sent + link_delay(nbytes) - time.time()
+        if wait > 0:
+            time.sleep(wait)
+
+
 _PROBE_TAG = 2 ** 30  # above every step tag (``_tag``) of a plan with < 2**20 micro-batch slots
 
 
@@ -124,10 +132,7 @@ def probe_links(gm, rank_of: dict[int, int], me: int, pairs: Sequence[tuple[int,
             buf = torch.empty(_HEAD_BYTES + nbytes, dtype=torch.uint8)
             gm.wait_p2p([gm.recv(buf, rank_of[src], _PROBE_TAG)], timeout_s)
             sent = float(buf[:8].view(torch.float64)[0])
-            if link_delay is not None:
-                hold = sent + link_delay(nbytes) - time.time()
-                if hold > 0:
-                    time.sleep(hold)
+            _hold(sent, nbytes, link_delay)
             out.append((nbytes, max(0.0, time.time() - sent)))
     gm.wait_p2p([w for w, _ in works], timeout_s)
     return out
@@ -238,10 +243,7 @@ def run_step(gm, rank_of: dict[int, int], me: int, blocks: Sequence[torch.nn.Mod
             wire[key] = (int(head[0]), tuple(t.shape))
         nbytes = t.numel() * t.element_size()
         sent = float(head[2:3].view(torch.float64)[0])
-        if link_delay is not None:
-            hold = sent + link_delay(nbytes) - time.time()
-            if hold > 0:
-                time.sleep(hold)
+        _hold(sent, nbytes, link_delay)
         t_done = time.perf_counter()
         res.waited_s += t_head - t_post
         wire_s[0] += t_done - t_head
