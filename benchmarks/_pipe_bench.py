@@ -67,14 +67,23 @@ class _Pad(torch.autograd.Function):
     def forward(ctx, x, s):
         ctx.s = s
         if s:
-            time.sleep(s)
+            _sleep(s)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.s:
-            time.sleep(2 * ctx.s)
+            _sleep(2 * ctx.s)
         return g, None
+
+
+PADDED = {"s": 0.0}  # seconds this worker spent in the emulated compute's sleeps (``--phases``)
+
+
+def _sleep(s: float) -> None:
+    t0 = time.perf_counter()
+    time.sleep(s)
+    PADDED["s"] += time.perf_counter() - t0
 
 
 class Block(torch.nn.Module):
@@ -117,6 +126,29 @@ def write_memory(path: str, who: int, extra: dict) -> None:
         json.dump({"worker": who, "peak_rss": peak_rss_bytes(), **extra}, f)
 
 
+class Phases:
+    """Per-step seconds of a step's phases on this worker (``--phases``: the profile of
+    ``benchmarks/pipeline_profile.py``), written to ``<out>.phases/<who>.json``."""
+
+    def __init__(self, out: str | None):
+        self.out, self.rows, self.cur = out, [], {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.cur[name] = self.cur.get(name, 0.0) + seconds
+
+    def step(self, step: int, ts: float) -> None:
+        if self.out:
+            self.rows.append({"step": step, "ts": ts, "emulated compute (sleeps)": PADDED["s"], **self.cur})
+        self.cur, PADDED["s"] = {}, 0.0
+
+    def write(self, who: int) -> None:
+        if self.out:
+            d = self.out + ".phases"
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"{who}.json"), "w") as f:
+                json.dump(self.rows, f)
+
+
 def dataset():
     g = torch.Generator().manual_seed(1234)
     return torch.utils.data.TensorDataset(torch.randn(N, IN, generator=g),
@@ -154,18 +186,21 @@ def run_torch(a) -> None:
     x_all, y_all = dataset().tensors
     half = a.global_batch // 2
     stamps = []
+    phases = Phases(a.phases)
     ck = _Checkpoints(a.ckpt_dir, rank) if a.ckpt_dir else None
     start = ck.resume(sub, opt) if ck else 0
     for step in range(start, a.steps):
         SLOW["factor"] = slow_factor(a.slow, rank, step + 1)
         base = (step * a.global_batch) % N + pipe * half
         x, y = x_all[base:base + half], y_all[base:base + half]
+        t0 = time.perf_counter()
         if stage == 0:
             sched.step(x)
         elif stage == P - 1:
             sched.step(target=y)
         else:
             sched.step()
+        t1 = time.perf_counter()
         grads = [p.grad.reshape(-1) for p in sub.parameters()]
         flat = torch.cat(grads)
         dist.all_reduce(flat, group=dp[stage])
@@ -174,9 +209,15 @@ def run_torch(a) -> None:
         for p in sub.parameters():
             p.grad.copy_(flat[at:at + p.numel()].view_as(p))
             at += p.numel()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
         stamps.append([step + 1, time.time()])
+        phases.add("pipeline", t1 - t0)
+        phases.add("grad reduce", t2 - t1)
+        phases.add("optimizer", t3 - t2)
+        phases.step(step + 1, t3)
         if ck:
             ck.committed(step + 1, stamps[-1][1])
             if (step + 1) % a.ckpt_every == 0:
@@ -184,6 +225,7 @@ def run_torch(a) -> None:
     if rank == 0:
         write(a.out, "torch", stamps)
     write_memory(a.out, rank, {"params": sum(p.numel() for p in sub.parameters())})
+    phases.write(rank)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -269,6 +311,36 @@ def _diag_blocking_p2p() -> None:
     GroupManager.wait_p2p = wait_p2p
 
 
+def _time_ft_phases(phases: Phases) -> None:
+    """``--phases`` in ft mode: the executor's step phases timed by wrapping its methods (a
+    measurement, not a change: the same calls in the same order)."""
+    from chameleon_ft.runtime.executors.pipeline import executor as ex
+
+    def timed(name, fn, after=None):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kw)
+            finally:
+                phases.add(name, time.perf_counter() - t0)
+            if after is not None:
+                after(out)
+            return out
+        return wrapper
+
+    def split(res):  # run_step's own account of its time
+        phases.add("pipeline: blocks' compute", res.compute_s)
+        phases.add("pipeline: waiting for a peer", res.waited_s)
+
+    ex.run_step = timed("pipeline", ex.run_step, split)
+    cls = ex.PipelineExecutor
+    cls._reduce_blocks = timed("grad reduce", cls._reduce_blocks)
+    cls._reduce_step = timed("commit (step agreement)", cls._reduce_step)
+    cls._apply_update = timed("optimizer", cls._apply_update)
+    cls._finish_step = timed("step bookkeeping (event log, calibration)", cls._finish_step)
+    cls._observe_calibration = timed("step bookkeeping (event log, calibration)", cls._observe_calibration)
+
+
 def run_ft(a) -> None:
     from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
@@ -276,6 +348,10 @@ def run_ft(a) -> None:
         _diag_no_start_check()
     elif a.diag == "blocking-p2p":
         _diag_blocking_p2p()
+
+    phases = Phases(a.phases)
+    if a.phases:
+        _time_ft_phases(phases)
 
     def main():
         import functools
@@ -294,6 +370,7 @@ def run_ft(a) -> None:
 
         def on_step(ctx):
             stamps.append([ctx.step, time.time()])
+            phases.step(ctx.step, time.perf_counter())
             SLOW["factor"] = slow_factor(a.slow, worker, ctx.step + 1)
             if writer and a.predict:
                 from chameleon_ft.engine.perf import estimate
@@ -317,6 +394,7 @@ def run_ft(a) -> None:
         ctx = trainer.ctx
         write_memory(a.out, worker, {"params": sum(ctx.block_numel[b] for b in ctx.held),
                                      "made": list(ctx.blockset.made)})
+        phases.write(worker)
 
     elastic_main(main)
 
@@ -347,6 +425,9 @@ if __name__ == "__main__":
                     help="ft: each emulated device's memory for the engine (ElasticConfig.device_memory_bytes)")
     ap.add_argument("--slow", default=None, metavar="WORKER:FACTOR:FROM_STEP",
                     help="straggler: that worker's emulated compute FACTOR x longer from that step on")
+    ap.add_argument("--phases", default=None, metavar="OUT",
+                    help="time each step's phases on every worker into OUT.phases/<worker>.json "
+                         "(benchmarks/pipeline_profile.py)")
     ap.add_argument("--ckpt-dir", default=None, help="torch: checkpoint-restart directory (see the doc)")
     ap.add_argument("--ckpt-every", type=int, default=10, help="torch: steps between checkpoints")
     a = ap.parse_args()

@@ -51,7 +51,7 @@ from typing import Optional
 from chameleon_ft.cli.coordinator import CoordinatorOpError, CoordinatorOps
 from chameleon_ft.cli.launch_flags import (LaunchError, apply_accelerate_flags, build_parser, parse_endpoint,
                                            parse_nnodes)
-from chameleon_ft.cli.netif import NoRoute, route_interface
+from chameleon_ft.cli.netif import NoRoute, route_interface, wait_reachable
 from chameleon_ft.cli.warmstart import WarmSpawner, WarmStartError, preload_modules
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
@@ -150,6 +150,14 @@ class Launcher:
     def connect(self) -> tuple[str, str]:
         """Host the coordinator (node 0) or reach node 0's: (store address, Lighthouse address)."""
         a = self.args
+        if a.rdzv_backend == "c10d" and a.node_rank != 0:
+            # Before the coordinator client (in the agent, once the template's imports are done).
+            host, port = self.endpoint
+            why = wait_reachable(host, port, a.rdzv_timeout)
+            if why is not None:
+                raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): nothing accepted a "
+                                  f"connection at {host}:{port} within {a.rdzv_timeout:g} s ({why}); start "
+                                  "node 0 first, or check the address and the firewall")
         self.ops = self._coordinator_ops()
         if a.rdzv_backend == "etcd":  # every node alike: the coordinator is the etcd cluster
             store = "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{a.rdzv_id}"

@@ -188,6 +188,8 @@ class WarmSpawner:
             except OSError:
                 pass
         self._req = self._agent_w = self._agent_r = -1
+        if not self._ready:  # still importing, nothing forked from it: no need to wait
+            self.proc.kill()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -158,6 +158,7 @@ def test_bad_launcher_input(tmp_path):
             "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "x"), worker, "--out", str(tmp_path))
     assert r.returncode == 1 and "cannot reach the coordinator" in r.stderr
     assert "started worker" not in r.stderr
+    assert "frame #" not in r.stderr and "Traceback" not in r.stderr, r.stderr  # one clean line
     r = run("no_such_script.py")
     assert r.returncode == 2 and "not found" in r.stderr
     # A fault aimed at a rank or node the job does not have would never fire.
