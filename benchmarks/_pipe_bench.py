@@ -332,13 +332,18 @@ def _time_ft_phases(phases: Phases) -> None:
         phases.add("pipeline: blocks' compute", res.compute_s)
         phases.add("pipeline: waiting for a peer", res.waited_s)
 
+    from chameleon_ft.runtime.eventlog import EventLog
+    from chameleon_ft.runtime.executors.pipeline import reduce as red
+
     ex.run_step = timed("pipeline", ex.run_step, split)
+    red.reduce_at_root = timed("commit: the sum through rank 0", red.reduce_at_root)
+    EventLog.write = timed("event log writes", EventLog.write)
     cls = ex.PipelineExecutor
     cls._reduce_blocks = timed("grad reduce", cls._reduce_blocks)
     cls._reduce_step = timed("commit (step agreement)", cls._reduce_step)
     cls._apply_update = timed("optimizer", cls._apply_update)
-    cls._finish_step = timed("step bookkeeping (event log, calibration)", cls._finish_step)
-    cls._observe_calibration = timed("step bookkeeping (event log, calibration)", cls._observe_calibration)
+    cls._finish_step = timed("step bookkeeping", cls._finish_step)
+    cls._observe_calibration = timed("calibration (the engine's observe)", cls._observe_calibration)
 
 
 def run_ft(a) -> None:

@@ -38,7 +38,7 @@ STAGES = 4
 TOP = {  # the phases that partition a step (the others are parts of "pipeline")
     "torch": ["pipeline", "grad reduce", "optimizer"],
     "ft": ["pipeline", "grad reduce", "commit (step agreement)", "optimizer",
-           "step bookkeeping (event log, calibration)"],
+           "calibration (the engine's observe)", "step bookkeeping"],
 }
 NAMES = {"torch": "torch.distributed.pipelining (Schedule1F1B) + DP all-reduce",
          "ft": "chameleon-ft ElasticTrainer(stages=4)"}
@@ -90,8 +90,9 @@ def markdown(res: dict) -> str:
              "the row above them.", "",
              "| phase | torch pipelining | chameleon-ft | difference |", "| --- | ---: | ---: | ---: |"]
     rows = ["interval", "pipeline", "  emulated compute (sleeps)", "  pipeline: blocks' compute",
-            "  pipeline: waiting for a peer", "grad reduce", "commit (step agreement)", "optimizer",
-            "step bookkeeping (event log, calibration)", "the rest"]
+            "  pipeline: waiting for a peer", "grad reduce", "commit (step agreement)",
+            "  commit: the sum through rank 0", "optimizer", "calibration (the engine's observe)",
+            "step bookkeeping", "the rest", "event log writes (within the rows above)"]
     for r in rows:
         n = r.strip()
         a, b = t["mean"].get(n), f["mean"].get(n)

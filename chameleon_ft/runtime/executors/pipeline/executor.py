@@ -50,7 +50,7 @@ from chameleon_ft.runtime import codec as run_state
 from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt, migration
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
 from chameleon_ft.runtime.executors.pipeline.calibration import calibration_row, read_rows
-from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets, reduce_at_root, reduce_sets
+from chameleon_ft.runtime.executors.pipeline.reduce import CommitPosts, holder_sets, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import PROBE_STEP, link_pairs, probe_links, probe_size, run_step
 from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
 from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
@@ -159,6 +159,7 @@ class PipelineExecutor(RecoveryCore):
         self._measured = False
         self._schedule_key = None
         self._wire: tuple = (None, {})  # (generation token, the message sizes of its pairs)
+        self._commit_posts = CommitPosts()  # rank 0's receives of the commit, posted early
         self._routes, self._orders, self._sets = [], {}, []
         self._measured_step = None  # the executor's StepResult of the step being committed
         self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
@@ -485,6 +486,7 @@ class PipelineExecutor(RecoveryCore):
         if self._wire[0] != self.view.token:  # message sizes are agreed per generation (step.py)
             self._wire = (self.view.token, {})
         try:
+            self._commit_posts.post(self.gm, self.view.token, self.dtype)
             probes = probe_links(self.gm, rank_of, self.worker_id, link_pairs(rs), probe_size(self.block_numel),
                                  self.hang_timeout_s, self._link_delay) if self.step == PROBE_STEP else []
             res = run_step(
@@ -542,8 +544,8 @@ class PipelineExecutor(RecoveryCore):
         self._last_commit = now
         return True
 
-    def _commit_reduce(self, buf: torch.Tensor) -> None:
-        reduce_at_root(self.gm, buf, self.hang_timeout_s)  # the commit point (reduce.py)
+    def _commit_reduce(self, buf: torch.Tensor) -> None:  # the commit point (reduce.py)
+        self._commit_posts.reduce(self.gm, self.view.token, buf, self.hang_timeout_s)
 
     def _reduce_blocks(self) -> dict[int, torch.Tensor]:
         """Every held block's gradient summed over its replicas (``reduce.py``)."""

@@ -19,6 +19,13 @@ buffer to rank 0, which adds them in rank order and sends the sum back -- two me
 after the last member's contribution, where gloo's ring all-reduce takes 2 (n - 1) (measured on
 8 workers sharing 2 cores: 15 ms per step on the critical path).  It completes everywhere or
 fails like the ring: a member that got the sum committed, one that did not rolls forward.
+
+Rank 0 posts its receives of the next commit when the step starts (``post_commit``; the
+buffer's size is the generation's, known from its first commit): gloo moves a message only once
+its receive is posted, so otherwise each contribution waited for rank 0 to reach the commit --
+a round trip through 7 processes on the critical path (7 ms of a 740 ms step in
+``benchmarks/pipeline_profile.py``, 2026-12-03).  Posted early, the contributions arrive while
+rank 0 (stage 0: the last to finish a 1F1B step) still computes.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 
 from chameleon_ft.engine.plan import Plan
 
-__all__ = ["holder_sets", "reduce_at_root", "reduce_sets"]
+__all__ = ["CommitPosts", "holder_sets", "post_commit", "reduce_at_root", "reduce_sets"]
 
 # Point-to-point tags of the commit: above every step message's (step.py: slot * 1024 + ...,
 # for fewer than 2**19 micro-batches a step), below the migration's (migration.py, 2**30 on).
@@ -74,18 +81,54 @@ def reduce_sets(gm, sets, me: int, rank_of: dict[int, int], grads_of, dtype: tor
     return out
 
 
-def reduce_at_root(gm, buf: torch.Tensor, timeout_s: float) -> None:
+def post_commit(gm, numel: int, dtype: torch.dtype) -> list:
+    """Rank 0: the receives of the next commit's contributions, posted now (module doc):
+    ``[(work, buffer)]`` for ranks 1..n-1, for ``reduce_at_root(posted=...)``; [] elsewhere."""
+    n, r = gm.view.world_size, gm.view.rank
+    if r != 0 or n == 1:
+        return []
+    parts = [torch.empty(numel, dtype=dtype) for _ in range(n - 1)]
+    return [(gm.recv(p, i + 1, _COMMIT_TAG), p) for i, p in enumerate(parts)]
+
+
+def reduce_at_root(gm, buf: torch.Tensor, timeout_s: float, posted: list = ()) -> None:
     """Sum ``buf`` (CPU) over every member of ``gm``'s generation, in place, through rank 0
-    (module doc); the same bits everywhere.  Raises ``CollectiveFailure`` like a collective."""
+    (module doc); the same bits everywhere.  ``posted``: rank 0's receives from
+    ``post_commit`` on this generation's group, of ``buf``'s size.  Raises
+    ``CollectiveFailure`` like a collective."""
     n, r = gm.view.world_size, gm.view.rank
     if n == 1:
         return
     if r == 0:
-        parts = [torch.empty_like(buf) for _ in range(n - 1)]
-        gm.wait_p2p([gm.recv(p, i + 1, _COMMIT_TAG) for i, p in enumerate(parts)], timeout_s)
+        if posted:
+            if len(posted) != n - 1 or any(p.numel() != buf.numel() or p.dtype != buf.dtype for _, p in posted):
+                raise RuntimeError("the commit's posted receives do not match its buffer")  # a bug, not a failure
+            works, parts = [w for w, _ in posted], [p for _, p in posted]
+        else:
+            parts = [torch.empty_like(buf) for _ in range(n - 1)]
+            works = [gm.recv(p, i + 1, _COMMIT_TAG) for i, p in enumerate(parts)]
+        gm.wait_p2p(works, timeout_s)
         for p in parts:  # rank order
             buf += p
         gm.wait_p2p([gm.send(buf, i, _COMMIT_TAG + 1) for i in range(1, n)], timeout_s)
     else:
         mine = buf.clone()
         gm.wait_p2p([gm.send(mine, 0, _COMMIT_TAG), gm.recv(buf, 0, _COMMIT_TAG + 1)], timeout_s)
+
+
+class CommitPosts:
+    """Rank 0's early-posted receives of the commit, per generation (module doc): ``post``
+    when a step starts (once the generation's commit size is known), ``reduce`` at its commit."""
+
+    def __init__(self) -> None:
+        self.size: tuple = (None, 0)  # (generation token, the commit buffer's elements)
+        self.posted: tuple = (None, [])  # (generation token, post_commit's receives)
+
+    def post(self, gm, token, dtype: torch.dtype) -> None:
+        if self.size[0] == token and self.posted[0] != token:  # (a redone step keeps its posts)
+            self.posted = (token, post_commit(gm, self.size[1], dtype))
+
+    def reduce(self, gm, token, buf: torch.Tensor, timeout_s: float) -> None:
+        posted = self.posted[1] if self.posted[0] == token else []
+        self.posted, self.size = (None, []), (token, buf.numel())  # the next step posts anew
+        reduce_at_root(gm, buf, timeout_s, posted)
