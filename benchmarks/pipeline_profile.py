@@ -87,16 +87,20 @@ def markdown(res: dict) -> str:
              f"{c['warmup']} skipped", f"* wall time: {res['wall_s']:.0f} s", "",
              "Method: `benchmarks/pipeline_profile.py` (its docstring).  Milliseconds per step, median over steps "
              "of each worker, mean over the workers of a stage, then over the 4 stages.  Indented rows are parts of "
-             "the row above them.", "",
+             "the row above them.  A stage that waits for another waits inside some phase (ours: mostly the "
+             "commit), so the mean of a phase over stages is not its cost: the step ends at stage 0 (see the "
+             "per-stage table and the reading below).", "",
              "| phase | torch pipelining | chameleon-ft | difference |", "| --- | ---: | ---: | ---: |"]
     rows = ["interval", "pipeline", "  emulated compute (sleeps)", "  pipeline: blocks' compute",
             "  pipeline: waiting for a peer", "grad reduce", "commit (step agreement)",
             "  commit: the sum through rank 0", "optimizer", "calibration (the engine's observe)",
-            "step bookkeeping", "the rest", "event log writes (within the rows above)"]
+            "step bookkeeping", "the rest", "event log writes"]
     for r in rows:
         n = r.strip()
         a, b = t["mean"].get(n), f["mean"].get(n)
-        label = ("&nbsp;&nbsp;" + n) if r.startswith("  ") else ("**step interval (commit to commit)**" if n == "interval" else n)
+        label = ("&nbsp;&nbsp;" + n) if r.startswith("  ") else {
+            "interval": "**step interval (commit to commit)**",
+            "event log writes": "event log writes (within the rows above)"}.get(n, n)
         cell = lambda x: "-" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
         diff = "-" if a is None and b is None else f"{((b or 0.0) - (a or 0.0)) * 1e3:+.1f}"
         lines.append(f"| {label} | {cell(a)} | {cell(b)} | {diff} |")
