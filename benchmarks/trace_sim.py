@@ -36,18 +36,28 @@ def _start(stamps: list, warmup: int) -> float:
     return next((t for s, t in st if s >= warmup), st[0][1])
 
 
-def setup_from_run(res: dict, system: str = "adaptive") -> Optional[TraceSetup]:
+def relaunch_seconds(restart: dict, ckpt_every: int, step_s: float) -> list[float]:
+    """The torchrun system's relaunch per kill: its MTTR (fault -> first commit of a new step)
+    less the steps it redid since its last checkpoint (the simulator adds those itself)."""
+    out = []
+    for f in (restart.get("metrics") or {}).get("faults", []):
+        if f.get("mttr_s") is None:
+            continue
+        done = max((s for s, t in restart.get("stamps") or [] if t <= f["t"]), default=0) if "t" in f else 0
+        out.append(max(0.0, f["mttr_s"] - (done % ckpt_every) * step_s))
+    return out
+
+
+def _replayed(res: dict, system: str) -> Optional[tuple[Trace, list[float]]]:
+    """``system``'s own run as a trace: its faults at their wall times from its first post-warm-up
+    commit, its replacements' joins (chameleon-ft: when the engine decided on one; torchrun: the
+    replaced worker relaunches with the others, so it is back at once -- its relaunch takes it
+    in), horizon = its measured span; and the measured kill -> join seconds."""
     run = res["systems"].get(system) or {}
-    events = run.get("events") or []
-    faults = run.get("faults") or []
-    cals = [e for e in events if e.get("event") == "calibration" and e.get("setup")]
-    if not cals or not run.get("stamps"):
+    faults, events = run.get("faults") or [], run.get("events") or []
+    if not run.get("stamps"):
         return None
-    t_fault = min((f["t"] for f in faults), default=float("inf"))
-    before = [c for c in cals if c["ts"] < t_fault] or cals[:1]
-    setup = before[-1]["setup"]
-    warmup = int(res.get("config", {}).get("warmup", 5))
-    t0 = _start(run["stamps"], warmup)
+    t0 = _start(run["stamps"], int(res.get("config", {}).get("warmup", 5)))
     horizon = max(t for _, t in run["stamps"]) - t0
     evs = []
     for f in faults:
@@ -63,13 +73,37 @@ def setup_from_run(res: dict, system: str = "adaptive") -> Optional[TraceSetup]:
         killed = [f["t"] for f in faults if f["kind"] == "kill" and (int(f["worker"]),) == devs and f["t"] < j["ts"]]
         if killed:
             etas.append(j["ts"] - max(killed))
+    if system == "restart":
+        replaced = {f["step"] for f in res["trace"].get("faults", []) if f["kind"] == "kill" and f.get("replaced")}
+        for f in faults:
+            if f["kind"] == "kill" and f["step"] in replaced:
+                evs.append(TraceEvent(max(0.0, f["t"] - t0) + 1e-3, "join", (int(f["worker"]),)))
     trace = Trace(tuple(sorted(evs, key=lambda e: e.t_s)), horizon, res["trace"]["name"],
                   f"replayed from benchmarks/pipeline_trace.py ({system} run)")
+    return trace, etas
+
+
+def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = None) -> Optional[TraceSetup]:
+    """The simulator's setup from ``system``'s calibration, replaying ``replay``'s own run
+    (default: the same system's)."""
+    run = res["systems"].get(system) or {}
+    events = run.get("events") or []
+    faults = run.get("faults") or []
+    cals = [e for e in events if e.get("event") == "calibration" and e.get("setup")]
+    got = _replayed(res, replay or system)
+    if not cals or got is None:
+        return None
+    t_fault = min((f["t"] for f in faults), default=float("inf"))
+    before = [c for c in cals if c["ts"] < t_fault] or cals[:1]
+    setup = before[-1]["setup"]
+    trace, etas = got
+    if replay and replay != system:
+        etas = _replayed(res, system)[1]
     restart = res["systems"].get("restart") or {}
-    mttrs = [f.get("mttr_s") for f in (restart.get("metrics") or {}).get("faults", []) if f.get("mttr_s")]
     cfg = res.get("config", {})
     ff_rate = (restart.get("metrics") or {}).get("ff_steps_per_s")
     ff = 1.0 / ff_rate if ff_rate else 0.5
+    mttrs = relaunch_seconds(restart, int(cfg.get("ckpt_every", 10)), ff)
     first = next((e["decision"] for e in events if e.get("event") == "decision"), {})
     cal = before[-1]
     return TraceSetup(
@@ -85,7 +119,9 @@ def setup_from_run(res: dict, system: str = "adaptive") -> Optional[TraceSetup]:
 
 def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
     """Simulated average throughput per policy on the recorded and the scaled job, beside the
-    measured one per system (8 workers)."""
+    measured one per system (8 workers).  On the recorded job each policy with a measured run
+    replays that run's own trace (its fault times and span: a restart's relaunches stretch its
+    run); the others and the scaled job replay the adaptive run's."""
     setup = setup_from_run(res)
     if setup is None:
         return None
@@ -95,8 +131,9 @@ def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
     for n in devices:
         sim = setup.run(devices=n, policies=policies)
         for p in policies:
-            row = {"devices": n, "policy": p, "simulated": sim[p].throughput,
-                   "decisions": dict(sim[p].counts)}
+            own = setup_from_run(res, replay=p) if (n == len(setup.cluster.devices) and measured.get(p)) else None
+            r = own.run(devices=n, policies=(p,))[p] if own is not None else sim[p]
+            row = {"devices": n, "policy": p, "simulated": r.throughput, "decisions": dict(r.counts)}
             if n == len(setup.cluster.devices):
                 row["measured"] = measured.get(p)
             out["rows"].append(row)
@@ -109,10 +146,11 @@ def markdown(cmp: Optional[dict], mode: str) -> list[str]:
     lines = [f"## The same trace in the simulator ({mode} coefficients)", "",
              "`benchmarks/trace_sim.py`: the adaptive run's calibrated workload, device speeds, links and "
              "overheads, the trace's faults at their measured times, restart = the torchrun system's measured "
-             "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).  The horizon is the "
-             "adaptive run's span: a system whose run took longer (restart: two ~24 s relaunches) is simulated "
-             "over less time than it ran, and the simulated restart also relaunches when the replacement joins "
-             "(torchrun's restart brought the replacement in with it): read its row as a bound, not a match.", "",
+             "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).  On the 8-device job "
+             "each measured system's row replays that system's own run (its fault times and span: a restart's "
+             "relaunches stretch its run; torchrun relaunches a replaced worker with the others, so it joins "
+             "the relaunch); the others and the 32-device job replay the adaptive run's.  The simulated restart "
+             "runs at the adaptive run's calibrated step time, not torchrun's own.", "",
              "| devices | policy | simulated samples/s | measured samples/s | simulated / measured | simulated decisions |",
              "| ---: | --- | ---: | ---: | ---: | --- |"]
     for r in cmp["rows"]:

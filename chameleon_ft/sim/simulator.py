@@ -272,6 +272,7 @@ class _Job:
         self.b_step_time = estimate(base, self.workload, self.decide_cluster, self.coeffs).step_time
         self.step_time = self._true_step(base)
         self.busy_until = self.b_busy_until = 0.0
+        self.restart_until = -math.inf  # a relaunch in progress ends then (devices back by then join it)
         self.decisions: dict[str, int] = {}
         self.decide_s: list[float] = []
         allowed = {"adaptive": frozenset({"reroute", "replan", "restart", "keep", "heal", "grow"}),
@@ -328,6 +329,8 @@ class _Job:
         self.b_busy_until = max(self.b_busy_until, now) + option.transition_s
         self.step_time = true_step
         self.busy_until = max(self.busy_until, now) + option.transition_s + extra_s
+        if option.policy == "restart":
+            self.restart_until = self.busy_until
         self._record(now, self._kind, option.policy, option.transition_s)
 
     def fail(self, now: float, devices: tuple[int, ...]) -> None:
@@ -360,7 +363,12 @@ class _Job:
         if self.busy_until == math.inf:
             self._restart_over_alive(now)
             return
-        if self.policy == "restart":
+        if self.policy == "restart" and now < self.restart_until:
+            # Back while a relaunch is under way: the relaunch takes it in (torchrun's rendezvous
+            # admits the restarted node's workers), no second restart.
+            self._plan_over_alive()
+            self._record(now, kind, "restart", 0.0)
+        elif self.policy == "restart":
             self._restart_over_alive(now)
         else:
             t0 = time.perf_counter()
@@ -404,17 +412,22 @@ class _Job:
                 return option
         return None
 
-    def _restart_over_alive(self, now: float) -> None:
+    def _plan_over_alive(self) -> None:
+        """Run the best plan over the devices alive, from a checkpoint (a restart's layout)."""
         survivors = self.decide_cluster.without(set(self.cluster.ids) - self.alive)
         best = plan_search(self.workload, survivors, self.coeffs, self.setting.space, base=self.full_plan).best
         self.plan, self.b_step_time = best.plan, best.estimate.step_time
         self.run_dead, self.run_extra = frozenset(), {}
         self.step_time = self._true_step(best.plan, predicted=best.estimate.step_time)
         self.batch = self.workload.global_batch
+
+    def _restart_over_alive(self, now: float) -> None:
+        self._plan_over_alive()
         lost = (now % self.setting.checkpoint_every_s)
         for attr, cost in (("busy_until", self.setting.restart_s * self.truth.restart), ("b_busy_until", self.restart_d)):
             busy = getattr(self, attr)
             setattr(self, attr, max(busy if busy != math.inf else now, now) + cost + lost)
+        self.restart_until = self.busy_until
         self.decisions["restart"] = self.decisions.get("restart", 0) + 1
         self._record(now, self._kind, "restart", self.restart_d + lost)
 

@@ -16,7 +16,9 @@ is the truth).
   here do not rebalance stragglers); later decisions see it.
 * ``restart`` is torchrun-style checkpoint-restart: every membership change (fail or join) pays
   ``restart_s`` plus the steps since the last checkpoint (every ``checkpoint_every_s``), redone,
-  then runs the best plan over the devices alive.
+  then runs the best plan over the devices alive -- except a device back while a relaunch is
+  still under way, which that relaunch takes in (torchrun's rendezvous admits a restarted
+  node's workers: a kill with a quick replacement is one restart, not two).
 * ``redundant`` is a **Bamboo-like stand-in, simulation only** (Thorpe et al., NSDI'23; not
   Bamboo's code or its schedule): each stage keeps a copy of a neighbour's layers and runs their
   forward pass redundantly; stage ``s > 0`` is shadowed by its predecessor ``s − 1`` and stage 0,

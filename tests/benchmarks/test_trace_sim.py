@@ -70,6 +70,27 @@ def test_compare_rows_and_markdown():
     assert "| 8 | adaptive |" in md and "| 32 | redundant |" in md and "adaptive / better fixed" in md
 
 
+def test_the_restart_row_replays_its_own_run_and_relaunch():
+    """torchrun's run: its own fault times and span, the replaced worker back with the relaunch
+    (one restart, not two), and the relaunch is its MTTR less the steps it redid."""
+    res = synthetic_result()
+    rs = res["systems"]["restart"]
+    rs["stamps"] = [[s, 100.0 + 0.5 * s] for s in range(1, 34)] + [[s, 140.0 + 0.5 * s] for s in range(31, 121)]
+    rs["faults"] = [{"step": 33, "kind": "kill", "worker": 1, "t": 116.6}]
+    rs["metrics"]["faults"] = [{"kind": "kill", "mttr_s": 40.0, "t": 116.6}]
+    res["trace"]["faults"] = [{"step": 33, "kind": "kill", "worker": 1, "replaced": True}]
+    assert trace_sim.relaunch_seconds(rs, 10, 0.5) == [pytest.approx(40.0 - 3 * 0.5)]  # steps 31-33 redone
+    own = trace_sim.setup_from_run(res, replay="restart")
+    t0 = 100.0 + 0.5 * 5
+    assert [(e.kind, round(e.t_s, 3)) for e in own.trace.events] == [("fail", round(116.6 - t0, 3)),
+                                                                   ("join", round(116.6 - t0 + 1e-3, 3))]
+    assert own.trace.horizon_s == pytest.approx(200.0 - t0)
+    got = own.run(devices=8, policies=("restart",))["restart"]
+    assert got.counts == {"restart": 1}
+    row = next(r for r in trace_sim.compare(res)["rows"] if (r["devices"], r["policy"]) == (8, "restart"))
+    assert row["simulated"] == pytest.approx(got.throughput) and row["decisions"] == {"restart": 1}
+
+
 def test_no_calibration_record_no_setup():
     res = synthetic_result()
     res["systems"]["adaptive"]["events"] = []

@@ -121,6 +121,22 @@ def test_restart_pays_restart_and_redone_steps(job):
     assert join[1:3] == ("join", "restart") and join[4] == pytest.approx(RESTART)
 
 
+def test_a_device_back_during_the_relaunch_joins_it(job):
+    """torchrun's restart admits a replaced node's workers in the same rendezvous: a join while
+    the relaunch is still under way costs nothing more, and the job runs on every device after
+    it; a join after the relaunch ended restarts again."""
+    w, c, plan = job
+    quick = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(105, "join", (1,))), 1000)
+    r = run(job, quick, ("restart",), mttf_s=1000)["restart"]
+    assert r.counts == {"restart": 1}
+    (_, k1, c1, _, t1), (_, k2, c2, step2, t2) = r.decisions[:2]
+    assert (k1, c1, k2, c2) == ("fail", "restart", "join", "restart") and t1 > 5 and t2 == 0.0
+    every = plan_search(w, c, Coefficients(), SearchSpace(), base=plan).best.estimate.step_time
+    assert step2 == pytest.approx(every)  # the best plan over all 8 devices again
+    late = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(900, "join", (1,))), 1000)
+    assert run(job, late, ("restart",), mttf_s=1000)["restart"].counts == {"restart": 2}
+
+
 def test_redundant_takes_over_a_lost_stage(job):
     w, c, plan = job
     res = run(job, one_fail(1000.0, (1,)), ("redundant", "reroute"), mttf_s=1000, redundant_overhead=1.2)
