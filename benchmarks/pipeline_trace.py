@@ -92,7 +92,7 @@ from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
 from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants  # noqa: E402
 from harness.systems import free_port  # noqa: E402
 # The report (markdown, plot) renders the results JSON: benchmarks/pipeline_trace_report.py.
-from pipeline_trace_report import FT_ALLOWED, MODE, _fmt, choice_rows, markdown, plot, why_lines  # noqa: E402,F401
+from pipeline_trace_report import FT_ALLOWED, MODE, _fmt, choice_rows, markdown, plot, summary, why_lines  # noqa: E402,F401
 
 SYSTEMS = ("adaptive", "reroute", "replan", "restart")
 COPIED_EVENTS = ("calibration", "prediction")
@@ -398,28 +398,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default="docs/img/pipeline-trace.png")
     ap.add_argument("--workdir", help="keep every run's directory here")
     ap.add_argument("--from-json", help="no runs: recompute the metrics of these results (written back) and "
-                                        "re-render the plot and markdown")
+                                        "re-render the plot and markdown; several files (comma-separated): one "
+                                        "page, a summary over the traces first, a plot per trace")
     return ap
 
 
 def run(argv=None) -> dict:
     a = build_parser().parse_args(argv)
-    if a.from_json:
-        res = recompute(json.loads(Path(a.from_json).read_text()))
-    else:
-        res = collect(a, argv)
-    if a.plot:
-        plot(res, Path(a.plot))
-        res["plot"] = a.plot
-        res["plot_rel"] = os.path.relpath(a.plot, Path(a.markdown).parent if a.markdown else "docs")
-    out = a.from_json or a.json  # re-rendering updates the recomputed metrics in place
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(res, indent=1))
+    paths = [p for p in (a.from_json or "").split(",") if p]
+    results = [recompute(json.loads(Path(p).read_text())) for p in paths] or [collect(a, argv)]
+    for i, res in enumerate(results):
+        if a.plot:
+            path = Path(a.plot)
+            path = path if i == 0 else path.with_name(f"{path.stem}-{res['trace']['name']}{path.suffix}")
+            plot(res, path)
+            res["plot"] = str(path)
+            res["plot_rel"] = os.path.relpath(path, Path(a.markdown).parent if a.markdown else "docs")
+        out = paths[i] if paths else a.json  # re-rendering updates the recomputed metrics in place
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(res, indent=1))
     if a.markdown:
         Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.markdown).write_text("# Pipeline (DP x PP) failure trace\n\n" + markdown(res))
-    return res
+        body = "\n".join(markdown(r) for r in results)
+        if len(results) > 1:
+            body = "\n".join(summary(results)) + "\n\n" + body
+        Path(a.markdown).write_text("# Pipeline (DP x PP) failure trace\n\n" + body)
+    return results[0]
 
 
 def recompute(res: dict) -> dict:

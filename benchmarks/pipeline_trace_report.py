@@ -72,6 +72,31 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> list[str]:
+    """Several traces' results at a glance: each system's average throughput, adaptive against
+    the best other system, and the simulator's figure over the measured one per policy."""
+    names = ["adaptive", "reroute", "replan", "restart"]
+    lines = ["## The traces at a glance", "",
+             "Average throughput (samples/s) per system on each trace (the sections below: commands, "
+             "definitions, decisions), and the simulator's replay of each system's own run against it.", "",
+             "| trace | adaptive | always-reroute | always-replan | torchrun restart | adaptive / best other "
+             "| simulated / measured: adaptive, reroute, replan, restart |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for res in results:
+        tp = {n: (res["systems"].get(n) or {}).get("metrics", {}).get("throughput") for n in names}
+        others = [tp[n] for n in names[1:] if tp[n]]
+        best = f"{tp['adaptive'] / max(others):.2f}" if tp["adaptive"] and others else "-"
+        sim = {(r["devices"], r["policy"]): r for r in ((res.get("simulated") or {}).get("rows") or [])}
+        n_dev = min((d for d, _ in sim), default=None)
+        ratios = []
+        for n in names:
+            r = sim.get((n_dev, n)) or {}
+            ratios.append(f"{r['simulated'] / r['measured']:.2f}" if r.get("measured") and r.get("simulated") else "-")
+        lines.append(f"| `{res['trace']['name']}` | " + " | ".join(_fmt(tp[n], 1) for n in names)
+                     + f" | {best} | {', '.join(ratios)} |")
+    return lines
+
+
 def choice_rows(res: dict) -> list[dict]:
     """Per adaptive decision (in order): its event, the candidates' scores, the best one, and the
     choice each fixed chameleon-ft system made at the same point of the trace (its decision of

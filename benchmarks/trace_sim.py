@@ -22,11 +22,14 @@ with the model; the measured runs are one each on a shared machine.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Optional
+
+from chameleon_ft.engine.perf import estimate
 
 from chameleon_ft.engine.planner import SearchSpace
 from chameleon_ft.sim.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
-                                workload_from_json)
+                                trace_setting, workload_from_json)
 
 SIM_POLICY = {"adaptive": "adaptive", "reroute": "reroute", "replan": "replan", "restart": "restart"}
 
@@ -50,9 +53,9 @@ def relaunch_seconds(restart: dict, ckpt_every: int, step_s: float) -> list[floa
 
 def _replayed(res: dict, system: str) -> Optional[tuple[Trace, list[float]]]:
     """``system``'s own run as a trace: its faults at their wall times from its first post-warm-up
-    commit, its replacements' joins (chameleon-ft: when the engine decided on one; torchrun: the
-    replaced worker relaunches with the others, so it is back at once -- its relaunch takes it
-    in), horizon = its measured span; and the measured kill -> join seconds."""
+    commit, its replacements' joins (chameleon-ft: when the engine decided on one; torchrun: it
+    relaunches every worker, the killed one too, so that one is back at once -- its relaunch
+    takes it in), horizon = its measured span; and the measured kill -> join seconds."""
     run = res["systems"].get(system) or {}
     faults, events = run.get("faults") or [], run.get("events") or []
     if not run.get("stamps"):
@@ -73,10 +76,9 @@ def _replayed(res: dict, system: str) -> Optional[tuple[Trace, list[float]]]:
         killed = [f["t"] for f in faults if f["kind"] == "kill" and (int(f["worker"]),) == devs and f["t"] < j["ts"]]
         if killed:
             etas.append(j["ts"] - max(killed))
-    if system == "restart":
-        replaced = {f["step"] for f in res["trace"].get("faults", []) if f["kind"] == "kill" and f.get("replaced")}
+    if system == "restart":  # torchrun relaunches every worker, the killed one too, on its device
         for f in faults:
-            if f["kind"] == "kill" and f["step"] in replaced:
+            if f["kind"] == "kill":
                 evs.append(TraceEvent(max(0.0, f["t"] - t0) + 1e-3, "join", (int(f["worker"]),)))
     trace = Trace(tuple(sorted(evs, key=lambda e: e.t_s)), horizon, res["trace"]["name"],
                   f"replayed from benchmarks/pipeline_trace.py ({system} run)")
@@ -106,6 +108,7 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
     mttrs = relaunch_seconds(restart, int(cfg.get("ckpt_every", 10)), ff)
     first = next((e["decision"] for e in events if e.get("event") == "decision"), {})
     cal = before[-1]
+    warmup = int(cfg.get("warmup", 5))
     return TraceSetup(
         trace, workload_from_json(setup["workload"]), cluster_from_json(setup["cluster"]),
         coefficients_from_json(setup["coefficients"]), stages=int(cfg.get("stages", 4)),
@@ -114,7 +117,24 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
         checkpoint_every_s=float(cfg.get("ckpt_every", 10)) * ff,
         mttf_s=first.get("mttf_s") or setup.get("mttf_s"),
         space=SearchSpace(dp_min=2, min_microbatches=1),
-        replacement_eta_s=statistics.median(etas) if etas else None)
+        replacement_eta_s=statistics.median(etas) if etas else None,
+        # The trace starts at the first commit after warm-up; checkpoints are every ckpt_every
+        # steps from step 0.
+        checkpoint_phase_s=(warmup % int(cfg.get("ckpt_every", 10))) * ff)
+
+
+def at_step_time(setup: TraceSetup, step_s: float) -> TraceSetup:
+    """``setup`` with every time coefficient scaled so that its deployed plan's step takes
+    ``step_s`` (the estimate is homogeneous in them): the torchrun system replayed at its own
+    measured failure-free step rather than ours."""
+    w, c, plan = trace_setting(setup.workload, setup.cluster, len(setup.cluster.devices), setup.stages)
+    now = estimate(plan, w, c, setup.coefficients).step_time
+    r = step_s / now if now > 0 else 1.0
+    k = setup.coefficients
+    coeffs = replace(k, compute_scale=k.compute_scale * r, comm_scale=k.comm_scale * r,
+                     step_overhead_s=k.step_overhead_s * r, task_overhead_s=k.task_overhead_s * r,
+                     optimizer_s_per_param=k.optimizer_s_per_param * r, hop_overhead_s=k.hop_overhead_s * r)
+    return replace(setup, coefficients=coeffs, rebuild_s=setup.rebuild_s)
 
 
 def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
@@ -132,6 +152,9 @@ def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
         sim = setup.run(devices=n, policies=policies)
         for p in policies:
             own = setup_from_run(res, replay=p) if (n == len(setup.cluster.devices) and measured.get(p)) else None
+            ff_rate = ((res["systems"].get("restart") or {}).get("metrics") or {}).get("ff_steps_per_s")
+            if own is not None and p == "restart" and ff_rate:
+                own = at_step_time(own, 1.0 / ff_rate)
             r = own.run(devices=n, policies=(p,))[p] if own is not None else sim[p]
             row = {"devices": n, "policy": p, "simulated": r.throughput, "decisions": dict(r.counts)}
             if n == len(setup.cluster.devices):
@@ -148,9 +171,9 @@ def markdown(cmp: Optional[dict], mode: str) -> list[str]:
              "overheads, the trace's faults at their measured times, restart = the torchrun system's measured "
              "MTTR; `redundant` is the simulator's Bamboo-like stand-in (simulation only).  On the 8-device job "
              "each measured system's row replays that system's own run (its fault times and span: a restart's "
-             "relaunches stretch its run; torchrun relaunches a replaced worker with the others, so it joins "
-             "the relaunch); the others and the 32-device job replay the adaptive run's.  The simulated restart "
-             "runs at the adaptive run's calibrated step time, not torchrun's own.", "",
+             "relaunches stretch its run; torchrun relaunches every worker, the killed one too, so that one "
+             "joins the relaunch; its steps at torchrun's own measured failure-free step, its checkpoints every "
+             "`--ckpt-every` steps from step 0); the others and the 32-device job replay the adaptive run's.", "",
              "| devices | policy | simulated samples/s | measured samples/s | simulated / measured | simulated decisions |",
              "| ---: | --- | ---: | ---: | ---: | --- |"]
     for r in cmp["rows"]:

@@ -166,8 +166,12 @@ class TrueModel:
         return self == TrueModel()
 
     def coefficients(self, believed: Coefficients) -> Coefficients:
-        return Coefficients(believed.compute_scale * self.compute, believed.comm_scale * self.comm,
-                            believed.step_overhead_s + self.overhead_s)
+        """The believed coefficients with the true factors applied; the per-task, per-hop and
+        optimizer costs a pipeline job calibrated are kept as they are (until 2026-12-03 they
+        were dropped, so a replayed pipeline trace ran faster than its own calibration)."""
+        return replace(believed, compute_scale=believed.compute_scale * self.compute,
+                       comm_scale=believed.comm_scale * self.comm,
+                       step_overhead_s=believed.step_overhead_s + self.overhead_s)
 
     def cluster(self, believed: Cluster) -> Cluster:
         slow = lambda link: Link(link.latency_s, link.bandwidth_Bps / self.link)  # noqa: E731
@@ -242,6 +246,11 @@ class JobSetting:
     mttf: Callable[[int, int], float]
     rebuild_s: float = _REBUILD_S
     replacement_eta_s: float | None = None  # lets the adaptive policies consider ``wait``
+    checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint at time 0
+
+    def since_checkpoint(self, now: float) -> float:
+        """Seconds of work since the last checkpoint at ``now`` (what a restart redoes)."""
+        return (now + self.checkpoint_phase_s) % self.checkpoint_every_s
 
 
 class _Job:
@@ -339,7 +348,7 @@ class _Job:
         if not devs:
             self._record(now, "fail", "ignored", 0.0)
             return
-        self._redo = int((now % self.setting.checkpoint_every_s) / self.step_time)
+        self._redo = int(self.setting.since_checkpoint(now) / self.step_time)
         cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
         t0 = time.perf_counter()
         down = len(self.cluster.ids) - len(self.alive) + len(devs)
@@ -423,7 +432,7 @@ class _Job:
 
     def _restart_over_alive(self, now: float) -> None:
         self._plan_over_alive()
-        lost = (now % self.setting.checkpoint_every_s)
+        lost = self.setting.since_checkpoint(now)
         for attr, cost in (("busy_until", self.setting.restart_s * self.truth.restart), ("b_busy_until", self.restart_d)):
             busy = getattr(self, attr)
             setattr(self, attr, max(busy if busy != math.inf else now, now) + cost + lost)

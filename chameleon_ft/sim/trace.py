@@ -167,8 +167,10 @@ class TraceResult:
 def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, policies=DEFAULT_POLICIES,
            coeffs: Coefficients = Coefficients(), *, rebuild_s: float, restart_s: float,
            checkpoint_every_s: float, search_space: SearchSpace, replacement_eta_s: float | None = None,
-           mttf_s: float | None = None, redundant_overhead: float | None = None) -> dict[str, TraceResult]:
-    """Every policy in ``policies`` against the same events, from the same deployed ``plan``."""
+           mttf_s: float | None = None, redundant_overhead: float | None = None,
+           checkpoint_phase_s: float = 0.0) -> dict[str, TraceResult]:
+    """Every policy in ``policies`` against the same events, from the same deployed ``plan``
+    (``checkpoint_phase_s``: seconds since the last checkpoint when the trace starts)."""
     unknown = set(policies) - set(REPLAY_POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(REPLAY_POLICIES)}")
@@ -182,7 +184,7 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
         raise ValueError("mttf_s must be positive")
     D = mttf_s if mttf_s is not None else trace.horizon_s / max(1, trace.failures)
     setting = JobSetting(workload, cluster, restart_s, checkpoint_every_s, search_space,
-                         lambda alive, down: D, rebuild_s, replacement_eta_s)
+                         lambda alive, down: D, rebuild_s, replacement_eta_s, checkpoint_phase_s)
     ideal = workload.global_batch / estimate(plan, workload, cluster, coeffs).step_time
     results = {}
     for policy in policies:
@@ -357,7 +359,7 @@ class _RedundantJob(_Job):
             self._run(now, plan, step, heal + self.setting.rebuild_s, "heal")
         elif step is not None:  # back to the shadowed layout, through a restart
             self.shadowed = True
-            self._run(now, plan, step, self.setting.restart_s + now % self.setting.checkpoint_every_s, "restart")
+            self._run(now, plan, step, self.setting.restart_s + self.setting.since_checkpoint(now), "restart")
         else:
             self._restart_over_alive(now)
 
@@ -432,6 +434,7 @@ class TraceSetup:
     redundant_overhead: float | None = None
     space: SearchSpace = SearchSpace()
     replacement_eta_s: float | None = None
+    checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint when the trace starts
 
     def to_json(self) -> dict:
         """``{"trace": {name, description, horizon_s, events: [{t_s, kind, devices, slowdown?}]},
@@ -445,6 +448,7 @@ class TraceSetup:
                 "stages": self.stages,
                 "settings": {"rebuild_s": self.rebuild_s, "restart_s": self.restart_s,
                              "checkpoint_every_s": self.checkpoint_every_s, "mttf_s": self.mttf_s,
+                             "checkpoint_phase_s": self.checkpoint_phase_s,
                              "redundant_overhead": self.redundant_overhead,
                              "pp_min": self.space.pp_min, "pp_max": self.space.pp_max,
                              "dp_min": self.space.dp_min, "min_microbatches": self.space.min_microbatches,
@@ -464,7 +468,7 @@ class TraceSetup:
                           cluster, coefficients_from_json(data.get("coefficients")), int(data.get("stages", 4)),
                           float(s.get("rebuild_s", 1.0)), float(s.get("restart_s", 60.0)),
                           float(s.get("checkpoint_every_s", 600.0)), s.get("mttf_s"), s.get("redundant_overhead"),
-                          space, s.get("replacement_eta_s"))
+                          space, s.get("replacement_eta_s"), float(s.get("checkpoint_phase_s", 0.0)))
 
     def run(self, devices: int | None = None, policies=DEFAULT_POLICIES) -> dict[str, TraceResult]:
         """Replay the trace on the recorded setting, or (``devices``) on the scaled one."""
@@ -474,4 +478,4 @@ class TraceSetup:
         return replay(trace, w, c, plan, policies, self.coefficients, rebuild_s=self.rebuild_s,
                       restart_s=self.restart_s, checkpoint_every_s=self.checkpoint_every_s,
                       search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead,
-                      replacement_eta_s=self.replacement_eta_s)
+                      replacement_eta_s=self.replacement_eta_s, checkpoint_phase_s=self.checkpoint_phase_s)

@@ -71,7 +71,7 @@ def test_compare_rows_and_markdown():
 
 
 def test_the_restart_row_replays_its_own_run_and_relaunch():
-    """torchrun's run: its own fault times and span, the replaced worker back with the relaunch
+    """torchrun's run: its own fault times and span, the killed worker back with the relaunch
     (one restart, not two), and the relaunch is its MTTR less the steps it redid."""
     res = synthetic_result()
     rs = res["systems"]["restart"]
@@ -85,7 +85,7 @@ def test_the_restart_row_replays_its_own_run_and_relaunch():
     assert [(e.kind, round(e.t_s, 3)) for e in own.trace.events] == [("fail", round(116.6 - t0, 3)),
                                                                    ("join", round(116.6 - t0 + 1e-3, 3))]
     assert own.trace.horizon_s == pytest.approx(200.0 - t0)
-    got = own.run(devices=8, policies=("restart",))["restart"]
+    got = trace_sim.at_step_time(own, 0.5).run(devices=8, policies=("restart",))["restart"]  # torchrun's own step
     assert got.counts == {"restart": 1}
     row = next(r for r in trace_sim.compare(res)["rows"] if (r["devices"], r["policy"]) == (8, "restart"))
     assert row["simulated"] == pytest.approx(got.throughput) and row["decisions"] == {"restart": 1}
