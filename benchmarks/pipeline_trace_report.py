@@ -94,7 +94,8 @@ def summary(results: list[dict]) -> list[str]:
             ratios.append(f"{r['simulated'] / r['measured']:.2f}" if r.get("measured") and r.get("simulated") else "-")
         lines.append(f"| `{res['trace']['name']}` | " + " | ".join(_fmt(tp[n], 1) for n in names)
                      + f" | {best} | {', '.join(ratios)} |")
-    return lines
+    notes = [n for res in results for n in res.get("page_notes", [])]  # added to a results JSON by hand
+    return lines + (["", "Reading:", ""] + [f"* {n}" for n in notes] if notes else [])
 
 
 def choice_rows(res: dict) -> list[dict]:
