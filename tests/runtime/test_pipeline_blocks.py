@@ -12,7 +12,7 @@ import torch
 from chameleon_ft.engine.plan import Pipeline, Plan
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks, block_seed
-from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets
+from chameleon_ft.runtime.executors.pipeline.reduce import CommitPosts, holder_sets
 
 TWO_BY_FOUR = Plan((Pipeline((0, 1, 2, 3), (0, 2, 4, 6, 8), 4), Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 4)))
 
@@ -33,6 +33,50 @@ def test_holder_sets_under_reroute_and_uneven_replan():
     plan = Plan((Pipeline((0, 1, 2), (0, 3, 6, 8), 4), Pipeline((4, 6, 7, 3), (0, 2, 4, 6, 8), 4)))
     assert holder_sets(plan, [0, 1, 2, 3, 4, 6, 7], 8) == [
         ((0, 4), (0, 1)), ((0, 6), (2,)), ((1, 6), (3,)), ((1, 7), (4, 5)), ((2, 3), (6, 7))]
+
+
+class _Gm:
+    """Pure logic of the commit's early receives: point-to-point ops recorded, waits no-ops,
+    each 'received' buffer filled with its sender's rank (the real exchange: the pipeline tests)."""
+
+    def __init__(self, rank: int, world: int):
+        self.view = type("V", (), {"rank": rank, "world_size": world})()
+        self.recvs, self.sends = [], []
+
+    def recv(self, t, src, tag):
+        self.recvs.append((src, tag))
+        t.fill_(float(src))
+        return object()
+
+    def send(self, t, dst, tag):
+        self.sends.append((dst, tag))
+        return object()
+
+    def wait_p2p(self, works, timeout_s):
+        pass
+
+
+def test_commit_receives_are_posted_once_the_size_is_known_and_only_for_their_generation():
+    gm, posts = _Gm(0, 3), CommitPosts()
+    posts.post(gm, "g1", torch.float64)
+    assert gm.recvs == []  # the generation's commit size is not known yet
+    buf = torch.zeros(4, dtype=torch.float64)
+    posts.reduce(gm, "g1", buf, 1.0)
+    assert len(gm.recvs) == 2 and buf.tolist() == [3.0] * 4  # posted at the commit: 0 + 1 + 2
+    posts.post(gm, "g1", torch.float64)
+    posts.post(gm, "g1", torch.float64)  # a redone step keeps its posts
+    assert len(gm.recvs) == 4
+    buf = torch.zeros(4, dtype=torch.float64)
+    posts.reduce(gm, "g1", buf, 1.0)
+    assert len(gm.recvs) == 4 and buf.tolist() == [3.0] * 4  # the early receives were used
+    posts.post(gm, "g1", torch.float64)  # the next step's
+    posts.reduce(gm, "g2", torch.zeros(5, dtype=torch.float64), 1.0)  # a new generation: not used
+    assert len(gm.recvs) == 8
+    other = _Gm(1, 3)  # not rank 0: nothing to post
+    posts2 = CommitPosts()
+    posts2.reduce(other, "g1", torch.zeros(4, dtype=torch.float64), 1.0)
+    posts2.post(other, "g1", torch.float64)
+    assert other.recvs == [(0, (1 << 29) + 1)]
 
 
 def test_factories_build_only_on_make_and_alike_everywhere():
