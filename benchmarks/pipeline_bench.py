@@ -151,6 +151,16 @@ def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optio
 
 
 # ---------------------------------------------------------------- runs
+def machine() -> str:
+    """The machine line of the pipeline pages (this one, the trace's, the profile's)."""
+    import os
+
+    import torch
+
+    return (f"{platform.node()}: {os.cpu_count()} CPU cores, {platform.machine()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
 def worker_args(a, out: Path, steps: int) -> list[str]:
     return ["--out", str(out), "--steps", str(steps), "--block-sleep", str(a.block_sleep),
             "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch), "--dim", str(a.dim),
@@ -392,8 +402,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     res: dict = {"command": "python benchmarks/pipeline_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "machine": f"{platform.node()}: {__import__('os').cpu_count()} CPU cores, {platform.machine()}, "
-                            f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
+                 "machine": machine(),
                  "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("json", "markdown", "note", "from_json")},
                  "notes": a.note}
     rates: dict[str, list[float]] = {"baseline": [], "ft": []}

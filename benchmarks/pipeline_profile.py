@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -154,8 +153,7 @@ def main(argv=None) -> int:
                 print(f"{system} run {i}: {len(runs[system][-1])} workers' phases", flush=True)
         res = {"command": "python benchmarks/pipeline_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "machine": f"{platform.node()}: {__import__('os').cpu_count()} CPU cores, {platform.machine()}, "
-                          f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
+               "machine": pb.machine(),
                "wall_s": time.time() - t0,
                "config": {k: getattr(a, k) for k in ("repeats", "steps", "warmup", "block_sleep", "global_batch",
                                                       "micro_batch", "dim")},

@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -89,7 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trace_sim  # noqa: E402  (benchmarks/, next to this file)
 from chameleon_ft.cli.localjob import LocalJob, kill_processes  # noqa: E402
 from chameleon_ft.runtime.eventlog import read_jsonl  # noqa: E402
-from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants  # noqa: E402
+from pipeline_bench import DEVICE_MEMORY, SCRIPT, descendants, machine  # noqa: E402
 from harness.systems import free_port  # noqa: E402
 # The report (markdown, plot) renders the results JSON: benchmarks/pipeline_trace_report.py.
 from pipeline_trace_report import FT_ALLOWED, MODE, _fmt, choice_rows, markdown, plot, summary, why_lines  # noqa: E402,F401
@@ -447,8 +446,7 @@ def collect(a, argv) -> dict:
     t0 = time.time()
     res: dict = {"command": "python benchmarks/pipeline_trace.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "machine": f"{platform.node()}: {os.cpu_count()} CPU cores, {platform.machine()}, "
-                            f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
+                 "machine": machine(),
                  "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                  "mode": MODE, "config": {k: v for k, v in vars(a).items() if k not in ("from_json",)},
                  "trace": trace.to_json(), "systems": {}}
