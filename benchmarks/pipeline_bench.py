@@ -531,12 +531,17 @@ def _write(res: dict, a) -> int:
         if recs:
             xo.plot_accuracy(recs, img / f"{name}-accuracy.png",
                              f"engine's predictions vs measured, per decision ({MODE})")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    if a.markdown:
-        Path(a.markdown).write_text(md)
+    return write_results(res, a.json, a.markdown, markdown)
+
+
+def write_results(res: dict, json_path: Optional[str], markdown_path: Optional[str], render) -> int:
+    """Store a page's results JSON and its markdown (``render(res)``), print the markdown."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=1))
+    md = render(res)
+    if markdown_path:
+        Path(markdown_path).write_text(md)
     print(md)
     return 0
 

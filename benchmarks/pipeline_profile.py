@@ -158,13 +158,7 @@ def main(argv=None) -> int:
                "config": {k: getattr(a, k) for k in ("repeats", "steps", "warmup", "block_sleep", "global_batch",
                                                       "micro_batch", "dim")},
                "systems": {s: summarize(r, s, a.warmup) for s, r in runs.items()}, "notes": a.note}
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    if a.markdown:
-        Path(a.markdown).write_text(md)
-    print(md)
-    return 0
+    return pb.write_results(res, a.json, a.markdown, markdown)
 
 
 if __name__ == "__main__":
