@@ -14,9 +14,10 @@ trace on a 32-device job (``chameleon_ft.sim.trace.scale_trace``/``trace_setting
   ``D`` = the engine's at the first decision, the replacement ETA = the measured kill -> join.
 
 ``compare`` replays it and returns rows of simulated vs measured average throughput per system.
-Limits: the simulator's fixed policies are the engine's candidates, not the runtime's allowed
-sets one for one (``reroute`` heals a replacement, ``replan`` grows), and it prices every phase
-with the model; the measured runs are one each on a shared machine.
+The live "reroute" and "replan" systems are replayed as the simulator's ``engine-reroute`` /
+``engine-replan``: the engine over the same restricted sets (reroute may wait for a
+replacement).  Limits: the simulator prices every phase with the model and takes no straggler
+decisions; the measured runs are one each on a shared machine.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from chameleon_ft.engine.planner import SearchSpace
 from chameleon_ft.sim.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
                                 trace_setting, workload_from_json)
 
-SIM_POLICY = {"adaptive": "adaptive", "reroute": "reroute", "replan": "replan", "restart": "restart"}
+# The live systems' policies in the simulator: its "reroute" and "replan" systems are the engine
+# over a restricted set (benchmarks/pipeline_trace.py FT_ALLOWED), not "always reroute / re-plan".
+SIM_POLICY = {"adaptive": "adaptive", "reroute": "engine-reroute", "replan": "engine-replan",
+              "restart": "restart", "redundant": "redundant"}
 
 
 def _start(stamps: list, warmup: int) -> float:
@@ -149,13 +153,13 @@ def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
     measured = {s: (r.get("metrics") or {}).get("throughput") for s, r in res["systems"].items()}
     policies = ("adaptive", "reroute", "replan", "restart", "redundant")
     for n in devices:
-        sim = setup.run(devices=n, policies=policies)
+        sim = setup.run(devices=n, policies=tuple(SIM_POLICY[p] for p in policies))
         for p in policies:
             own = setup_from_run(res, replay=p) if (n == len(setup.cluster.devices) and measured.get(p)) else None
             ff_rate = ((res["systems"].get("restart") or {}).get("metrics") or {}).get("ff_steps_per_s")
             if own is not None and p == "restart" and ff_rate:
                 own = at_step_time(own, 1.0 / ff_rate)
-            r = own.run(devices=n, policies=(p,))[p] if own is not None else sim[p]
+            r = own.run(devices=n, policies=(SIM_POLICY[p],))[SIM_POLICY[p]] if own is not None else sim[SIM_POLICY[p]]
             row = {"devices": n, "policy": p, "simulated": r.throughput, "decisions": dict(r.counts)}
             if n == len(setup.cluster.devices):
                 row["measured"] = measured.get(p)

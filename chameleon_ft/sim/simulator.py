@@ -56,6 +56,9 @@ from chameleon_ft.engine.workload import Workload, transformer
 FIXED = ("reroute", "replan", "shrink", "restart")
 POLICY_NAMES = ("adaptive", "adaptive+shrink") + FIXED + ("oracle",)
 ADAPTIVE = ("adaptive", "adaptive+shrink", "oracle")
+# Trace replay of a live benchmark's "fixed" systems, which are the engine deciding over a
+# restricted set (``benchmarks/pipeline_trace.py``: reroute may also wait for a replacement).
+ENGINE_RESTRICTED = ("engine-reroute", "engine-replan")
 BATCH_CHANGING = ("adaptive+shrink", "shrink")
 _REBUILD_S = 1.0  # believed: re-forming the process groups in place
 
@@ -290,8 +293,10 @@ class _Job:
                    "reroute": frozenset({"reroute", "restart", "keep", "heal"}),
                    "replan": frozenset({"replan", "restart", "keep", "grow"}),
                    "shrink": frozenset({"shrink", "restart", "keep", "heal"}),
-                   "restart": frozenset({"restart"})}[policy]
-        if setting.replacement_eta_s is not None and policy in ADAPTIVE:
+                   "restart": frozenset({"restart"}),
+                   "engine-reroute": frozenset({"reroute", "heal", "restart", "keep"}),
+                   "engine-replan": frozenset({"replan", "grow", "restart", "keep"})}[policy]
+        if setting.replacement_eta_s is not None and policy in ADAPTIVE + ("engine-reroute",):
             allowed = allowed | {"wait"}
         self.rebuild_d = setting.rebuild_s * (truth.rebuild if oracle else 1.0)
         self.restart_d = setting.restart_s * (truth.restart if oracle else 1.0)
@@ -413,7 +418,7 @@ class _Job:
     def _pick(self, decision, preferred: tuple[str, ...]):
         """The adaptive policies take the selector's choice; a fixed one takes the first of its
         preferred responses that is feasible."""
-        if self.policy in ADAPTIVE:
+        if self.policy in ADAPTIVE + ENGINE_RESTRICTED:
             return decision.choice
         for name in preferred:
             option = next((o for o in decision.options if o.policy == name), None)

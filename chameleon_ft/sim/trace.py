@@ -19,6 +19,10 @@ is the truth).
   then runs the best plan over the devices alive -- except a device back while a relaunch is
   still under way, which that relaunch takes in (torchrun's rendezvous admits a restarted
   node's workers: a kill with a quick replacement is one restart, not two).
+* ``engine-reroute`` / ``engine-replan`` are what a live benchmark's "fixed" systems are: the
+  engine deciding over a restricted set ({reroute, heal, restart, keep}, plus ``wait`` when a
+  replacement is expected; {replan, grow, restart, keep}) -- where ``reroute`` / ``replan``
+  always take their own response.  ``benchmarks/trace_sim.py`` replays the live systems with them.
 * ``redundant`` is a **Bamboo-like stand-in, simulation only** (Thorpe et al., NSDI'23; not
   Bamboo's code or its schedule): each stage keeps a copy of a neighbour's layers and runs their
   forward pass redundantly; stage ``s > 0`` is shadowed by its predecessor ``s − 1`` and stage 0,
@@ -59,11 +63,11 @@ from chameleon_ft.engine.perf import Coefficients, coefficients_from_json, coeff
 from chameleon_ft.engine.plan import Pipeline, Plan, even_split, validate
 from chameleon_ft.engine.planner import SearchSpace, balance_layers
 from chameleon_ft.engine.selector import heal_seconds
-from chameleon_ft.sim.simulator import POLICY_NAMES, JobSetting, TrueModel, _Job, _progress
+from chameleon_ft.sim.simulator import ENGINE_RESTRICTED, POLICY_NAMES, JobSetting, TrueModel, _Job, _progress
 from chameleon_ft.engine.workload import Workload, transformer, workload_from_json, workload_to_json
 
 KINDS = ("fail", "join", "slow")
-REPLAY_POLICIES = tuple(p for p in POLICY_NAMES if p != "oracle") + ("redundant",)
+REPLAY_POLICIES = tuple(p for p in POLICY_NAMES if p != "oracle") + ("redundant",) + ENGINE_RESTRICTED
 FIXED_POLICIES = ("reroute", "replan", "shrink", "restart", "redundant")
 DEFAULT_POLICIES = ("adaptive", "reroute", "replan", "restart", "redundant")
 

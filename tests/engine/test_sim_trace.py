@@ -121,6 +121,19 @@ def test_restart_pays_restart_and_redone_steps(job):
     assert join[1:3] == ("join", "restart") and join[4] == pytest.approx(RESTART)
 
 
+def test_engine_restricted_policies_choose_within_their_sets(job):
+    """The live benchmark's "fixed" systems, replayed: the engine over a restricted set (reroute
+    may wait for an expected replacement; replan grows it back in)."""
+    back = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(160, "join", (1,)), TraceEvent(300, "fail", (5,))), 1000)
+    res = run(job, back, ("engine-reroute", "engine-replan"), mttf_s=1000, replacement_eta_s=60.0)
+    sets = {"engine-reroute": {"reroute", "wait", "heal", "restart", "keep"},
+            "engine-replan": {"replan", "grow", "restart", "keep"}}
+    for name, r in res.items():
+        chosen = [c for _, _, c, _, _ in r.decisions]
+        assert len(chosen) == 3 and set(chosen) <= sets[name], (name, chosen)
+    assert res["engine-replan"].decisions[0][2] == "replan"
+
+
 def test_a_device_back_during_the_relaunch_joins_it(job):
     """torchrun's restart admits a replaced node's workers in the same rendezvous: a join while
     the relaunch is still under way costs nothing more, and the job runs on every device after
