@@ -177,7 +177,9 @@ def markdown(cmp: Optional[dict], mode: str) -> list[str]:
              "each measured system's row replays that system's own run (its fault times and span: a restart's "
              "relaunches stretch its run; torchrun relaunches every worker, the killed one too, so that one "
              "joins the relaunch; its steps at torchrun's own measured failure-free step, its checkpoints every "
-             "`--ckpt-every` steps from step 0); the others and the 32-device job replay the adaptive run's.", "",
+             "`--ckpt-every` steps from step 0); the others and the 32-device job replay the adaptive run's.  "
+             "The reroute and replan rows are what the live systems are: the engine over their restricted "
+             "sets (`engine-reroute` may wait for a replacement, `engine-replan`).", "",
              "| devices | policy | simulated samples/s | measured samples/s | simulated / measured | simulated decisions |",
              "| ---: | --- | ---: | ---: | ---: | --- |"]
     for r in cmp["rows"]:
