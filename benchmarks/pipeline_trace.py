@@ -146,6 +146,9 @@ TRACES = {
     "quick": Trace("quick", 60, (Fault(15, "kill", 1, replaced=True), Fault(30, "slow", 6, factor=2.0),
                                   Fault(40, "kill", 4))),
     "tiny": Trace("tiny", 20, (Fault(8, "kill", 1),)),
+    # A large model on a slow link: a worker lost for a moment (its replacement comes at once),
+    # then one lost for good early on -- waiting suits the first, re-planning the second.
+    "slowlink": Trace("slowlink", 150, (Fault(20, "kill", 1, replaced=True), Fault(50, "kill", 5))),
 }
 
 
@@ -265,7 +268,8 @@ def ratios(per_system: dict, ref: str = "adaptive") -> dict:
 # ---------------------------------------------------------------- runs
 def worker_args(a, out: Path, steps: int, trace: Optional[Trace]) -> list[str]:
     args = ["--out", str(out), "--steps", str(steps), "--block-sleep", str(a.block_sleep),
-            "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]
+            "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch),
+            "--dim", str(getattr(a, "dim", 64))]
     slow = trace.slow_arg() if trace else None
     return args + (["--slow", slow] if slow else [])
 
@@ -385,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=4, help="commits the timeline's rate is smoothed over")
     ap.add_argument("--ckpt-every", type=int, default=10, help="restart: steps between checkpoints")
     ap.add_argument("--block-sleep", type=float, default=0.004)
+    ap.add_argument("--dim", type=int, default=64, help="the MLP's hidden width (a larger model: more to migrate)")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--hang-timeout", type=float, default=30.0,

@@ -24,7 +24,8 @@ def markdown(res: dict) -> str:
     """The trace section of the pipeline report (table + plot), from the results JSON."""
     c, tr = res["config"], res["trace"]
     emu = (f"{MODE}: {c['block_sleep'] * 1e3:g} ms forward + {2 * c['block_sleep'] * 1e3:g} ms backward per block, "
-           f"8 blocks, 8 workers = 2 pipelines x 4 stages, global batch {c['global_batch']}, micro-batch {c['micro_batch']}")
+           f"8 blocks (width {c.get('dim', 64)}), 8 workers = 2 pipelines x 4 stages, global batch {c['global_batch']}, "
+           f"micro-batch {c['micro_batch']}")
     ft = ([f"emulated network {c['emulate_link']} (s:B/s)"] if c.get("emulate_link") else []) + (
         [f"{memory_phrase(c)}, a limit on the engine's plans that slows nothing"] if c.get("device_memory") else [])
     emu += ("; chameleon-ft systems: " + ", ".join(ft) if ft else "") + (
