@@ -3,9 +3,10 @@ out on real processes: 4 workers as 2 pipelines x 2 stages over gloo, accelerato
 mode (each block's forward and backward padded by sleeps; the network emulated by
 ``ElasticConfig.emulate_link``), kills from outside by PID.
 
-* Calibration recovers what was injected: each block's forward/backward seconds, a worker's
-  2x slowdown (its speed), and the cost of a message between stages (latency + bytes /
-  bandwidth), each within 10 %; latency and bandwidth apart (the link probe) within 15 %.
+* Calibration recovers what was injected: each block's forward/backward seconds (-5..+15 %: a
+  sleep overshoots on loaded cores, never undershoots), a worker's 2x slowdown (its speed), and
+  the cost of a message between stages (latency + bytes / bandwidth), each within 10 %; latency
+  and bandwidth apart (the link probe) within 15 %.
 * The crossover: the same job and the same kill with a short expected time to the next failure
   ``D`` reroutes (nothing migrates, the layout stays), with a long one re-plans (blocks migrate,
   the layout changes); the decision's own figures put ``D`` on the matching side of the
@@ -52,9 +53,11 @@ def test_calibration_recovers_injected_costs(tmp_path):
     fwd = [b[0] for b in cal["blocks"]]
     bwd = [b[1] for b in cal["blocks"]]
     # Every block is held by two workers (one per pipeline): its cost is the faster copy's.
+    # Within -5 %..+15 %: a sleep never ends early, and on 2 loaded cores it overshoots (CI saw
+    # a 25 ms forward measured at 27.6 ms, all of it the sleep's lateness).
     for b in range(4):
-        assert fwd[b] == pytest.approx(FWD, rel=0.10), f"block {b} forward {fwd[b] * 1e3:.2f} ms"
-        assert bwd[b] == pytest.approx(BWD, rel=0.10), f"block {b} backward {bwd[b] * 1e3:.2f} ms"
+        assert FWD * 0.95 <= fwd[b] <= FWD * 1.15, f"block {b} forward {fwd[b] * 1e3:.2f} ms"
+        assert BWD * 0.95 <= bwd[b] <= BWD * 1.15, f"block {b} backward {bwd[b] * 1e3:.2f} ms"
     speeds = {int(w): s for w, s in cal["speeds"].items()}
     assert speeds[1] == pytest.approx(0.5, rel=0.10), speeds  # the injected 2x slowdown
     for w in (0, 2, 3):
