@@ -27,7 +27,6 @@ from dataclasses import replace
 from typing import Optional
 
 from chameleon_ft.engine.perf import estimate
-
 from chameleon_ft.engine.planner import SearchSpace
 from chameleon_ft.sim.trace import (Trace, TraceEvent, TraceSetup, cluster_from_json, coefficients_from_json,
                                 trace_setting, workload_from_json)
@@ -138,7 +137,7 @@ def at_step_time(setup: TraceSetup, step_s: float) -> TraceSetup:
     coeffs = replace(k, compute_scale=k.compute_scale * r, comm_scale=k.comm_scale * r,
                      step_overhead_s=k.step_overhead_s * r, task_overhead_s=k.task_overhead_s * r,
                      optimizer_s_per_param=k.optimizer_s_per_param * r, hop_overhead_s=k.hop_overhead_s * r)
-    return replace(setup, coefficients=coeffs, rebuild_s=setup.rebuild_s)
+    return replace(setup, coefficients=coeffs)
 
 
 def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
@@ -152,11 +151,11 @@ def compare(res: dict, devices: tuple[int, ...] = (8, 32)) -> Optional[dict]:
     out: dict = {"setup": setup.to_json(), "rows": []}
     measured = {s: (r.get("metrics") or {}).get("throughput") for s, r in res["systems"].items()}
     policies = ("adaptive", "reroute", "replan", "restart", "redundant")
+    ff_rate = ((res["systems"].get("restart") or {}).get("metrics") or {}).get("ff_steps_per_s")
     for n in devices:
         sim = setup.run(devices=n, policies=tuple(SIM_POLICY[p] for p in policies))
         for p in policies:
             own = setup_from_run(res, replay=p) if (n == len(setup.cluster.devices) and measured.get(p)) else None
-            ff_rate = ((res["systems"].get("restart") or {}).get("metrics") or {}).get("ff_steps_per_s")
             if own is not None and p == "restart" and ff_rate:
                 own = at_step_time(own, 1.0 / ff_rate)
             r = own.run(devices=n, policies=(SIM_POLICY[p],))[SIM_POLICY[p]] if own is not None else sim[SIM_POLICY[p]]
