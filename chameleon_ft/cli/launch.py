@@ -150,14 +150,15 @@ class Launcher:
     def connect(self) -> tuple[str, str]:
         """Host the coordinator (node 0) or reach node 0's: (store address, Lighthouse address)."""
         a = self.args
-        if a.rdzv_backend == "c10d" and a.node_rank != 0:
+        if a.rdzv_endpoint and (a.rdzv_backend == "etcd" or a.node_rank != 0):
             # Before the coordinator client (in the agent, once the template's imports are done).
-            host, port = self.endpoint
-            why = wait_reachable(host, port, a.rdzv_timeout)
+            why = wait_reachable(self.endpoints, a.rdzv_timeout)
             if why is not None:
-                raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): nothing accepted a "
-                                  f"connection at {host}:{port} within {a.rdzv_timeout:g} s ({why}); start "
-                                  "node 0 first, or check the address and the firewall")
+                what = "etcd" if a.rdzv_backend == "etcd" else "the coordinator"
+                first = "start etcd" if a.rdzv_backend == "etcd" else "start node 0"
+                raise LaunchError(f"cannot reach {what} (--rdzv-endpoint {a.rdzv_endpoint}): nothing accepted a "
+                                  f"connection within {a.rdzv_timeout:g} s ({why}); {first} first, or check "
+                                  "the address and the firewall")
         self.ops = self._coordinator_ops()
         if a.rdzv_backend == "etcd":  # every node alike: the coordinator is the etcd cluster
             store = "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{a.rdzv_id}"

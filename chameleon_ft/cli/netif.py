@@ -57,22 +57,25 @@ def interface_of(address: str) -> Optional[str]:
     return None
 
 
-def wait_reachable(host: str, port: int, timeout_s: float, every_s: float = 0.2) -> Optional[str]:
-    """Wait up to ``timeout_s`` for something to accept a TCP connection at ``host:port``
-    (closed at once; nothing is sent).  None once it does, else why not (the last error).
+def wait_reachable(endpoints: list[tuple[str, int]], timeout_s: float, every_s: float = 0.2) -> Optional[str]:
+    """Wait up to ``timeout_s`` for something to accept a TCP connection at one of ``endpoints``
+    (``(host, port)``; closed at once, nothing is sent).  None once one does, else why not (the
+    last error).
 
-    The launcher of a node other than 0 asks this before its coordinator client -- torch's
-    ``TCPStore`` -- connects: that client needs torch imported (seconds) and prints a C++ stack
-    trace per failed attempt, so an endpoint that nobody serves is reported at once, cleanly."""
+    The launcher asks this before its coordinator client connects (torch's ``TCPStore`` for a
+    node other than 0, the etcd client on every node): that client runs once the warm-start
+    template's imports are done (seconds) and the TCPStore prints a C++ stack trace per failed
+    attempt, so an endpoint that nobody serves is reported at once, cleanly."""
     deadline = time.monotonic() + max(0.0, timeout_s)
     why = "no attempt"
     while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
-                return None
-        except OSError as exc:
-            why = exc.strerror or str(exc) or type(exc).__name__
+        for host, port in endpoints:
+            left = deadline - time.monotonic()
+            try:
+                with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                    return None
+            except OSError as exc:
+                why = f"{host}:{port}: {exc.strerror or str(exc) or type(exc).__name__}"
         if deadline - time.monotonic() <= 0:
             return why
         time.sleep(min(every_s, max(0.0, deadline - time.monotonic())))

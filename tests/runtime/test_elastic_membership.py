@@ -159,6 +159,9 @@ def test_bad_launcher_input(tmp_path):
     assert r.returncode == 1 and "cannot reach the coordinator" in r.stderr
     assert "started worker" not in r.stderr
     assert "frame #" not in r.stderr and "Traceback" not in r.stderr, r.stderr  # one clean line
+    r = run("--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+            "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "y"), worker, "--out", str(tmp_path))
+    assert r.returncode == 1 and "cannot reach etcd" in r.stderr and "nothing accepted a connection" in r.stderr, r.stderr
     r = run("no_such_script.py")
     assert r.returncode == 2 and "not found" in r.stderr
     # A fault aimed at a rank or node the job does not have would never fire.
