@@ -35,6 +35,11 @@ from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 __all__ = ["DataParallelExecutor"]
 
+# The salvage's report of the slots a member computed, carried in the recovery all-reduce
+# (``recovery_fields``): a first word (1: slots follow, 0: none, -1: more slots than fit) and
+# this many words of _SLOT_BITS slots each.
+_SLOT_WORDS, _SLOT_BITS = 4, 62
+
 
 class DataParallelExecutor(RecoveryCore):
     """Data-parallel training that survives failures in place (see module doc)."""
@@ -65,6 +70,7 @@ class DataParallelExecutor(RecoveryCore):
         # loss of the last committed step on every member (None until one is known).
         self._step_loss = 0.0
         self.last_loss: Optional[float] = None
+        self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
@@ -74,6 +80,20 @@ class DataParallelExecutor(RecoveryCore):
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
         adapters that run ``backward`` themselves."""
         self._step_loss += float(loss.detach()) * weight
+
+    def recovery_fields(self) -> list[int]:
+        """The slots of its current step whose gradients this member holds (``_salvage``): one
+        bit each, so that they travel in the recovery's all-reduce instead of one of their own."""
+        self._fields_batch = self.sampler.global_batch
+        mine = self._done_slots if self._step_had_work() else []
+        if not mine:
+            return [0] * (1 + _SLOT_WORDS)
+        if max(mine) >= _SLOT_WORDS * _SLOT_BITS:
+            return [-1] + [0] * _SLOT_WORDS
+        words = [0] * _SLOT_WORDS
+        for j in mine:
+            words[j // _SLOT_BITS] |= 1 << (j % _SLOT_BITS)
+        return [1] + words
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._salvage(top, n, r)
@@ -208,17 +228,29 @@ class DataParallelExecutor(RecoveryCore):
     def _salvage(self, top: int, n: int, r: int) -> None:
         """Redo an interrupted step without recomputing what survivors already computed.
 
-        Every member at the agreed step reports the slots whose gradients it still holds (one
-        small all-reduce); the slots nobody holds -- the dead members' share -- are split over
+        Every member at the agreed step reports the slots whose gradients it still holds (in
+        the recovery's all-reduce: ``recovery_fields``; a step of more than 248 slots in one
+        small all-reduce of its own); the slots nobody holds -- the dead members' share -- are split over
         the members in order, and each member computes only its part before the all-reduce.
         The step's samples and their weights are unchanged, so the update is the one the
         failure-free run makes (up to summation order).  Members that adopted a committed step
         or hold nothing simply compute their part from zero."""
         mine = self._done_slots if (self.step == top and self._step_had_work()) else []
         covered = torch.zeros(self.sampler.num_microbatches, dtype=torch.int64)
-        if mine:
-            covered[mine] = 1
-        self._store_op(lambda: self.gm.allreduce(covered, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
+        rows = self.peer_fields
+        if self.sampler.global_batch != self._fields_batch:
+            pass  # the agreed state changed the global batch: every member discards (nothing covered)
+        elif all(len(row) == 1 + _SLOT_WORDS and row[0] >= 0 for row in rows):
+            # The slots of the members at the agreed step (reported in the recovery all-reduce).
+            for i, row in enumerate(rows):
+                if row[0] == 1 and self.peer_steps[i] == top and not self.peer_fresh[i]:
+                    for j in range(_SLOT_WORDS * _SLOT_BITS):
+                        if row[1 + j // _SLOT_BITS] >> (j % _SLOT_BITS) & 1:
+                            covered[j] = 1
+        else:  # a step of more slots than the report holds: one all-reduce of its own
+            if mine:
+                covered[mine] = 1
+            self._store_op(lambda: self.gm.allreduce(covered, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s))
         if not mine:
             self._discard()
         if not bool(covered.any()):

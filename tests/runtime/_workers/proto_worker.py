@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--view-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat", type=float, default=0.1)
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="Membership.heartbeat_timeout_s")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
 
     try:
         m = Membership(a.worker_id, a.store, a.lighthouse, heartbeat_interval_s=a.heartbeat,
-                       connect_timeout_s=a.connect_timeout)
+                       connect_timeout_s=a.connect_timeout, heartbeat_timeout_s=a.heartbeat_timeout)
         view = m.join(min_world_size=a.min_world, timeout_s=a.view_timeout)
     except MembershipError as exc:
         emit("error", message=str(exc))
