@@ -78,7 +78,8 @@ def test_the_true_model_keeps_the_pipeline_costs_it_does_not_perturb():
     from chameleon_ft.engine.perf import Coefficients
 
     believed = Coefficients(1.0, 1.0, 0.0, task_overhead_s=0.002, optimizer_s_per_param=1e-7, hop_overhead_s=0.005)
-    assert TrueModel().coefficients(believed) == believed
+    exact = TrueModel()
+    assert exact.coefficients(believed) == believed
     true = TrueModel(compute=2.0, comm=0.5, overhead_s=0.1).coefficients(believed)
     assert (true.compute_scale, true.comm_scale, true.step_overhead_s) == (2.0, 0.5, 0.1)
     assert (true.task_overhead_s, true.optimizer_s_per_param, true.hop_overhead_s) == (0.002, 1e-7, 0.005)
