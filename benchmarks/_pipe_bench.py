@@ -314,7 +314,8 @@ def _diag_blocking_p2p() -> None:
 def _time_ft_phases(phases: Phases) -> None:
     """``--phases`` in ft mode: the executor's step phases timed by wrapping its methods (a
     measurement, not a change: the same calls in the same order)."""
-    from chameleon_ft.runtime.executors.pipeline import executor as ex
+    from chameleon_ft.runtime.eventlog import EventLog
+    from chameleon_ft.runtime.executors.pipeline import executor as ex, reduce as red
 
     def timed(name, fn, after=None):
         def wrapper(*args, **kw):
@@ -331,9 +332,6 @@ def _time_ft_phases(phases: Phases) -> None:
     def split(res):  # run_step's own account of its time
         phases.add("pipeline: blocks' compute", res.compute_s)
         phases.add("pipeline: waiting for a peer", res.waited_s)
-
-    from chameleon_ft.runtime.eventlog import EventLog
-    from chameleon_ft.runtime.executors.pipeline import reduce as red
 
     ex.run_step = timed("pipeline", ex.run_step, split)
     red.reduce_at_root = timed("commit: the sum through rank 0", red.reduce_at_root)

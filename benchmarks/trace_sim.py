@@ -54,38 +54,44 @@ def relaunch_seconds(restart: dict, ckpt_every: int, step_s: float) -> list[floa
     return out
 
 
-def _replayed(res: dict, system: str) -> Optional[tuple[Trace, list[float]]]:
+def _joins(run: dict) -> list[tuple[float, tuple[int, ...]]]:
+    """(time, devices) of the replacements a chameleon-ft run's engine decided on."""
+    return [(e["ts"], tuple(e["decision"]["event"]["devices"])) for e in run.get("events") or []
+            if e.get("event") == "decision" and e["decision"]["event"]["kind"] == "join"]
+
+
+def _replacement_etas(run: dict) -> list[float]:
+    """Measured kill -> join seconds of each replacement in ``run``."""
+    kills = [f for f in run.get("faults") or [] if f["kind"] == "kill"]
+    out = []
+    for ts, devs in _joins(run):
+        killed = [f["t"] for f in kills if (int(f["worker"]),) == devs and f["t"] < ts]
+        if killed:
+            out.append(ts - max(killed))
+    return out
+
+
+def _replayed(res: dict, system: str) -> Optional[Trace]:
     """``system``'s own run as a trace: its faults at their wall times from its first post-warm-up
     commit, its replacements' joins (chameleon-ft: when the engine decided on one; torchrun: it
     relaunches every worker, the killed one too, so that one is back at once -- its relaunch
-    takes it in), horizon = its measured span; and the measured kill -> join seconds."""
+    takes it in), horizon = its measured span."""
     run = res["systems"].get(system) or {}
-    faults, events = run.get("faults") or [], run.get("events") or []
     if not run.get("stamps"):
         return None
     t0 = _start(run["stamps"], int(res.get("config", {}).get("warmup", 5)))
     horizon = max(t for _, t in run["stamps"]) - t0
-    evs = []
-    for f in faults:
+    evs = [TraceEvent(max(0.0, ts - t0), "join", devs) for ts, devs in _joins(run)]
+    for f in run.get("faults") or []:
+        at = max(0.0, f["t"] - t0)
         if f["kind"] == "kill":
-            evs.append(TraceEvent(max(0.0, f["t"] - t0), "fail", (int(f["worker"]),)))
+            evs.append(TraceEvent(at, "fail", (int(f["worker"]),)))
+            if system == "restart":  # torchrun relaunches every worker, the killed one too
+                evs.append(TraceEvent(at + 1e-3, "join", (int(f["worker"]),)))
         elif f["kind"] == "slow":
-            evs.append(TraceEvent(max(0.0, f["t"] - t0), "slow", (int(f["worker"]),), float(f["factor"])))
-    joins = [e for e in events if e.get("event") == "decision" and e["decision"]["event"]["kind"] == "join"]
-    etas = []
-    for j in joins:
-        devs = tuple(j["decision"]["event"]["devices"])
-        evs.append(TraceEvent(max(0.0, j["ts"] - t0), "join", devs))
-        killed = [f["t"] for f in faults if f["kind"] == "kill" and (int(f["worker"]),) == devs and f["t"] < j["ts"]]
-        if killed:
-            etas.append(j["ts"] - max(killed))
-    if system == "restart":  # torchrun relaunches every worker, the killed one too, on its device
-        for f in faults:
-            if f["kind"] == "kill":
-                evs.append(TraceEvent(max(0.0, f["t"] - t0) + 1e-3, "join", (int(f["worker"]),)))
-    trace = Trace(tuple(sorted(evs, key=lambda e: e.t_s)), horizon, res["trace"]["name"],
-                  f"replayed from benchmarks/pipeline_trace.py ({system} run)")
-    return trace, etas
+            evs.append(TraceEvent(at, "slow", (int(f["worker"]),), float(f["factor"])))
+    return Trace(tuple(sorted(evs, key=lambda e: e.t_s)), horizon, res["trace"]["name"],
+                 f"replayed from benchmarks/pipeline_trace.py ({system} run)")
 
 
 def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = None) -> Optional[TraceSetup]:
@@ -95,15 +101,13 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
     events = run.get("events") or []
     faults = run.get("faults") or []
     cals = [e for e in events if e.get("event") == "calibration" and e.get("setup")]
-    got = _replayed(res, replay or system)
-    if not cals or got is None:
+    trace = _replayed(res, replay or system)
+    if not cals or trace is None:
         return None
     t_fault = min((f["t"] for f in faults), default=float("inf"))
     before = [c for c in cals if c["ts"] < t_fault] or cals[:1]
     setup = before[-1]["setup"]
-    trace, etas = got
-    if replay and replay != system:
-        etas = _replayed(res, system)[1]
+    etas = _replacement_etas(run)
     restart = res["systems"].get("restart") or {}
     cfg = res.get("config", {})
     ff_rate = (restart.get("metrics") or {}).get("ff_steps_per_s")

@@ -41,6 +41,18 @@ __all__ = ["DataParallelExecutor"]
 _SLOT_WORDS, _SLOT_BITS = 4, 62
 
 
+def _pack_slots(slots: list[int]) -> list[int]:
+    words = [0] * _SLOT_WORDS
+    for j in slots:
+        words[j // _SLOT_BITS] |= 1 << (j % _SLOT_BITS)
+    return words
+
+
+def _unpack_slots(words: list[int], n: int) -> list[int]:
+    """The slots below ``n`` whose bits ``_pack_slots`` set."""
+    return [j for j in range(n) if words[j // _SLOT_BITS] >> (j % _SLOT_BITS) & 1]
+
+
 class DataParallelExecutor(RecoveryCore):
     """Data-parallel training that survives failures in place (see module doc)."""
 
@@ -90,10 +102,7 @@ class DataParallelExecutor(RecoveryCore):
             return [0] * (1 + _SLOT_WORDS)
         if max(mine) >= _SLOT_WORDS * _SLOT_BITS:
             return [-1] + [0] * _SLOT_WORDS
-        words = [0] * _SLOT_WORDS
-        for j in mine:
-            words[j // _SLOT_BITS] |= 1 << (j % _SLOT_BITS)
-        return [1] + words
+        return [1] + _pack_slots(mine)
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._salvage(top, n, r)
@@ -244,9 +253,7 @@ class DataParallelExecutor(RecoveryCore):
             # The slots of the members at the agreed step (reported in the recovery all-reduce).
             for i, row in enumerate(rows):
                 if row[0] == 1 and self.peer_steps[i] == top and not self.peer_fresh[i]:
-                    for j in range(_SLOT_WORDS * _SLOT_BITS):
-                        if row[1 + j // _SLOT_BITS] >> (j % _SLOT_BITS) & 1:
-                            covered[j] = 1
+                    covered[_unpack_slots(row[1:], len(covered))] = 1
         else:  # a step of more slots than the report holds: one all-reduce of its own
             if mine:
                 covered[mine] = 1
