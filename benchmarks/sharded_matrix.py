@@ -397,7 +397,7 @@ def markdown(res: dict) -> list[str]:
              "the rehabilitated run (forced where the engine recomputed).", ""]
     t = {"cells": 0, "rehab": 0, "rehab_in": 0, "rehab_no_worse": 0, "rec": 0, "rec_exact": 0, "pred": 0,
          "pred_ok": 0, "late": [], "wrong": 0, "engine_ok": 0, "fallback": 0, "cell_pred": 0, "cell_pred_ok": 0,
-         "cell_flat": 0, "rel": []}
+         "cell_flat": 0, "rel": [], "above": {}}
     groups: dict = {}
     for c in cells:
         groups.setdefault((c["engine"], c["kind"], c["k_label"]), []).append(c)
@@ -438,6 +438,10 @@ def markdown(res: dict) -> list[str]:
                     t["rehab_in"] += _inside(a["test_loss"], lo, hi)
                     t["rehab_no_worse"] += a["test_loss"] <= hi * (1 + 1e-4)
                     t["rel"].append(a["test_loss"] / c["ref_test_loss"] - 1.0)
+                    if a["test_loss"] > hi * (1 + 1e-4):  # above the worst seed: whose, and by how much
+                        t["above"].setdefault((engine, kind), []).append(
+                            (hi / c["ref_test_loss"] - 1.0, a["test_loss"] / c["ref_test_loss"] - 1.0,
+                             (a.get("test_acc") or 0.0) - (free[f"{engine}-{kind}-{c['seed']}"].get("test_acc") or 0.0)))
                 elif a["chosen"] == "recompute" and not a["fallback"]:
                     t["rec"] += 1
                     t["rec_exact"] += abs(a["test_loss"] - c["ref_test_loss"]) <= 1e-4 * abs(c["ref_test_loss"])
@@ -467,6 +471,7 @@ def markdown(res: dict) -> list[str]:
               f"{t['rehab_no_worse']}.  It recomputed {t['rec']} (the reason in each Decision), ending on "
               f"the seed's failure-free test loss (relative 1e-4) in {t['rec_exact']}; a heal check fell "
               f"back to recompute in {t['fallback']}.",
+              *_above_lines(t["above"], free),
               f"* Rehabilitated runs' final test loss against the same seed's failure-free one: median "
               f"{_pct(t['rel'], 50)}, 90th percentile {_pct(t['rel'], 90)}, worst {_pct(t['rel'], 100)}.",
               f"* Heal steps predicted vs measured (the engine's and the forced rehabilitations): within +-50 % "
@@ -480,6 +485,24 @@ def markdown(res: dict) -> list[str]:
               f"outside the spread in {t['wrong']} of {t['rec']} runs.  The engine's choice lost no more "
               f"time than the other path (+ one step) in {t['engine_ok']} of {t['cells']}.", ""]
     return lines
+
+
+def _above_lines(above: dict, free: dict) -> list[str]:
+    """Per model: the rehabilitated runs that ended above the worst failure-free seed -- how far
+    their own seed's failure-free run was below the worst (a seed near the top leaves the spread
+    with any change upwards), their change against it beside the spread's width, and the test
+    accuracy's."""
+    if not above:
+        return []
+    parts = []
+    for (engine, kind), xs in sorted(above.items()):
+        lo, hi = spread(free, engine, kind)
+        gap, rel, acc = ([x[i] for x in xs] for i in range(3))
+        parts.append(f"{kind} ({engine}): {len(xs)} runs, their seeds' failure-free test loss "
+                     f"{100 * min(gap):.2f}..{100 * max(gap):.2f} % below the worst seed's; theirs "
+                     f"{100 * min(rel):+.2f}..{100 * max(rel):+.2f} % against their own seed's (the seed spread "
+                     f"is {100 * (hi / lo - 1):.1f} % wide), test accuracy {100 * min(acc):+.1f}..{100 * max(acc):+.1f} points")
+    return [f"* Rehabilitated runs above the worst failure-free seed, per model: {'; '.join(parts)}."]
 
 
 def _counts(xs) -> str:

@@ -14,9 +14,10 @@ How survivors learn about a death (measured on torch 2.13, gloo/TCP, loopback):
 * ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at once but do not close the
   sockets and do not wake a thread blocked in a gloo op, so they cannot be used to cascade.
 * Therefore: a member that sees an error writes the generation's *abort key* in the
-  coordinator's TCPStore; every member waits on its work by polling ``is_completed()`` and,
-  every few milliseconds, ``store.check(abort key)``.  The first error thus reaches all
-  members within one poll interval plus a store round trip.
+  coordinator's TCPStore; every member waits on its work in a helper thread (``_await``: the
+  blocking wait releases the GIL and wakes the member the moment the op completes) and,
+  every few milliseconds, reads the abort key.  The first error thus reaches all members
+  within one poll interval plus a store round trip.
 * A hung peer (SIGSTOP) produces no error anywhere; ``timeout_s`` (the watchdog) bounds it.
 
 Collective headers.  Gloo pairs the ops of a group by their order only: a barrier on one member
@@ -109,6 +110,10 @@ class CollectiveMismatch(RuntimeError):
         self.call = call
         self.peers = tuple(peers)
         self.skipped = skipped
+
+
+# How long ``GroupManager.wait`` polls an op before handing its wait to the helper thread.
+FAST_WAIT_S = 0.002
 
 
 class GroupManager:
@@ -319,43 +324,64 @@ class GroupManager:
             raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
 
     def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None) -> None:
-        """Wait for ``work`` (from ``start``), polling the abort key; see ``collective``.
+        """Wait for ``work`` (from ``start``), failing fast; see ``collective``.
         ``abandon``: what to do with the op on a failure (default: park its gloo group)."""
         pg = self.group()
-        self._poll(work.is_completed, timeout_s, abandon or (lambda: self._park(pg, work)), "collective")
-        try:
-            work.wait()
-        except Exception as exc:
-            raise self._local_failure(f"collective failed: {exc}", "peer_error")
-        # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
-        # their tensors anyway.
+        # A short op (the step's all-reduce, its members arriving together) is polled for
+        # ``FAST_WAIT_S``: handing it to the helper thread costs two thread wake-ups, a
+        # noticeable part of a millisecond op on a loaded machine.  Not work.result():
+        # deprecated in torch 2.13 (a warning per op), and ops write into their tensors anyway.
+        end, sleep = time.monotonic() + FAST_WAIT_S, 0.0001
+        while not work.is_completed() and time.monotonic() < end:
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.0005)
+        if work.is_completed():
+            try:
+                work.wait()
+            except Exception as exc:
+                raise self._local_failure(f"collective failed: {exc}", "peer_error")
+            return
+        self._await(work.wait, timeout_s, abandon or (lambda: self._park(pg, work)), "collective")
 
-    def _poll(self, done: Callable[[], bool], timeout_s: Optional[float], abandon: Callable[[], None],
-              what: str) -> None:
-        """Until ``done()``; on the watchdog or an abort of the generation, ``abandon()`` the
-        op and raise ``CollectiveFailure``."""
+    def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
+               what: str) -> None:
+        """Run ``block`` (a blocking wait for ops, which releases the GIL) in a helper thread
+        while this thread waits for it; on the watchdog (``timeout_s``, default
+        ``op_timeout_s``; time while the membership is paused does not count: peers wait too,
+        nobody is hung) or an abort of the generation (its key, read every ``abort_poll_s``),
+        ``abandon()`` the op and raise ``CollectiveFailure``.
+
+        Blocking on the helper's future wakes this thread the moment the op completes; polling
+        the op instead (sleeps of up to a millisecond) woke every waiting member a thousand
+        times a second, CPU that a machine running several workers per core took from the
+        members still computing (the recovery's engine Decision, the next step).  An abandoned
+        wait keeps its thread until gloo's own timeout; the next call gets a fresh helper."""
+        if self._p2p_pool is None:
+            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-wait-{self.worker_id}")
+        fut = self._p2p_pool.submit(block)
         timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = time.monotonic()
-        next_check = start + self.abort_poll_s
-        sleep = 0.0001
-        last = start
-        while not done():
+        start = last = time.monotonic()
+        while True:
+            try:
+                fut.result(timeout=self.abort_poll_s)
+                return
+            except FutureTimeout:
+                pass
+            except Exception as exc:
+                raise self._local_failure(f"{what} failed: {exc}", "peer_error")
             now = time.monotonic()
             if self.paused():
-                start += now - last  # a paused membership: peers wait too, nobody is hung
+                start += now - last
             last = now
-            if now - start > timeout_s:
-                abandon()
-                raise self._local_failure(
-                    f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-            if now >= next_check:
-                next_check = now + self.abort_poll_s
-                record = self.abort_record()
-                if record is not None:
-                    abandon()
-                    raise self._failure("generation aborted by peer", "aborted", record)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.001)  # short ops finish within a few polls
+            record = self.abort_record()
+            if record is None and now - start <= timeout_s:
+                continue
+            self._p2p_pool.shutdown(wait=False)
+            self._p2p_pool = None
+            abandon()
+            if record is not None:
+                raise self._failure("generation aborted by peer", "aborted", record)
+            raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
 
     # ------------------------------------------------------------ point-to-point
     def send(self, tensor: torch.Tensor, dst_rank: int, tag: int):
@@ -367,42 +393,19 @@ class GroupManager:
         return self.start(lambda pg: pg.recv([tensor], src_rank, tag), check_abort=False)
 
     def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
-        """Wait for point-to-point works, failing fast like ``collective``.
+        """Wait for point-to-point works, failing fast like ``collective`` (``_await``).
 
         Gloo's send/recv ``Work`` never reports ``is_completed()`` (measured on torch 2.13),
-        and a send completes only once its receiver posted the matching recv.  So the
-        blocking ``wait()`` runs in a helper thread (it releases the GIL) while this thread
-        polls the abort key and the watchdog.  An abandoned wait keeps its thread until gloo's
-        own timeout; the next call gets a fresh helper."""
+        and a send completes only once its receiver posted the matching recv: waited for in
+        the helper thread as every op is."""
         if not works:
             return
-        if self._p2p_pool is None:
-            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-p2p-{self.worker_id}")
-        fut = self._p2p_pool.submit(lambda: [w.wait() for w in works])
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # Blocking on the future wakes this thread the moment the op completes (polling
-            # added up to a millisecond per message, several per micro-batch and hop); the
-            # abort key and the watchdog are checked between waits.
-            try:
-                fut.result(timeout=self.abort_poll_s)
-                return
-            except FutureTimeout:
-                pass
-            except Exception as exc:
-                raise self._local_failure(f"point-to-point op failed: {exc}", "peer_error")
-            record = self.abort_record()
-            if record is None and time.monotonic() < deadline:
-                continue
-            self._p2p_pool.shutdown(wait=False)
-            self._p2p_pool = None
-            if self._pg is not None:
-                self._park(self._pg, works[-1])
-            if record is not None:
-                raise self._failure("generation aborted by peer", "aborted", record)
-            raise self._local_failure(
-                f"point-to-point op timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
+        pg = self._pg
+
+        def abandon() -> None:
+            if pg is not None:
+                self._park(pg, works[-1])
+        self._await(lambda: [w.wait() for w in works], timeout_s, abandon, "point-to-point op")
 
     def checked(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                 arg: int = 0, timeout_s: Optional[float] = None) -> torch.Tensor:
