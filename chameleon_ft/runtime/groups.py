@@ -61,8 +61,6 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -70,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.waits import FAST_WAIT_S, Waits  # noqa: F401  (FAST_WAIT_S re-exported)
 from chameleon_ft.runtime.membership import MembershipView, abort_key
 from chameleon_ft.runtime.headers import (  # noqa: F401  (HEADER_LEN ... re-exported)
     AGREED, CONTROL_KINDS, FREE_DIMS, GATHERS, HEADER_LEN, RUNTIME_KINDS, code_of, describe_header, encode_header,
@@ -112,11 +111,7 @@ class CollectiveMismatch(RuntimeError):
         self.skipped = skipped
 
 
-# How long ``GroupManager.wait`` polls an op before handing its wait to the helper thread.
-FAST_WAIT_S = 0.002
-
-
-class GroupManager:
+class GroupManager(Waits):
     """Owns the current generation's gloo group for one worker.
 
     Args:
@@ -158,7 +153,7 @@ class GroupManager:
         self._parked_lock = threading.Lock()
         # Why control collectives are skipped until the next runtime header matches (module doc).
         self.realigning: Optional[str] = None
-        self._p2p_pool: Optional[ThreadPoolExecutor] = None
+        self._p2p_pool = None  # the waits' helper thread (waits.py), made on first use
         # This generation's subgroups (``subgroup``) and the last op started on each.
         self._subs: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._sub_work: dict[tuple[int, ...], object] = {}
@@ -323,66 +318,6 @@ class GroupManager:
         except Exception as exc:  # enqueueing can fail on an already-broken pair
             raise self._local_failure(f"collective failed to start: {exc}", "peer_error")
 
-    def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None) -> None:
-        """Wait for ``work`` (from ``start``), failing fast; see ``collective``.
-        ``abandon``: what to do with the op on a failure (default: park its gloo group)."""
-        pg = self.group()
-        # A short op (the step's all-reduce, its members arriving together) is polled for
-        # ``FAST_WAIT_S``: handing it to the helper thread costs two thread wake-ups, a
-        # noticeable part of a millisecond op on a loaded machine.  Not work.result():
-        # deprecated in torch 2.13 (a warning per op), and ops write into their tensors anyway.
-        end, sleep = time.monotonic() + FAST_WAIT_S, 0.0001
-        while not work.is_completed() and time.monotonic() < end:
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.0005)
-        if work.is_completed():
-            try:
-                work.wait()
-            except Exception as exc:
-                raise self._local_failure(f"collective failed: {exc}", "peer_error")
-            return
-        self._await(work.wait, timeout_s, abandon or (lambda: self._park(pg, work)), "collective")
-
-    def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
-               what: str) -> None:
-        """Run ``block`` (a blocking wait for ops, which releases the GIL) in a helper thread
-        while this thread waits for it; on the watchdog (``timeout_s``, default
-        ``op_timeout_s``; time while the membership is paused does not count: peers wait too,
-        nobody is hung) or an abort of the generation (its key, read every ``abort_poll_s``),
-        ``abandon()`` the op and raise ``CollectiveFailure``.
-
-        Blocking on the helper's future wakes this thread the moment the op completes; polling
-        the op instead (sleeps of up to a millisecond) woke every waiting member a thousand
-        times a second, CPU that a machine running several workers per core took from the
-        members still computing (the recovery's engine Decision, the next step).  An abandoned
-        wait keeps its thread until gloo's own timeout; the next call gets a fresh helper."""
-        if self._p2p_pool is None:
-            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-wait-{self.worker_id}")
-        fut = self._p2p_pool.submit(block)
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = last = time.monotonic()
-        while True:
-            try:
-                fut.result(timeout=self.abort_poll_s)
-                return
-            except FutureTimeout:
-                pass
-            except Exception as exc:
-                raise self._local_failure(f"{what} failed: {exc}", "peer_error")
-            now = time.monotonic()
-            if self.paused():
-                start += now - last
-            last = now
-            record = self.abort_record()
-            if record is None and now - start <= timeout_s:
-                continue
-            self._p2p_pool.shutdown(wait=False)
-            self._p2p_pool = None
-            abandon()
-            if record is not None:
-                raise self._failure("generation aborted by peer", "aborted", record)
-            raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-
     # ------------------------------------------------------------ point-to-point
     def send(self, tensor: torch.Tensor, dst_rank: int, tag: int):
         """Start sending ``tensor`` to ``dst_rank`` (rank in this generation); ``wait_p2p`` it."""
@@ -391,21 +326,6 @@ class GroupManager:
     def recv(self, tensor: torch.Tensor, src_rank: int, tag: int):
         """Start receiving into ``tensor`` from ``src_rank``; ``wait_p2p`` it."""
         return self.start(lambda pg: pg.recv([tensor], src_rank, tag), check_abort=False)
-
-    def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
-        """Wait for point-to-point works, failing fast like ``collective`` (``_await``).
-
-        Gloo's send/recv ``Work`` never reports ``is_completed()`` (measured on torch 2.13),
-        and a send completes only once its receiver posted the matching recv: waited for in
-        the helper thread as every op is."""
-        if not works:
-            return
-        pg = self._pg
-
-        def abandon() -> None:
-            if pg is not None:
-                self._park(pg, works[-1])
-        self._await(lambda: [w.wait() for w in works], timeout_s, abandon, "point-to-point op")
 
     def checked(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                 arg: int = 0, timeout_s: Optional[float] = None) -> torch.Tensor:
@@ -476,7 +396,8 @@ class GroupManager:
             self.wait(work, timeout_s, abandon=lambda: self._park_sub(key))
         elif buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
             nccl = self.nccl.pg  # CUDA tensors over NCCL; a failure aborts its communicator
-            self.wait(self.start(lambda pg: nccl.allreduce([buf], opts)), timeout_s, abandon=self.nccl.abort)
+            self.wait(self.start(lambda pg: nccl.allreduce([buf], opts)), timeout_s, abandon=self.nccl.abort,
+                      poll=True)
         else:
             self.collective(lambda pg: pg.allreduce([buf], opts), timeout_s)
         if copy:

@@ -1,0 +1,150 @@
+"""How a ``GroupManager`` member waits for an op: fail fast, without burning CPU.
+
+A member waiting for a collective or a point-to-point op must notice a peer's death (another
+member writes the generation's abort key), a hang (the watchdog, ``timeout_s``) and a paused
+membership (that time does not count: peers wait too).  Two ways, both reading the abort key
+every ``abort_poll_s``:
+
+* ``_poll``: poll ``work.is_completed()`` with sleeps of 0.1-1 ms.  Right for an op that
+  completes at once (the step's all-reduce, its members arriving together) and the only way
+  for an NCCL op, whose ``wait()`` only makes the current CUDA stream wait.
+* ``_await``: a helper thread blocks in the op's ``wait()`` (it releases the GIL) and wakes
+  this member the moment the op completes.  Right for a long wait: polled, every waiting member
+  woke a thousand times a second, CPU that a machine running several workers per core took from
+  the members still computing (a recovery's Decision, a redone step's micro-batches).  An
+  abandoned wait keeps its thread until gloo's own timeout; the next call gets a fresh helper.
+
+``GroupManager.wait`` polls for ``FAST_WAIT_S`` and then hands the wait to the helper; gloo's
+point-to-point ``Work`` never reports ``is_completed()`` (measured on torch 2.13), so
+``wait_p2p`` always uses the helper.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Optional
+
+__all__ = ["FAST_WAIT_S", "Waits"]
+
+# How long ``GroupManager.wait`` polls an op before handing its wait to the helper thread.
+FAST_WAIT_S = 0.002
+
+
+class Waits:
+    """The waiting half of ``GroupManager`` (a mixin): it uses the manager's ``group()``,
+    ``abort_record()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
+    ``CollectiveFailure``), ``_park``, ``_pg``, ``op_timeout_s``, ``abort_poll_s``,
+    ``worker_id`` and ``_p2p_pool`` (the helper thread, None until first used)."""
+
+    def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None,
+             poll: bool = False) -> None:
+        """Wait for ``work`` (from ``start``), failing fast; see ``collective``.
+        ``abandon``: what to do with the op on a failure (default: park its gloo group).
+        ``poll``: wait by polling ``work.is_completed()`` only -- an NCCL op's ``wait()`` only
+        makes the current CUDA stream wait (it returns before the op completes, and a dead peer
+        leaves the kernel waiting), so no helper thread may stand for its completion."""
+        pg = self.group()
+        abandon = abandon or (lambda: self._park(pg, work))
+        if poll:
+            self._poll(work.is_completed, timeout_s, abandon, "collective")
+        else:
+            # A short op (the step's all-reduce, its members arriving together) is polled for
+            # ``FAST_WAIT_S``: handing it to the helper costs two thread wake-ups, a noticeable
+            # part of a millisecond op on a loaded machine.
+            end, sleep = time.monotonic() + FAST_WAIT_S, 0.0001
+            while not work.is_completed() and time.monotonic() < end:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 0.0005)
+            if not work.is_completed():
+                self._await(work.wait, timeout_s, abandon, "collective")
+                return
+        # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
+        # their tensors anyway.
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._local_failure(f"collective failed: {exc}", "peer_error")
+
+    def _poll(self, done: Callable[[], bool], timeout_s: Optional[float], abandon: Callable[[], None],
+              what: str) -> None:
+        """Until ``done()``; on the watchdog or an abort of the generation, ``abandon()`` the
+        op and raise ``CollectiveFailure``."""
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        next_check = start + self.abort_poll_s
+        sleep = 0.0001
+        last = start
+        while not done():
+            now = time.monotonic()
+            if self.paused():
+                start += now - last  # a paused membership: peers wait too, nobody is hung
+            last = now
+            if now - start > timeout_s:
+                abandon()
+                raise self._local_failure(
+                    f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
+            if now >= next_check:
+                next_check = now + self.abort_poll_s
+                record = self.abort_record()
+                if record is not None:
+                    abandon()
+                    raise self._failure("generation aborted by peer", "aborted", record)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.001)  # short ops finish within a few polls
+
+    def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
+               what: str) -> None:
+        """Run ``block`` (a blocking wait for ops, which releases the GIL) in a helper thread
+        while this thread waits for it; on the watchdog (``timeout_s``, default
+        ``op_timeout_s``; time while the membership is paused does not count: peers wait too,
+        nobody is hung) or an abort of the generation (its key, read every ``abort_poll_s``),
+        ``abandon()`` the op and raise ``CollectiveFailure``.
+
+        Blocking on the helper's future wakes this thread the moment the op completes; polling
+        the op instead (sleeps of up to a millisecond) woke every waiting member a thousand
+        times a second, CPU that a machine running several workers per core took from the
+        members still computing (the recovery's engine Decision, the next step).  An abandoned
+        wait keeps its thread until gloo's own timeout; the next call gets a fresh helper."""
+        if self._p2p_pool is None:
+            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-wait-{self.worker_id}")
+        fut = self._p2p_pool.submit(block)
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        start = last = time.monotonic()
+        while True:
+            try:
+                fut.result(timeout=self.abort_poll_s)
+                return
+            except FutureTimeout:
+                pass
+            except Exception as exc:
+                raise self._local_failure(f"{what} failed: {exc}", "peer_error")
+            now = time.monotonic()
+            if self.paused():
+                start += now - last
+            last = now
+            record = self.abort_record()
+            if record is None and now - start <= timeout_s:
+                continue
+            self._p2p_pool.shutdown(wait=False)
+            self._p2p_pool = None
+            abandon()
+            if record is not None:
+                raise self._failure("generation aborted by peer", "aborted", record)
+            raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
+
+    def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
+        """Wait for point-to-point works, failing fast like ``collective`` (``_await``).
+
+        Gloo's send/recv ``Work`` never reports ``is_completed()`` (measured on torch 2.13),
+        and a send completes only once its receiver posted the matching recv: waited for in
+        the helper thread as every op is."""
+        if not works:
+            return
+        pg = self._pg
+
+        def abandon() -> None:
+            if pg is not None:
+                self._park(pg, works[-1])
+        self._await(lambda: [w.wait() for w in works], timeout_s, abandon, "point-to-point op")
