@@ -153,7 +153,7 @@ class GroupManager(Waits):
         self._parked_lock = threading.Lock()
         # Why control collectives are skipped until the next runtime header matches (module doc).
         self.realigning: Optional[str] = None
-        self._p2p_pool = None  # the waits' helper thread (waits.py), made on first use
+        self._wait_pool = None  # the waits' helper thread (waits.py), made on first use
         # This generation's subgroups (``subgroup``) and the last op started on each.
         self._subs: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._sub_work: dict[tuple[int, ...], object] = {}

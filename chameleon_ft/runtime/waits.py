@@ -36,7 +36,7 @@ class Waits:
     """The waiting half of ``GroupManager`` (a mixin): it uses the manager's ``group()``,
     ``abort_record()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
     ``CollectiveFailure``), ``_park``, ``_pg``, ``op_timeout_s``, ``abort_poll_s``,
-    ``worker_id`` and ``_p2p_pool`` (the helper thread, None until first used)."""
+    ``worker_id`` and ``_wait_pool`` (the helper thread, None until first used)."""
 
     def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None,
              poll: bool = False) -> None:
@@ -69,70 +69,62 @@ class Waits:
 
     def _poll(self, done: Callable[[], bool], timeout_s: Optional[float], abandon: Callable[[], None],
               what: str) -> None:
-        """Until ``done()``; on the watchdog or an abort of the generation, ``abandon()`` the
-        op and raise ``CollectiveFailure``."""
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = time.monotonic()
-        next_check = start + self.abort_poll_s
-        sleep = 0.0001
-        last = start
-        while not done():
-            now = time.monotonic()
-            if self.paused():
-                start += now - last  # a paused membership: peers wait too, nobody is hung
-            last = now
-            if now - start > timeout_s:
-                abandon()
-                raise self._local_failure(
-                    f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-            if now >= next_check:
-                next_check = now + self.abort_poll_s
-                record = self.abort_record()
-                if record is not None:
-                    abandon()
-                    raise self._failure("generation aborted by peer", "aborted", record)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.001)  # short ops finish within a few polls
+        """Until ``done()``, polled with sleeps of 0.1-1 ms; see ``_watch``."""
+        sleep = [0.0001]
+
+        def within(seconds: float) -> bool:
+            end = time.monotonic() + seconds
+            while not done():
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(sleep[0])
+                sleep[0] = min(sleep[0] * 2, 0.001)  # short ops finish within a few polls
+            return True
+        self._watch(within, timeout_s, abandon, what)
 
     def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
                what: str) -> None:
-        """Run ``block`` (a blocking wait for ops, which releases the GIL) in a helper thread
-        while this thread waits for it; on the watchdog (``timeout_s``, default
-        ``op_timeout_s``; time while the membership is paused does not count: peers wait too,
-        nobody is hung) or an abort of the generation (its key, read every ``abort_poll_s``),
-        ``abandon()`` the op and raise ``CollectiveFailure``.
+        """Run ``block`` (a blocking wait for ops, which releases the GIL) in the helper thread
+        and wait for it (module doc); see ``_watch``."""
+        if self._wait_pool is None:
+            self._wait_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-wait-{self.worker_id}")
+        fut = self._wait_pool.submit(block)
 
-        Blocking on the helper's future wakes this thread the moment the op completes; polling
-        the op instead (sleeps of up to a millisecond) woke every waiting member a thousand
-        times a second, CPU that a machine running several workers per core took from the
-        members still computing (the recovery's engine Decision, the next step).  An abandoned
-        wait keeps its thread until gloo's own timeout; the next call gets a fresh helper."""
-        if self._p2p_pool is None:
-            self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix=f"cft-wait-{self.worker_id}")
-        fut = self._p2p_pool.submit(block)
-        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
-        start = last = time.monotonic()
-        while True:
+        def within(seconds: float) -> bool:
             try:
-                fut.result(timeout=self.abort_poll_s)
-                return
+                fut.result(timeout=seconds)
+                return True
             except FutureTimeout:
-                pass
+                return False
             except Exception as exc:
                 raise self._local_failure(f"{what} failed: {exc}", "peer_error")
+
+        def give_up() -> None:  # the helper stays blocked until gloo's own timeout
+            self._wait_pool.shutdown(wait=False)
+            self._wait_pool = None
+            abandon()
+        self._watch(within, timeout_s, give_up, what)
+
+    def _watch(self, within: Callable[[float], bool], timeout_s: Optional[float], abandon: Callable[[], None],
+               what: str) -> None:
+        """Until ``within(abort_poll_s)`` says the op completed, reading the abort key between
+        its calls; on the watchdog (``timeout_s``, default ``op_timeout_s``; time while the
+        membership is paused does not count: peers wait too, nobody is hung) or an abort of the
+        generation, ``abandon()`` the op and raise ``CollectiveFailure``."""
+        timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
+        start = last = time.monotonic()
+        while not within(self.abort_poll_s):
             now = time.monotonic()
             if self.paused():
                 start += now - last
             last = now
+            if now - start > timeout_s:
+                abandon()
+                raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
             record = self.abort_record()
-            if record is None and now - start <= timeout_s:
-                continue
-            self._p2p_pool.shutdown(wait=False)
-            self._p2p_pool = None
-            abandon()
             if record is not None:
+                abandon()
                 raise self._failure("generation aborted by peer", "aborted", record)
-            raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
 
     def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
         """Wait for point-to-point works, failing fast like ``collective`` (``_await``).
