@@ -7,7 +7,7 @@ all-reduced over it, everything else (headers, recovery agreements, state broadc
 through host memory) stays on gloo.  NCCL differs exactly where fault tolerance lives:
 
 * a dead peer leaves an NCCL kernel waiting instead of raising: our own watchdog
-  (``GroupManager._poll``: ``work.is_completed()``, the abort key, ``op_timeout_s``) decides,
+  (``GroupManager.wait(poll=True)``: ``work.is_completed()``, the abort key, ``op_timeout_s``) decides,
   and then **aborts the communicator** (``ProcessGroupNCCL.abort``: ``ncclCommAbort``), which
   frees the stream; the group is dropped and the next generation makes a fresh one;
 * NCCL's own watchdog must not tear a survivor down: the worker's environment sets

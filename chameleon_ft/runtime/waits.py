@@ -5,7 +5,7 @@ member writes the generation's abort key), a hang (the watchdog, ``timeout_s``) 
 membership (that time does not count: peers wait too).  Two ways, both reading the abort key
 every ``abort_poll_s``:
 
-* ``_poll``: poll ``work.is_completed()`` with sleeps of 0.1-1 ms.  Right for an op that
+* polling (``_poller``): ``work.is_completed()`` with sleeps of 0.1-1 ms.  Right for an op that
   completes at once (the step's all-reduce, its members arriving together) and the only way
   for an NCCL op, whose ``wait()`` only makes the current CUDA stream wait.
 * ``_await``: a helper thread blocks in the op's ``wait()`` (it releases the GIL) and wakes
@@ -32,6 +32,23 @@ __all__ = ["FAST_WAIT_S", "Waits"]
 FAST_WAIT_S = 0.002
 
 
+def _poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:
+    """``within(seconds)``: poll ``done()`` for up to ``seconds``, sleeping 0.1 ms, then twice as
+    long each time up to ``cap`` (the schedule carries over between calls: short ops finish
+    within a few polls); True once done."""
+    sleep = [0.0001]
+
+    def within(seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while not done():
+            if time.monotonic() >= end:
+                return False
+            time.sleep(sleep[0])
+            sleep[0] = min(sleep[0] * 2, cap)
+        return True
+    return within
+
+
 class Waits:
     """The waiting half of ``GroupManager`` (a mixin): it uses the manager's ``group()``,
     ``abort_record()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
@@ -48,39 +65,19 @@ class Waits:
         pg = self.group()
         abandon = abandon or (lambda: self._park(pg, work))
         if poll:
-            self._poll(work.is_completed, timeout_s, abandon, "collective")
-        else:
-            # A short op (the step's all-reduce, its members arriving together) is polled for
+            self._watch(_poller(work.is_completed, 0.001), timeout_s, abandon, "collective")
+        elif not _poller(work.is_completed, 0.0005)(FAST_WAIT_S):
+            # A short op (the step's all-reduce, its members arriving together) was polled for
             # ``FAST_WAIT_S``: handing it to the helper costs two thread wake-ups, a noticeable
             # part of a millisecond op on a loaded machine.
-            end, sleep = time.monotonic() + FAST_WAIT_S, 0.0001
-            while not work.is_completed() and time.monotonic() < end:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, 0.0005)
-            if not work.is_completed():
-                self._await(work.wait, timeout_s, abandon, "collective")
-                return
+            self._await(work.wait, timeout_s, abandon, "collective")
+            return
         # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
         # their tensors anyway.
         try:
             work.wait()
         except Exception as exc:
             raise self._local_failure(f"collective failed: {exc}", "peer_error")
-
-    def _poll(self, done: Callable[[], bool], timeout_s: Optional[float], abandon: Callable[[], None],
-              what: str) -> None:
-        """Until ``done()``, polled with sleeps of 0.1-1 ms; see ``_watch``."""
-        sleep = [0.0001]
-
-        def within(seconds: float) -> bool:
-            end = time.monotonic() + seconds
-            while not done():
-                if time.monotonic() >= end:
-                    return False
-                time.sleep(sleep[0])
-                sleep[0] = min(sleep[0] * 2, 0.001)  # short ops finish within a few polls
-            return True
-        self._watch(within, timeout_s, abandon, what)
 
     def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
                what: str) -> None:
