@@ -37,8 +37,8 @@ selector: ``reroute``, ``replan`` (pipeline depth 1), ``wait`` (carried out as r
 the replacement arrives -- nobody idles), ``restart`` (the workers exit for the launcher),
 ``keep``/``rebalance``/``heal``/``grow``, and ``shrink`` when the user allows the global batch
 to change (the sampler then cuts the epoch's remaining samples into smaller batches and the
-learning rate follows the linear scaling rule; a heal or grow brings both back).  Per-layer costs are split by parameter count, not
-measured per layer.
+learning rate follows the linear scaling rule; a heal or grow brings both back).  Per-layer
+costs are split by parameter count, not measured per layer.
 """
 
 from __future__ import annotations
@@ -118,9 +118,11 @@ class EngineBridge(PipelineCalibration):
         self.last_migration = None
         # Pipeline re-plans keep at least this many pipelines (copies of every block).
         self.min_replicas = 2
-        # The layout before a re-plan whose migration is not yet confirmed by every member:
-        # if a failure interrupts the migration, the survivors still hold this one.
-        self.migrating_from: Optional[Plan] = None
+        # Until every member confirms a re-plan's migration: the plan and load before it and the workers
+        # it lost (``begin_migration``); a failure that interrupts the migration undoes it (``undo_migration``).
+        self.migrating_from: Optional[dict] = None
+        self._redo: frozenset[int] = frozenset()
+        self.decided_dead: frozenset[int] = frozenset()  # the workers the last on_membership lost
         self.layer_params = [int(p) for p in layer_params] or [1]
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.per_node = max(1, int(per_node))
@@ -212,10 +214,8 @@ class EngineBridge(PipelineCalibration):
         launchers has a replacement left."""
         if self.replacement_eta_s is None or self.max_replacements is None or not dead:
             return self.replacement_eta_s
-        nodes = {d // self.per_node for d in dead}
-        if all(self.replacements_used.get(n, 0) >= self.max_replacements for n in nodes):
-            return None
-        return self.replacement_eta_s
+        used = [self.replacements_used.get(d // self.per_node, 0) for d in dead]
+        return None if all(u >= self.max_replacements for u in used) else self.replacement_eta_s
 
     def selector_config(self, steps_since_checkpoint: int, dead=()) -> SelectorConfig:
         # Pipeline jobs charge every in-place option the measured state agreement too (its
@@ -223,8 +223,7 @@ class EngineBridge(PipelineCalibration):
         # data-parallel straggler decisions are taken by every member on its own).
         rebuild = self.rebuild_s + (self.agree_s if self.stages > 1 else 0.0)
         return SelectorConfig(
-            allowed=self.allowed, allow_batch_change=self.allow_batch_change,
-            replacement_eta_s=self._eta(dead),
+            allowed=self.allowed, allow_batch_change=self.allow_batch_change, replacement_eta_s=self._eta(dead),
             rebuild_s=rebuild, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint, straggler_relayout=self.stages == 1,
             space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
@@ -279,14 +278,15 @@ class EngineBridge(PipelineCalibration):
         joined (if any); the plan and allocation follow the choices.  Raises
         ``RestartRequested`` when the engine picks checkpoint-restart."""
         members = frozenset(members)
-        dead = self.alive - members
-        joined = members - self.alive
+        # ``_redo``: the workers an undone Decision lost (``undo_migration``), decided on again
+        dead = (self.alive - members) | (self._redo - members)
+        redone, self._redo, joined, self.decided_dead = self._redo, frozenset(), members - self.alive, dead
         decisions = []
         if dead or joined:  # a rebalance's gain can no longer be told from the change
             self._check = None
             self._recent.clear()
         now = time.time()
-        for d in dead:
+        for d in dead - redone:
             self._lost_at[d] = now
         for d in joined:
             lost = self._lost_at.pop(d, None)
@@ -300,7 +300,7 @@ class EngineBridge(PipelineCalibration):
             else:
                 kind = EventKind.HANG if hang else (
                     EventKind.NODE_LOSS if self._whole_nodes(dead) else EventKind.FAIL_STOP)
-                self.estimator.observe(0, 0.0, failures=len(dead))
+                self.estimator.observe(0, 0.0, failures=len(dead - redone))
                 self.detector.forget(dead)
                 event = Event(kind, tuple(sorted(dead)), float(step))
                 d = select(event, self.job_state(self.alive), self.selector_config(steps_since_checkpoint, dead),
@@ -540,7 +540,7 @@ class EngineBridge(PipelineCalibration):
                                 "undos": [[r, n] for r, n in sorted(self._undos.items())]},
             "estimator": self.estimator.state_dict(),
             "state_bytes": [self.weight_bytes, self.optim_bytes],
-            "migrating_from": self.migrating_from.to_json() if self.migrating_from else None,
+            "migrating_from": self.migrating_from,
             "pipeline_calibration": self.pipe_cal.state_dict() if self.stages > 1 else None,
             # The fit itself and where the refit schedule stands: a member that loads this state
             # between two refits must hold the same figures as the one it came from.
@@ -571,7 +571,7 @@ class EngineBridge(PipelineCalibration):
         self._undos = {int(r): int(n) for r, n in check.get("undos", [])}
         self.estimator = FailureRateEstimator.from_state_dict(s["estimator"])
         self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
-        self.migrating_from = Plan.from_json(s["migrating_from"]) if s.get("migrating_from") else None
+        self.migrating_from = s.get("migrating_from")
         self.agree_s = float(s.get("agree_s", 0.0))
         self.replacements_used = {int(n): int(k) for n, k in s.get("replacements_used", [])}
         rep = s.get("replacement")

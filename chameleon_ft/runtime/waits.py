@@ -22,6 +22,7 @@ point-to-point ``Work`` never reports ``is_completed()`` (measured on torch 2.13
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
@@ -136,4 +137,9 @@ class Waits:
         def abandon() -> None:
             if pg is not None:
                 self._park(pg, works[-1])
-        self._await(lambda: [w.wait() for w in works], timeout_s, abandon, "point-to-point op")
+        # A gloo send/recv ``wait()`` without a timeout gives up after the group's *construction*
+        # timeout (``connect_timeout_s``), not ``set_timeout``'s (measured on torch 2.13: a recv
+        # failed after 5 s under a 30 s watchdog -- every migration round over a slow link
+        # longer than that broke off).  The watchdog here decides; gloo's own limit is the op's.
+        limit = timedelta(seconds=max(self.op_timeout_s, 0.0 if timeout_s is None else float(timeout_s)))
+        self._await(lambda: [w.wait(limit) for w in works], timeout_s, abandon, "point-to-point op")

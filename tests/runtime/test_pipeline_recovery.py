@@ -224,6 +224,11 @@ def test_kill_during_migration_and_a_second_kill(tmp_path, reference):
     check_run(tmp_path, finals, reference)
     ds = decisions(tmp_path)
     assert all(d["chosen"] == "replan" for d in ds) and len(ds) == 3, [d["chosen"] for d in ds]
+    # The interrupted re-plan was undone and decided again, for both lost workers, from what the
+    # survivors held (not dropped, leaving the job on the old layout while the engine priced the new).
+    assert [d["event"]["devices"] for d in ds] == [[2], sorted(killed[:2]), [killed[2]]], ds
+    interrupted = [e for e in read_events(tmp_path) if e["event"] == "migration" and e.get("phase") == "interrupted"]
+    assert interrupted and all(e["reason"] for e in interrupted), interrupted
 
 
 def test_commit_lost_on_one_member_rolls_it_forward(tmp_path, reference):

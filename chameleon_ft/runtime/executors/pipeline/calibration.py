@@ -1,5 +1,6 @@
 """The pipeline half of the runtime's engine bridge: feeding ``calibrate.PipelineCalibrator``
-with what a pipeline job's steps measured, and reading the fit back as the engine's inputs.
+with what a pipeline job's steps measured, reading the fit back as the engine's inputs, and
+keeping a re-plan undoable until its migration is confirmed.
 
 Mixed into ``EngineBridge`` (``runtime/engine_bridge.py``), whose state (plan, alive, allocation, workload,
 cluster) it uses; kept apart so that each module stays one concept.  Every input comes from
@@ -17,6 +18,7 @@ from chameleon_ft.engine.calibrate import CollectiveSample
 from chameleon_ft.engine.cluster import cluster_to_json
 from chameleon_ft.engine.failures import Event, EventKind
 from chameleon_ft.engine.perf import coefficients_to_json, estimate
+from chameleon_ft.engine.plan import Plan
 from chameleon_ft.engine.selector import select
 from chameleon_ft.engine.workload import workload_to_json
 
@@ -91,6 +93,30 @@ class PipelineCalibration:
         self.pipe_cal.observe_step(times, out_bytes, tasks, optimizer)
         for nbytes, sec in p2p:
             self.pipe_cal.observe_p2p(nbytes, sec)
+
+    def layout(self) -> dict:
+        """The plan, load and batch now (what ``begin_migration`` keeps to undo a re-plan)."""
+        return {"plan": self.plan.to_json() if self.plan else None, "current_batch": self.current_batch,
+                "allocation": [[w, n] for w, n in sorted(self.allocation.items())]}
+
+    def begin_migration(self, before: dict) -> None:
+        """The Decision just taken moves state (a re-plan): keep ``before`` (``layout()`` from
+        before it) and the workers it lost until every member confirms the migration."""
+        self.migrating_from = {**before, "dead": sorted(self.decided_dead)}
+
+    def undo_migration(self) -> None:
+        """A failure interrupted the migration before every member confirmed it: nobody dropped
+        a block, so the survivors still hold the layout before it.  Back to that plan and load;
+        the next ``on_membership`` decides again for the workers that Decision lost (with any
+        lost since), from what the survivors hold now -- the Decision is not silently dropped
+        (it was, until 2026-12-03: a re-plan whose migration broke off left the job rerouted
+        while the engine priced the re-plan)."""
+        prev, self.migrating_from = self.migrating_from, None
+        self.plan = Plan.from_json(prev["plan"])
+        self.allocation = {int(w): int(n) for w, n in prev["allocation"]}
+        self.current_batch = int(prev["current_batch"])
+        self._redo = frozenset(int(w) for w in prev["dead"])
+        self._predicted = None
 
     def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
         """A migration that was carried out: the transfers on its critical path

@@ -341,14 +341,12 @@ class PipelineExecutor(RecoveryCore):
     def source_payload(self, view, info) -> dict:
         members = view.members
         holdings = self._holdings(members)
-        prev = self.policy.migrating_from
-        if prev is not None:
-            # A failure interrupted the last migration before every member confirmed it:
-            # nobody dropped a block, so the survivors still hold the layout before it.
-            if not self._covers(self.policy.plan, holdings):
-                self.policy.plan = prev
-            self.policy.migrating_from = None
-        old_plan = self.policy.plan
+        if self.policy.migrating_from is not None:  # a failure interrupted the last migration
+            if self._covers(self.policy.plan, holdings):
+                self.policy.migrating_from = None  # every block already where the new plan wants it
+            else:
+                self.policy.undo_migration()
+        before, old_plan = self.policy.layout(), self.policy.plan
         payload = super().source_payload(view, info)
         if payload["restart"]:
             return payload
@@ -380,7 +378,7 @@ class PipelineExecutor(RecoveryCore):
             return payload
         self.policy.last_migration = None
         if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
-            self.policy.migrating_from = old_plan
+            self.policy.begin_migration(before)
             payload["engine"] = self.policy.state_dict()
         payload["migration"] = {"rounds": [[[t.src, t.dst, t.layers[0], t.layers[1]] for t in r]
                                            for r in mig.rounds],

@@ -61,9 +61,23 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
     what this member moved: ``state_bytes`` (weights + optimizer state shaped like them, as
     the migration plan counts them; summed over the member's sends), ``wire_bytes`` and
     ``transfers`` (sent)."""
+    out = {"state_bytes": 0, "wire_bytes": 0, "transfers": 0}
+    t0 = time.perf_counter()
+    try:
+        _rounds(ctx, rounds, timeout_s, out)
+    except Exception as exc:
+        # Who broke off, where and why: the recovery that follows plans again from what every
+        # survivor holds now, and its own records do not say what ended this one.
+        if getattr(ctx, "log", None):
+            ctx.log.write("migration", step=ctx.step, phase="interrupted", seconds=time.perf_counter() - t0,
+                          reason=f"{type(exc).__name__}: {exc}"[:300], **out)
+        raise
+    return out
+
+
+def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
     me = ctx.worker_id
     rank_of = {w: i for i, w in enumerate(ctx.view.members)}
-    out = {"state_bytes": 0, "wire_bytes": 0, "transfers": 0}
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
             tag = _BASE_TAG + (k * 4096 + i) * 4
@@ -92,4 +106,3 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
                 # nominal time at _NOMINAL_BPS (not of the measured time: that includes waiting
                 # for a partner that may be stretched too, and would compound).
                 ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
-    return out
