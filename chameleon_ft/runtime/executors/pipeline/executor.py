@@ -395,11 +395,7 @@ class PipelineExecutor(RecoveryCore):
             self.log.write("migration", step=self.step, phase="start", rounds=plan["rounds"],
                            predicted_bytes=plan.get("predicted_bytes"))
         moved = migration.run(self, plan["rounds"], self.hang_timeout_s)
-        if plan["rounds"]:
-            # Confirm that every member has its blocks before anyone drops the old ones.
-            done = torch.ones(1, dtype=torch.int64)
-            self._store_op(lambda: self.gm.allreduce(done, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                                                     header="sync", label="migrated"))
+        timed = migration.confirm(self, plan["rounds"], moved, self.hang_timeout_s) if plan["rounds"] else []
         self.policy.migrating_from = None
         if plan.get("build"):
             for b in sorted(want - self.held):
@@ -421,18 +417,18 @@ class PipelineExecutor(RecoveryCore):
                                    "transfers": moved["transfers"], "rounds": len(plan["rounds"]),
                                    "predicted_bytes": plan.get("predicted_bytes"),
                                    "predicted_s": plan.get("predicted_s")}
-            if plan["rounds"]:
-                self.policy.observe_migration(*self._path_bytes(plan["rounds"]),
-                                              self.last_migration["seconds"])
+            if timed:
+                self.policy.observe_migration(*self._timed_path(timed))
             # Every member reports its own share; the test sums them across members.
             if self.log:
                 self.log.write("migration", step=self.step, phase="end", **self.last_migration)
         if self.fresh is False and not self.held and want:
             raise ConfigError(f"worker {self.worker_id} holds no blocks after the migration")
 
-    def _path_bytes(self, rounds) -> tuple[int, float]:
-        """The transfers on the migration's critical path (``engine.migration.critical_path``, priced by
-        bytes) and their bytes, as they were sent: what bounds its time, for the calibration.
+    def _timed_path(self, timed) -> tuple[int, float, float]:
+        """The migration's critical path (``engine.migration.critical_path``) over each transfer's
+        measured seconds (``migration.confirm``): its transfers, their bytes as they were sent,
+        and its seconds -- what the calibration fits the migration link to.
         The optimizer's state travels only once it exists (the start-up migration, before the
         first step, carries weights alone: counting the state there made the calibrated
         migration bandwidth 3x too high and a re-plan's transition ~2.7x too short).  Every
@@ -442,9 +438,8 @@ class PipelineExecutor(RecoveryCore):
 
         def nbytes(t) -> float:
             return float(sum(self.block_numel[t[2]:t[3]]) * per)
-        # One byte per hop breaks ties towards the path with more transfers (latency).
-        _, path = critical_path(rounds, lambda t: (t[0], t[1], nbytes(t) + 1.0))
-        return len(path), sum(nbytes(t) for t in path)
+        seconds, path = critical_path(timed, lambda t: (t[0], t[1], t[4]))
+        return len(path), sum(nbytes(t) for t in path), seconds
 
     def reset_step(self) -> None:
         self._measured_step = None

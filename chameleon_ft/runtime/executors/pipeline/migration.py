@@ -21,10 +21,11 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 
 from chameleon_ft.runtime import codec as run_state
 
-__all__ = ["run"]
+__all__ = ["confirm", "run"]
 
 _NOMINAL_BPS = 1e6  # fault injection only (see run)
 _BASE_TAG = 1 << 30  # above every tag a pipeline step uses (gloo tags are C ints)
@@ -60,8 +61,9 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
     """Take part in ``rounds`` (lists of ``[src, dst, lo, hi]``) as ``ctx.worker_id``; returns
     what this member moved: ``state_bytes`` (weights + optimizer state shaped like them, as
     the migration plan counts them; summed over the member's sends), ``wire_bytes`` and
-    ``transfers`` (sent)."""
-    out = {"state_bytes": 0, "wire_bytes": 0, "transfers": 0}
+    ``transfers`` (sent); ``durations``: seconds of each transfer it took part in, by its
+    position in the flattened rounds, from the moment this end started it (``confirm``)."""
+    out = {"state_bytes": 0, "wire_bytes": 0, "transfers": 0, "durations": {}}
     t0 = time.perf_counter()
     try:
         _rounds(ctx, rounds, timeout_s, out)
@@ -70,7 +72,8 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
         # survivor holds now, and its own records do not say what ended this one.
         if getattr(ctx, "log", None):
             ctx.log.write("migration", step=ctx.step, phase="interrupted", seconds=time.perf_counter() - t0,
-                          reason=f"{type(exc).__name__}: {exc}"[:300], **out)
+                          reason=f"{type(exc).__name__}: {exc}"[:300],
+                          **{k: v for k, v in out.items() if k != "durations"})
         raise
     return out
 
@@ -78,10 +81,11 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
 def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
     me = ctx.worker_id
     rank_of = {w: i for i, w in enumerate(ctx.view.members)}
+    flat = 0
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
             tag = _BASE_TAG + (k * 4096 + i) * 4
-            nbytes = 0
+            nbytes, began, flat = 0, time.perf_counter(), flat + 1
             if src == me:
                 missing = [b for b in range(lo, hi) if b not in ctx.held]
                 if missing:
@@ -106,3 +110,21 @@ def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
                 # nominal time at _NOMINAL_BPS (not of the measured time: that includes waiting
                 # for a partner that may be stretched too, and would compound).
                 ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
+                out["durations"][flat - 1] = time.perf_counter() - began
+
+
+def confirm(ctx, rounds: list, moved: dict, timeout_s: float) -> list:
+    """Confirm that every member has its blocks (before anyone drops the old ones) and share
+    how long each transfer took: the shorter of its two ends' clocks (a MIN all-reduce), i.e.
+    from when the later end started it -- the other end's clock also holds the wait for a late
+    partner (a replacement still starting up took 2.6 s longer to reach its first transfer, on
+    the ``slowlink`` trace, 2026-12-03: calibrated as bandwidth, that priced every later re-plan's
+    migration 1.7x too long).  Returns the rounds as ``[src, dst, lo, hi, seconds]``."""
+    n = sum(len(r) for r in rounds)
+    secs = torch.full((max(1, n),), float("inf"), dtype=torch.float64)
+    for j, s in moved["durations"].items():
+        secs[j] = s
+    secs = ctx._store_op(lambda: ctx.gm.allreduce(secs, dist.ReduceOp.MIN, timeout_s=timeout_s,
+                                                  header="sync", label="migrated"))
+    it = iter(secs.tolist())
+    return [[[*t, next(it)] for t in r] for r in rounds]
