@@ -125,6 +125,8 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
         mttf_s=first.get("mttf_s") or setup.get("mttf_s"),
         space=SearchSpace(dp_min=2, min_microbatches=1),
         replacement_eta_s=statistics.median(etas) if etas else None,
+        # The launcher replaced the trace's replaced kills and no more (``--max-replacements``).
+        limited_replacements=True,
         # The trace starts at the first commit after warm-up; checkpoints are every ckpt_every
         # steps from step 0.
         checkpoint_phase_s=(warmup % int(cfg.get("ckpt_every", 10))) * ff)

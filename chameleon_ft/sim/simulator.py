@@ -250,6 +250,9 @@ class JobSetting:
     rebuild_s: float = _REBUILD_S
     replacement_eta_s: float | None = None  # lets the adaptive policies consider ``wait``
     checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint at time 0
+    # Replacements the job will get (a launcher's ``--max-replacements``): once that many devices
+    # came back, no replacement is expected and ``wait`` is not an option.  None: no limit.
+    max_replacements: int | None = None
 
     def since_checkpoint(self, now: float) -> float:
         """Seconds of work since the last checkpoint at ``now`` (what a restart redoes)."""
@@ -287,6 +290,8 @@ class _Job:
         self.restart_until = -math.inf  # a relaunch in progress ends then (devices back by then join it)
         self.decisions: dict[str, int] = {}
         self.decide_s: list[float] = []
+        self.replaced = 0  # devices that joined (replacements used)
+        self._undo: tuple | None = None  # the running re-plan's predecessor (``_apply``)
         allowed = {"adaptive": frozenset({"reroute", "replan", "restart", "keep", "heal", "grow"}),
                    "oracle": frozenset({"reroute", "replan", "restart", "keep", "heal", "grow"}),
                    "adaptive+shrink": frozenset({"reroute", "replan", "shrink", "restart", "keep", "heal", "grow"}),
@@ -328,6 +333,9 @@ class _Job:
         model's for what happens (the transition's rebuild, data movement, restart and redone
         steps re-priced)."""
         self.decisions[option.policy] = self.decisions.get(option.policy, 0) + 1
+        # A re-plan's migration can be interrupted (``repair``): what to go back to.
+        self._undo = (self.plan, self.run_dead, self.run_extra, self.batch, self.b_step_time, self.step_time) \
+            if option.policy == "replan" else None
         if option.plan is not None:
             self.plan = option.plan
         self.run_dead, self.run_extra = option.dead, option.extra
@@ -355,6 +363,9 @@ class _Job:
             return
         self._redo = int(self.setting.since_checkpoint(now) / self.step_time)
         cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
+        limit = self.setting.max_replacements
+        if limit is not None and self.replaced >= limit:  # as the live engine: none left, no wait
+            cfg = replace(cfg, replacement_eta_s=None)
         t0 = time.perf_counter()
         down = len(self.cluster.ids) - len(self.alive) + len(devs)
         decision = select(Event(EventKind.FAIL_STOP, devs, now), self._state(), cfg, self._mttf(down))
@@ -374,6 +385,10 @@ class _Job:
             self._record(now, kind, "ignored", 0.0)
             return
         self.alive |= set(back)
+        self.replaced += len(back) if kind == "join" else 0
+        if self._undo is not None and now < self.busy_until and set(back) <= set(self._undo[0].devices):
+            self._interrupted(now, back)
+            return
         if self.busy_until == math.inf:
             self._restart_over_alive(now)
             return
@@ -395,6 +410,23 @@ class _Job:
                 self._apply(now, option)
             else:
                 self._record(now, kind, "keep", 0.0)
+
+    def _interrupted(self, now: float, back: tuple[int, ...]) -> None:
+        """A replacement joined while a re-plan's state was still moving: as the runtime does, the
+        membership change ends the migration, the re-plan is undone (nobody dropped a block), and
+        the plan before it -- which names the joined device's slot -- gets that device's blocks
+        back: a heal, from now (the migration's time so far is lost)."""
+        self.plan, self.run_dead, self.run_extra, self.batch, self.b_step_time, self.step_time = self._undo
+        self._undo = None
+        self.busy_until = self.b_busy_until = now
+        down = len(self.cluster.ids) - len(self.alive)
+        decision = select(Event(EventKind.JOIN, back, now), self._state(),
+                          replace(self.cfg, allowed=frozenset({"heal", "keep"})), self._mttf(down))
+        option = next((o for o in decision.options if o.policy == "heal" and o.feasible), None)
+        if option is None:
+            self._record(now, "join", "keep", 0.0)
+            return
+        self._apply(now, option)
 
     def slow(self, now: float, devices: tuple[int, ...], slowdown: float, base: Cluster) -> None:
         """``devices`` now run ``slowdown`` times slower than in ``base`` (1: their own speed

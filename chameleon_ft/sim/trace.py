@@ -172,9 +172,11 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
            coeffs: Coefficients = Coefficients(), *, rebuild_s: float, restart_s: float,
            checkpoint_every_s: float, search_space: SearchSpace, replacement_eta_s: float | None = None,
            mttf_s: float | None = None, redundant_overhead: float | None = None,
-           checkpoint_phase_s: float = 0.0) -> dict[str, TraceResult]:
+           checkpoint_phase_s: float = 0.0, limited_replacements: bool = False) -> dict[str, TraceResult]:
     """Every policy in ``policies`` against the same events, from the same deployed ``plan``
-    (``checkpoint_phase_s``: seconds since the last checkpoint when the trace starts)."""
+    (``checkpoint_phase_s``: seconds since the last checkpoint when the trace starts;
+    ``limited_replacements``: the trace's joins are all the replacements the job gets, as a
+    launcher's ``--max-replacements`` -- once they came, the engine expects none)."""
     unknown = set(policies) - set(REPLAY_POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(REPLAY_POLICIES)}")
@@ -188,7 +190,8 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
         raise ValueError("mttf_s must be positive")
     D = mttf_s if mttf_s is not None else trace.horizon_s / max(1, trace.failures)
     setting = JobSetting(workload, cluster, restart_s, checkpoint_every_s, search_space,
-                         lambda alive, down: D, rebuild_s, replacement_eta_s, checkpoint_phase_s)
+                         lambda alive, down: D, rebuild_s, replacement_eta_s, checkpoint_phase_s,
+                         sum(len(e.devices) for e in trace.events if e.kind == "join") if limited_replacements else None)
     ideal = workload.global_batch / estimate(plan, workload, cluster, coeffs).step_time
     results = {}
     for policy in policies:
@@ -439,6 +442,7 @@ class TraceSetup:
     space: SearchSpace = SearchSpace()
     replacement_eta_s: float | None = None
     checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint when the trace starts
+    limited_replacements: bool = False  # the trace's joins are all the replacements (``replay``)
 
     def to_json(self) -> dict:
         """``{"trace": {name, description, horizon_s, events: [{t_s, kind, devices, slowdown?}]},
@@ -456,7 +460,8 @@ class TraceSetup:
                              "redundant_overhead": self.redundant_overhead,
                              "pp_min": self.space.pp_min, "pp_max": self.space.pp_max,
                              "dp_min": self.space.dp_min, "min_microbatches": self.space.min_microbatches,
-                             "replacement_eta_s": self.replacement_eta_s}}
+                             "replacement_eta_s": self.replacement_eta_s,
+                             "limited_replacements": self.limited_replacements}}
 
     @staticmethod
     def from_json(data: dict) -> "TraceSetup":
@@ -472,7 +477,8 @@ class TraceSetup:
                           cluster, coefficients_from_json(data.get("coefficients")), int(data.get("stages", 4)),
                           float(s.get("rebuild_s", 1.0)), float(s.get("restart_s", 60.0)),
                           float(s.get("checkpoint_every_s", 600.0)), s.get("mttf_s"), s.get("redundant_overhead"),
-                          space, s.get("replacement_eta_s"), float(s.get("checkpoint_phase_s", 0.0)))
+                          space, s.get("replacement_eta_s"), float(s.get("checkpoint_phase_s", 0.0)),
+                          bool(s.get("limited_replacements", False)))
 
     def run(self, devices: int | None = None, policies=DEFAULT_POLICIES) -> dict[str, TraceResult]:
         """Replay the trace on the recorded setting, or (``devices``) on the scaled one."""
@@ -482,4 +488,5 @@ class TraceSetup:
         return replay(trace, w, c, plan, policies, self.coefficients, rebuild_s=self.rebuild_s,
                       restart_s=self.restart_s, checkpoint_every_s=self.checkpoint_every_s,
                       search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead,
-                      replacement_eta_s=self.replacement_eta_s, checkpoint_phase_s=self.checkpoint_phase_s)
+                      replacement_eta_s=self.replacement_eta_s, checkpoint_phase_s=self.checkpoint_phase_s,
+                      limited_replacements=self.limited_replacements)

@@ -280,3 +280,37 @@ def test_cli_replays_a_trace_file(job, tmp_path, capsys):
     assert not math.isclose(data32["results"]["adaptive"]["samples"], data["results"]["adaptive"]["samples"])
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", str(path), "--policies", "oracle"])
+
+
+def test_a_join_during_a_replans_migration_undoes_it_and_heals(job):
+    """As the runtime does (``PipelineExecutor.source_payload``): a replacement that joins while
+    a re-plan's state is still moving ends the migration; the re-plan is undone and the plan
+    before it -- which names the joined device's slot -- gets that device's blocks back (a heal
+    from the join); the time spent so far is lost.  A join after the migration finished is an
+    ordinary join decision."""
+    w, c, plan = job
+    first = run(job, one_fail(1000), ("engine-replan",), mttf_s=1000)["engine-replan"].decisions[0]
+    assert first[2] == "replan" and first[4] > 2.0  # seconds of migration over the slow link
+    mid = 100 + first[4] / 2
+    r = run(job, Trace((TraceEvent(100, "fail", (1,)), TraceEvent(mid, "join", (1,))), 1000),
+            ("engine-replan",), mttf_s=1000)["engine-replan"]
+    (_, _, c1, _, _), (t2, k2, c2, step2, heal_s) = r.decisions
+    assert (c1, k2, c2, t2) == ("replan", "join", "heal", mid) and heal_s > 0
+    assert step2 == pytest.approx(estimate(plan, w, c, Coefficients()).step_time)  # the deployed plan again
+    assert r.timeline[-1][1] == pytest.approx(w.global_batch / step2)
+    late = run(job, Trace((TraceEvent(100, "fail", (1,)), TraceEvent(100 + first[4] + 50, "join", (1,))), 1000),
+               ("engine-replan",), mttf_s=1000)["engine-replan"]
+    assert [d[2] for d in late.decisions][0] == "replan" and late.decisions[1][2] != "heal"
+
+
+def test_limited_replacements_leave_no_wait_once_used(job):
+    """``limited_replacements``: the trace's joins are all the replacements (a launcher's
+    ``--max-replacements``).  The first failure may wait for one; once it came, a later failure
+    has none to wait for -- as the live engine, which is told the launcher's budget."""
+    back = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(110, "join", (1,)), TraceEvent(300, "fail", (5,))), 1000)
+    for limited in (False, True):
+        r = run(job, back, ("engine-reroute",), mttf_s=1000, replacement_eta_s=10.0,
+                limited_replacements=limited)["engine-reroute"]
+        chosen = [d[2] for d in r.decisions]
+        assert chosen[0] == "wait", chosen
+        assert (chosen[2] == "wait") == (not limited), (limited, chosen)
