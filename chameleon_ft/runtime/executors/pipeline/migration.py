@@ -7,8 +7,9 @@ weights, optimizer state and scheduler state (``state.encode``: a JSON skeleton 
 bytes, nothing pickled), the receiver materialises the block and loads it.  Transfers of one
 round run at once on different pairs; a member with nothing in a round goes on to the next, and
 the tags keep messages of different rounds apart.  Under an emulated network
-(``ElasticConfig.emulate_link``) sender and receiver are both held for latency + bytes /
-bandwidth per transfer (a link carries one transfer at a time).
+(``ElasticConfig.emulate_link``) the receiver first tells the sender it is ready, and both are
+then held for latency + bytes / bandwidth (a link carries one transfer at a time, and starts it
+when both ends are free -- the engine's ``critical_path``).
 
 A failure during a migration (a peer dies) raises ``CollectiveFailure`` like any collective; the
 recovery protocol then gathers what every survivor holds *now* (blocks received so far count,
@@ -81,36 +82,45 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
 def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
     me = ctx.worker_id
     rank_of = {w: i for i, w in enumerate(ctx.view.members)}
+    delay = getattr(ctx, "_link_delay", None)  # the emulated network (ElasticConfig.emulate_link)
+    ready = torch.zeros(1, dtype=torch.int64)
     flat = 0
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
             tag = _BASE_TAG + (k * 4096 + i) * 4
-            nbytes, began, flat = 0, time.perf_counter(), flat + 1
+            flat += 1
+            if me not in (src, dst):
+                continue
             if src == me:
                 missing = [b for b in range(lo, hi) if b not in ctx.held]
                 if missing:
                     raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
                 tree = {str(b): ctx.block_state(b) for b in range(lo, hi)}
+                if delay is not None:
+                    # An emulated link carries a transfer once both ends are free: wait for the
+                    # receiver (gloo's send of a block can complete into socket buffers while
+                    # the receiver is still busy, and the hold would overlap its other transfer).
+                    ctx.gm.wait_p2p([ctx.gm.recv(ready, rank_of[dst], tag + 3)], timeout_s)
+                began = time.perf_counter()
                 nbytes = _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
-                delay = getattr(ctx, "_link_delay", None)
-                if delay is not None:  # the emulated link is busy for the sender too
-                    time.sleep(delay(nbytes))
                 out["wire_bytes"] += nbytes
                 out["state_bytes"] += sum(ctx.state_bytes(b) for b in range(lo, hi))
                 out["transfers"] += 1
-            elif dst == me:
+            else:
+                if delay is not None:
+                    ctx.gm.wait_p2p([ctx.gm.send(ready, rank_of[src], tag + 3)], timeout_s)
+                began = time.perf_counter()
                 tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
-                delay = getattr(ctx, "_link_delay", None)
-                if delay is not None:  # the emulated network (ElasticConfig.emulate_link)
-                    time.sleep(delay(nbytes))
+            if delay is not None:  # the emulated link is busy for both ends
+                time.sleep(delay(nbytes))
+            # A ``slow`` fault at this phase stretches the transfer by a multiple of its nominal
+            # time at _NOMINAL_BPS (not of the measured time: that includes waiting for a
+            # partner that may be stretched too, and would compound).
+            ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
+            out["durations"][flat - 1] = time.perf_counter() - began  # the link's part, not the load below
+            if dst == me:
                 for b in range(lo, hi):
                     ctx.put_block(b, tree[str(b)])
-            if me in (src, dst):
-                # A ``slow`` fault at this phase stretches the transfer by a multiple of its
-                # nominal time at _NOMINAL_BPS (not of the measured time: that includes waiting
-                # for a partner that may be stretched too, and would compound).
-                ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
-                out["durations"][flat - 1] = time.perf_counter() - began
 
 
 def confirm(ctx, rounds: list, moved: dict, timeout_s: float) -> list:
