@@ -10,9 +10,6 @@ between steps, exactly-once data and equal replicas after) are in ``test_collect
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,13 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.cli.localjob import kill_processes
+from _helpers.workers import run_workers
 from chameleon_ft.runtime.groups import (HEADER_LEN, CollectiveMismatch, describe_header,
                                          encode_header)
 
 pytestmark = [pytest.mark.timeout(90)]
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_workers") / "header_worker.py"
 
 
@@ -50,16 +46,8 @@ def test_header_is_fixed_size_and_names_the_call():
 
 def test_mismatched_collectives_resolve_without_moving_data(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, 4, True, timedelta(seconds=30), wait_for_workers=False)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", "3",
-                               "--store", f"127.0.0.1:{server.port}", "--out", str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        kill_processes([p.pid for p in procs], procs)
+    procs, outs = run_workers(WORKER, [["--rank", str(r), "--world", "3", "--store", f"127.0.0.1:{server.port}",
+                                        "--out", str(tmp_path)] for r in range(3)])
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outs[r][-3000:]}"
     res = [json.loads((tmp_path / f"header_{r}.json").read_text()) for r in range(3)]

@@ -10,32 +10,20 @@ real gloo: the receiver waits 3x the construction timeout and gets the tensor.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from chameleon_ft.cli.localjob import kill_processes
+from _helpers.workers import run_workers
 
 WORKER = Path(__file__).parent / "_workers" / "p2p_worker.py"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_recv_waits_past_the_groups_construction_timeout(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, 3, True, timedelta(seconds=30), wait_for_workers=False)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--store", f"127.0.0.1:{server.port}",
-                               "--delay", "3.0", "--out", str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        kill_processes([p.pid for p in procs], procs)
+    procs, outs = run_workers(WORKER, [["--rank", str(r), "--store", f"127.0.0.1:{server.port}", "--delay", "3.0",
+                                        "--out", str(tmp_path)] for r in range(2)], timeout_s=90)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outs[r][-3000:]}"
     got = json.loads((tmp_path / "p2p_1.json").read_text())
