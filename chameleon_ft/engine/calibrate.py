@@ -152,6 +152,25 @@ def size_bucket(nbytes: float) -> int:
     return int(nbytes).bit_length()
 
 
+def fit_migration(samples: Sequence[tuple[int, float, float]], p2p: Link | None = None) -> Link:
+    """The migration link from (transfers on the critical path, their bytes, seconds) samples:
+    ``seconds = hops x alpha + bytes / beta``.  Samples whose hops-to-bytes ratios barely differ
+    (one migration, or several alike) cannot tell ``alpha`` from ``beta`` -- non-negative least
+    squares then put a 1 MB heal's 5.3 s into latency alone and priced a 10-transfer re-plan at
+    50 s (seen on the ``slowlink`` trace, 2026-12-03) -- so ``alpha`` is then the point-to-point
+    link's latency (the start-up probe tells it from bandwidth) and only ``beta`` is fitted."""
+    rows = np.array([[r, nb] for r, nb, _ in samples], dtype=float)
+    t = np.array([x for *_, x in samples], dtype=float)
+    ratios = rows[:, 0] / np.maximum(rows[:, 1], 1.0)
+    if len(samples) >= 2 and ratios.max() > 2.0 * ratios.min():
+        (alpha, inv_bw), _ = _nnls(rows, t)
+    else:
+        alpha = p2p.latency_s if p2p is not None else 0.0
+        rest = np.maximum(t - rows[:, 0] * alpha, 0.0)
+        inv_bw = float(rows[:, 1] @ rest / max(float(rows[:, 1] @ rows[:, 1]), 1e-30))
+    return Link(latency_s=float(alpha), bandwidth_Bps=float(1 / inv_bw) if inv_bw > 0 else 1e15)
+
+
 def fit_p2p(sizes: Sequence[float], seconds: Sequence[float], prior: Link | None = None) -> Link:
     """Alpha-beta fit of point-to-point messages: ``t = alpha + bytes / beta`` (non-negative
     least squares through each size's median).  With one message size the two cannot be told apart: the time is then
@@ -350,14 +369,7 @@ class PipelineCalibrator:
         samples = self.p2p
         p2p = fit_p2p(*zip(*samples), prior=prior_p2p) if samples else None
         coll = fit_link(self.collectives, None) if sum(s.n > 1 for s in self.collectives) >= 2 else None
-        mig = None
-        if self.migrations:
-            rows = np.array([[r, nb] for r, nb, _ in self.migrations], dtype=float)
-            (alpha, inv_bw), _ = _nnls(rows, np.array([s for *_, s in self.migrations]))
-            if inv_bw > 0:
-                mig = Link(latency_s=float(alpha), bandwidth_Bps=float(1 / inv_bw))
-            else:
-                mig = Link(latency_s=float(alpha), bandwidth_Bps=1e15)
+        mig = fit_migration(self.migrations, p2p) if self.migrations else None
         overhead = float(np.median(self.residuals)) if self.residuals else 0.0
         task = float(np.median(self.task_costs)) if self.task_costs else 0.0
         opt = float(np.median(self.optimizer_costs)) if self.optimizer_costs else 0.0

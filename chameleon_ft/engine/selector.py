@@ -9,7 +9,8 @@ the reason it is ruled out):
 * ``replan`` — dynamic parallelism: the planner's best plan over the survivors and the migration plan's
   migration.  Transition: search + migration + rebuild.  When a replacement is expected (and the
   plans have stages), scored over two phases like ``wait``: the re-planned layout until it
-  arrives, then grown back.
+  arrives, then grown back -- or, when it arrives before the migration ends, nothing until the
+  runtime has undone the re-plan and healed it (``_grow_back``).
 * ``shrink`` — drop the broken replicas and their micro-batches (smaller global batch; learning
   rate scaled linearly, ``lr · B'/B``).  Only when the user allows the global batch to change.
 * ``wait`` — a replacement is expected within ``replacement_eta_s``: reroute until it arrives,
@@ -417,13 +418,26 @@ def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: Sele
     """A replacement is expected: a pipeline re-plan runs until it arrives, then the job grows
     back to the plan before the failure (this migration the other way, and the replacement
     healed) -- the phases ``wait`` is scored over too, so that the two compare like for like.
-    (A data-parallel re-plan is carried out as a reroute: ``wait`` already prices it.)"""
+    (A data-parallel re-plan is carried out as a reroute: ``wait`` already prices it.)
+
+    A replacement expected *before the re-plan's state has moved* ends that migration: the
+    membership change interrupts the recovery, the runtime undoes the re-plan (nobody dropped a
+    block) and heals the replacement into the old plan (``PipelineExecutor.source_payload``).
+    Nothing trains until then -- priced so, a re-plan no longer wins there on a layout it would
+    never reach (it did on the ``slowlink`` trace, 2026-12-03)."""
     full = estimate(plan, state.workload, state.cluster, state.coeffs)
+    B = o.global_batch
+    heal = heal_seconds(plan, dead, state.workload, state.cluster)
+    if cfg.replacement_eta_s < o.transition_s:
+        o.phases = ((cfg.replacement_eta_s + heal + cfg.rebuild_s, math.inf, full.step_time, B),)
+        o.reason = (f"the replacement expected in {cfg.replacement_eta_s:.1f} s arrives during the "
+                    f"{o.transition_s:.1f} s re-plan: its migration would be undone and the replacement healed")
+        o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s,
+                       "interrupted": 1.0}
+        return
     if not full.fits or full.step_time >= o.step_time:
         return  # the re-planned layout is as fast as the old one: it stays when the replacement comes
-    B = o.global_batch
     start = o.transition_s
-    heal = heal_seconds(plan, dead, state.workload, state.cluster)
     back = max(cfg.replacement_eta_s, start) + o.migration.seconds + heal + cfg.rebuild_s
     o.phases = ((start, max(cfg.replacement_eta_s, start), o.step_time, B), (back, math.inf, full.step_time, B))
     o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s}

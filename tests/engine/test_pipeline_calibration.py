@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from chameleon_ft.engine.calibrate import CollectiveSample, PipelineCalibrator, PipelineFit, fit_p2p
+from chameleon_ft.engine.calibrate import CollectiveSample, PipelineCalibrator, PipelineFit, fit_migration, fit_p2p
 from chameleon_ft.engine.cluster import Link
 
 # 8 blocks; forward seconds per micro-batch at speed 1.0 (backward = 2x forward, plus a bit).
@@ -228,6 +228,21 @@ def test_migration_link_from_rounds_bytes_seconds():
     mig = cal.fit(8).migration
     assert mig.latency_s == pytest.approx(alpha, rel=1e-6)
     assert mig.bandwidth_Bps == pytest.approx(beta, rel=1e-6)
+
+
+def test_one_migration_keeps_the_p2p_latency_and_fits_bandwidth():
+    """One heal (1 transfer, 1 MB, 5.27 s on a 3 ms + 200 kB/s link) cannot tell latency from
+    bandwidth: the point-to-point link's latency is kept and the rest is bandwidth -- not 5.27 s
+    of latency per transfer, which priced a 10-transfer re-plan at ~50 s (slowlink, 2026-12-03)."""
+    p2p = Link(0.003, 2e5)
+    one = fit_migration([(1, 1_052_672.0, 0.003 + 1_052_672 / 2e5)], p2p)
+    assert one.latency_s == pytest.approx(0.003) and one.bandwidth_Bps == pytest.approx(2e5, rel=1e-6)
+    # Alike samples (hops per byte within 2x) still cannot: the same rule.
+    alike = fit_migration([(1, 1e6, 0.003 + 1e6 / 2e5), (4, 3e6, 4 * 0.003 + 3e6 / 2e5)], p2p)
+    assert alike.bandwidth_Bps == pytest.approx(2e5, rel=1e-3)
+    # Samples that differ do: both fitted (the p2p latency is not imposed).
+    apart = fit_migration([(1, 1e6, 0.5 + 1e6 / 2e5), (20, 1e6, 20 * 0.5 + 1e6 / 2e5)], p2p)
+    assert apart.latency_s == pytest.approx(0.5, rel=1e-6) and apart.bandwidth_Bps == pytest.approx(2e5, rel=1e-6)
 
 
 def test_collective_link_needs_two_samples():

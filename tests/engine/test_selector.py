@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -213,6 +215,22 @@ def test_wait_needs_replacement_eta():
     assert wt.step_time == pytest.approx((8 + 3) * 3 + 8 * 3)
     assert wt.phases[1][0] >= 30.0 and wt.phases[1][2] == pytest.approx((8 + 4 - 1) * 3)
     assert wt.global_batch == 16
+
+
+def test_a_replacement_due_before_the_replans_migration_ends_undoes_it():
+    """The runtime undoes a re-plan whose migration a join interrupts and heals the replacement
+    into the old plan: priced so, nothing trains until then, and the re-planned layout never
+    runs; a replacement due after the migration is the two-phase grow-back."""
+    rp_alone = cross_decide(1e6).option("replan")
+    soon = cross_decide(1e6, replacement_eta_s=rp_alone.transition_s / 2)
+    rp, wt = soon.option("replan"), soon.option("wait")
+    assert rp.feasible and len(rp.phases) == 1 and "undone" in rp.reason
+    start, until, step, _ = rp.phases[0]
+    assert start > rp_alone.transition_s / 2 and math.isinf(until)
+    assert step == pytest.approx(wt.phases[-1][2])  # the healed old plan, as wait ends with
+    assert soon.chosen == "wait"
+    later = cross_decide(1e6, replacement_eta_s=rp_alone.transition_s * 2).option("replan")
+    assert len(later.phases) == 2 and later.phases[0][2] == pytest.approx(rp_alone.step_time)
 
 
 def test_restart_transition_includes_steps_since_checkpoint():
