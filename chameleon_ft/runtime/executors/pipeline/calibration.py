@@ -95,9 +95,11 @@ class PipelineCalibration:
             self.pipe_cal.observe_p2p(nbytes, sec)
 
     def layout(self) -> dict:
-        """The plan, load and batch now (what ``begin_migration`` keeps to undo a re-plan)."""
+        """The plan, load, batch, alive workers and replacements used now (what
+        ``begin_migration`` keeps to undo a re-plan)."""
         return {"plan": self.plan.to_json() if self.plan else None, "current_batch": self.current_batch,
-                "allocation": [[w, n] for w, n in sorted(self.allocation.items())]}
+                "allocation": [[w, n] for w, n in sorted(self.allocation.items())], "alive": sorted(self.alive),
+                "replacements_used": [[n, k] for n, k in sorted(self.replacements_used.items())]}
 
     def begin_migration(self, before: dict) -> None:
         """The Decision just taken moves state (a re-plan): keep ``before`` (``layout()`` from
@@ -108,14 +110,16 @@ class PipelineCalibration:
         """A failure interrupted the migration before every member confirmed it: nobody dropped
         a block, so the survivors still hold the layout before it.  Back to that plan and load;
         the next ``on_membership`` decides again for the workers that Decision lost (with any
-        lost since), from what the survivors hold now -- the Decision is not silently dropped
-        (it was, until 2026-12-03: a re-plan whose migration broke off left the job rerouted
-        while the engine priced the re-plan)."""
+        lost since) and for the ones it took in (a grow or heal: they join again), from what the
+        survivors hold now -- the Decision is not silently dropped (it was, until 2026-12-03: a
+        re-plan whose migration broke off left the job rerouted while the engine priced it)."""
         prev, self.migrating_from = self.migrating_from, None
         self.plan = Plan.from_json(prev["plan"])
         self.allocation = {int(w): int(n) for w, n in prev["allocation"]}
         self.current_batch = int(prev["current_batch"])
         self._redo = frozenset(int(w) for w in prev["dead"])
+        self.alive = frozenset(int(w) for w in prev["alive"]) - self._redo
+        self.replacements_used = {int(n): int(k) for n, k in prev["replacements_used"]}
         self._predicted = None
 
     def observe_migration(self, hops: int, nbytes: float, seconds: float) -> None:
