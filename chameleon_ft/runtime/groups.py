@@ -447,6 +447,12 @@ class GroupManager(Waits):
             # worker if it lasts (``Membership.paused``, ``cut_off_s``).
             return None
 
+    def raise_if_aborted(self) -> None:
+        """Raise the generation's failure if a member ended it (a long local wait's check)."""
+        record = self.abort_record()
+        if record is not None:
+            raise self._failure("generation aborted by peer", "aborted", record)
+
     def abort(self, reason: str, suspects: tuple[int, ...] = ()) -> None:
         """Declare the current generation over, for every member (first writer wins)."""
         if self._view is None:

@@ -112,7 +112,7 @@ def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
                 began = time.perf_counter()
                 tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
             if delay is not None:  # the emulated link is busy for both ends
-                time.sleep(delay(nbytes))
+                _hold(ctx.gm, delay(nbytes))
             # A ``slow`` fault at this phase stretches the transfer by a multiple of its nominal
             # time at _NOMINAL_BPS (not of the measured time: that includes waiting for a
             # partner that may be stretched too, and would compound).
@@ -121,6 +121,16 @@ def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
             if dst == me:
                 for b in range(lo, hi):
                     ctx.put_block(b, tree[str(b)])
+
+
+def _hold(gm, seconds: float) -> None:
+    """The emulated link's time, ended early when a member ends the generation (a transfer in
+    flight is abandoned at once, as a real one would be: held through, a join that interrupted
+    a re-plan waited up to a whole transfer -- 8 s on the ``slowlink`` trace -- for the others)."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
+        gm.raise_if_aborted()
 
 
 def confirm(ctx, rounds: list, moved: dict, timeout_s: float) -> list:
