@@ -90,12 +90,16 @@ def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(c
     finally:
         job.cleanup()
     assert not _events(evs, "failure") and not _events(evs, "recovery"), _events(evs, "failure")
-    # A worker starts no collective once the store has not answered for 0.5 s (``paused``); a
-    # step whose commit began before that still ends and is recorded -- on a loaded CI machine
-    # once more than 1.0 s after the kill (CI, 2026-12-03).  A job that did not pause records steps
-    # all through the remaining 2 s of the outage.
-    during = [e for e in _events(evs, "step") if t_lost + 2.0 < e["ts"] < t_back]
-    assert not during, f"{len(during)} step records while etcd had no quorum"
+    # A worker starts no collective once the store has not answered for 0.5 s (``paused``).  The
+    # step whose commit began before that still ends, but its record can come late: the wait for
+    # that commit reads the abort key between polls, and that read blocks for the etcd request
+    # timeout (2 s) without a quorum -- on a loaded CI machine a record came 2.0 s after the kill
+    # (CI, 2026-12-03).  So: after the first second of the outage at most that one step is
+    # recorded (by any of the workers); a job that did not pause records a new step every
+    # ~0.2 s all through the outage.
+    during = [e for e in _events(evs, "step") if t_lost + 1.0 < e["ts"] < t_back]
+    assert len({(e["epoch"], e["step"]) for e in during}) <= 1, \
+        f"steps {sorted({e['step'] for e in during})} recorded while etcd had no quorum"
     assert "paused, nothing is committed" in out and "answers again" in out
     assert sorted(finals) == [0, 1, 2, 3, 4, 5]
     assert_replicas_equal(finals, [0, 1, 2, 3, 4, 5])
