@@ -314,6 +314,24 @@ def test_checkpoint_after_recovery_resumes_on_three_workers(killed_run, referenc
     assert got["val_acc"] == reference["val_acc"]
 
 
+def test_a_step_adopted_at_a_scheduler_boundary_keeps_the_failure_free_lr(tmp_path, reference):
+    """Worker 1's commit of step 4 -- after which StepLR (step_size 5) multiplies the LR by gamma -- is
+    reported failed after its peers committed it (a ``drop`` fault: gloo's partial completion,
+    which a SIGKILL inside the all-reduce can leave).  It adopts the step from a peer whose
+    Lightning loop has already stepped the scheduler: it must take the optimizer's
+    hyperparameters as they were at the commit, so that its own scheduler step lands on the
+    same LR (CI once saw the adopters one gamma off, their weights drifting apart)."""
+    job = LitJob(tmp_path, "--sync-train-loss", launch_args=("--faults", "drop:rank=1:step=4:phase=commit"))
+    finals = job.run_to_end()
+    assert sorted(finals) == [0, 1, 2, 3]
+    ends = {e["worker"]: e for e in job.events() if e["event"] == "run_end" and "worker" in e}
+    assert ends[1]["adopted_steps"] == 1, ends
+    got = replicas_equal(finals)
+    for w, f in finals.items():
+        assert f["lr"] == reference["lr"], (w, f["lr"], reference["lr"])
+    assert rel_diff(got, reference) < 1e-6
+
+
 @pytest.mark.chaos  # the runtime's watchdog: test_elastic_recovery.py in CI (tests/README.md)
 def test_sigstop_hang_detected_and_survived(tmp_path, reference):
     hang_timeout = 2.0
