@@ -189,7 +189,8 @@ ACCELERATE = shutil.which("accelerate") or "accelerate"
 
 
 @pytest.mark.parametrize("how,victim", [
-    ("accelerate launch", 0), ("chameleon-ft run", 2),
+    ("accelerate launch", 0),
+    pytest.param("chameleon-ft run", 2, marks=pytest.mark.chaos),
     pytest.param("accelerate launch", 2, marks=pytest.mark.chaos),
     pytest.param("chameleon-ft run", 0, marks=pytest.mark.chaos)])
 def test_started_with_accelerate_launchs_flags_survives_a_kill(tmp_path, reference, how, victim):

@@ -281,13 +281,25 @@ def test_mid_epoch_checkpoint_resumes_exactly_without_lightning_advice(reference
     from a checkpoint that ended before the epoch ended ... unreliable results" (the sampler
     cursor is in the checkpoint), and for ``trainer.validate()``/``trainer.test()`` after the fit
     (the reference runs both) the advice to evaluate on one device (no DistributedSampler
-    padding here)."""
+    padding here).
+
+    In the resumed job, worker 1's commit of step 9 -- after which StepLR (step_size 5)
+    multiplies the LR by gamma -- is reported failed after its peers committed it (a ``drop``
+    fault: gloo's partial completion, which a SIGKILL inside the all-reduce can leave).  It
+    adopts the step from a peer whose Lightning loop has already stepped the scheduler, so it
+    must take the optimizer's hyperparameters as they were at the commit: its own scheduler
+    step then lands on the same LR (CI once saw the adopters one gamma off, their weights
+    drifting apart)."""
     ref_out = reference["output"]
     assert SAMPLER_ADVICE not in ref_out
     for fn, n in (("validate", VAL), ("test", TEST)):
         assert f"trainer.{fn}() evaluates each of the {n} samples exactly once over the 4 live workers" in ref_out
-    resumed = LitJob(tmp_path, "--ckpt", str(reference["run_dir"] / "ckpt" / "step5-0.ckpt"), nproc=3)
+    resumed = LitJob(tmp_path, "--ckpt", str(reference["run_dir"] / "ckpt" / "step5-0.ckpt"), nproc=3,
+                     launch_args=("--faults", "drop:rank=1:step=9:phase=commit"))
     finals = resumed.run_to_end()
+    ends = {e["worker"]: e for e in resumed.events() if e["event"] == "run_end" and "worker" in e}
+    assert ends[1]["adopted_steps"] == 1, ends
+    assert all(f["lr"] == reference["lr"] for f in finals.values()), [f["lr"] for f in finals.values()]
     before = [e for e in reference["events"] if e["event"] == "step" and e["step"] < 5]
     exactly_once(before + resumed.events())
     got = replicas_equal(finals, first_step=5)
@@ -312,24 +324,6 @@ def test_checkpoint_after_recovery_resumes_on_three_workers(killed_run, referenc
     assert got["global_step"] == EPOCHS * STEPS_PER_EPOCH and got["world_size"] == 3
     assert rel_diff(got, reference) < 1e-6
     assert got["val_acc"] == reference["val_acc"]
-
-
-def test_a_step_adopted_at_a_scheduler_boundary_keeps_the_failure_free_lr(tmp_path, reference):
-    """Worker 1's commit of step 4 -- after which StepLR (step_size 5) multiplies the LR by gamma -- is
-    reported failed after its peers committed it (a ``drop`` fault: gloo's partial completion,
-    which a SIGKILL inside the all-reduce can leave).  It adopts the step from a peer whose
-    Lightning loop has already stepped the scheduler: it must take the optimizer's
-    hyperparameters as they were at the commit, so that its own scheduler step lands on the
-    same LR (CI once saw the adopters one gamma off, their weights drifting apart)."""
-    job = LitJob(tmp_path, "--sync-train-loss", launch_args=("--faults", "drop:rank=1:step=4:phase=commit"))
-    finals = job.run_to_end()
-    assert sorted(finals) == [0, 1, 2, 3]
-    ends = {e["worker"]: e for e in job.events() if e["event"] == "run_end" and "worker" in e}
-    assert ends[1]["adopted_steps"] == 1, ends
-    got = replicas_equal(finals)
-    for w, f in finals.items():
-        assert f["lr"] == reference["lr"], (w, f["lr"], reference["lr"])
-    assert rel_diff(got, reference) < 1e-6
 
 
 @pytest.mark.chaos  # the runtime's watchdog: test_elastic_recovery.py in CI (tests/README.md)

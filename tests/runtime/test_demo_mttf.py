@@ -20,6 +20,7 @@ def _decision(run_dir):
                 and e["decision"]["event"]["kind"] == "fail_stop")
 
 
+@pytest.mark.chaos  # the same decision on an in-process demo run: benchmarks/test_report_throughput.py
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_with_a_short_mttf_reroutes_instead_of_waiting(tmp_path):

@@ -44,6 +44,7 @@ def result(run_dir: Path, worker: int) -> dict:
     return json.loads((run_dir / f"result_{worker}.json").read_text())
 
 
+@pytest.mark.chaos  # tests/README.md
 def test_calibration_recovers_injected_costs(tmp_path):
     j = job(tmp_path, "--max-steps", "14", "--slow", "1:2",
             "--emulate-link", f"{LATENCY}:{BANDWIDTH:g}")
