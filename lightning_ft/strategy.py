@@ -111,35 +111,29 @@ def check_precision(plugin) -> None:
 
 class _SchedulerState:
     """What ``DataParallelExecutor`` sees as the scheduler.  Lightning steps the LR schedulers itself
-    (after the step, by interval and frequency); the runtime only needs their state *at the
-    commit* so that a worker that adopts a step its peers committed ends up where they are
-    once its own Lightning loop has stepped the schedulers for that step.  The optimizers'
-    hyperparameters (``lr``, ``momentum``, ``betas``...: what schedulers write into the param
-    groups) are taken at the commit too: by the time a peer sends its state, its Lightning
-    loop has stepped its schedulers, and a StepLR at its boundary would be applied twice."""
+    (after the step); the runtime needs their state, and the optimizers' hyperparameters that
+    schedulers write (``lr``, ``momentum``...), *at the commit*: a worker that adopts a step
+    its peers committed then steps its schedulers once as they did (taken after a peer's
+    scheduler step, a StepLR at its boundary was applied twice)."""
 
     def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
         self.strategy = strategy
-        self.snapshot, self.groups = self._current(), self._groups()
+        self.step()
 
     def _schedulers(self):
         return [c.scheduler for c in self.strategy.lr_scheduler_configs]
 
-    def _current(self) -> list:
-        return [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
-
     def _groups(self) -> list:
-        return [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                for opt in self.strategy.optimizers]
+        return [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
+                for o in self.strategy.optimizers]
 
     def step(self) -> None:  # called by sync_and_step right after the optimizer update
-        self.snapshot, self.groups = self._current(), self._groups()
+        self.snapshot, self.groups = [copy.deepcopy(s.state_dict()) for s in self._schedulers()], self._groups()
 
     def state_dict(self) -> dict:
         return {"schedulers": self.snapshot, "groups": self.groups}
 
-    def load_state_dict(self, state: dict) -> None:
-        """After the optimizer's own state (``RecoveryCore.load_state_dict`` loads it first)."""
+    def load_state_dict(self, state: dict) -> None:  # after the optimizer's (RecoveryCore)
         for sched, s in zip(self._schedulers(), state["schedulers"]):
             sched.load_state_dict(s)
         for opt, groups in zip(self.strategy.optimizers, state.get("groups", [])):

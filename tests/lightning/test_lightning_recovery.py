@@ -464,7 +464,7 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
 
 
 @pytest.mark.parametrize("how,victim", [
-    ("python", 0), ("srun", 2),
+    ("srun", 2), pytest.param("python", 0, marks=pytest.mark.chaos),
     pytest.param("python", 2, marks=pytest.mark.chaos), pytest.param("srun", 0, marks=pytest.mark.chaos)])
 def test_started_lightnings_own_way_survives_a_kill(tmp_path, reference, how, victim):
     """Issue 26: the script started as Lightning users start it -- ``python lit_train.py``

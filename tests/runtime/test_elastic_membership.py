@@ -143,36 +143,51 @@ def test_coordinator_loss_gives_a_clear_error(tmp_path):
 def test_bad_launcher_input(tmp_path):
     import subprocess
 
-    def run(*args, timeout=30):
-        return subprocess.run([sys.executable, "-m", "chameleon_ft.cli.launch", *args],
-                              capture_output=True, text=True, timeout=timeout)
-
     worker = str(Path(__file__).with_name("_workers") / "mlp_worker.py")
-    r = run("--no-such-flag", worker)
-    assert r.returncode == 2 and "unrecognized arguments" in r.stderr
-    r = run("--nproc-per-node", "0", worker)
-    assert r.returncode == 2 and "--nproc-per-node must be >= 1" in r.stderr
-    r = run("--nnodes", "3:2", worker)
-    assert r.returncode == 2 and "MIN <= MAX" in r.stderr
-    r = run("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-            "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "x"), worker, "--out", str(tmp_path))
-    assert r.returncode == 1 and "cannot reach the coordinator" in r.stderr
-    assert "started worker" not in r.stderr
-    assert "frame #" not in r.stderr and "Traceback" not in r.stderr, r.stderr  # one clean line
-    r = run("--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-            "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "y"), worker, "--out", str(tmp_path))
-    assert r.returncode == 1 and "cannot reach etcd" in r.stderr and "nothing accepted a connection" in r.stderr, r.stderr
-    r = run("no_such_script.py")
-    assert r.returncode == 2 and "not found" in r.stderr
-    # A fault aimed at a rank or node the job does not have would never fire.
-    r = run("--nproc-per-node", "2", "--faults", "kill:rank=9:step=3", worker)
-    assert r.returncode == 2 and "rank=9 does not exist (ranks 0..1 with 2 workers)" in r.stderr, r.stderr
-    r = run("--nproc-per-node", "2", "--faults", "hang:node=1:step=3", worker)
-    assert r.returncode == 2 and "node=1 does not exist" in r.stderr, r.stderr
+    # Every bad command line at once (each is its own launcher; none starts a worker).
+    cases = {
+        "flag": ["--no-such-flag", worker],
+        "nproc": ["--nproc-per-node", "0", worker],
+        "nnodes": ["--nnodes", "3:2", worker],
+        "coord": ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                  "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "x"), worker, "--out", str(tmp_path)],
+        "etcd": ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                 "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "y"), worker, "--out", str(tmp_path)],
+        "script": ["no_such_script.py"],
+        # A fault aimed at a rank or node the job does not have would never fire.
+        "rank": ["--nproc-per-node", "2", "--faults", "kill:rank=9:step=3", worker],
+        "node": ["--nproc-per-node", "2", "--faults", "hang:node=1:step=3", worker],
+        **{f"ep {bad}": ["--rdzv-endpoint", bad, worker]
+           for bad in ("nohostport", "host:", "host:http", "127.0.0.1:70000")},
+    }
+    procs = {k: subprocess.Popen([sys.executable, "-m", "chameleon_ft.cli.launch", *a], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, a in cases.items()}
+    res = {}
+    for k, p in procs.items():
+        _, err = p.communicate(timeout=60)
+        res[k] = (p.returncode, err)
+    code, err = res["flag"]
+    assert code == 2 and "unrecognized arguments" in err
+    code, err = res["nproc"]
+    assert code == 2 and "--nproc-per-node must be >= 1" in err
+    code, err = res["nnodes"]
+    assert code == 2 and "MIN <= MAX" in err
+    code, err = res["coord"]
+    assert code == 1 and "cannot reach the coordinator" in err
+    assert "started worker" not in err
+    assert "frame #" not in err and "Traceback" not in err, err  # one clean line
+    code, err = res["etcd"]
+    assert code == 1 and "cannot reach etcd" in err and "nothing accepted a connection" in err, err
+    code, err = res["script"]
+    assert code == 2 and "not found" in err
+    code, err = res["rank"]
+    assert code == 2 and "rank=9 does not exist (ranks 0..1 with 2 workers)" in err, err
+    code, err = res["node"]
+    assert code == 2 and "node=1 does not exist" in err, err
     for bad in ("nohostport", "host:", "host:http", "127.0.0.1:70000"):
-        r = run("--rdzv-endpoint", bad, worker)
-        assert r.returncode == 2 and f"--rdzv-endpoint {bad!r}: expected host:port" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and "invalid literal" not in r.stderr
+        code, err = res[f"ep {bad}"]
+        assert code == 2 and f"--rdzv-endpoint {bad!r}: expected host:port" in err, err
+        assert "Traceback" not in err and "invalid literal" not in err
     # A configuration error that every worker meets: one line naming them, no traceback, no
     # "survivors carry on", a non-zero exit and no worker left.
     job = Job(tmp_path / "config", nproc=2, worker_args=["--global-batch", "30", "--micro-batch", "4"])
