@@ -367,7 +367,7 @@ class FaultTolerantAccelerator(Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = list(parameters)
         out = torch.zeros((), device=params[0].device if params else None)
-        self._ft.defer(lambda: out.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)))
+        self._ft.defer(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type), out)
         return out
 
     @override

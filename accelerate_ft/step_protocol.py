@@ -122,7 +122,8 @@ class StepProtocol:
         self.skipping = False
         self.last = False
         self.sync_attempted = True
-        self.clips: list[Callable[[], None]] = []
+        # Deferred clippings: (fn, the tensor clip_grad_norm_ returned to the loop, or None).
+        self.clips: list[tuple[Callable[[], Any], Optional[torch.Tensor]]] = []
         self._mb_t0: Optional[float] = None
         self._step_t0 = 0.0
         self._compute = 0.0
@@ -302,9 +303,10 @@ class StepProtocol:
         self.ctx.record_loss(loss, self.current.weight)
         (loss * self.current.weight).backward(**kwargs)
 
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (gradient clipping) on the reduced gradients, just before the update."""
-        self.clips.append(fn)
+    def defer(self, fn: Callable[[], Any], out: Optional[torch.Tensor] = None) -> None:
+        """Run ``fn`` (gradient clipping) on the reduced gradients, just before the update; what
+        it returns is copied into ``out`` (the total norm the loop was handed)."""
+        self.clips.append((fn, out))
 
     def optimizer_step(self) -> None:
         """The user's ``optimizer.step()``: commits the step after the member's last item."""
@@ -356,6 +358,10 @@ class StepProtocol:
             self.after_reconfiguration()
             if end is StepEnd.ADOPTED:
                 self.coll.catch_up = True  # peers are a step ahead until our next step
+                # The norms the loop was handed are the committed step's, as its peers clipped it.
+                outs = [out for _, out in self.clips if out is not None]
+                for out, norm in zip(outs, ctx.last_grad_norms):
+                    out.fill_(norm)
                 break
             if not self.replay.ready:
                 self._warn_once("redo", "a failure interrupted a step whose loss is computed outside the "
@@ -394,8 +400,13 @@ class StepProtocol:
             self._compute += time.perf_counter() - t0
 
     def _apply_update(self) -> None:
-        for fn in self.clips:
-            fn()
+        norms = []
+        for fn, out in self.clips:
+            r = fn()
+            if out is not None:
+                out.copy_(r)
+                norms.append(float(r))
+        self.ctx.last_grad_norms = norms
         self.optimizer.optimizer.step()
 
     def after_reconfiguration(self) -> None:

@@ -72,7 +72,7 @@ class MicroBatch:
 @dataclass(frozen=True)
 class StepItem:
     """One item of a member's share of a step as a framework loop sees it: several whole
-    micro-batches merged, one micro-batch, or a part of one (``parts``, in slot order).
+    micro-batches merged or one micro-batch (``parts``, in slot order).
 
     ``weight`` is the item's share of the global batch's samples (the sum of its parts');
     ``completes`` the slots whose last samples are in this item (their gradients are complete
@@ -107,41 +107,26 @@ def step_items(mbs: Sequence[MicroBatch], n_items: int | None) -> list[StepItem]
 
     With at least ``n_items`` micro-batches, consecutive whole micro-batches are merged
     (counts as even as possible, larger items first): a micro-batch's samples stay together,
-    so each keeps its own per-slot seed when it is alone in its item.  With fewer, the
-    samples are cut into ``n_items`` parts as evenly as possible, and items that get no
-    sample are ghosts.  Weights are per sample, so the items' weighted gradients add up to
-    the same step whatever the cut."""
+    so each keeps its own per-slot seed when it is alone in its item.  With fewer, each
+    micro-batch is an item of its own and the remaining items are ghosts (no sample): cutting a
+    micro-batch's samples across items would run its halves with the same per-slot seed (other
+    dropout masks, other batch statistics than without the failure; seen as a 0.5 % drift
+    after a member that adopted a step got one micro-batch of the redone next one).  Weights
+    are per sample, so the items' weighted gradients add up to the same step."""
     mbs = list(mbs)
     if n_items is None:
         return [StepItem((mb,), (mb.index,)) for mb in mbs]
     if n_items < 1:
         raise ValueError(f"n_items must be >= 1, got {n_items}")
+    if len(mbs) < n_items:
+        return [StepItem((mb,), (mb.index,)) for mb in mbs] + [StepItem((), ())] * (n_items - len(mbs))
     out: list[StepItem] = []
-    if len(mbs) >= n_items:
-        q, r = divmod(len(mbs), n_items)
-        lo = 0
-        for k in range(n_items):
-            group = mbs[lo:lo + q + (k < r)]
-            lo += len(group)
-            out.append(StepItem(tuple(group), tuple(mb.index for mb in group)))
-        return out
-    # Fewer micro-batches than items: cut the samples.
-    flat = [(mb, i) for mb in mbs for i in mb.indices]
-    q, r = divmod(len(flat), n_items)
+    q, r = divmod(len(mbs), n_items)
     lo = 0
     for k in range(n_items):
-        chunk = flat[lo:lo + q + (k < r)]
-        lo += len(chunk)
-        parts: list[MicroBatch] = []
-        for mb, i in chunk:
-            if parts and parts[-1].index == mb.index:
-                prev = parts[-1]
-                parts[-1] = MicroBatch(mb.step, mb.index, prev.indices + (i,),
-                                       prev.weight + mb.weight / len(mb.indices))
-            else:
-                parts.append(MicroBatch(mb.step, mb.index, (i,), mb.weight / len(mb.indices)))
-        done = tuple(mb.index for mb, i in chunk if i == mb.indices[-1])
-        out.append(StepItem(tuple(parts), done))
+        group = mbs[lo:lo + q + (k < r)]
+        lo += len(group)
+        out.append(StepItem(tuple(group), tuple(mb.index for mb in group)))
     return out
 
 

@@ -89,9 +89,19 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    """One worker SIGKILLed from outside at a random step of epoch 0; saves state at step 10."""
-    job = AccJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--save-at", "10")
-    victim, finals = kill_at_random_step(job)
+    """One worker SIGKILLed from outside at a random step of epoch 0; saves state at step 10.
+    At step 12 the commit of the next worker is reported failed after its peers committed it (a
+    ``drop`` fault: gloo's partial completion, which a SIGKILL inside the all-reduce can
+    leave): it adopts the step and, in the redone next one, gets fewer micro-batches than the
+    loop's items (each whole, with its own seed, and ghosts: a cut micro-batch ran its halves
+    with one seed and drifted 0.5 % from the failure-free run)."""
+    seed = random.randrange(1 << 30)
+    victim = random.Random(seed).randrange(4)  # kill_at_random_step's first draw
+    dropped = (victim + 1) % 4
+    job = AccJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--save-at", "10",
+                 launch_args=("--faults", f"drop:rank={dropped}:step=12:phase=commit"))
+    got, finals = kill_at_random_step(job, rng=random.Random(seed))
+    assert got == victim
     return job, victim, finals
 
 
@@ -101,6 +111,8 @@ def test_sigkill_at_random_step_exactly_once_bitwise_replicas_same_trajectory(ki
     evs = job.events()
     failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
     assert failures and failures[0]["workers"] == [victim]
+    ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
+    assert ends[(victim + 1) % 4]["adopted_steps"] == 1, ends  # the dropped commit (killed_run)
     # The trackers got the fault-tolerance metrics, including the recovery (from the live rank 0).
     rows = job.tracker()
     assert any("ft/mttr_s" in r for r in rows) and any(k.startswith("ft/policy/") for r in rows for k in r)

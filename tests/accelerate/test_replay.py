@@ -24,9 +24,12 @@ def test_items_always_n_and_every_sample_and_slot_once(k, n):
     assert [i for it in items for i in it.indices] == [i for mb in mbs for i in mb.indices]
     assert sorted(s for it in items for s in it.completes) == [mb.index for mb in mbs]
     assert sum(it.weight for it in items) == pytest.approx(sum(mb.weight for mb in mbs))
-    sizes = [len(it.indices) for it in items]
-    assert max(sizes) - min(sizes) <= (4 if k >= n else 1)  # whole micro-batches, or an even cut
+    sizes = [len(it.indices) for it in items if not it.ghost]
+    assert not sizes or max(sizes) - min(sizes) <= 4  # whole micro-batches, merged evenly
+    assert all(len(it.completes) == len(it.parts) for it in items)  # no micro-batch is cut
     assert all(it.ghost == (len(it.indices) == 0) for it in items)
+    assert sum(it.ghost for it in items) == max(0, n - k)  # fewer micro-batches than items: ghosts
+    assert [it.seed_slot for it in items if not it.ghost] == [it.parts[0].index for it in items if not it.ghost]
 
 
 def test_items_merge_whole_microbatches_larger_first():

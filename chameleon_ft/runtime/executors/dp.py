@@ -82,11 +82,23 @@ class DataParallelExecutor(RecoveryCore):
         # loss of the last committed step on every member (None until one is known).
         self._step_loss = 0.0
         self.last_loss: Optional[float] = None
+        self.last_grad_norms: list[float] = []  # an adapter's clipping norms of that step
         self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
         self._step_loss = 0.0
+
+    def state_dict(self) -> dict:
+        # The last step's loss and clipping norms travel with the state: a member that adopts a
+        # step its peers committed never saw them, and its loop logs them (the HF Trainer's
+        # ``loss`` and ``grad_norm``).
+        return {**super().state_dict(), "last_loss": self.last_loss, "last_grad_norms": list(self.last_grad_norms)}
+
+    def load_state_dict(self, s: dict) -> None:
+        super().load_state_dict(s)
+        self.last_loss = s.get("last_loss", self.last_loss)
+        self.last_grad_norms = [float(v) for v in s.get("last_grad_norms", [])]
 
     def record_loss(self, loss: torch.Tensor, weight: float) -> None:
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
