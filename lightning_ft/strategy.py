@@ -73,6 +73,7 @@ from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, refu
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams
 from chameleon_ft.runtime.recovery import ElasticConfig, Joined, StepEnd, join_job
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from lightning_ft.data import ShardSampler, StepLoader
@@ -124,8 +125,7 @@ class _SchedulerState:
         return [c.scheduler for c in self.strategy.lr_scheduler_configs]
 
     def _groups(self) -> list:
-        return [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
-                for o in self.strategy.optimizers]
+        return group_hyperparams(self.strategy.optimizers)
 
     def step(self) -> None:  # called by sync_and_step right after the optimizer update
         self.snapshot, self.groups = [copy.deepcopy(s.state_dict()) for s in self._schedulers()], self._groups()
@@ -136,9 +136,7 @@ class _SchedulerState:
     def load_state_dict(self, state: dict) -> None:  # after the optimizer's (RecoveryCore)
         for sched, s in zip(self._schedulers(), state["schedulers"]):
             sched.load_state_dict(s)
-        for opt, groups in zip(self.strategy.optimizers, state.get("groups", [])):
-            for g, hp in zip(opt.param_groups, groups):
-                g.update(copy.deepcopy(hp))
+        restore_group_hyperparams(self.strategy.optimizers, state.get("groups", []))
         self.snapshot, self.groups = copy.deepcopy(state["schedulers"]), self._groups()
 
 

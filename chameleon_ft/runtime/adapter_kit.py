@@ -406,6 +406,10 @@ class UpdateHandle:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 

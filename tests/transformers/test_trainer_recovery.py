@@ -125,6 +125,24 @@ def test_a_trainer_script_survives_a_kill(tmp_path, reference, how, victim):
     assert out.count("'eval_loss'") == len(history(reference)[1])
 
 
+@pytest.mark.chaos  # the adoption's hyperparameters under Lightning: test_lightning_recovery.py (tests/README.md)
+def test_an_adopted_step_keeps_a_users_step_lr_on_the_failure_free_schedule(tmp_path):
+    """The user's own SGD + StepLR (``optimizers=``), which the ``Trainer`` steps after each
+    update.  Worker 1's commit of step 4 -- after which StepLR halves the LR -- is reported failed
+    after its peers committed it (``drop``): it adopts the step from a peer whose ``Trainer`` has
+    stepped the scheduler already, and must take the LR as it was at the commit (before
+    2026-12-04 it halved it twice: 0.00075 logged where the failure-free run has 0.0015)."""
+    runs = {}
+    for name, extra in (("ref", ()), ("drop", ("--faults", "drop:rank=1:step=4:phase=commit"))):
+        job = ScriptJob(SCRIPT, tmp_path / name, "--step-lr", launch_args=extra)
+        runs[name] = (job, job.run_to_end())
+    (ref_job, ref), (job, finals) = runs["ref"], runs["drop"]
+    ends = {e["worker"]: e for e in job.events() if e["event"] == "run_end" and "worker" in e}
+    assert ends[1]["adopted_steps"] == 1, ends
+    for f in finals.values():
+        same_as(f, ref[0])
+
+
 def test_python_train_py_alone_is_the_plain_trainer(tmp_path):
     """Without a launcher the class is the ``Trainer``: one process trains the same 16 steps."""
     env = {"PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "CHAMELEON_FT_NO_RELAUNCH": "1"}

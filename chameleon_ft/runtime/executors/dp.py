@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from chameleon_ft.engine.plan import even_split
 from chameleon_ft.runtime.recovery import RecoveryCore, seed_generators
+from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams, scale_lr
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
 __all__ = ["DataParallelExecutor"]
@@ -83,6 +84,7 @@ class DataParallelExecutor(RecoveryCore):
         self._step_loss = 0.0
         self.last_loss: Optional[float] = None
         self.last_grad_norms: list[float] = []  # an adapter's clipping norms of that step
+        self._groups_at_commit: Optional[list] = None  # runtime/hyperparams.py
         self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
 
     def reset_step(self) -> None:
@@ -92,13 +94,25 @@ class DataParallelExecutor(RecoveryCore):
     def state_dict(self) -> dict:
         # The last step's loss and clipping norms travel with the state: a member that adopts a
         # step its peers committed never saw them, and its loop logs them (the HF Trainer's
-        # ``loss`` and ``grad_norm``).
-        return {**super().state_dict(), "last_loss": self.last_loss, "last_grad_norms": list(self.last_grad_norms)}
+        # ``loss`` and ``grad_norm``); so do the optimizer's hyperparameters as at that commit
+        # (runtime/hyperparams.py: a framework's own scheduler step may have moved them since).
+        groups = self._groups_at_commit if self._groups_at_commit is not None else group_hyperparams([self.optimizer])
+        return {**super().state_dict(), "last_loss": self.last_loss, "last_grad_norms": list(self.last_grad_norms),
+                "groups_at_commit": groups}
 
     def load_state_dict(self, s: dict) -> None:
-        super().load_state_dict(s)
+        super().load_state_dict(s)  # the optimizer's state, then the scheduler's
         self.last_loss = s.get("last_loss", self.last_loss)
         self.last_grad_norms = [float(v) for v in s.get("last_grad_norms", [])]
+        if s.get("groups_at_commit") is not None:
+            restore_group_hyperparams([self.optimizer], s["groups_at_commit"])
+            self._groups_at_commit = group_hyperparams([self.optimizer])
+
+    def _apply_lr_scale(self) -> None:
+        before = self.lr_scale
+        super()._apply_lr_scale()
+        if self._groups_at_commit is not None and self.lr_scale != before:
+            scale_lr(self._groups_at_commit, self.lr_scale / before)
 
     def record_loss(self, loss: torch.Tensor, weight: float) -> None:
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
@@ -241,6 +255,7 @@ class DataParallelExecutor(RecoveryCore):
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self._groups_at_commit = group_hyperparams([self.optimizer])
         self.optimizer.zero_grad(set_to_none=True)
         self._done_slots = []
         self._finish_step(timings, comm)

@@ -57,6 +57,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--mb-sleep", type=float, default=0.0)
+    p.add_argument("--step-lr", action="store_true",
+                   help="the user's own SGD + StepLR(step_size=5, gamma=0.5) (optimizers=...), not the Trainer's")
     a = p.parse_args()
     torch.manual_seed(0)
     args = TrainingArguments(
@@ -66,7 +68,12 @@ def main() -> None:
         eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4, save_total_limit=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss", use_cpu=True, report_to="none",
         seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = FaultTolerantTrainer(model=Classifier(a.mb_sleep), args=args, train_dataset=Data(DATASET, 1),
+    model = Classifier(a.mb_sleep)
+    optimizers = (None, None)
+    if a.step_lr:
+        opt = torch.optim.SGD(model.parameters(), lr=3e-3, momentum=0.9)
+        optimizers = (opt, torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5))
+    trainer = FaultTolerantTrainer(model=model, optimizers=optimizers, args=args, train_dataset=Data(DATASET, 1),
                                    eval_dataset=Data(EVAL, 2), compute_metrics=accuracy)
     result = trainer.train()
     metrics = trainer.evaluate()
