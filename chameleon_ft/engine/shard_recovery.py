@@ -128,6 +128,11 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
 
     if not lost:
         put("heal", f.transfer_s, "every lost row has a current replica", 0.0)
+        if not cands["heal"]["feasible"]:
+            # Nothing was lost (a failed collective, a commit one member missed): every row goes
+            # on from its live holder -- nothing to carry out that a configuration could refuse.
+            cands["heal"] = {"feasible": True, "lost_s": f.transfer_s, "steps": 0.0,
+                             "reason": "nothing was lost: every row goes on from its live holder"}
     else:
         put("heal", None, f"rows {list(lost)} have no surviving current copy")
     t_c = common_snapshot(f.rows, f.snapshots, f.step)

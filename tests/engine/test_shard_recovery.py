@@ -23,6 +23,17 @@ def test_heal_when_every_row_has_a_current_copy():
     assert d.candidates["heal"]["lost_s"] == pytest.approx(0.2)
 
 
+def test_nothing_lost_goes_on_in_place_even_where_heal_is_not_a_configured_path():
+    """A failed collective that lost no worker (a commit one member missed) under Lightning's
+    sharded adapter, whose paths are rehabilitate and restart: every row goes on from its live
+    holder; it used to stop the whole job for a restart (exit 75, found with a ``drop`` fault)."""
+    d = choose_recovery(facts(current=frozenset(range(4)), allowed=frozenset({"rehabilitate", "restart"})))
+    assert d.chosen == "heal" and d.lost_rows == ()
+    assert "nothing was lost" in d.candidates["heal"]["reason"]
+    lost = choose_recovery(facts(allowed=frozenset({"rehabilitate", "restart"})))  # row 2 lost
+    assert not lost.candidates["heal"]["feasible"]
+
+
 def test_recompute_rolls_back_to_the_common_snapshot():
     # row 2 lost; its buddy holds only step 10: everybody goes back to 10
     d = choose_recovery(facts(snapshots={0: [10, 15], 1: [10, 15], 2: [10], 3: [10, 15]},

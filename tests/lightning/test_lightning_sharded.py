@@ -94,6 +94,23 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
 
 
 @pytest.mark.chaos  # tests/README.md
+def test_a_commit_one_member_missed_goes_on_in_place_bitwise_as_failure_free(tmp_path, reference):
+    """Worker 1's commit of step 5 is reported failed after its peers committed it (a ``drop``
+    fault: gloo's partial completion); no worker and no row is lost.  The job goes on in place
+    (``heal`` with nothing to move, although Lightning's sharded paths are rehabilitate and
+    restart) and ends bitwise where the failure-free run ends; it used to stop every worker for a
+    restart (exit 75: "rows [] cannot be recovered in memory")."""
+    job = ScriptJob(SCRIPT, tmp_path, "--mb-sleep", "0.05",
+                    launch_args=[*LIGHTNING_PRELOAD, "--faults", "drop:rank=1:step=5:phase=commit"])
+    finals = job.run_to_end(240)
+    assert sorted(finals) == [0, 1, 2, 3]
+    _user_view(finals)
+    rec = [e for e in job.events() if e["event"] == "shard_recovery"]
+    assert [e["chosen"] for e in rec] in ([], ["heal"]), rec
+    assert all(finals[0]["params"][k].equal(reference["params"][k]) for k in reference["params"])
+
+
+@pytest.mark.chaos  # tests/README.md
 def test_whole_checkpoint_resumes_on_three_workers_on_the_same_trajectory(tmp_path, reference):
     """``trainer.save_checkpoint`` writes the whole model and optimizer state (gathered from the
     shards; ``weights_only`` loadable); ``fit(ckpt_path=...)`` on 3 workers re-shards it and
