@@ -83,6 +83,7 @@ def test_two_workers_killed_in_successive_steps(tmp_path, tmp_path_factory):
         job.cleanup()
 
 
+@pytest.mark.chaos  # a known race in the failure record (tests/README.md)
 def test_kill_during_recovery(tmp_path, tmp_path_factory):
     """The second kill lands while the survivors agree on the first one's generation."""
     job = Job(tmp_path)
