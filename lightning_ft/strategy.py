@@ -73,7 +73,6 @@ from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, refu
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
-from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams
 from chameleon_ft.runtime.recovery import ElasticConfig, Joined, StepEnd, join_job
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from lightning_ft.data import ShardSampler, StepLoader
@@ -112,10 +111,10 @@ def check_precision(plugin) -> None:
 
 class _SchedulerState:
     """What ``DataParallelExecutor`` sees as the scheduler.  Lightning steps the LR schedulers itself
-    (after the step); the runtime needs their state, and the optimizers' hyperparameters that
-    schedulers write (``lr``, ``momentum``...), *at the commit*: a worker that adopts a step
-    its peers committed then steps its schedulers once as they did (taken after a peer's
-    scheduler step, a StepLR at its boundary was applied twice)."""
+    (after the step, by interval and frequency); the runtime only needs their state *at the
+    commit* so that a worker that adopts a step its peers committed ends up where they are
+    once its own Lightning loop has stepped the schedulers for that step (the optimizers'
+    hyperparameters at the commit travel too: ``runtime/hyperparams.py``, in the executor)."""
 
     def __init__(self, strategy: "FaultTolerantDDPStrategy") -> None:
         self.strategy = strategy
@@ -124,20 +123,16 @@ class _SchedulerState:
     def _schedulers(self):
         return [c.scheduler for c in self.strategy.lr_scheduler_configs]
 
-    def _groups(self) -> list:
-        return group_hyperparams(self.strategy.optimizers)
-
     def step(self) -> None:  # called by sync_and_step right after the optimizer update
-        self.snapshot, self.groups = [copy.deepcopy(s.state_dict()) for s in self._schedulers()], self._groups()
+        self.snapshot = [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
 
     def state_dict(self) -> dict:
-        return {"schedulers": self.snapshot, "groups": self.groups}
+        return {"schedulers": self.snapshot}
 
-    def load_state_dict(self, state: dict) -> None:  # after the optimizer's (RecoveryCore)
+    def load_state_dict(self, state: dict) -> None:
         for sched, s in zip(self._schedulers(), state["schedulers"]):
             sched.load_state_dict(s)
-        restore_group_hyperparams(self.strategy.optimizers, state.get("groups", []))
-        self.snapshot, self.groups = copy.deepcopy(state["schedulers"]), self._groups()
+        self.snapshot = copy.deepcopy(state["schedulers"])
 
 
 class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
