@@ -47,6 +47,7 @@ class LitModel(pl.LightningModule):
         self.mb_sleep, self.markers, self.val_sleep = mb_sleep, markers, val_sleep
         self.losses = {}  # global step -> logged train loss (this worker's view)
         self.val_losses = []
+        self.step_lr = False
 
     def configure_model(self):
         dp_mesh = self.device_mesh["data_parallel"]
@@ -86,6 +87,9 @@ class LitModel(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        if self.step_lr:  # chainable, per step: halves after every 5th optimizer step
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.5),
+                                                       "interval": "step"}}
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 6, 0.5)}
 
 
@@ -106,6 +110,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--ckpt", default=None, help="resume: trainer.fit(..., ckpt_path=CKPT)")
+    ap.add_argument("--step-lr", action="store_true", help="a per-step StepLR (5 steps, x0.5)")
     args = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     pl.seed_everything(args.seed)
@@ -121,6 +126,7 @@ def main():
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          num_sanity_val_steps=0, log_every_n_steps=1)
     model = LitModel(args.mb_sleep, str(out / "markers"), args.val_sleep)
+    model.step_lr = args.step_lr
     train = DataLoader(data(256, 1), batch_size=8, shuffle=True)
     val = DataLoader(data(100, 2), batch_size=8)
     t0 = time.perf_counter()
