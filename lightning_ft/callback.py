@@ -34,7 +34,7 @@ from typing import Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 
 from chameleon_ft.runtime.adapter_kit import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
@@ -158,10 +158,16 @@ class FaultToleranceCallback(Callback, StrategyHooks):
         if isinstance(trainer.strategy, ModelParallelStrategy):
             raise ConfigError(_UNADOPTED.format(type(trainer.strategy).__name__))
         if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
+            one = ""
+            if isinstance(trainer.strategy, SingleDeviceStrategy) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # Seen with Lightning's own transformer example: devices="auto" counts one CPU device.
+                one = (f"; Lightning chose one device, but {os.environ['WORLD_SIZE']} workers were "
+                       "started: pass devices=<workers per node> (devices='auto' counts 1 on a CPU), "
+                       "as under torchrun")
             raise LauncherError(
                 f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "
                 f"{type(trainer.strategy).__name__}); build the callback before the Trainer, e.g. "
-                "Trainer(strategy='ddp', callbacks=[FaultToleranceCallback()])")
+                f"Trainer(strategy='ddp', callbacks=[FaultToleranceCallback()]){one}")
         self._strategy = trainer.strategy
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise ConfigError("FaultToleranceCallback: GradientAccumulationScheduler changes the global "

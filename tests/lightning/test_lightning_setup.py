@@ -141,6 +141,24 @@ def test_fsdp1_and_an_unadopted_model_parallel_strategy_are_refused_with_the_way
             FaultToleranceCallback().setup(trainer, None, "fit")
 
 
+def test_one_device_under_a_launcher_of_several_workers_says_to_pass_devices(monkeypatch):
+    """Lightning's own transformer example as a user runs it under ``chameleon-ft run
+    --nproc-per-node 4`` (devices="auto", strategy="auto"): on a CPU Lightning counts one device
+    and picks SingleDeviceStrategy (under torchrun it trains 4 separate copies).  The error names
+    the fix, devices=<workers per node>, beside the generic "needs strategy='ddp'"."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CHAMELEON_FT_WORKER_ID", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cb = FaultToleranceCallback()
+    t = Trainer(callbacks=[cb], logger=False)
+    with pytest.raises(LauncherError, match="one device, but 4 workers were started: pass devices="):
+        cb.setup(t, None, "fit")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(LauncherError) as err:
+        cb.setup(t, None, "fit")
+    assert "devices=" not in str(err.value).split("callbacks=[FaultToleranceCallback()])")[1]
+
+
 def test_a_model_parallel_strategy_object_becomes_the_fault_tolerant_one_in_place():
     """The Trainer holds the user's ModelParallelStrategy object; the callback's hook turns that
     same object into FaultTolerantModelParallelStrategy with what Lightning set on it (its
