@@ -82,6 +82,16 @@ def _beat_key(worker_id: int) -> str:
     return f"cft/beat/{worker_id}"
 
 
+def first_to_record(store: dist.Store, worker_id: int) -> bool:
+    """Whether the caller is the first to record the failure of ``worker_id``'s current
+    incarnation (``RecoveryCore._log_failure``: each death once in the event log)."""
+    try:
+        incarnation = store.add(_incarnation_key(worker_id), 0)
+        return store.add(f"cft/failure_recorded/{worker_id}/{incarnation}", 1) == 1
+    except Exception:  # (the coordinator unreachable: a record twice rather than none)
+        return True
+
+
 def abort_key(token: str) -> str:
     """Store key that, once set, ends the generation ``token`` for every member."""
     return f"cft/abort/{token}"

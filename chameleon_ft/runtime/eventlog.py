@@ -120,6 +120,20 @@ class EventLog:
         return self.write("failure", workers=list(workers), kind=kind, detected_by=detected_by,
                           step=step, **fields)
 
+    def deaths(self, dead: Sequence[int], info: Optional[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
+               *, worker_id: int, step: int, claim: Callable[[int], bool] = lambda w: True) -> None:
+        """A recovery's failure record (its source's, before the state broadcast): the ``dead``
+        that ``claim`` says nobody recorded yet (``coordination.first_to_record``: a source
+        killed after writing it is followed by one that counts the same deaths; one killed
+        before the broadcast, by one whose engine state still counts them), with the kind its
+        failure ``info`` and Decisions give."""
+        dead = [w for w in dead if claim(w)] if info is not None else []
+        if dead:
+            kind = "hang" if info.get("hang") else (
+                "node_loss" if any(d["event"]["kind"] == "node_loss" for d in decisions) else "fail_stop")
+            self.failure(dead, kind, detected_by=f"worker {worker_id}", step=step,
+                         collective=info.get("kind"), reason=info.get("reason"))
+
     def decision(self, decision: Mapping[str, Any], **fields: Any) -> dict:
         return self.write("decision", decision=decision, **fields)
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
+from chameleon_ft.runtime.coordination import first_to_record
 from chameleon_ft.runtime.errors import ConfigError, LeftBehind, NothingToHeal, RestartRequested, WorldTooSmall
 from chameleon_ft.runtime.env import WorkerEnv, startup_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
@@ -442,6 +443,9 @@ class RecoveryCore:
         if self._is_source:
             t_engine = time.perf_counter()
             payload = self.source_payload(view, info)
+            if self.log:  # before the broadcast: after it, a next source's engine no longer counts them
+                self.log.deaths(payload.get("dead", []), info, payload["decisions"], worker_id=self.worker_id, step=self.step,
+                                claim=lambda w: self.membership is None or first_to_record(self.membership.store, w))
             payload["engine_s"] = time.perf_counter() - t_engine  # not agreement (_measure_agreement)
             payload["state"] = self.state_dict() if behind else None
         payload = run_state.broadcast_tree(
@@ -530,13 +534,7 @@ class RecoveryCore:
         self.lr_scale = self.policy.lr_scale
 
     def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
-        dead = payload.get("dead", [])
-        if info is not None and dead:
-            kind = "hang" if info.get("hang") else (
-                "node_loss" if any(d["event"]["kind"] == "node_loss" for d in payload["decisions"])
-                else "fail_stop")
-            self.log.failure(dead, kind, detected_by=f"worker {self.worker_id}", step=self.step,
-                             collective=info.get("kind"), reason=info.get("reason"))
+        dead = payload.get("dead", [])  # (their failure record: ``EventLog.deaths``, before the broadcast)
         self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
                             token=view.token, step=self.step, state_sent=payload["state"] is not None)
         for d in payload["decisions"]:

@@ -262,3 +262,32 @@ def test_resumed_after_counts_from_the_fault_to_the_new_generations_first_step()
            {"event": "membership", "ts": 10.5, "reason": "failure"}, {"event": "step", "ts": 10.6}]
     assert resumed_after(evs, 10.1) == pytest.approx(0.5)
     assert resumed_after(evs, 11.0) is None
+
+
+def test_each_death_is_recorded_once_whichever_source_writes_it(tmp_path):
+    """``EventLog.deaths`` with ``coordination.first_to_record`` on a real TCPStore: a recovery's
+    source writes the failure record before its state broadcast; a next source (the first killed
+    after writing it, or before) counts the same death again -- it is recorded once.  A new
+    incarnation of the same worker id (a replacement that dies too) is recorded again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime.coordination import _incarnation_key, first_to_record
+    from chameleon_ft.runtime.eventlog import EventLog, read_events
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    claim = lambda w: first_to_record(store, w)  # noqa: E731
+    path = tmp_path / "events.jsonl"
+    log = EventLog(str(path), worker=0)
+    info = {"kind": "aborted", "hang": False, "reason": "peer_error"}
+    log.deaths([3], info, [], worker_id=0, step=5, claim=claim)  # the first source, then killed
+    log.deaths([0, 3], info, [], worker_id=1, step=5, claim=claim)  # the next one's engine: 0 and 3
+    log.deaths([], info, [], worker_id=1, step=6, claim=claim)
+    log.deaths([2], None, [], worker_id=1, step=6, claim=claim)  # no failure (a join): nothing
+    store.add(_incarnation_key(3), 1)  # worker 3 replaced, and the replacement lost too
+    log.deaths([3], {**info, "hang": True}, [], worker_id=1, step=9, claim=claim)
+    log.close()
+    got = [(e["workers"], e["kind"]) for e in read_events(str(path)) if e["event"] == "failure"]
+    assert got == [([3], "fail_stop"), ([0], "fail_stop"), ([3], "hang")]
+    assert first_to_record(store, 2)  # never recorded: the one with no failure info claimed nothing
