@@ -62,7 +62,7 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer, _beat_key,
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
     stand_in_for_the_dead, stop_job)
-from chameleon_ft.runtime.errors import MembershipError  # noqa: E402  (defined with the other outcomes)
+from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
 from chameleon_ft.runtime.liveness import Liveness as _Liveness, await_the_missing as _await_the_missing  # noqa: E402
 
@@ -419,7 +419,7 @@ class Membership:
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
         before = self._view
         while True:
-            view = self._missed_quorum(previous_token)
+            latest, view = self._latest(), self._missed_quorum(previous_token)
             if view is None:
                 self._request_admission(previous_token)
                 self._last_ok = time.monotonic()
@@ -443,6 +443,12 @@ class Membership:
                 view = self._to_view(quorum)
                 if view is None:
                     continue
+            if (before is not None and latest is not None and latest.get("generation", -1) > before.generation
+                    and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"])):
+                raise NothingToHeal(  # (seen: it trained alone from step 15 after its peers finished at 120)
+                    f"worker {self.worker_id} was left out of generation {latest['generation']} {latest['members']}, "
+                    f"and none of them is in its quorum {list(view.members)}: the job went on without it and "
+                    "they are gone (finished, or lost); it stops rather than train on alone from its older state")
             self._view = view
             self._publish(view)
             dead = self._reported_dead(view.members)
@@ -459,12 +465,9 @@ class Membership:
     def _missed_quorum(self, previous_token: Optional[str]) -> Optional[MembershipView]:
         """A quorum formed with this worker that it did not receive: a request that timed out
         (``retry_s``) stays a participant at the Lighthouse until its next quorum, which holds
-        this worker but reaches only the requests then waiting (measured, torchft 0.2).  The
-        members that received it published it and wait for this one in its group; it takes it
-        from there.  Seen in CI: three workers missed it and asked again; the fourth waited for
-        them in its group until the connect timeout, and their next quorum left it out.
-        Only after a generation of this incarnation (a replacement's first quorum is its own);
-        not when that generation was already ended."""
+        this worker but reaches only the requests then waiting (measured, torchft 0.2); its
+        members published it and wait for this one in its group (docs/runtime-membership.md).
+        Only after a generation of this incarnation; not when that generation was ended."""
         latest, mine = self._latest(), self._view
         if (latest is None or mine is None or latest.get("token") == previous_token
                 or self.worker_id not in latest.get("members", ())

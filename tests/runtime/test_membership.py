@@ -578,3 +578,35 @@ def test_a_quorum_formed_while_a_request_had_timed_out_is_taken_from_the_publish
         for m in members.values():
             m.close()
         server.shutdown()
+
+
+def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone():
+    # Seen in CI (with the quorum it missed, above): worker 3, left out of its peers' generation,
+    # formed a generation of its own once they had finished and stopped heartbeating, and trained
+    # alone from step 15 to the end.  A worker left out of a newer generation whose members are
+    # none of them in its quorum stops (exit 75: the launcher's status is its peers' 0 when they
+    # finished, a checkpoint-restart when they were lost).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from chameleon_ft.runtime.errors import NothingToHeal
+
+    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=600)
+    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
+                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(3)}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = list(pool.map(lambda w: members[w].join(min_world_size=3, timeout_s=20), range(3)))
+        assert [v.members for v in first] == [(0, 1, 2)] * 3
+        members[0].report_failure([2], "test: worker 2 taken for lost")
+        with ThreadPoolExecutor(2) as pool:  # worker 2 does not ask: its peers go on without it
+            views = list(pool.map(lambda w: members[w].next_view(timeout_s=10), (0, 1)))
+        assert [v.members for v in views] == [(0, 1), (0, 1)]
+        members[0].close()
+        members[1].close()  # they finished: their heartbeats stop
+        time.sleep(1.0)
+        with pytest.raises(NothingToHeal, match=r"left out of generation \d+ \[0, 1\].*none of them"):
+            members[2].next_view(timeout_s=10)
+    finally:
+        for m in members.values():
+            m.close()
+        server.shutdown()
