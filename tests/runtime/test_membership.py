@@ -7,6 +7,7 @@ workers from outside.  Timings are printed, and only asserted against generous b
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -550,34 +551,44 @@ def test_waiting_for_left_out_members_ends_as_each_case_requires(monkeypatch):
     assert got is False and waited >= 0.7 + 1.0  # clocks restarted after the stall
 
 
+@contextlib.contextmanager
+def _joined(n: int, heartbeat_timeout_ms: int):
+    """A coordinator and ``n`` members (no abort watcher, no liveness reports) in the job's first
+    generation, all of them: ``(server, members)``; closed and shut down at the end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
+                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(n)}
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            first = list(pool.map(lambda w: members[w].join(min_world_size=n, timeout_s=20), range(n)))
+        assert [v.members for v in first] == [tuple(range(n))] * n
+        yield server, members
+    finally:
+        for m in members.values():
+            m.close()
+        server.shutdown()
+
+
 def test_a_quorum_formed_while_a_request_had_timed_out_is_taken_from_the_published_view():
     # Seen in CI: the Lighthouse keeps a request that timed out (``retry_s``) as a participant
     # until its next quorum, which then holds that worker but reaches only the requests still
     # waiting.  Here worker 0's request times out; worker 1 then asks, gets a quorum of both and
     # publishes it.  Worker 0 must take that generation (its peer waits for it in its group),
     # not ask again alone: it used to wait for a quorum that could not form without worker 1.
-    from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
 
-    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=5_000)
-    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
-                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(2)}
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            first = list(pool.map(lambda w: members[w].join(min_world_size=2, timeout_s=20), range(2)))
-        assert [v.members for v in first] == [(0, 1), (0, 1)]
+    with _joined(2, heartbeat_timeout_ms=5_000) as (server, members):
+        first = members[1].view()
         with pytest.raises(Exception):  # not answered in time: stays a participant
             members[0]._client.quorum(replica_id="0", timeout=timedelta(seconds=0.3), data={"worker_id": 0})
         got1 = members[1].next_view(timeout_s=10)
-        assert got1.members == (0, 1) and got1.generation > first[1].generation
+        assert got1.members == (0, 1) and got1.generation > first.generation
         t0 = time.monotonic()
         got0 = members[0].next_view(timeout_s=5)
         assert (got0.generation, got0.members, got0.token, got0.rank) == (got1.generation, (0, 1), got1.token, 0)
         assert time.monotonic() - t0 < 1.0
-    finally:
-        for m in members.values():
-            m.close()
-        server.shutdown()
 
 
 def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone():
@@ -590,13 +601,7 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
 
     from chameleon_ft.runtime.errors import NothingToHeal
 
-    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=600)
-    members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
-                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(3)}
-    try:
-        with ThreadPoolExecutor(3) as pool:
-            first = list(pool.map(lambda w: members[w].join(min_world_size=3, timeout_s=20), range(3)))
-        assert [v.members for v in first] == [(0, 1, 2)] * 3
+    with _joined(3, heartbeat_timeout_ms=600) as (server, members):
         members[0].report_failure([2], "test: worker 2 taken for lost")
         with ThreadPoolExecutor(2) as pool:  # worker 2 does not ask: its peers go on without it
             views = list(pool.map(lambda w: members[w].next_view(timeout_s=10), (0, 1)))
@@ -606,7 +611,3 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
         time.sleep(1.0)
         with pytest.raises(NothingToHeal, match=r"left out of generation \d+ \[0, 1\].*none of them"):
             members[2].next_view(timeout_s=10)
-    finally:
-        for m in members.values():
-            m.close()
-        server.shutdown()
