@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -161,9 +162,17 @@ def _baseline(a, kind: str, work: Path, nproc: int, per_gpu: bool) -> dict:
     except subprocess.TimeoutExpired:
         return {"ran": False, "error": "timed out after 300 s"}
     if p.returncode != 0:
-        err = [ln for ln in (p.stderr or p.stdout).splitlines() if "Error" in ln or "error" in ln]
-        return {"ran": False, "error": (err[-1] if err else (p.stderr or p.stdout)[-300:]).strip()[:300]}
+        return {"ran": False, "error": _worker_error(p.stderr or p.stdout)}
     return {"ran": True, "step_s": _median_gap(json.loads((out / "final_0.json").read_text())["steps"])}
+
+
+def _worker_error(text: str) -> str:
+    """The worker's own exception line (``SomethingError: ...``), not torchrun's summary after it
+    (its last line with "error" is ``error_file: <N/A>``: seen on the H200, 2026-12-04)."""
+    lines = text.splitlines()
+    exc = [ln for ln in lines if re.match(r"\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception): ", ln)]
+    err = exc or [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (err[0] if exc else err[-1] if err else text[-300:]).strip()[:300]
 
 
 def check(kind: str, a, work: Path, nproc: int = 4, per_gpu: bool = False) -> dict:

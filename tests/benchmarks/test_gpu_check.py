@@ -32,3 +32,15 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert "growth_mb" in res["kinds"]["dp"]["memory_mb"]
     assert res["passed"]
     assert res["nccl_abort"] == {"ran": False, "why": "--cpu"}
+
+
+def test_a_baseline_that_failed_is_reported_by_its_workers_exception():
+    # On the H200 (2026-12-04) torch's pipelining baseline failed under torchrun and the report
+    # kept torchrun's summary line ("error_file: <N/A>"), not the worker's exception.
+    out = ("[rank1]: Traceback (most recent call last):\n"
+           "[rank1]:   File \"w.py\", line 3, in <module>\n"
+           "[rank1]: RuntimeError: no CUDA send here\n"
+           "E1204 12:00:00 torch/distributed/elastic: failed\n"
+           "  error_file: <N/A>\n")
+    assert gpu_check._worker_error(out) == "[rank1]: RuntimeError: no CUDA send here"
+    assert gpu_check._worker_error("x\n  error_file: <N/A>\n") == "error_file: <N/A>"
