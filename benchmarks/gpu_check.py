@@ -171,6 +171,8 @@ def _worker_error(text: str) -> str:
     (its last line with "error" is ``error_file: <N/A>``: seen on the H200, 2026-12-04)."""
     lines = text.splitlines()
     exc = [ln for ln in lines if re.match(r"\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception): ", ln)]
+    # A peer's "Connection closed by peer" follows the rank that failed first: that one's, if any.
+    exc = [ln for ln in exc if "closed by peer" not in ln and "Connection reset" not in ln] or exc
     err = exc or [ln for ln in lines if "Error" in ln or "error" in ln]
     return (err[0] if exc else err[-1] if err else text[-300:]).strip()[:300]
 

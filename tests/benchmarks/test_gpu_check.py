@@ -37,7 +37,8 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
 def test_a_baseline_that_failed_is_reported_by_its_workers_exception():
     # On the H200 (2026-12-04) torch's pipelining baseline failed under torchrun and the report
     # kept torchrun's summary line ("error_file: <N/A>"), not the worker's exception.
-    out = ("[rank1]: Traceback (most recent call last):\n"
+    out = ("[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:3507\n"
+           "[rank1]: Traceback (most recent call last):\n"
            "[rank1]:   File \"w.py\", line 3, in <module>\n"
            "[rank1]: RuntimeError: no CUDA send here\n"
            "E1204 12:00:00 torch/distributed/elastic: failed\n"
