@@ -443,12 +443,10 @@ class Membership:
                 view = self._to_view(quorum)
                 if view is None:
                     continue
-            if (before is not None and latest is not None and latest.get("generation", -1) > before.generation
-                    and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"])):
-                raise NothingToHeal(  # (seen: it trained alone from step 15 after its peers finished at 120)
-                    f"worker {self.worker_id} was left out of generation {latest['generation']} {latest['members']}, "
-                    f"and none of them is in its quorum {list(view.members)}: the job went on without it and "
-                    "they are gone (finished, or lost); it stops rather than train on alone from its older state")
+            # Left out of a newer generation none of whose members is in this quorum: they went on
+            # without this worker (seen: it then trained alone from step 15 after they finished).
+            went_on = (before is not None and latest is not None and latest.get("generation", -1) > before.generation
+                       and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"]))
             self._view = view
             self._publish(view)
             dead = self._reported_dead(view.members)
@@ -457,9 +455,15 @@ class Membership:
                 # never form a group; end it now rather than after the connect timeout.
                 self.report_failure(dead, "member reported dead by the launcher")
                 continue
-            if before is not None and self._left_out_came_back(before, view):
+            missing = set(latest["members"]) if went_on else set(before.members) - set(view.members) if before else ()
+            if self._left_out_came_back(missing, view):
                 previous_token = view.token  # a live member it left out ended it: ask again
                 continue
+            if went_on:  # and they are gone (silent or dead for the heartbeat timeout)
+                raise NothingToHeal(
+                    f"worker {self.worker_id} was left out of generation {latest['generation']} {latest['members']}, "
+                    f"and none of them is in its quorum {list(view.members)}: the job went on without it and "
+                    "they are gone (finished, or lost); it stops rather than train on alone from its older state")
             return view
 
     def _missed_quorum(self, previous_token: Optional[str]) -> Optional[MembershipView]:
@@ -478,9 +482,8 @@ class Membership:
         return MembershipView(generation=int(latest["generation"]), members=members,
                               rank=members.index(self.worker_id), world_size=len(members), token=latest["token"])
 
-    def _left_out_came_back(self, before: MembershipView, view: MembershipView) -> bool:
-        """``liveness.await_the_missing`` for the members of ``before`` that ``view`` left out."""
-        missing = set(before.members) - set(view.members)
+    def _left_out_came_back(self, missing, view: MembershipView) -> bool:
+        """``liveness.await_the_missing`` for the ``missing`` members (left out of ``view``)."""
         if not missing or not self.heartbeat_timeout_s:
             return False
         lv = getattr(self, "_liveness", None)

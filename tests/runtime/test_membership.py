@@ -552,14 +552,15 @@ def test_waiting_for_left_out_members_ends_as_each_case_requires(monkeypatch):
 
 
 @contextlib.contextmanager
-def _joined(n: int, heartbeat_timeout_ms: int):
-    """A coordinator and ``n`` members (no abort watcher, no liveness reports) in the job's first
-    generation, all of them: ``(server, members)``; closed and shut down at the end."""
+def _joined(n: int, heartbeat_timeout_ms: int, liveness_s=None):
+    """A coordinator and ``n`` members (no abort watcher; liveness counters judged after
+    ``liveness_s``, None: not at all) in the job's first generation, all of them:
+    ``(server, members)``; closed and shut down at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
     server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=heartbeat_timeout_ms)
     members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
-                             heartbeat_timeout_s=None, cut_off_s=None) for w in range(n)}
+                             heartbeat_timeout_s=liveness_s, cut_off_s=None) for w in range(n)}
     try:
         with ThreadPoolExecutor(n) as pool:
             first = list(pool.map(lambda w: members[w].join(min_world_size=n, timeout_s=20), range(n)))
@@ -591,17 +592,19 @@ def test_a_quorum_formed_while_a_request_had_timed_out_is_taken_from_the_publish
         assert time.monotonic() - t0 < 1.0
 
 
-def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone():
+@pytest.mark.parametrize("liveness_s", [None, 1.0])
+def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(liveness_s):
     # Seen in CI (with the quorum it missed, above): worker 3, left out of its peers' generation,
     # formed a generation of its own once they had finished and stopped heartbeating, and trained
     # alone from step 15 to the end.  A worker left out of a newer generation whose members are
     # none of them in its quorum stops (exit 75: the launcher's status is its peers' 0 when they
-    # finished, a checkpoint-restart when they were lost).
+    # finished, a checkpoint-restart when they were lost) -- with liveness counters, once they
+    # have not moved for the timeout (alive, they would come and end its generation).
     from concurrent.futures import ThreadPoolExecutor
 
     from chameleon_ft.runtime.errors import NothingToHeal
 
-    with _joined(3, heartbeat_timeout_ms=600) as (server, members):
+    with _joined(3, heartbeat_timeout_ms=600, liveness_s=liveness_s) as (server, members):
         members[0].report_failure([2], "test: worker 2 taken for lost")
         with ThreadPoolExecutor(2) as pool:  # worker 2 does not ask: its peers go on without it
             views = list(pool.map(lambda w: members[w].next_view(timeout_s=10), (0, 1)))
@@ -609,5 +612,7 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
         members[0].close()
         members[1].close()  # they finished: their heartbeats stop
         time.sleep(1.0)
+        t0 = time.monotonic()
         with pytest.raises(NothingToHeal, match=r"left out of generation \d+ \[0, 1\].*none of them"):
             members[2].next_view(timeout_s=10)
+        assert time.monotonic() - t0 >= (0.9 * liveness_s if liveness_s else 0)  # waited for them
