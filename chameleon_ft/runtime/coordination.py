@@ -84,7 +84,8 @@ def _beat_key(worker_id: int) -> str:
 
 def first_to_record(store: dist.Store, worker_id: int) -> bool:
     """Whether the caller is the first to record the failure of ``worker_id``'s current
-    incarnation (``RecoveryCore._log_failure``: each death once in the event log)."""
+    incarnation (``EventLog.deaths``, called by a recovery's source: each death once in the
+    event log)."""
     try:
         incarnation = store.add(_incarnation_key(worker_id), 0)
         return store.add(f"cft/failure_recorded/{worker_id}/{incarnation}", 1) == 1

@@ -419,7 +419,8 @@ class Membership:
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
         before = self._view
         while True:
-            latest, view = self._latest(), self._missed_quorum(previous_token)
+            latest = self._latest()
+            view = self._missed_quorum(previous_token, latest)
             if view is None:
                 self._request_admission(previous_token)
                 self._last_ok = time.monotonic()
@@ -466,13 +467,14 @@ class Membership:
                     "they are gone (finished, or lost); it stops rather than train on alone from its older state")
             return view
 
-    def _missed_quorum(self, previous_token: Optional[str]) -> Optional[MembershipView]:
+    def _missed_quorum(self, previous_token: Optional[str], latest: Optional[dict]) -> Optional[MembershipView]:
         """A quorum formed with this worker that it did not receive: a request that timed out
         (``retry_s``) stays a participant at the Lighthouse until its next quorum, which holds
         this worker but reaches only the requests then waiting (measured, torchft 0.2); its
         members published it and wait for this one in its group (docs/runtime-membership.md).
-        Only after a generation of this incarnation; not when that generation was ended."""
-        latest, mine = self._latest(), self._view
+        Only after a generation of this incarnation; not when that generation was ended.
+        ``latest``: the published generation (``_latest``), read once by the caller."""
+        mine = self._view
         if (latest is None or mine is None or latest.get("token") == previous_token
                 or self.worker_id not in latest.get("members", ())
                 or (latest.get("generation", -1), latest.get("token", "")) <= (mine.generation, mine.token)
