@@ -28,8 +28,9 @@ SIGKILLed from outside (by PID) once the kill step is under way.
 * **Lost training time** (time to reach the failure-free run's losses): (redone steps + lag) x
   the failure-free step time + the path's measured re-shard.  The **lag** is measured on the
   same batches as the failure-free run of the same seed (the global batch of step ``s`` is the
-  same samples whatever the membership): the mean over the ``max(8, 2K)`` steps after the
-  failure of (log loss - log failure-free loss), over -(the slope of the failure-free log loss,
+  same samples whatever the membership): the mean over the steps after the failure -- the
+  horizon the engine's prediction names (``heal_horizon``: 16 steps, at most the run's rest),
+  else ``max(8, 2K)`` -- of (log loss - log failure-free loss), over -(the slope of the failure-free log loss,
   one least-squares line through 8 steps before to the end of those steps) -- how many steps of
   progress the run is behind (``lag_estimate``, with its 95 % interval); the engine's
   ``predicted_heal_steps`` is its estimate of that very quantity.  On a **plateau** (that slope
@@ -149,7 +150,7 @@ def path_cost(d: dict, run: dict[int, float], ref: dict[int, float], step_s: flo
     the measured lag, and (redone + lag) x step + re-shard seconds."""
     chosen = d.get("chosen")
     redone = d["step"] - d["rollback_to"] if chosen == "recompute" and d.get("rollback_to") is not None else 0
-    est = lag_estimate(run, ref, d["step"], max(8, 2 * k))
+    est = lag_estimate(run, ref, d["step"], d.get("heal_horizon") or max(8, 2 * k))
     lag = est["lag"]
     lost = redone + max(lag or 0.0, 0.0)
     return {"path": chosen, "redone": redone, "lag": lag, "lag_half": est["half"], "informative": est["informative"],
@@ -239,18 +240,19 @@ def _finals(out: Path) -> dict:
     return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("final_*.json")}
 
 
-def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optional[int]], jobs: int) -> dict:
+def matrix(work: Path, engines: dict[str, list[str]], seeds: int, ks: list[Optional[int]], jobs: int,
+           first_seed: int = 0) -> dict:
     """Every cell's runs (``engines``: engine -> model kinds)."""
     pool = ThreadPoolExecutor(max(1, jobs))
     free, cells = {}, []
     for engine, kinds in engines.items():
         for kind in kinds:
-            for seed in range(seeds):
+            for seed in range(first_seed, first_seed + seeds):
                 free[(engine, kind, seed)] = pool.submit(run, work / f"{engine}-{kind}-free{seed}", engine, kind, seed, None)
             for k in ks:
                 kk = k or STEPS // 8
                 for pos, ipos, at in kill_positions(kk):
-                    for seed in range(seeds):
+                    for seed in range(first_seed, first_seed + seeds):
                         name = f"{engine}-{kind}-k{k or 'd'}-{pos}-{ipos.split()[0]}-s{seed}"
                         cells.append({"engine": engine, "kind": kind, "k_label": "default" if k is None else str(k),
                                       "k": kk, "position": pos, "interval": ipos, "kill_step": at, "seed": seed,
@@ -529,6 +531,8 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default="mlp,lm,conv")
     p.add_argument("--lightning", default="mlp", help="model kinds also run through Lightning ('' for none)")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first..first+seeds-1 (new seeds test a model fitted on earlier ones)")
     p.add_argument("--ks", default="default,4", help="snapshot intervals: 'default' and/or numbers")
     p.add_argument("--jobs", type=int, default=2, help="jobs at once")
     p.add_argument("--workdir", default=None)
@@ -545,7 +549,7 @@ def main(argv=None) -> dict:
     if a.lightning:
         engines["lightning"] = [m for m in a.lightning.split(",") if m]
     t0 = time.time()
-    res = matrix(work, engines, a.seeds, ks, a.jobs)
+    res = matrix(work, engines, a.seeds, ks, a.jobs, a.first_seed)
     res.update(command=("python benchmarks/sharded_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), minutes=(time.time() - t0) / 60, workdir=str(work))
     if a.json:

@@ -18,8 +18,11 @@ progress made since, so the run lags ``f x (t_f - t_c)`` steps; a gap measured a
 ``gap / |slope|`` instead.  Rehabilitation is ruled out when the lost fraction is above
 ``max_lost_fraction``, when the loss is not a finite number, and for a measured gap with no
 decreasing loss or above ``max_gap_fraction`` of the progress since the snapshot: then
-recompute is the safe choice.  After a rehabilitation ``HealCheck`` measures the lag on the
-job's own loss and calibrates the next estimate (``heal_scale``).  This is our reading of the
+recompute is the safe choice.  The repair then adds what the restored part's smaller updates
+lose, step by step, while training heals the lag at a rate (``lag_path``): measured, the gap
+rises through the warm-up and then decays, so the estimate is the mean lag over a horizon of
+steps after the repair, which is what is measured.  After a rehabilitation ``HealCheck``
+measures the lag on the job's own loss and calibrates the next estimate (``heal_scale``).  This is our reading of the
 published method; its text is not public here.
 
 Limits: the lag estimate assumes the restored part's progress was like the rest's; no
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -49,33 +53,63 @@ class RehabOutcome:
     rehab_steps: float | None  # None when rehabilitation is ruled out (with the safety factor)
     reason: str  # why rehab is ruled out, or how its cost was estimated
     heal_steps: float | None = None  # the point estimate: steps of progress the repair costs
+    path: tuple = ()  # with a horizon: the predicted lag after each step of it (``lag_path``)
 
 
-def repair_steps(lost_fraction: float, momentum: float, warmup_steps: int = 0,
-                 restart_bias_correction: bool = False) -> float:
-    """Progress the optimizer repair of the restored part costs, in whole-model steps.
+# The lag's prior healing rate: the fraction of what remains of it that training closes per step
+# (``lag_path``).  Measured on the issue-23 matrix of 2026-12-03, as the decay of the mean gap
+# after the warm-up: the small LM and the CNN ~0.09 per step (17 -> 8.5 and 245 -> 120 x 1e-3
+# log loss over 8 steps), the MLP faster.  ``HealCheck`` calibrates the job's next prediction.
+HEAL_RATE = 0.1
+# Steps after the repair over which the lag is predicted and then measured (its mean over them).
+HEAL_HORIZON = 16
 
-    The restored part's update in its ``k``-th step after the repair is ``warmup(k) x
-    ramp(k)`` of a full one: ``warmup(k) = min(1, k / warmup_steps)`` (the learning-rate
-    warm-up; 1 without), ``ramp(k) = 1 - momentum**k`` when the first moment was reset and its
-    bias correction keeps counting from the run's start (1 when it restarts, or without
-    momentum).  The shortfall, summed over the steps, times the lost fraction: e.g. a reset
-    first moment alone costs ``momentum / (1 - momentum)`` of its steps, a restarted bias
-    correction with a ``W``-step linear warm-up ``(W - 1) / 2``."""
+
+def repair_shortfall(lost_fraction: float, momentum: float, warmup_steps: int = 0,
+                     restart_bias_correction: bool = False) -> list[float]:
+    """The progress each step after the repair loses to it, in whole-model steps:
+    ``lost_fraction x (1 - warmup(k) x ramp(k))`` for the ``k``-th step, as long as it is not 0.
+    ``warmup(k) = min(1, k / warmup_steps)`` (the learning-rate warm-up; 1 without),
+    ``ramp(k) = 1 - momentum**k`` when the first moment was reset and its bias correction keeps
+    counting from the run's start (1 when it restarts, or without momentum)."""
     if not 0 <= lost_fraction <= 1:
         raise ValueError("lost fraction must be in [0, 1]")
     ramp = 0 < momentum < 1 and not restart_bias_correction
     w = max(0, int(warmup_steps))
-    short, k = 0.0, 1
+    out, k = [], 1
     while k <= 100_000:
         eff = min(1.0, k / w) if w else 1.0
         if ramp:
             eff *= 1.0 - momentum ** k
         if eff >= 1.0 - 1e-9 and k >= w:
             break
-        short += 1.0 - eff
+        out.append(lost_fraction * (1.0 - eff))
         k += 1
-    return lost_fraction * short
+    return out
+
+
+def repair_steps(lost_fraction: float, momentum: float, warmup_steps: int = 0,
+                 restart_bias_correction: bool = False) -> float:
+    """Progress the optimizer repair of the restored part costs in all, in whole-model steps
+    (the sum of ``repair_shortfall``): e.g. a reset first moment alone costs ``momentum / (1 -
+    momentum)`` of its steps, a restarted bias correction with a ``W``-step linear warm-up
+    ``(W - 1) / 2``."""
+    return float(sum(repair_shortfall(lost_fraction, momentum, warmup_steps, restart_bias_correction)))
+
+
+def lag_path(initial: float, shortfall: Sequence[float], heal_rate: float, horizon: int) -> list[float]:
+    """The lag (steps of progress behind the failure-free run) after each of the ``horizon``
+    steps after a repair: it starts at ``initial`` (what the restore leaves), grows by each
+    step's repair ``shortfall`` and shrinks by ``heal_rate`` of itself per step -- training
+    moves the restored part, furthest from where it would be, fastest back (measured: the gap
+    rises through the warm-up, then decays; ``HEAL_RATE``)."""
+    if not 0 <= heal_rate < 1:
+        raise ValueError("heal rate must be in [0, 1)")
+    lag, out = float(initial), []
+    for t in range(max(1, int(horizon))):
+        lag = lag * (1.0 - heal_rate) + (shortfall[t] if t < len(shortfall) else 0.0)
+        out.append(lag)
+    return out
 
 
 @dataclass(frozen=True)
@@ -109,6 +143,9 @@ def rehab_cost(
     repair: float = 0.0,
     heal_scale: float = 1.0,
     recovered: float = 0.0,
+    shortfall: Sequence[float] | None = None,
+    heal_rate: float = 0.0,
+    horizon: int | None = None,
 ) -> RehabOutcome:
     """Steps that recompute and rehabilitate cost (multiply by the step time for seconds).
 
@@ -125,6 +162,12 @@ def rehab_cost(
     by extrapolating the restored part along its last two snapshots (``RehabRecipe``'s damped
     trend: ``damping x min(1, gap between them / steps since the snapshot)``; 0 for a plain
     restore): the lag without a measured gap is ``(1 - recovered) x lost_fraction x steps``.
+
+    With a ``horizon`` (steps) the point estimate is the **mean lag over the horizon's steps**
+    after the repair, the quantity ``HealCheck`` and the sharded matrix measure: ``lag_path``
+    from the lag above, grown by the repair's per-step ``shortfall`` (``repair_shortfall``; in
+    place of ``repair``) and healed at ``heal_rate`` per step; the cost with the safety factor is
+    ``safety x`` that mean.  Without one, the lag never heals: point = lag + ``repair``.
 
     Ruled out: more than ``max_lost_fraction`` of the model lost; a loss that is not a finite
     number; a measured gap with no decreasing loss to heal along, or over ``max_gap_fraction``
@@ -155,8 +198,16 @@ def rehab_cost(
             how += f" x {kept:.3g} not recovered by the extrapolated restore"
         if trend is not None and trend.slope < 0:
             how += f" (a loss gap of ~{lag * -trend.slope:.3g})"
+    cal = f" x calibrated {heal_scale:.3g}" if heal_scale != 1.0 else ""
+    if horizon is not None:
+        path = [heal_scale * x for x in lag_path(lag, shortfall or (), heal_rate, horizon)]
+        point = sum(path) / len(path)
+        how += (f" + repair {sum(shortfall or ()):.3g}, healing {heal_rate:.3g} per step: mean {point:.3g} "
+                f"over {len(path)} steps")
+        return RehabOutcome(recompute, safety * point, f"lag {how}{cal}, x safety {safety}", point,
+                            tuple(round(x, 4) for x in path))
     point = heal_scale * lag
-    extra = (f" x calibrated {heal_scale:.3g}" if heal_scale != 1.0 else "") + (f" + repair {repair:.3g}" if repair else "")
+    extra = cal + (f" + repair {repair:.3g}" if repair else "")
     return RehabOutcome(recompute, safety * point + repair, f"lag {how}{extra}, x safety {safety}", point + repair)
 
 
@@ -175,12 +226,15 @@ class HealCheck:
     ``2 x noise / sqrt(n) / |slope|``: one step's loss is noisy, so a small lag is told apart
     from zero only on a steep, quiet curve (``informative``).
 
-    ``observe`` every committed step: after ``window`` steps (the predicted lag, at least 3 and
-    at most 6) a ``check`` record says whether the heal is **on track** (the lag's lower bound
-    within ``1.5 x predicted + 1`` steps: the engine's safety factor and one step's
-    resolution); after ``2 x window`` steps an ``end`` record says the same over every step
-    since the repair and gives ``ratio`` = measured / predicted (when informative), which
-    calibrates the next prediction (``rehab_cost(heal_scale=...)``).  Either record says
+    ``observe`` every committed step: after ``window`` steps a ``check`` record says whether
+    the heal is **on track** (the lag's lower bound within ``1.5 x predicted + 1`` steps: the
+    engine's safety factor and one step's resolution); ``window`` more steps later an ``end``
+    record says the same over every step since the repair and gives ``ratio`` = measured /
+    predicted (when informative), which calibrates the next prediction
+    (``rehab_cost(heal_scale=...)``).  With the engine's predicted ``path`` (the lag after each
+    step of its horizon) the window is half the horizon (at least 3 steps), and the lag so far
+    is held against the path's mean over the same steps; without one, the window is the
+    predicted lag (3 to 6 steps).  Either record says
     ``fallback`` when the heal is not on track and rolling back to ``fallback_step`` (a
     snapshot the runtime still holds) now loses fewer steps than the lag already measured.
 
@@ -195,20 +249,31 @@ class HealCheck:
     predicted: float
     log: bool = False
     fallback_step: int | None = None
+    path: tuple = ()  # the predicted lag after each step of the horizon (``rehab_cost``)
     residuals: list = field(default_factory=list)
     check: dict | None = None
     done: bool = False
 
     @property
     def window(self) -> int:
+        if self.path:
+            return max(3, len(self.path) // 2)
         return int(min(6, max(3, np.ceil(self.predicted))))
 
     @property
     def check_at(self) -> int:
         return self.start + self.window
 
+    def expected(self) -> float:
+        """The predicted lag over the steps watched so far (the path's mean over them)."""
+        n = len(self.residuals)
+        if not self.path or not n:
+            return self.predicted
+        part = self.path[:n]
+        return float(sum(part) / len(part))
+
     def bound(self) -> float:
-        return 1.5 * self.predicted + 1.0
+        return 1.5 * self.expected() + 1.0
 
     def lag(self) -> tuple[float, float]:
         """(lag, half-width of its 95 % interval) in steps, over the residuals so far."""
@@ -236,11 +301,12 @@ class HealCheck:
 
     def _record(self, kind: str, step: int) -> dict:
         lag, half = self.lag()
+        expected = self.expected()
         on_track = bool(lag - half <= self.bound())
-        informative = bool(half <= max(1.0, 0.5 * max(self.predicted, abs(lag))))
+        informative = bool(half <= max(1.0, 0.5 * max(expected, abs(lag))))
         redo = None if self.fallback_step is None else step - self.fallback_step
         rec = {"kind": kind, "step": int(step), "steps_watched": len(self.residuals),
-               "predicted_heal_steps": self.predicted, "lag": lag, "lag_interval": [lag - half, lag + half],
+               "predicted_heal_steps": self.predicted, "expected_lag": expected, "lag": lag, "lag_interval": [lag - half, lag + half],
                "bound": self.bound(), "informative": informative, "on_track": on_track,
                "fallback": bool(not on_track and redo is not None and lag - half > redo),
                "fallback_step": self.fallback_step}
@@ -251,6 +317,7 @@ class HealCheck:
         return rec
 
     def ratio(self) -> float:
-        """Measured / predicted lag (both at least one step: below that the two agree)."""
+        """Measured / predicted lag over the steps watched (both at least one step: below that
+        the two agree)."""
         lag, _ = self.lag()
-        return max(lag, 1.0) / max(self.predicted, 1.0)
+        return max(lag, 1.0) / max(self.expected(), 1.0)

@@ -12,9 +12,11 @@ state it held may have no current copy among the survivors.  Four ways back, eac
 * **rehabilitate** -- the survivors keep their step-``t_f`` rows; only the lost rows come back
   from their last (stale) snapshot, repaired (``rehab.RehabRecipe``); training heals the gap.
   Loses ``transfer_s + rehab_steps * step_s`` with ``rehab_steps`` from ``rehab.rehab_cost``
-  (the live loss trend, plus what the optimizer repair costs: ``rehab.repair_steps``); ruled
-  out where that function rules it out.  ``predicted_heal_steps`` is the point estimate (no
-  safety factor): the steps of progress the rehabilitated run is expected to lag behind.
+  (the live loss trend, plus what the optimizer repair costs step by step:
+  ``rehab.repair_shortfall``, healed at ``heal_rate`` per step); ruled out where that function
+  rules it out.  ``predicted_heal_steps`` is the point estimate (no safety factor): the steps
+  of progress the rehabilitated run is expected to lag behind, on average over the
+  ``heal_horizon`` steps after the repair (``heal_path``: after each of them).
 * **restart** -- the launcher restarts the job from the last disk checkpoint (the fallback):
   ``restart_s + (t_f - t_ckpt) * step_s``.
 
@@ -39,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from chameleon_ft.engine.rehab import HealCheck, LossTrend, rehab_cost, repair_steps
+from chameleon_ft.engine.rehab import HEAL_HORIZON, HEAL_RATE, HealCheck, LossTrend, rehab_cost, repair_shortfall
 
 __all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "describe", "common_snapshot", "stale_snapshot",
            "snapshot_interval", "loss_trend", "heal_check"]
@@ -75,6 +77,8 @@ class ShardFacts:
     # The fraction of the progress since the snapshot the restore recovers by extrapolating the
     # lost rows along their last two snapshots (``rehab.rehab_cost(recovered=...)``; 0: plain).
     recovered: float = 0.0
+    heal_rate: float = HEAL_RATE  # the lag's healing rate per step (``rehab.lag_path``)
+    heal_horizon: int = HEAL_HORIZON  # steps the lag is predicted over, then measured (at most the run's)
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -87,12 +91,14 @@ class ShardDecision:
     candidates: dict = field(default_factory=dict)  # path -> {feasible, lost_s, steps, reason}
     rollback_to: Optional[int] = None  # recompute: the step everyone returns to
     snapshot_step: Optional[int] = None  # rehabilitate: the lost rows' snapshot step
-    predicted_heal_steps: Optional[float] = None  # rehabilitate: steps to close the loss gap
+    predicted_heal_steps: Optional[float] = None  # rehabilitate: the mean lag over the horizon, in steps
     lost_rows: tuple = ()
+    heal_path: tuple = ()  # rehabilitate: the predicted lag after each step of the horizon
 
     def to_json(self) -> dict:
         return {"chosen": self.chosen, "candidates": self.candidates, "rollback_to": self.rollback_to,
                 "snapshot_step": self.snapshot_step, "predicted_heal_steps": self.predicted_heal_steps,
+                "heal_horizon": len(self.heal_path) or None, "heal_path": list(self.heal_path),
                 "lost_rows": list(self.lost_rows)}
 
 
@@ -142,7 +148,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
         redo = f.step - t_c
         put("recompute", f.transfer_s + redo * f.step_s, f"roll back to step {t_c}, redo {redo} steps", redo)
     snap = stale_snapshot(lost, f.snapshots, f.step)
-    heal_steps = None
+    heal_steps, heal_path = None, ()
     if not lost:
         put("rehabilitate", None, "nothing was lost")
     elif snap is None:
@@ -151,10 +157,11 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
         put("rehabilitate", None, "the lost rows' snapshot is the initial state (step 0): restoring "
             "it restarts them from scratch")
     else:
+        horizon = f.heal_horizon if f.remaining_steps is None else min(f.heal_horizon, max(1, f.remaining_steps))
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
-                         repair=repair_steps(f.lost_fraction, f.momentum, f.warmup_steps,
-                                             f.restart_bias_correction), heal_scale=f.heal_scale,
-                         recovered=f.recovered)
+                         shortfall=repair_shortfall(f.lost_fraction, f.momentum, f.warmup_steps,
+                                                    f.restart_bias_correction), heal_scale=f.heal_scale,
+                         recovered=f.recovered, heal_rate=f.heal_rate, horizon=horizon)
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
@@ -162,7 +169,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                 f"{out.rehab_steps:.3g} steps (with the safety factor), more than the "
                 f"{f.remaining_steps} left in the run ({out.reason})")
         else:
-            heal_steps = out.heal_steps
+            heal_steps, heal_path = out.heal_steps, out.path
             put("rehabilitate", f.transfer_s + out.rehab_steps * f.step_s,
                 f"restore rows {list(lost)} from step {snap}; {out.reason}", out.rehab_steps)
     if f.checkpoint_step is None:
@@ -177,7 +184,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     return ShardDecision(chosen, cands, rollback_to=t_c if chosen == "recompute" else None,
                          snapshot_step=snap if chosen == "rehabilitate" else None,
                          predicted_heal_steps=heal_steps if chosen == "rehabilitate" else None,
-                         lost_rows=lost)
+                         lost_rows=lost, heal_path=heal_path if chosen == "rehabilitate" else ())
 
 
 def describe(d: dict) -> str:
@@ -191,6 +198,8 @@ def describe(d: dict) -> str:
     if ch == "rehabilitate":
         heal = d.get("predicted_heal_steps")
         out += f"; those rows restart from step {d.get('snapshot_step')}" + (
+            f", predicted to lag {heal:.1f} steps behind on average over the next {d['heal_horizon']}"
+            if heal is not None and d.get("heal_horizon") else
             f", predicted to catch up in {heal:.1f} steps" if heal is not None else "")
     off = [f"{p}: {x['reason']}" for p, x in c.items() if p != ch and not x["feasible"]]
     return out + (f"; not taken: {'; '.join(off)}" if off else "")
@@ -217,11 +226,12 @@ def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, 
 
 
 def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: float,
-               window: int = 16, fallback_step: Optional[int] = None) -> Optional[HealCheck]:
+               window: int = 16, fallback_step: Optional[int] = None, path: Sequence[float] = ()) -> Optional[HealCheck]:
     """The ``HealCheck`` of a rehabilitation at ``start``: the failure-free trend is the line
     fitted to the last ``window`` losses before it (to their logarithm when all are positive);
-    ``fallback_step``: the snapshot step a recompute could still roll back to.  None without a
-    decreasing trend."""
+    ``fallback_step``: the snapshot step a recompute could still roll back to; ``path``: the
+    decision's predicted lag per step (``ShardDecision.heal_path``).  None without a decreasing
+    trend."""
     pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
     log = bool(pts) and all(v > 0 for _, v in pts)
     fit = [(s, math.log(v) if log else v) for s, v in pts]
@@ -232,7 +242,8 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in fit]
     noise = math.sqrt(sum(r * r for r in resid) / max(1, len(resid) - 2))
     return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
-                     noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step)
+                     noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step,
+                     path=tuple(float(x) for x in path))
 
 
 def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapshot: Optional[int] = None) -> Optional[LossTrend]:

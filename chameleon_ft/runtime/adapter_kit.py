@@ -456,5 +456,6 @@ def recovery_line(ctx, who: str) -> str:
         if shard.get("snapshot_step") is not None and shard["chosen"] != "heal":
             line += f" from step {shard['snapshot_step']}'s snapshot"
         if shard.get("predicted_heal_steps"):
-            line += f" (loss gap predicted to close in {shard['predicted_heal_steps']:.1f} steps)"
+            over = f" over the next {shard['heal_horizon']}" if shard.get("heal_horizon") else ""
+            line += f" (predicted to lag {shard['predicted_heal_steps']:.1f} steps behind on average{over})"
     return line + (f"; MTTR {mttr:.3f} s" if mttr is not None else "")

@@ -43,18 +43,46 @@ def test_recompute_rolls_back_to_the_common_snapshot():
     assert not d.candidates["rehabilitate"]["feasible"]  # not allowed
 
 
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
 def test_rehabilitate_wins_late_in_the_interval_and_recompute_early():
-    # late: 5 steps to redo; a quarter of the state 5 steps stale lags 1.25 steps (x 1.5 safety)
+    # late: 5 steps to redo; a quarter of the state 5 steps stale lags 1.25 steps at first,
+    # healed by a tenth per step: the mean over the 16-step horizon (x 1.5 safety)
     late = choose_recovery(facts())
     assert late.chosen == "rehabilitate" and late.snapshot_step == 15
-    assert late.predicted_heal_steps == pytest.approx(0.25 * 5)  # the point estimate
-    assert late.candidates["rehabilitate"]["lost_s"] == pytest.approx(0.2 + 1.5 * 1.25)  # with safety
-    # early: one step since the snapshot; with the default repair (AdamW's first moment reset,
-    # 10 warm-up steps: 0.25 x 4.5 steps) cheaper to redo than to heal
-    repair = dict(momentum=0.9, warmup_steps=10, restart_bias_correction=True)
-    early = choose_recovery(facts(step=16, **repair))
+    point = _mean([1.25 * 0.9 ** t for t in range(1, 17)])
+    assert late.predicted_heal_steps == pytest.approx(point)  # the point estimate
+    assert late.candidates["rehabilitate"]["lost_s"] == pytest.approx(0.2 + 1.5 * point)  # with safety
+    assert len(late.heal_path) == 16 and late.to_json()["heal_horizon"] == 16
+    # early: one step since the snapshot; with Adam's first moment reset and ramping up again
+    # (0.25 x 9 steps of shortfall), cheaper to redo than to heal
+    early = choose_recovery(facts(step=16, momentum=0.9))
     assert early.chosen == "recompute" and early.rollback_to == 15
-    assert early.candidates["rehabilitate"]["steps"] == pytest.approx(1.5 * 0.25 + 0.25 * 4.5)
+    lag = 0.25
+    path = []
+    for k in range(1, 17):
+        lag = 0.9 * lag + 0.25 * 0.9 ** k
+        path.append(lag)
+    assert early.candidates["rehabilitate"]["steps"] == pytest.approx(1.5 * _mean(path))
+
+
+def test_the_lag_rises_through_the_warm_up_then_heals_and_the_horizon_is_the_runs_at_most():
+    """The measured shape (issue 23's matrix): the restored part's warmed-up updates fall
+    behind for the warm-up's steps, then training closes the gap."""
+    from chameleon_ft.engine.rehab import lag_path, repair_shortfall
+    short = repair_shortfall(0.25, 0.9, warmup_steps=10, restart_bias_correction=True)
+    assert short == pytest.approx([0.25 * (1 - k / 10) for k in range(1, 10)])
+    path = lag_path(0.125, short, 0.1, 16)
+    peak = path.index(max(path))
+    assert 3 <= peak <= 9 and path[-1] < path[peak] / 2
+    assert lag_path(1.0, [], 0.0, 4) == [1.0] * 4  # no healing, no repair: the lag stays
+    with pytest.raises(ValueError):
+        lag_path(1.0, [], 1.0, 4)
+    repair = dict(momentum=0.9, warmup_steps=10, restart_bias_correction=True)
+    d = choose_recovery(facts(remaining_steps=6, **repair))
+    assert len(d.heal_path) == 6 and "over 6 steps" in d.candidates["rehabilitate"]["reason"]
 
 
 def test_a_flat_loss_prices_rehabilitation_by_the_lost_fraction():
@@ -130,8 +158,8 @@ def test_loss_trend_fits_the_recent_slope():
 def test_the_first_moment_reset_is_priced():
     """Adam's beta1 = 0.9 reset on a quarter of the model: its updates ramp up again, a
     shortfall of 0.9 / 0.1 = 9 steps of that quarter = 2.25 whole-model steps."""
-    d = choose_recovery(facts(momentum=0.9))
-    assert d.predicted_heal_steps == pytest.approx(1.25 + 2.25)
+    d = choose_recovery(facts(momentum=0.9, heal_rate=0.0, heal_horizon=10_000))  # never heals: all of it
+    assert d.candidates["rehabilitate"]["steps"] == pytest.approx(1.5 * (1.25 + 2.25), rel=0.01)
     # one step after a snapshot, redoing it is cheaper than the repair
     early = choose_recovery(facts(step=16, momentum=0.9))
     assert early.chosen == "recompute"
@@ -146,8 +174,9 @@ def test_the_repair_recipe_is_priced_as_it_is_carried_out():
     assert repair_steps(0.25, 0.0, warmup_steps=1) == 0.0
     both = repair_steps(0.25, 0.9, warmup_steps=10)  # warm-up on top of the ramp: dearer than either
     assert both > repair_steps(0.25, 0.9) and both > 0.25 * 4.5
-    d = choose_recovery(facts(momentum=0.9, warmup_steps=10, restart_bias_correction=True))
-    assert d.predicted_heal_steps == pytest.approx(1.25 + 0.25 * 4.5)
+    d = choose_recovery(facts(momentum=0.9, warmup_steps=10, restart_bias_correction=True, heal_rate=0.0,
+                              heal_horizon=10_000))
+    assert d.predicted_heal_steps == pytest.approx(1.25 + 0.25 * 4.5, rel=0.01)
 
 
 def test_an_extrapolated_restore_is_priced_by_the_progress_it_does_not_bring_back():
@@ -165,7 +194,8 @@ def test_an_extrapolated_restore_is_priced_by_the_progress_it_does_not_bring_bac
 def test_the_console_line_says_what_was_restored_and_what_was_not_taken():
     line = describe(choose_recovery(facts()).to_json())
     assert line.startswith("shard rows [2] lost: rehabilitate (restore rows [2] from step 15")
-    assert "restart from step 15, predicted to catch up in 1.2 steps" in line  # 0.25 x 5
+    # 0.25 x 5 steps at first, healed by a tenth per step: 0.57 on average over 16 steps
+    assert "restart from step 15, predicted to lag 0.6 steps behind on average over the next 16" in line
     assert "not taken: heal: rows [2] have no surviving current copy" in line and "restart: no disk checkpoint" in line
     line = describe(choose_recovery(facts(step=7, snapshots={k: [0] for k in range(4)})).to_json())
     assert "recompute (roll back to step 0, redo 7 steps)" in line and "initial state" in line
@@ -249,3 +279,31 @@ def test_a_current_snapshot_rehabilitates_with_nothing_to_heal_and_says_so():
     assert d.chosen == "rehabilitate" and d.predicted_heal_steps == 0.0
     assert "predicted to catch up in 0.0 steps" in describe(d.to_json())
     assert "restart from step 15" in describe({**d.to_json(), "predicted_heal_steps": None})
+
+
+def test_heal_check_holds_the_lag_against_the_predicted_path_over_the_same_steps():
+    """With the engine's path (a lag that rises through the warm-up and heals), the check comes
+    at half the horizon and compares the lag so far with the path's mean so far; the end record
+    calibrates on the whole horizon."""
+    from chameleon_ft.engine.rehab import lag_path, repair_shortfall
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    path = lag_path(2.0, repair_shortfall(0.5, 0.9, warmup_steps=10, restart_bias_correction=True), 0.1, 16)
+    b = -0.005  # a loss falling by 0.5 % a step: a straight line in log space, as the check fits it
+    history = [(s, 2.0 * math.exp(b * s)) for s in range(1, 21)]
+    hc = heal_check(history, start=20, predicted=_mean(path), path=path)
+    assert hc.window == 8 and hc.check_at == 28
+
+    def watch(hc, lag_of_k):
+        return [r for k in range(1, 17) for r in hc.observe(20 + k, 2.0 * math.exp(b * (20 + k - lag_of_k(k))))]
+
+    records = watch(hc, lambda k: path[k - 1])
+    check = next(r for r in records if r["kind"] == "check")
+    end = next(r for r in records if r["kind"] == "end")
+    assert check["expected_lag"] == pytest.approx(_mean(path[:8]))
+    assert check["lag"] == pytest.approx(_mean(path[:8]), rel=1e-6) and check["on_track"]
+    assert end["step"] == 36 and end["healed"] and end["ratio"] == pytest.approx(1.0, rel=1e-6)
+    # a run that does not heal at all (the lag stays at the path's peak and more) is not on track
+    hc = heal_check(history, start=20, predicted=_mean(path), path=path)
+    check = next(r for r in watch(hc, lambda k: 3 * max(path) + 2) if r["kind"] == "check")
+    assert not check["on_track"]

@@ -511,7 +511,8 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         heal = (plan.get("decision") or {}).get("predicted_heal_steps")
         fallback = plan.get("fallback") if plan["mode"] == "rehabilitate" else None
         self._heal = (sr.heal_check(self.loss_history, self.step, heal,
-                                    fallback_step=None if fallback is None else fallback["t"])
+                                    fallback_step=None if fallback is None else fallback["t"],
+                                    path=(plan.get("decision") or {}).get("heal_path") or ())
                       if plan["mode"] == "rehabilitate" and heal is not None else None)
         # The old layout's snapshots this member contributes to that recompute, kept (and only
         # they) while the heal is watched.
