@@ -232,9 +232,9 @@ class HealCheck:
     record says the same over every step since the repair and gives ``ratio`` = measured /
     predicted (when informative), which calibrates the next prediction
     (``rehab_cost(heal_scale=...)``).  With the engine's predicted ``path`` (the lag after each
-    step of its horizon) the window is half the horizon (at least 3 steps), and the lag so far
-    is held against the path's mean over the same steps; without one, the window is the
-    predicted lag (3 to 6 steps).  Either record says
+    step of its horizon) the window is half the horizon (3 to 6 steps), and the lag so far is
+    held against the path's mean over the same steps; without one, the window is the predicted
+    lag (3 to 6 steps).  Either record says
     ``fallback`` when the heal is not on track and rolling back to ``fallback_step`` (a
     snapshot the runtime still holds) now loses fewer steps than the lag already measured.
 
@@ -256,8 +256,8 @@ class HealCheck:
 
     @property
     def window(self) -> int:
-        if self.path:
-            return max(3, len(self.path) // 2)
+        if self.path:  # at most 12 steps watched, as without: the trend is a straight line
+            return int(min(6, max(3, len(self.path) // 2)))
         return int(min(6, max(3, np.ceil(self.predicted))))
 
     @property
