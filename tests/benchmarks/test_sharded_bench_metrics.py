@@ -75,6 +75,14 @@ def test_path_cost_and_the_engines_pick():
     assert f["ratio"] == pytest.approx(0.4 / 0.6) and f["engine_ok"]
 
 
+def test_the_lag_is_measured_over_the_horizon_the_prediction_names():
+    ref = curve()
+    late = {s: v if s <= 28 else math.exp(-0.03 * (s - 2.0)) for s, v in ref.items()}  # 2 behind after 28
+    d = {"chosen": "rehabilitate", "step": 20, "transfer_s": 0.0}
+    assert sm.path_cost(d, late, ref, 0.1, k=8)["lag"] == pytest.approx(1.0)  # max(8, 2K) = 16: half of them
+    assert sm.path_cost({**d, "heal_horizon": 8}, late, ref, 0.1, k=8)["lag"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_reuse_keeps_only_runs_the_same_code_and_settings_finished(tmp_path, monkeypatch):
     # --reuse used to trust any finished run in the work dir, whatever code or settings made it.
     import chameleon_ft.cli.localjob as localjob
