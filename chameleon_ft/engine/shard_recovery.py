@@ -231,7 +231,9 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     fitted to the last ``window`` losses before it (to their logarithm when all are positive);
     ``fallback_step``: the snapshot step a recompute could still roll back to; ``path``: the
     decision's predicted lag per step (``ShardDecision.heal_path``).  None without a decreasing
-    trend."""
+    trend: on a plateau (the slope not below zero by two standard errors) steps of progress are
+    not defined -- a residual over a slope of ~0 reads as a lag of tens of steps (seen: a heal on
+    the MLP's plateau "19 steps behind", and a needless fall back to recompute)."""
     pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
     log = bool(pts) and all(v > 0 for _, v in pts)
     fit = [(s, math.log(v) if log else v) for s, v in pts]
@@ -241,6 +243,10 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     last = fit[-1][0]
     resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in fit]
     noise = math.sqrt(sum(r * r for r in resid) / max(1, len(resid) - 2))
+    mean_s = sum(s for s, _ in fit) / len(fit)
+    se = noise / math.sqrt(sum((s - mean_s) ** 2 for s, _ in fit))  # the slope's standard error
+    if trend.slope + 2 * se >= 0:
+        return None
     return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
                      noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step,
                      path=tuple(float(x) for x in path))

@@ -309,3 +309,17 @@ def test_heal_check_holds_the_lag_against_the_predicted_path_over_the_same_steps
     hc = heal_check(history, start=20, predicted=_mean(path), path=path)
     check = next(r for r in watch(hc, lambda k: 3 * max(path) + 2) if r["kind"] == "check")
     assert not check["on_track"]
+
+
+def test_on_a_plateau_the_heal_is_not_checked():
+    """A slope of ~0 under noise is no trend to measure steps of progress against: no check
+    (the console says the heal is not checked), never a fall back on a lag of tens of steps."""
+    import random
+
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    rng = random.Random(7)  # falling, but by less than two standard errors: -0.0017 +- 0.0010 a step
+    flat = [(s, 1.0 - 1e-4 * s + rng.gauss(0.0, 0.02)) for s in range(1, 21)]
+    assert loss_trend([(s, math.log(v)) for s, v in flat], 16).slope < 0
+    assert heal_check(flat, start=20, predicted=0.7, fallback_step=16) is None
+    assert heal_check(_history(), start=20, predicted=0.7, fallback_step=16) is not None  # a clear slope

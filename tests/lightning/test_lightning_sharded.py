@@ -84,7 +84,10 @@ def test_sigkill_rehabilitates_the_lost_shard_and_the_loop_goes_on(tmp_path, ref
     # the console said what was restored; the heal was checked at the predicted step (issue 23)
     assert f"shard rows [{victim}] lost: rehabilitate" in job.output()
     checks = [e for e in events if e["event"] == "heal_check" and e["kind"] == "check"]
-    assert len(checks) == 1 and checks[0]["predicted_heal_steps"] == d["predicted_heal_steps"], checks
+    if "the heal is not checked" in job.output():  # the loss on a plateau there: no lag to measure
+        assert not checks, checks
+    else:
+        assert len(checks) == 1 and checks[0]["predicted_heal_steps"] == d["predicted_heal_steps"], checks
     # every committed step once; the survivors ran 3-way after the kill
     steps = sorted({e["step"] for e in events if e["event"] == "step"})
     assert steps == list(range(STEPS_PER_EPOCH * EPOCHS))
