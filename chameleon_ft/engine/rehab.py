@@ -140,10 +140,9 @@ def rehab_cost(
     safety: float = 1.5,
     max_gap_fraction: float = 0.9,
     max_lost_fraction: float = 0.5,
-    repair: float = 0.0,
+    shortfall: Sequence[float] = (),
     heal_scale: float = 1.0,
     recovered: float = 0.0,
-    shortfall: Sequence[float] | None = None,
     heal_rate: float = 0.0,
     horizon: int | None = None,
 ) -> RehabOutcome:
@@ -154,9 +153,8 @@ def rehab_cost(
     the state by ``n`` steps reverts that fraction of their progress; the loss gap this opens is
     that many steps of the loss curve's slope), or, with a measured loss gap, ``gap / |slope|``.
     The lag does not depend on the slope, so a flat or noisy loss curve (a plateau: the gap is
-    as small as the progress) prices it as well as a steep one.  ``repair``: steps the
-    optimizer repair costs (``repair_steps``), added to the point estimate (``heal_steps``)
-    and to the cost with the safety factor (``rehab_steps``).  ``heal_scale``: measured /
+    as small as the progress) prices it as well as a steep one.  ``shortfall``: the progress
+    each step after the repair loses to it (``repair_shortfall``).  ``heal_scale``: measured /
     predicted lag of this job's earlier rehabilitations (``HealCheck``; 1 before any).
     ``recovered``: the fraction of the progress since the snapshot that the restore brings back
     by extrapolating the restored part along its last two snapshots (``RehabRecipe``'s damped
@@ -165,9 +163,9 @@ def rehab_cost(
 
     With a ``horizon`` (steps) the point estimate is the **mean lag over the horizon's steps**
     after the repair, the quantity ``HealCheck`` and the sharded matrix measure: ``lag_path``
-    from the lag above, grown by the repair's per-step ``shortfall`` (``repair_shortfall``; in
-    place of ``repair``) and healed at ``heal_rate`` per step; the cost with the safety factor is
-    ``safety x`` that mean.  Without one, the lag never heals: point = lag + ``repair``.
+    from the lag above, grown by each step's ``shortfall`` and healed at ``heal_rate`` per step;
+    the cost with the safety factor is ``safety x`` that mean.  Without one, the lag never heals:
+    point = lag + the whole shortfall, which the safety factor does not multiply.
 
     Ruled out: more than ``max_lost_fraction`` of the model lost; a loss that is not a finite
     number; a measured gap with no decreasing loss to heal along, or over ``max_gap_fraction``
@@ -199,10 +197,11 @@ def rehab_cost(
         if trend is not None and trend.slope < 0:
             how += f" (a loss gap of ~{lag * -trend.slope:.3g})"
     cal = f" x calibrated {heal_scale:.3g}" if heal_scale != 1.0 else ""
+    repair = float(sum(shortfall))
     if horizon is not None:
-        path = [heal_scale * x for x in lag_path(lag, shortfall or (), heal_rate, horizon)]
+        path = [heal_scale * x for x in lag_path(lag, shortfall, heal_rate, horizon)]
         point = sum(path) / len(path)
-        how += (f" + repair {sum(shortfall or ()):.3g}, healing {heal_rate:.3g} per step: mean {point:.3g} "
+        how += (f" + repair {repair:.3g}, healing {heal_rate:.3g} per step: mean {point:.3g} "
                 f"over {len(path)} steps")
         return RehabOutcome(recompute, safety * point, f"lag {how}{cal}, x safety {safety}", point,
                             tuple(round(x, 4) for x in path))

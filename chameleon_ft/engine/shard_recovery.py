@@ -197,10 +197,11 @@ def describe(d: dict) -> str:
         out += f" ({c[ch]['reason']})"
     if ch == "rehabilitate":
         heal = d.get("predicted_heal_steps")
-        out += f"; those rows restart from step {d.get('snapshot_step')}" + (
-            f", predicted to lag {heal:.1f} steps behind on average over the next {d['heal_horizon']}"
-            if heal is not None and d.get("heal_horizon") else
-            f", predicted to catch up in {heal:.1f} steps" if heal is not None else "")
+        out += f"; those rows restart from step {d.get('snapshot_step')}"
+        if heal is not None and d.get("heal_horizon"):
+            out += f", predicted to lag {heal:.1f} steps behind on average over the next {d['heal_horizon']}"
+        elif heal is not None:
+            out += f", predicted to catch up in {heal:.1f} steps"
     off = [f"{p}: {x['reason']}" for p, x in c.items() if p != ch and not x["feasible"]]
     return out + (f"; not taken: {'; '.join(off)}" if off else "")
 

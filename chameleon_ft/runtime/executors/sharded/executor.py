@@ -508,11 +508,12 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self._load_rows(mine, plan)
         if plan["mode"] == "rehabilitate":
             self._start_repair(plan)
-        heal = (plan.get("decision") or {}).get("predicted_heal_steps")
+        decided = plan.get("decision") or {}
+        heal = decided.get("predicted_heal_steps")
         fallback = plan.get("fallback") if plan["mode"] == "rehabilitate" else None
         self._heal = (sr.heal_check(self.loss_history, self.step, heal,
                                     fallback_step=None if fallback is None else fallback["t"],
-                                    path=(plan.get("decision") or {}).get("heal_path") or ())
+                                    path=decided.get("heal_path") or ())
                       if plan["mode"] == "rehabilitate" and heal is not None else None)
         # The old layout's snapshots this member contributes to that recompute, kept (and only
         # they) while the heal is watched.
