@@ -45,6 +45,9 @@ class LossTrend:
     loss_now: float | None = None
     loss_at_snapshot: float | None = None
     measured_gap: float | None = None  # loss after restoring the stale part minus loss_now
+    # The recent slope of log(loss) per step (``shard_recovery.progress_rate``): -0.05 is a loss
+    # falling by ~5 % a step.  None when a loss is not positive or too few are known.
+    log_slope: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,23 @@ class RehabOutcome:
 HEAL_RATE = 0.1
 # Steps after the repair over which the lag is predicted and then measured (its mean over them).
 HEAL_HORIZON = 16
+# Fast progress: where the loss falls by more than this fraction a step (the slope of its log),
+# the lag is priced as not healing.  Measured on the same matrix: the CNN's early lag (its log
+# loss falling 7-18 % a step) stayed level over the 16 steps -- the restored part follows the
+# rest as a shift in time -- where the LM's and the MLP's (2-4 % a step) healed at 0.06-0.3 a
+# step.  Read off seeds 0-4 (any threshold from 4 to 6 % a step puts every cell's prediction
+# within +-50 %); checked on seeds 5-9 and on new seeds (``docs/benchmarks-sharded.md``).
+FAST_PROGRESS = 0.05
+
+
+def heal_rate_at(rate: float, log_slope: float | None) -> tuple[float, str]:
+    """The healing rate to price a lag with, and why: ``rate`` unless the loss falls faster than
+    ``FAST_PROGRESS`` a step (``log_slope`` below ``-FAST_PROGRESS``), where a lag does not heal
+    (0)."""
+    if log_slope is not None and math.isfinite(log_slope) and log_slope < -FAST_PROGRESS:
+        return 0.0, (f"no healing priced: the loss falls {1 - math.exp(log_slope):.0%} a step "
+                     f"(over {FAST_PROGRESS:.0%}: a lag stays behind as a shift in time there)")
+    return rate, ""
 
 
 def repair_shortfall(lost_fraction: float, momentum: float, warmup_steps: int = 0,

@@ -38,10 +38,11 @@ Pure logic: the runtime (``runtime/executors/sharded/``) gathers the facts and c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from chameleon_ft.engine.rehab import HEAL_HORIZON, HEAL_RATE, HealCheck, LossTrend, rehab_cost, repair_shortfall
+from chameleon_ft.engine.rehab import (HEAL_HORIZON, HEAL_RATE, HealCheck, LossTrend, heal_rate_at, rehab_cost,
+                                       repair_shortfall)
 
 __all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "describe", "common_snapshot", "stale_snapshot",
            "snapshot_interval", "loss_trend", "heal_check"]
@@ -158,10 +159,13 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
             "it restarts them from scratch")
     else:
         horizon = f.heal_horizon if f.remaining_steps is None else min(f.heal_horizon, max(1, f.remaining_steps))
+        rate, why_rate = heal_rate_at(f.heal_rate, f.trend.log_slope if f.trend is not None else None)
         out = rehab_cost(f.step - snap, f.lost_fraction, f.trend,
                          shortfall=repair_shortfall(f.lost_fraction, f.momentum, f.warmup_steps,
                                                     f.restart_bias_correction), heal_scale=f.heal_scale,
-                         recovered=f.recovered, heal_rate=f.heal_rate, horizon=horizon)
+                         recovered=f.recovered, heal_rate=rate, horizon=horizon)
+        if why_rate and out.rehab_steps is not None:
+            out = replace(out, reason=f"{out.reason} ({why_rate})")
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
@@ -272,4 +276,17 @@ def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapsh
     if at_snapshot is not None:
         near = [v for s, v in history if abs(s - at_snapshot) <= 1]
         snap = sum(near) / len(near) if near else None
-    return LossTrend(slope=slope, loss_now=now, loss_at_snapshot=snap)
+    return LossTrend(slope=slope, loss_now=now, loss_at_snapshot=snap, log_slope=progress_rate(history))
+
+
+def progress_rate(history: Sequence[tuple[int, float]], window: int = 8) -> Optional[float]:
+    """The least-squares slope of log(loss) per step over the last ``window`` committed steps
+    (-0.05: the loss falls ~5 % a step); None unless at least 3 are known and every one is a
+    positive finite number."""
+    pts = [(s, v) for s, v in history if math.isfinite(v)][-window:]
+    if len(pts) < 3 or any(v <= 0 for _, v in pts):
+        return None
+    ms = sum(s for s, _ in pts) / len(pts)
+    ml = sum(math.log(v) for _, v in pts) / len(pts)
+    var = sum((s - ms) ** 2 for s, _ in pts)
+    return sum((s - ms) * (math.log(v) - ml) for s, v in pts) / var if var else None

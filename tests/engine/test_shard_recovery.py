@@ -85,6 +85,30 @@ def test_the_lag_rises_through_the_warm_up_then_heals_and_the_horizon_is_the_run
     assert len(d.heal_path) == 6 and "over 6 steps" in d.candidates["rehabilitate"]["reason"]
 
 
+def test_a_loss_falling_fast_prices_a_lag_that_does_not_heal():
+    """Issue 23's CNN: with its log loss falling 7-18 % a step the lag stayed level over the 16
+    steps measured (the prior's healing put every early CNN cell at half the lag measured)."""
+    from chameleon_ft.engine.rehab import FAST_PROGRESS, heal_rate_at
+    from chameleon_ft.engine.shard_recovery import progress_rate
+    fast = [(s, 2.0 * math.exp(-0.12 * s)) for s in range(1, 12)]
+    slow = [(s, 2.0 * math.exp(-0.03 * s)) for s in range(1, 12)]
+    assert progress_rate(fast) == pytest.approx(-0.12) and progress_rate(slow) == pytest.approx(-0.03)
+    assert progress_rate(fast[:2]) is None and progress_rate([(1, 1.0), (2, -0.5), (3, 0.2)]) is None
+    assert heal_rate_at(0.1, -0.03) == (0.1, "") and heal_rate_at(0.1, None) == (0.1, "")
+    rate, why = heal_rate_at(0.1, -0.12)
+    assert rate == 0.0 and "falls 11% a step" in why and FAST_PROGRESS == 0.05
+    repair = dict(momentum=0.9, warmup_steps=10, restart_bias_correction=True)
+    healing = choose_recovery(facts(trend=loss_trend(slow), **repair))
+    level = choose_recovery(facts(trend=loss_trend(fast), **repair))
+    assert healing.chosen == level.chosen == "rehabilitate"
+    # no healing: the lag only grows by the warm-up's shortfall and then stays
+    assert level.heal_path[-1] == pytest.approx(max(level.heal_path))
+    assert level.heal_path[-1] == pytest.approx(1.25 + 0.25 * 4.5)
+    assert level.predicted_heal_steps > 1.5 * healing.predicted_heal_steps
+    assert "no healing priced: the loss falls 11% a step" in level.candidates["rehabilitate"]["reason"]
+    assert "no healing" not in healing.candidates["rehabilitate"]["reason"]
+
+
 def test_a_flat_loss_prices_rehabilitation_by_the_lost_fraction():
     # a plateau: no slope to divide by, the lag is still a quarter of the steps since the snapshot
     d = choose_recovery(facts(trend=LossTrend(slope=0.01, loss_now=1.0, loss_at_snapshot=0.9)))
