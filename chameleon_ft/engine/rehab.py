@@ -241,9 +241,12 @@ class HealCheck:
     step ``start`` and ``noise`` the standard deviation of its residuals.  After the repair each
     committed step's residual (fitted value minus trend) is kept; the **lag** is their mean over
     the slope: the steps of progress the run is behind, the same quantity as the engine's
-    ``predicted`` heal steps (the training time rehabilitation loses).  Its uncertainty is
-    ``2 x noise / sqrt(n) / |slope|``: one step's loss is noisy, so a small lag is told apart
-    from zero only on a steep, quiet curve (``informative``).
+    ``predicted`` heal steps (the training time rehabilitation loses).  Its 95 % interval is
+    ``lag +- 2 x sd / |slope|``, ``sd`` counting the watched losses' noise (``noise / sqrt(n)``),
+    the fitted line's error where it is extrapolated to and, through the division, the slope's
+    (``slope_se``, ``fit_n``, ``fit_center``; without them the noise alone): one step's loss is
+    noisy and a slope near a plateau uncertain, so a small lag is told apart from zero only on a
+    steep, quiet curve (``informative``).
 
     ``observe`` every committed step: after ``window`` steps a ``check`` record says whether
     the heal is **on track** (the lag's lower bound within ``1.5 x predicted + 1`` steps: the
@@ -269,6 +272,12 @@ class HealCheck:
     log: bool = False
     fallback_step: int | None = None
     path: tuple = ()  # the predicted lag after each step of the horizon (``rehab_cost``)
+    # The trend's fit: the slope's standard error, how many losses it was fitted to and their
+    # mean step's offset from ``start`` (<= 0); with them the lag's interval counts the line's
+    # own uncertainty, extrapolated over the steps watched (0: the noise alone, as before).
+    slope_se: float = 0.0
+    fit_n: int = 0
+    fit_center: float = 0.0
     residuals: list = field(default_factory=list)
     check: dict | None = None
     done: bool = False
@@ -300,7 +309,17 @@ class HealCheck:
         if not n or self.slope >= 0:
             return float("nan"), float("inf")
         mean = sum(self.residuals) / n
-        return float(mean / -self.slope), float(2.0 * self.noise / math.sqrt(n) / -self.slope)
+        lag = mean / -self.slope
+        var = self.noise ** 2 / n  # the watched losses' own noise
+        if self.fit_n:
+            # plus the fitted line's error where it is extrapolated to (the watched steps' mean
+            # offset), and the slope's error in the division: a slope barely below zero (near
+            # a plateau) reads a small residual as many steps -- seen, "13.7 steps behind" on
+            # the MLP's flattening curve, and a needless fall back to recompute.
+            k = (n + 1) / 2.0
+            var += self.noise ** 2 / self.fit_n + (self.slope_se * (k - self.fit_center)) ** 2
+            var += (lag * self.slope_se) ** 2
+        return float(lag), float(2.0 * math.sqrt(var) / -self.slope)
 
     def observe(self, step: int, loss: float) -> list[dict]:
         """The records this step produces: ``{"kind": "check", ...}`` at ``check_at``,

@@ -254,7 +254,7 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
         return None
     return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
                      noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step,
-                     path=tuple(float(x) for x in path))
+                     path=tuple(float(x) for x in path), slope_se=se, fit_n=len(fit), fit_center=mean_s - start)
 
 
 def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapshot: Optional[int] = None) -> Optional[LossTrend]:

@@ -347,3 +347,30 @@ def test_on_a_plateau_the_heal_is_not_checked():
     assert loss_trend([(s, math.log(v)) for s, v in flat], 16).slope < 0
     assert heal_check(flat, start=20, predicted=0.7, fallback_step=16) is None
     assert heal_check(_history(), start=20, predicted=0.7, fallback_step=16) is not None  # a clear slope
+
+
+def test_near_a_plateau_the_slopes_own_error_widens_the_lag_and_nothing_falls_back():
+    """Measured (issue-23 matrix, MLP seed 14, killed at step 33, 2026-12-04): the trend's
+    slope was below zero by three standard errors (-0.011 +- 0.004), so the heal was checked,
+    and one noisy step's residual read as 13.7 steps behind (8.7..18.6 with the noise alone):
+    "NOT on track", a fall back to recompute, 7 steps redone for a lag the harness put at 0.3.
+    With the slope's and the fitted line's errors in the interval it is 0.9..26.9: on track,
+    not informative, no fall back.  The losses are that run's."""
+    from chameleon_ft.engine.shard_recovery import heal_check
+
+    losses = [0.9529, 1.0604, 1.0612, 0.9597, 0.9839, 0.9333, 1.0159, 0.9924, 0.8849, 0.8163, 0.9389,
+              0.8368, 0.8285, 0.9703, 0.9514, 0.9266, 0.8278,  # steps 17..33, the kill at 33
+              0.9808, 0.8953, 0.893, 1.1212, 0.963, 0.954]  # 34..39, after the repair
+    hist = list(zip(range(17, 40), losses))
+    hc = heal_check([h for h in hist if h[0] <= 33], 33, 0.583, fallback_step=32, path=[0.6] * 16)
+    assert hc is not None and hc.slope + 2 * hc.slope_se < 0 and hc.fit_n == 16 and hc.fit_center == -7.5
+    recs = [r for s, v in hist if s > 33 for r in hc.observe(s, v)]
+    assert len(recs) == 1 and recs[0]["step"] == 39
+    lag, (lo, hi) = recs[0]["lag"], recs[0]["lag_interval"]
+    assert lag > 10 and lo < recs[0]["bound"] < hi  # the same lag, an honest interval
+    assert recs[0]["on_track"] and not recs[0]["fallback"] and not recs[0]["informative"]
+    # the noise alone (the check before): the same residuals fell back
+    from dataclasses import replace
+    old = replace(hc, slope_se=0.0, fit_n=0, residuals=[], check=None, done=False)
+    recs = [r for s, v in hist if s > 33 for r in old.observe(s, v)]
+    assert recs[0]["fallback"] and not recs[0]["on_track"]
