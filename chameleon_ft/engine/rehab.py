@@ -81,7 +81,7 @@ def heal_rate_at(rate: float, log_slope: float | None) -> tuple[float, str]:
     (0)."""
     if log_slope is not None and math.isfinite(log_slope) and log_slope < -FAST_PROGRESS:
         return 0.0, (f"no healing priced: the loss falls {1 - math.exp(log_slope):.0%} a step "
-                     f"(over {FAST_PROGRESS:.0%}: a lag stays behind as a shift in time there)")
+                     f"-- over {FAST_PROGRESS:.0%}, where a lag stays behind as a shift in time")
     return rate, ""
 
 

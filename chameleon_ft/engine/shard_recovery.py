@@ -165,7 +165,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                                                     f.restart_bias_correction), heal_scale=f.heal_scale,
                          recovered=f.recovered, heal_rate=rate, horizon=horizon)
         if why_rate and out.rehab_steps is not None:
-            out = replace(out, reason=f"{out.reason} ({why_rate})")
+            out = replace(out, reason=f"{out.reason}; {why_rate}")
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
