@@ -45,7 +45,7 @@ from chameleon_ft.engine.rehab import (HEAL_HORIZON, HEAL_RATE, HealCheck, LossT
                                        repair_shortfall)
 
 __all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "describe", "common_snapshot", "stale_snapshot",
-           "snapshot_interval", "loss_trend", "heal_check"]
+           "snapshot_interval", "loss_trend", "progress_rate", "heal_check"]
 
 PATHS = ("heal", "recompute", "rehabilitate", "restart")
 SNAPSHOTS_PER_RUN = 8  # the interval is at most a run's steps / this
@@ -263,13 +263,10 @@ def loss_trend(history: Sequence[tuple[int, float]], window: int = 20, at_snapsh
     pts = [(s, v) for s, v in history if math.isfinite(v)][-window:]
     if len(pts) < 3:
         return None
-    n = len(pts)
-    ms = sum(s for s, _ in pts) / n
-    mv = sum(v for _, v in pts) / n
-    var = sum((s - ms) ** 2 for s, _ in pts)
-    if var == 0:
+    slope = _slope(pts)
+    if slope is None:
         return None
-    slope = sum((s - ms) * (v - mv) for s, v in pts) / var
+    ms, mv = sum(s for s, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
     # The fitted value at the last step: one step's loss is noisy.
     now = mv + slope * (pts[-1][0] - ms)
     snap = None
@@ -286,7 +283,12 @@ def progress_rate(history: Sequence[tuple[int, float]], window: int = 8) -> Opti
     pts = [(s, v) for s, v in history if math.isfinite(v)][-window:]
     if len(pts) < 3 or any(v <= 0 for _, v in pts):
         return None
+    return _slope([(s, math.log(v)) for s, v in pts])
+
+
+def _slope(pts: Sequence[tuple[int, float]]) -> Optional[float]:
+    """The least-squares slope of ``(step, value)`` points; None when their steps do not vary."""
     ms = sum(s for s, _ in pts) / len(pts)
-    ml = sum(math.log(v) for _, v in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
     var = sum((s - ms) ** 2 for s, _ in pts)
-    return sum((s - ms) * (math.log(v) - ml) for s, v in pts) / var if var else None
+    return sum((s - ms) * (v - mv) for s, v in pts) / var if var else None
