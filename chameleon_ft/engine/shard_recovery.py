@@ -242,17 +242,16 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
     log = bool(pts) and all(v > 0 for _, v in pts)
     fit = [(s, math.log(v) if log else v) for s, v in pts]
-    trend = loss_trend(fit, window)
-    if trend is None or trend.slope >= 0 or trend.loss_now is None:
+    slope = _slope(fit) if len(fit) >= 3 else None
+    if slope is None or slope >= 0:
         return None
-    last = fit[-1][0]
-    resid = [v - (trend.loss_now + trend.slope * (s - last)) for s, v in fit]
+    mean_s, mean_v = sum(s for s, _ in fit) / len(fit), sum(v for _, v in fit) / len(fit)
+    resid = [v - (mean_v + slope * (s - mean_s)) for s, v in fit]
     noise = math.sqrt(sum(r * r for r in resid) / max(1, len(resid) - 2))
-    mean_s = sum(s for s, _ in fit) / len(fit)
     se = noise / math.sqrt(sum((s - mean_s) ** 2 for s, _ in fit))  # the slope's standard error
-    if trend.slope + 2 * se >= 0:
+    if slope + 2 * se >= 0:
         return None
-    return HealCheck(start=start, slope=trend.slope, base=trend.loss_now + trend.slope * (start - last),
+    return HealCheck(start=start, slope=slope, base=mean_v + slope * (start - mean_s),
                      noise=noise, predicted=float(predicted), log=log, fallback_step=fallback_step,
                      path=tuple(float(x) for x in path), slope_se=se, fit_n=len(fit), fit_center=mean_s - start)
 
