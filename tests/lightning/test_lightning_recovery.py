@@ -444,6 +444,7 @@ def test_kill_during_validation_metric_recomputed_over_survivors(tmp_path, refer
     assert "runs again over the 3 survivors" in job.output()
 
 
+@pytest.mark.chaos  # covered in CI by the rank-0, validation and checkpoint kills (tests/README.md)
 def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
     """Worker 0 (rank 0: it writes the checkpoints and the logs) is SIGKILLed in the window
     between epoch 0's last training step and epoch 1's first: while ``on_train_epoch_end``
