@@ -48,6 +48,9 @@ def main() -> None:
     p.add_argument("--recipe", default="", help="RehabRecipe fields, e.g. warmup_steps=0,extrapolate_snapshots=2")
     p.add_argument("--default-config", action="store_true",
                    help="ElasticConfig's defaults (straggler handling on) besides --paths")
+    p.add_argument("--perturb-step", type=int, default=None,
+                   help="a harmless change (the quality control of sharded_controls.py): step N trains on "
+                        "another random draw of samples than its scheduled batch")
     a = p.parse_args()
     torch.set_num_threads(1)
     test = None
@@ -62,9 +65,13 @@ def main() -> None:
         model = task_model(a.kind, a.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     rows: list[list[float]] = []
+    holder: dict = {}
 
     def loss_fn(m, batch):
         x, y = batch
+        ctx = getattr(holder.get("trainer"), "ctx", None)
+        if a.perturb_step is not None and ctx is not None and ctx.step + 1 == a.perturb_step:
+            x, y = redraw(data, len(x), a.seed, a.perturb_step, holder)
         if a.sample_sleep:
             time.sleep(a.sample_sleep * len(x))
         return loss_of(m(x), y)
@@ -84,6 +91,7 @@ def main() -> None:
         tr = ElasticTrainer(model, opt, data, loss_fn, a.global_batch, a.micro_batch, seed=a.seed, config=cfg,
                             sharding="full", snapshot_every=a.snapshot_every, on_step=on_step,
                             recipe=recipe(a.recipe))
+        holder["trainer"] = tr
         tr.fit(max_steps=a.steps)
         ctx = tr.ctx
         rank = ctx.worker_id
@@ -93,6 +101,17 @@ def main() -> None:
             extra.update(evaluate(model, test))  # the user's own module holds the trained model
     with open(os.path.join(a.out, f"final_{rank}.json"), "w") as f:
         json.dump({"rows": rows, "rss_mb": rss_mb(), **extra}, f)
+
+
+def redraw(data, n: int, seed: int, step: int, holder: dict):
+    """``n`` samples drawn at random from ``data`` in place of a micro-batch of step ``step``
+    (seeded by the seed, the step, the worker and its count of redraws): SGD's batch is itself
+    a random draw, so this changes the trajectory without changing what training is."""
+    holder["redraws"] = holder.get("redraws", 0) + 1
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", os.environ.get("RANK", "0")))
+    g = torch.Generator().manual_seed(((seed * 1009 + step) * 101 + wid) * 1013 + holder["redraws"])
+    idx = torch.randperm(len(data), generator=g)[:n].tolist()
+    return torch.utils.data.default_collate([data[j] for j in idx])
 
 
 def recipe(text: str):

@@ -24,14 +24,16 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
+from _shard_bench import redraw
 from _shard_tasks import KINDS, cross_entropy, evaluate, model as task_model, task
 
 
 class Lit(pl.LightningModule):
-    def __init__(self, kind: str, seed: int, lr: float, sample_sleep: float):
+    def __init__(self, kind: str, seed: int, lr: float, sample_sleep: float, perturb_step=None, data=None):
         super().__init__()
         self.net = task_model(kind, seed)
         self.lr, self.sample_sleep = lr, sample_sleep
+        self.seed, self.perturb_step, self.data, self.redraws = seed, perturb_step, data, {}
 
     def configure_model(self):
         mesh = self.device_mesh["data_parallel"]
@@ -42,6 +44,9 @@ class Lit(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        ctx = self.trainer.strategy.ctx
+        if self.perturb_step is not None and ctx is not None and ctx.step + 1 == self.perturb_step:
+            x, y = redraw(self.data, len(x), self.seed, self.perturb_step, self.redraws)
         if self.sample_sleep:
             time.sleep(self.sample_sleep * len(x))
         loss = cross_entropy(self.net(x), y)
@@ -74,6 +79,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--sample-sleep", type=float, default=0.001)
     p.add_argument("--snapshot-every", type=int, default=None)
+    p.add_argument("--perturb-step", type=int, default=None, help="as _shard_bench.py's")
     a = p.parse_args()
     torch.set_num_threads(1)
     from lightning_ft import FaultToleranceCallback
@@ -87,7 +93,7 @@ def main() -> None:
                          strategy=ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
-    lit = Lit(a.kind, a.seed, a.lr, a.sample_sleep)
+    lit = Lit(a.kind, a.seed, a.lr, a.sample_sleep, a.perturb_step, train)
     trainer.fit(lit, DataLoader(train, batch_size=a.global_batch // n, shuffle=True))
     ckpt = Path(a.out, "last.ckpt")
     trainer.save_checkpoint(str(ckpt))  # whole (gathered from the shards), on every member

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness.systems import free_port  # noqa: E402
+import sharded_controls  # noqa: E402
 import sharded_matrix  # noqa: E402
 
 
@@ -129,7 +130,7 @@ def markdown(res: dict, cmd: str) -> str:
              f"{made}; 4 CPU workers, FSDP2 over all 4, accelerator "
              "emulation; see `benchmarks/sharded_bench.py` for the method.", ""]
     if res.get("matrix"):
-        lines += sharded_matrix.markdown(res["matrix"])
+        lines += sharded_matrix.markdown(res["matrix"]) + sharded_controls.markdown(res["matrix"])
     mem = res.get("memory")
     if mem:
         lines += ["", "## Peak RSS per worker (median, MB)", "", "| setting | MB |", "|---|---|"]

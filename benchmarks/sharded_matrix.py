@@ -370,15 +370,18 @@ def figures(c: dict, step_s: float) -> dict:
 def merge(results: list[dict]) -> dict:
     """Several invocations' results as one table (e.g. the ``ElasticTrainer`` rows and, made
     later, the Lightning rows): their cells, failure-free runs and errors together; each
-    invocation's command, date and minutes are listed (``invocations``)."""
+    invocation's command, date and minutes are listed (``invocations``).  A
+    ``sharded_controls.py`` result among them adds its control runs (``controls*``)."""
+    extra = {k: v for r in results for k, v in r.items() if k.startswith("control")}  # sharded_controls.py's
+    results = [r for r in results if "cells" in r]
     if len(results) == 1:
-        return results[0]
+        return {**results[0], **extra}
     keep = ("command", "date", "minutes", "workdir")
     return {"cells": [c for r in results for c in r["cells"]],
             "free": {k: v for r in results for k, v in r["free"].items()},
             "errors": [e for r in results for e in r.get("errors", [])],
             "invocations": [{k: r[k] for k in keep} for r in results],
-            **{k: results[-1][k] for k in keep}}
+            **{k: results[-1][k] for k in keep}, **extra}
 
 
 def markdown(res: dict) -> list[str]:
