@@ -111,3 +111,29 @@ def test_reuse_keeps_only_runs_the_same_code_and_settings_finished(tmp_path, mon
     (out / sm.REUSE_STAMP).unlink()
     with pytest.raises(Ran):  # a run from before the stamps
         sm._run(out, "ours", "mlp", 0, None, kill=10)
+
+
+def test_the_controls_are_judged_as_the_rehabilitated_runs_and_merge_with_the_matrix():
+    import sharded_controls as sc
+
+    free = {f"ours-mlp-{s}": {"test_loss": x} for s, x in ((0, 1.00), (1, 1.02), (2, 1.04))}
+    cell = {"engine": "ours", "kind": "mlp", "k_label": "default", "k": 8, "position": "mid", "interval": "late",
+            "kill_step": 36, "seed": 2, "ref_test_loss": 1.04}
+    cells = [{**cell, "auto": {"chosen": "rehabilitate", "fallback": False, "test_loss": 1.06}},
+             {**cell, "kill_step": 39, "seed": 0, "auto": {"chosen": "rehabilitate", "fallback": False, "test_loss": 1.01}},
+             {**cell, "seed": 1, "auto": {"chosen": "recompute", "fallback": False, "test_loss": 1.02}}]
+    ctl = {"controls": [{"engine": "ours", "kind": "mlp", "seed": 2, "step": 36, "test_loss": 1.03},
+                        {"engine": "ours", "kind": "mlp", "seed": 0, "step": 36, "test_loss": 0.99}],
+           "controls_command": {"command": "python benchmarks/sharded_controls.py", "date": "d", "minutes": 1.0}}
+    m = sm.merge([{"cells": cells, "free": free, "command": "c", "date": "d", "minutes": 1, "workdir": "w"}, ctl])
+    assert m["controls"] == ctl["controls"] and len(m["cells"]) == 3
+    by = sc.changes(m)[("ours", "mlp")]
+    # (relative change against the seed's own failure-free loss, inside lo..hi, above the worst seed)
+    assert by["control"] == [(pytest.approx(1.03 / 1.04 - 1), True, False), (pytest.approx(-0.01), False, False)]
+    assert by["rehab"] == [(pytest.approx(1.06 / 1.04 - 1), False, True), (pytest.approx(0.01), True, False)]
+    assert by["rehab_at"] == by["rehab"][:1]  # killed at a control's step, default interval
+    text = "\n".join(sc.markdown(m))
+    assert "| mlp (ElasticTrainer) | harmless change | 2 | 1 (50 %) | 0 |" in text
+    assert "| mlp (ElasticTrainer) | rehabilitated, every kill | 2 | 1 (50 %) | 1 |" in text
+    assert sc.markdown({"cells": cells, "free": free}) == []  # no controls: no section
+    assert sc.larger_p([0.1, 0.2, 0.3], [0.01, 0.02, 0.03]) < 0.06 < sc.larger_p([0.01, 0.02, 0.03], [0.1, 0.2, 0.3])
