@@ -18,8 +18,9 @@ compared with its seed's failure-free one exactly as the matrix compares a rehab
 Report (``markdown``, rendered by ``sharded_bench.py --parts matrix`` when the controls'
 JSON is given with the matrix's): per model and framework, for the controls and for the
 rehabilitated runs (all of them, and those killed at the controls' steps), how many end
-inside the seed spread and above its worst seed, and the size of the change against the same
-seed (|relative change|: median, 90th percentile, largest); a one-sided Mann-Whitney test of
+inside the seed spread and above its worst seed, how many changed it by no more than the spread's width (no more than
+changing the seed does), and the size of the change against the same seed (|relative
+change|: median, 90th percentile, largest); a one-sided Mann-Whitney test of
 whether rehabilitation's changes are larger than the harmless one's (scipy).
 """
 
@@ -80,7 +81,7 @@ def controls(work: Path, matrix: dict, steps, jobs: int) -> tuple[list[dict], li
 def changes(matrix: dict) -> dict:
     """(engine, kind) -> {"control": [...], "rehab": [...], "rehab_at": [...]}: each run as
     (relative change against its seed's failure-free test loss, inside the spread, above the
-    worst seed)."""
+    worst seed, its change no larger than the spread's width -- than changing the seed)."""
     free = matrix["free"]
     steps = sorted({c["step"] for c in matrix.get("controls", [])})
     out: dict = {}
@@ -88,7 +89,8 @@ def changes(matrix: dict) -> dict:
     def entry(engine, kind, seed, loss):
         lo, hi = sharded_matrix.spread(free, engine, kind)
         ref = free[f"{engine}-{kind}-{seed}"]["test_loss"]
-        return (loss / ref - 1.0, sharded_matrix._inside(loss, lo, hi), loss > hi * (1 + 1e-4))
+        return (loss / ref - 1.0, sharded_matrix._inside(loss, lo, hi), loss > hi * (1 + 1e-4),
+                abs(loss - ref) <= (hi - lo) * (1 + 1e-4))
 
     for c in matrix.get("controls", []):
         if f"{c['engine']}-{c['kind']}-{c['seed']}" in free:
@@ -118,10 +120,10 @@ def larger_p(rehab: list[float], control: list[float]):
 def _row(who: str, label: str, xs: list) -> str:
     mags = sorted(abs(x[0]) for x in xs)
     if not mags:
-        return f"| {who} | {label} | 0 | - | - | - | - | - |"
+        return f"| {who} | {label} | 0 | - | - | - | - | - | - |"
     q90 = mags[min(len(mags) - 1, int(round(0.9 * (len(mags) - 1))))]
     return (f"| {who} | {label} | {len(xs)} | {sum(x[1] for x in xs)} ({100 * sum(x[1] for x in xs) / len(xs):.0f} %) | "
-            f"{sum(x[2] for x in xs)} | {100 * statistics.median(mags):.2f} % | {100 * q90:.2f} % | {100 * mags[-1]:.2f} % |")
+            f"{sum(x[2] for x in xs)} | {sum(x[3] for x in xs)} | {100 * statistics.median(mags):.2f} % | {100 * q90:.2f} % | {100 * mags[-1]:.2f} % |")
 
 
 def markdown(matrix: dict) -> list[str]:
@@ -138,8 +140,8 @@ def markdown(matrix: dict) -> list[str]:
              "against the same seed's failure-free test loss, beside the rehabilitated runs (the engine's "
              "choice, every kill; and those killed at the same steps with the default interval).  "
              "Method: `benchmarks/sharded_controls.py`.", "",
-             "| model | runs | n | inside the seed spread | above the worst seed | \\|change\\| median | 90th percentile | largest |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| model | runs | n | inside the seed spread | above the worst seed | \\|change\\| within the spread's width | \\|change\\| median | 90th percentile | largest |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     verdicts = []
     for (engine, kind), d in sorted(by.items()):
         who = f"{kind} ({'Lightning' if engine == 'lightning' else 'ElasticTrainer'})"

@@ -129,11 +129,13 @@ def test_the_controls_are_judged_as_the_rehabilitated_runs_and_merge_with_the_ma
     assert m["controls"] == ctl["controls"] and len(m["cells"]) == 3
     by = sc.changes(m)[("ours", "mlp")]
     # (relative change against the seed's own failure-free loss, inside lo..hi, above the worst seed)
-    assert by["control"] == [(pytest.approx(1.03 / 1.04 - 1), True, False), (pytest.approx(-0.01), False, False)]
-    assert by["rehab"] == [(pytest.approx(1.06 / 1.04 - 1), False, True), (pytest.approx(0.01), True, False)]
+    assert by["control"] == [(pytest.approx(1.03 / 1.04 - 1), True, False, True), (pytest.approx(-0.01), False, False, True)]
+    assert by["rehab"] == [(pytest.approx(1.06 / 1.04 - 1), False, True, True), (pytest.approx(0.01), True, False, True)]
     assert by["rehab_at"] == by["rehab"][:1]  # killed at a control's step, default interval
     text = "\n".join(sc.markdown(m))
-    assert "| mlp (ElasticTrainer) | harmless change | 2 | 1 (50 %) | 0 |" in text
-    assert "| mlp (ElasticTrainer) | rehabilitated, every kill | 2 | 1 (50 %) | 1 |" in text
+    assert "| mlp (ElasticTrainer) | harmless change | 2 | 1 (50 %) | 0 | 2 |" in text
+    assert "| mlp (ElasticTrainer) | rehabilitated, every kill | 2 | 1 (50 %) | 1 | 2 |" in text
+    m["cells"][0]["auto"]["test_loss"] = 1.09  # a change of 0.05 against seed 2: over the spread's width (0.04)
+    assert sc.changes(m)[("ours", "mlp")]["rehab"][0][3] is False
     assert sc.markdown({"cells": cells, "free": free}) == []  # no controls: no section
     assert sc.larger_p([0.1, 0.2, 0.3], [0.01, 0.02, 0.03]) < 0.06 < sc.larger_p([0.01, 0.02, 0.03], [0.1, 0.2, 0.3])
