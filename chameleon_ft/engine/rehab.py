@@ -132,6 +132,23 @@ def lag_path(initial: float, shortfall: Sequence[float], heal_rate: float, horiz
     return out
 
 
+def lag_at(path: Sequence[float], steps: int, heal_rate: float, shortfall: Sequence[float] = (),
+           scale: float = 1.0) -> float | None:
+    """The lag ``steps`` steps after the repair: the predicted ``path``'s, or past its end the
+    path continued as ``lag_path`` does (healed at ``heal_rate``, plus ``scale x`` each later
+    step's ``shortfall``).  With ``steps`` = the steps left in the run: how far behind the
+    failure-free run the run ends -- quality lost, not time (None without a path)."""
+    if not path:
+        return None
+    n = max(1, int(steps))
+    if n <= len(path):
+        return float(path[n - 1])
+    lag = float(path[-1])
+    for t in range(len(path), n):
+        lag = lag * (1.0 - heal_rate) + (scale * shortfall[t] if t < len(shortfall) else 0.0)
+    return lag
+
+
 @dataclass(frozen=True)
 class RehabRecipe:
     """What the runtime does to a restored shard."""

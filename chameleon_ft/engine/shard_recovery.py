@@ -41,8 +41,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from chameleon_ft.engine.rehab import (HEAL_HORIZON, HEAL_RATE, HealCheck, LossTrend, heal_rate_at, rehab_cost,
-                                       repair_shortfall)
+from chameleon_ft.engine.rehab import (HEAL_HORIZON, HEAL_RATE, HealCheck, LossTrend, heal_rate_at, lag_at,
+                                       rehab_cost, repair_shortfall)
 
 __all__ = ["PATHS", "SNAPSHOTS_PER_RUN", "ShardFacts", "ShardDecision", "choose_recovery", "describe", "common_snapshot", "stale_snapshot",
            "snapshot_interval", "loss_trend", "progress_rate", "heal_check"]
@@ -95,12 +95,13 @@ class ShardDecision:
     predicted_heal_steps: Optional[float] = None  # rehabilitate: the mean lag over the horizon, in steps
     lost_rows: tuple = ()
     heal_path: tuple = ()  # rehabilitate: the predicted lag after each step of the horizon
+    end_lag: Optional[float] = None  # rehabilitate: the predicted lag when the run ends (steps behind)
 
     def to_json(self) -> dict:
         return {"chosen": self.chosen, "candidates": self.candidates, "rollback_to": self.rollback_to,
                 "snapshot_step": self.snapshot_step, "predicted_heal_steps": self.predicted_heal_steps,
                 "heal_horizon": len(self.heal_path) or None, "heal_path": list(self.heal_path),
-                "lost_rows": list(self.lost_rows)}
+                "end_lag": self.end_lag, "lost_rows": list(self.lost_rows)}
 
 
 def common_snapshot(rows: int, snapshots: dict, not_after: int) -> Optional[int]:
@@ -149,7 +150,7 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
         redo = f.step - t_c
         put("recompute", f.transfer_s + redo * f.step_s, f"roll back to step {t_c}, redo {redo} steps", redo)
     snap = stale_snapshot(lost, f.snapshots, f.step)
-    heal_steps, heal_path = None, ()
+    heal_steps, heal_path, end_lag = None, (), None
     if not lost:
         put("rehabilitate", None, "nothing was lost")
     elif snap is None:
@@ -166,6 +167,13 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                          recovered=f.recovered, heal_rate=rate, horizon=horizon)
         if why_rate and out.rehab_steps is not None:
             out = replace(out, reason=f"{out.reason}; {why_rate}")
+        if f.remaining_steps is not None and out.rehab_steps is not None and out.path:
+            # The quality it costs: how far behind the run ends (a lag that has not healed by
+            # then is never made up: issue 23's matrix, the LM's late kills).
+            shortfall = repair_shortfall(f.lost_fraction, f.momentum, f.warmup_steps, f.restart_bias_correction)
+            end_lag = lag_at(out.path, f.remaining_steps, rate, shortfall, f.heal_scale)
+            out = replace(out, reason=f"{out.reason}; the run ends {end_lag:.2g} steps of progress behind "
+                          f"({f.remaining_steps} steps after the repair)")
         if out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
         elif f.remaining_steps is not None and out.rehab_steps > f.remaining_steps:
@@ -188,7 +196,8 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
     return ShardDecision(chosen, cands, rollback_to=t_c if chosen == "recompute" else None,
                          snapshot_step=snap if chosen == "rehabilitate" else None,
                          predicted_heal_steps=heal_steps if chosen == "rehabilitate" else None,
-                         lost_rows=lost, heal_path=heal_path if chosen == "rehabilitate" else ())
+                         lost_rows=lost, heal_path=heal_path if chosen == "rehabilitate" else (),
+                         end_lag=end_lag if chosen == "rehabilitate" else None)
 
 
 def describe(d: dict) -> str:

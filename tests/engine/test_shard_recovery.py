@@ -374,3 +374,32 @@ def test_near_a_plateau_the_slopes_own_error_widens_the_lag_and_nothing_falls_ba
     old = replace(hc, slope_se=0.0, fit_n=0, residuals=[], check=None, done=False)
     recs = [r for s, v in hist if s > 33 for r in old.observe(s, v)]
     assert recs[0]["fallback"] and not recs[0]["on_track"]
+
+
+def test_the_decision_says_how_far_behind_the_run_ends():
+    """Issue 23's matrix: the LM's late kills ended with a larger final loss (90 of its 100
+    rehabilitated runs above their seed's; late kills +0.20 % median) because the run ended
+    before the lag healed.  The Decision names that lag -- quality lost, not time -- from the
+    same path it prices."""
+    from chameleon_ft.engine.rehab import lag_at, lag_path
+    repair = dict(momentum=0.9, warmup_steps=10, restart_bias_correction=True)
+    slow = loss_trend([(s, 2.0 * math.exp(-0.03 * s)) for s in range(1, 21)])
+    late = choose_recovery(facts(trend=slow, remaining_steps=9, **repair))
+    early = choose_recovery(facts(trend=slow, remaining_steps=44, **repair))
+    unknown = choose_recovery(facts(trend=slow, **repair))
+    assert late.chosen == early.chosen == unknown.chosen == "rehabilitate"
+    assert late.end_lag == pytest.approx(late.heal_path[8])  # the horizon is the run's 9 steps
+    assert len(early.heal_path) == 16 and early.end_lag == pytest.approx(early.heal_path[-1] * 0.9 ** 28)
+    assert late.end_lag > 0.5 > 10 * early.end_lag and unknown.end_lag is None
+    reason = late.candidates["rehabilitate"]["reason"]
+    assert f"the run ends {late.end_lag:.2g} steps of progress behind (9 steps after the repair)" in reason
+    assert "the run ends" not in unknown.candidates["rehabilitate"]["reason"]
+    assert late.to_json()["end_lag"] == late.end_lag and "the run ends" in describe(late.to_json())
+    # past the path: continued as lag_path does, shortfall included
+    full = lag_path(1.0, [0.1, 0.2, 0.3], 0.2, 6)
+    assert lag_at(full[:2], 6, 0.2, [0.1, 0.2, 0.3]) == pytest.approx(full[-1])
+    assert lag_at((), 5, 0.1) is None and lag_at(full, 0, 0.2) == full[0]
+    # where the lag does not heal (the loss falls over 5 % a step) the run ends the whole lag behind
+    fast = choose_recovery(facts(trend=loss_trend([(s, 2.0 * math.exp(-0.12 * s)) for s in range(1, 21)]),
+                                 remaining_steps=44, **repair))
+    assert fast.end_lag == pytest.approx(fast.heal_path[-1])
