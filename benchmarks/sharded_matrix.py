@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 WORKERS = {"ours": ROOT / "benchmarks" / "_shard_bench.py", "lightning": ROOT / "benchmarks" / "_shard_bench_lightning.py"}
 STEPS, SAMPLE_SLEEP, RUN_STARTS = 64, 0.001, (("early", 8), ("mid", 32), ("late", 48))
 VICTIM = 2
+END_RULE = "does not heal by the run's end"  # the engine's reason when the end-lag rule rules rehabilitation out
 
 
 # ------------------------------------------------------------------ metrics (pure)
@@ -402,7 +403,7 @@ def markdown(res: dict) -> list[str]:
              "the rehabilitated run (forced where the engine recomputed).", ""]
     t = {"cells": 0, "rehab": 0, "rehab_in": 0, "rehab_no_worse": 0, "rec": 0, "rec_exact": 0, "pred": 0,
          "pred_ok": 0, "late": [], "wrong": 0, "engine_ok": 0, "fallback": 0, "cell_pred": 0, "cell_pred_ok": 0,
-         "cell_flat": 0, "rel": [], "above": {}}
+         "cell_flat": 0, "rel": [], "above": {}, "end_rule": [], "end_rule_worse": 0}
     groups: dict = {}
     for c in cells:
         groups.setdefault((c["engine"], c["kind"], c["k_label"]), []).append(c)
@@ -437,6 +438,9 @@ def markdown(res: dict) -> list[str]:
                 a = c["auto"]
                 t["cells"] += 1
                 t["engine_ok"] += f["engine_ok"]
+                if END_RULE in ((a["candidates"].get("rehabilitate") or {}).get("reason") or ""):
+                    t["end_rule"].append(f["recompute"]["lost_s"] - f["rehab"]["lost_s"] if f["rehab"] else None)
+                    t["end_rule_worse"] += not f["engine_ok"]
                 t["fallback"] += a["fallback"]
                 if a["chosen"] == "rehabilitate" and not a["fallback"]:
                     t["rehab"] += 1
@@ -488,7 +492,11 @@ def markdown(res: dict) -> list[str]:
               f"at most {max(late) if late else float('nan'):.2f}, over {len(late)} runs.",
               f"* Where the engine recomputed, rehabilitating (forced) would have lost more time or ended "
               f"outside the spread in {t['wrong']} of {t['rec']} runs.  The engine's choice lost no more "
-              f"time than the other path (+ one step) in {t['engine_ok']} of {t['cells']}.", ""]
+              f"time than the other path (+ one step) in {t['engine_ok']} of {t['cells']}"
+              + (f"; it recomputed {len(t['end_rule'])} because rehabilitating would have left the run over half "
+                 f"a step behind at its end (quality before time: `shard_recovery.HEALED_LAG`), {t['end_rule_worse']} "
+                 f"of them losing more time than the forced rehabilitation (+ one step), by a median "
+                 f"{_med(t['end_rule'], 2)} s" if t["end_rule"] else "") + ".", ""]
     return lines
 
 

@@ -139,3 +139,21 @@ def test_the_controls_are_judged_as_the_rehabilitated_runs_and_merge_with_the_ma
     assert sc.changes(m)[("ours", "mlp")]["rehab"][0][3] is False
     assert sc.markdown({"cells": cells, "free": free}) == []  # no controls: no section
     assert sc.larger_p([0.1, 0.2, 0.3], [0.01, 0.02, 0.03]) < 0.06 < sc.larger_p([0.01, 0.02, 0.03], [0.1, 0.2, 0.3])
+
+
+def test_the_report_counts_the_recomputes_the_end_lag_rule_made_and_what_they_cost():
+    traj = {str(s): 1.0 for s in range(1, 65)}
+    free = {f"ours-lm-{s}": {"test_loss": 1.0 + s / 100, "test_acc": 0.5, "step_s": 0.1, "traj": traj} for s in range(3)}
+    base = {"engine": "ours", "kind": "lm", "k_label": "default", "k": 8, "position": "late", "interval": "late in the interval",
+            "kill_step": 55, "ref_test_loss": 1.0}
+    rec = {"chosen": "recompute", "fallback": False, "k": 8, "test_loss": 1.0, "lost_steps": 7, "lost_s": 0.9,
+           "candidates": {"rehabilitate": {"feasible": False, "steps": 1.5, "reason": f"restoring rows [2] from step 48 "
+                                           f"leaves a lag that {sm.END_RULE}: over 0.5 steps"},
+                          "recompute": {"feasible": True, "steps": 7, "reason": "roll back"}}}
+    forced = {"chosen": "rehabilitate", "fallback": False, "test_loss": 1.002, "lost_steps": 1.0, "lost_s": 0.2,
+              "predicted_heal_steps": 1.0, "lag": 1.0, "informative": True}
+    cells = [{**base, "seed": s, "auto": rec, "forced": forced} for s in range(3)]
+    text = "\n".join(sm.markdown({"cells": cells, "free": free, "command": "c", "date": "d", "minutes": 1.0}))
+    assert ("it recomputed 3 because rehabilitating would have left the run over half a step behind at its end "
+            "(quality before time: `shard_recovery.HEALED_LAG`), 3 of them losing more time than the forced "
+            "rehabilitation (+ one step), by a median 0.70 s.") in text
