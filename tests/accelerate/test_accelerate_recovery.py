@@ -112,7 +112,13 @@ def test_sigkill_at_random_step_exactly_once_bitwise_replicas_same_trajectory(ki
     failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
     assert failures and failures[0]["workers"] == [victim]
     ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
-    assert ends[(victim + 1) % 4]["adopted_steps"] == 1, ends  # the dropped commit (killed_run)
+    # The dropped commit (killed_run) is adopted by its worker; a SIGKILL inside the commit's
+    # all-reduce can leave any survivor one step more to adopt (gloo's partial completion, the
+    # drop's real counterpart: seen in CI, the victim killed at step 7, workers 1 and 3 adopted it).
+    adopted = {w: e["adopted_steps"] for w, e in ends.items()}
+    dropped = (victim + 1) % 4
+    assert 1 <= adopted[dropped] <= 2 and all(a <= 1 + (w == dropped) for w, a in adopted.items()), ends
+    assert any("injected drop" in (e.get("reason") or "") for e in evs if e["event"] == "recovery"), evs
     # The trackers got the fault-tolerance metrics, including the recovery (from the live rank 0).
     rows = job.tracker()
     assert any("ft/mttr_s" in r for r in rows) and any(k.startswith("ft/policy/") for r in rows for k in r)
