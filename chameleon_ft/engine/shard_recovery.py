@@ -31,9 +31,8 @@ initial state (step 0: restoring it restarts a part of the model from scratch, w
 model does not describe) and when its own estimate of the steps to heal (with the safety
 factor) exceeds the steps left in the run (``remaining_steps``), or, where recompute is
 possible, when the lag it predicts for the run's last step is over ``HEALED_LAG`` (half a
-step): a gap that cannot close before
-the end is lost quality, not lost time (issue 23's matrix: the LM's late kills ended +0.2 % on
-their final test loss, as that lag predicts).
+step): a gap that cannot close before the end is lost quality, not lost time (issue 23's
+matrix: the LM's late kills ended +0.2 % on their final test loss, as that lag predicts).
 
 Pure logic: the runtime (``runtime/executors/sharded/``) gathers the facts and carries the choice out.
 """
