@@ -121,7 +121,7 @@ def _row(who: str, label: str, xs: list) -> str:
     mags = sorted(abs(x[0]) for x in xs)
     if not mags:
         return f"| {who} | {label} | 0 | - | - | - | - | - | - |"
-    q90 = mags[min(len(mags) - 1, int(round(0.9 * (len(mags) - 1))))]
+    q90 = sharded_matrix.quantile(mags, 90)
     return (f"| {who} | {label} | {len(xs)} | {sum(x[1] for x in xs)} ({100 * sum(x[1] for x in xs) / len(xs):.0f} %) | "
             f"{sum(x[2] for x in xs)} | {sum(x[3] for x in xs)} | {100 * statistics.median(mags):.2f} % | {100 * q90:.2f} % | {100 * mags[-1]:.2f} % |")
 

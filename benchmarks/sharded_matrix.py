@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 WORKERS = {"ours": ROOT / "benchmarks" / "_shard_bench.py", "lightning": ROOT / "benchmarks" / "_shard_bench_lightning.py"}
 STEPS, SAMPLE_SLEEP, RUN_STARTS = 64, 0.001, (("early", 8), ("mid", 32), ("late", 48))
 VICTIM = 2
-END_RULE = "does not heal by the run's end"  # the engine's reason when the end-lag rule rules rehabilitation out
+from chameleon_ft.engine.shard_recovery import NOT_HEALED_BY_THE_END as END_RULE  # noqa: E402  the end-lag rule's reason
 
 
 # ------------------------------------------------------------------ metrics (pure)
@@ -525,11 +525,15 @@ def _counts(xs) -> str:
     return ", ".join(f"{k} {v}" for k, v in out.items())
 
 
-def _pct(xs, q: float) -> str:
+def quantile(xs, q: float) -> float:
+    """The ``q``-th percentile of ``xs`` (non-empty): the nearest rank."""
     xs = sorted(xs)
-    if not xs:
-        return "-"
-    return f"{100 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]:+.2f} %"
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _pct(xs, q: float) -> str:
+    xs = list(xs)
+    return "-" if not xs else f"{100 * quantile(xs, q):+.2f} %"
 
 
 def _med(xs, nd: int = 1) -> str:

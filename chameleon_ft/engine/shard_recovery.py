@@ -56,6 +56,7 @@ SNAPSHOTS_PER_RUN = 8  # the interval is at most a run's steps / this
 # a step (below a step's resolution).  Without recompute (Lightning's adapter: it would roll the
 # loop back) the lag is said, and priced against restart as time.
 HEALED_LAG = 0.5
+NOT_HEALED_BY_THE_END = "does not heal by the run's end"  # in the reason when that rules it out
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,8 @@ def choose_recovery(f: ShardFacts) -> ShardDecision:
                           f"({f.remaining_steps} steps after the repair)")
         if (out.rehab_steps is not None and end_lag is not None and end_lag > HEALED_LAG
                 and cands["recompute"]["feasible"]):  # an exact way back exists: take it
-            put("rehabilitate", None, f"restoring rows {list(lost)} from step {snap} leaves a lag that does "
-                f"not heal by the run's end: over {HEALED_LAG} steps, quality lost rather than time ({out.reason})")
+            put("rehabilitate", None, f"restoring rows {list(lost)} from step {snap} leaves a lag that "
+                f"{NOT_HEALED_BY_THE_END}: over {HEALED_LAG} steps, quality lost rather than time ({out.reason})")
             end_lag = None
         elif out.rehab_steps is None:
             put("rehabilitate", None, out.reason)
