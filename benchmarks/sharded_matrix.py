@@ -371,18 +371,34 @@ def figures(c: dict, step_s: float) -> dict:
 def merge(results: list[dict]) -> dict:
     """Several invocations' results as one table (e.g. the ``ElasticTrainer`` rows and, made
     later, the Lightning rows): their cells, failure-free runs and errors together; each
-    invocation's command, date and minutes are listed (``invocations``).  A
-    ``sharded_controls.py`` result among them adds its control runs (``controls*``)."""
+    invocation's command, date and minutes are listed (``invocations``), and each cell keeps the
+    date of the invocation that made it (``made``).  A later result's rows replace an earlier
+    one's of the same engine, model and interval (a result merged before counts as its
+    invocations); an invocation none of whose rows is left is not listed.  A
+    ``sharded_controls.py`` result among them adds its control runs (``controls*``); a
+    ``sharded_bench.py`` result (``benchmarks/results/sharded.json``) counts as its matrix."""
+    results = [r["matrix"] if "matrix" in r and "cells" not in r else r for r in results]
     extra = {k: v for r in results for k, v in r.items() if k.startswith("control")}  # sharded_controls.py's
     results = [r for r in results if "cells" in r]
-    if len(results) == 1:
+    if len(results) == 1 and "invocations" not in results[0]:
         return {**results[0], **extra}
     keep = ("command", "date", "minutes", "workdir")
-    return {"cells": [c for r in results for c in r["cells"]],
-            "free": {k: v for r in results for k, v in r["free"].items()},
-            "errors": [e for r in results for e in r.get("errors", [])],
-            "invocations": [{k: r[k] for k in keep} for r in results],
-            **{k: results[-1][k] for k in keep}, **extra}
+    group = lambda c: (c["engine"], c["kind"], c["k_label"])  # noqa: E731
+    cells: dict = {}
+    free: dict = {}
+    invocations: list = []
+    for r in results:
+        made = [c | {"made": c.get("made", r["date"])} for c in r["cells"]]
+        for g in {group(c) for c in made}:
+            cells[g] = [c for c in made if group(c) == g]
+        free.update(r["free"])
+        invocations += r.get("invocations") or [{k: r[k] for k in keep}]
+    order = {"ours": 0, "lightning": 1, "mlp": 0, "lm": 1, "conv": 2, "default": 0}
+    cells_ = [c for g in sorted(cells, key=lambda g: tuple(order.get(x, 9) for x in g) + g[2:]) for c in cells[g]]
+    dates = {c["made"] for c in cells_}
+    invocations = [i for i in invocations if i["date"] in dates]
+    return {"cells": cells_, "free": free, "errors": [e for r in results for e in r.get("errors", [])],
+            "invocations": invocations, **{k: results[-1][k] for k in keep}, **extra}
 
 
 def markdown(res: dict) -> list[str]:
@@ -411,7 +427,9 @@ def markdown(res: dict) -> list[str]:
         lo, hi = spread(free, engine, kind)
         accs = [v["test_acc"] for key, v in free.items() if key.startswith(f"{engine}-{kind}-")]
         who = "Lightning `ModelParallelStrategy` + `FaultToleranceCallback()`" if engine == "lightning" else "`ElasticTrainer`"
-        lines += [f"### {kind}, {who}, K {klabel} (K measured in the runs: {sorted({c['auto']['k'] for c in cs})})", "",
+        made = sorted({c["made"] for c in cs if "made" in c})
+        lines += [f"### {kind}, {who}, K {klabel} (K measured in the runs: {sorted({c['auto']['k'] for c in cs})})"
+                  + (f"; made {', '.join(made)}" if res.get("invocations") and made else ""), "",
                   f"Failure-free over {len(accs)} seeds: test loss {lo:.4f}..{hi:.4f}, test accuracy "
                   f"{100 * min(accs):.1f}..{100 * max(accs):.1f} %.", "",
                   "| in the run | in the interval | kill at | engine chose (runs) | test loss in the spread | rehab pred / meas (median) | pred within +-50 %: runs, cell | lost steps: rehabilitate / recompute (median) | lost s: rehab / recompute (median) | engine lost no more than the other |",

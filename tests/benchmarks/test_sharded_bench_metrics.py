@@ -157,3 +157,21 @@ def test_the_report_counts_the_recomputes_the_end_lag_rule_made_and_what_they_co
     assert ("it recomputed 3 because rehabilitating would have left the run over half a step behind at its end "
             "(quality before time: `shard_recovery.HEALED_LAG`), 3 of them losing more time than the forced "
             "rehabilitation (+ one step), by a median 0.70 s.") in text
+
+
+def test_a_later_invocations_rows_replace_an_earlier_ones_and_keep_who_made_them():
+    def res(date, groups, test_loss):
+        cells = [{"engine": e, "kind": k, "k_label": "default", "seed": 0, "auto": {"test_loss": test_loss}}
+                 for e, k in groups]
+        return {"cells": cells, "free": {f"{e}-{k}-0": {"test_loss": test_loss} for e, k in groups},
+                "errors": [], "command": f"run {date}", "date": date, "minutes": 1.0, "workdir": "w"}
+
+    old = sm.merge([res("d1", [("ours", "mlp"), ("ours", "conv")], 1.0), res("d2", [("lightning", "mlp")], 2.0)])
+    assert [i["date"] for i in old["invocations"]] == ["d1", "d2"]
+    new = sm.merge([old, res("d3", [("ours", "conv")], 3.0)])  # d3 makes the CNN rows again
+    made = {(c["engine"], c["kind"]): (c["made"], c["auto"]["test_loss"]) for c in new["cells"]}
+    assert made == {("ours", "mlp"): ("d1", 1.0), ("ours", "conv"): ("d3", 3.0), ("lightning", "mlp"): ("d2", 2.0)}
+    assert new["free"]["ours-conv-0"]["test_loss"] == 3.0 and len(new["cells"]) == 3
+    assert [i["date"] for i in new["invocations"]] == ["d1", "d2", "d3"]
+    gone = sm.merge([res("d1", [("ours", "conv")], 1.0), res("d3", [("ours", "conv")], 3.0)])
+    assert [i["date"] for i in gone["invocations"]] == ["d3"]  # no row of d1's is left
