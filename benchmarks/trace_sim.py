@@ -10,7 +10,9 @@ trace on a 32-device job (``chameleon_ft.sim.trace.scale_trace``/``trace_setting
   ``fail``, the replacement as ``join`` when the engine decided on it, the straggler as
   ``slow``; horizon = that run's measured span;
 * costs: rebuild = the calibrated group rebuild + state agreement, restart = the torchrun
-  system's measured median MTTR, checkpoint interval = its checkpoint period in seconds,
+  system's measured median MTTR, checkpoint interval = its checkpoint period in seconds
+  (restart is the torchrun system's only: the chameleon-ft jobs write no checkpoint, their
+  engine found restart infeasible at every decision, and the simulated engine does too),
   ``D`` = the engine's at the first decision, the replacement ETA = the measured kill -> join.
 
 ``compare`` replays it and returns rows of simulated vs measured average throughput per system.
@@ -94,6 +96,16 @@ def _replayed(res: dict, system: str) -> Optional[Trace]:
                  f"replayed from benchmarks/pipeline_trace.py ({system} run)")
 
 
+def engine_could_restart(res: dict) -> bool:
+    """Whether checkpoint-restart was ever a feasible candidate of a chameleon-ft run's decisions
+    (the benchmark's jobs write no checkpoint, so their engine cannot restart; the simulator
+    must not either).  No decision at all: True (not known)."""
+    seen = [c.get("feasible") for name, run in res["systems"].items() if name != "restart"
+            for e in run.get("events") or [] if e.get("event") == "decision"
+            for c in e["decision"].get("candidates") or [] if c.get("policy") == "restart"]
+    return any(seen) or not seen
+
+
 def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = None) -> Optional[TraceSetup]:
     """The simulator's setup from ``system``'s calibration, replaying ``replay``'s own run
     (default: the same system's)."""
@@ -129,7 +141,8 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
         limited_replacements=True,
         # The trace starts at the first commit after warm-up; checkpoints are every ckpt_every
         # steps from step 0.
-        checkpoint_phase_s=(warmup % int(cfg.get("ckpt_every", 10))) * ff)
+        checkpoint_phase_s=(warmup % int(cfg.get("ckpt_every", 10))) * ff,
+        engine_restart=engine_could_restart(res))
 
 
 def at_step_time(setup: TraceSetup, step_s: float) -> TraceSetup:

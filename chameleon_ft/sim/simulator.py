@@ -253,6 +253,9 @@ class JobSetting:
     # Replacements the job will get (a launcher's ``--max-replacements``): once that many devices
     # came back, no replacement is expected and ``wait`` is not an option.  None: no limit.
     max_replacements: int | None = None
+    # Whether the engine's policies may choose checkpoint-restart: False for a job that writes no
+    # checkpoint (the live pipeline benchmarks' chameleon-ft systems), where restart is infeasible.
+    engine_restart: bool = True
 
     def since_checkpoint(self, now: float) -> float:
         """Seconds of work since the last checkpoint at ``now`` (what a restart redoes)."""
@@ -303,6 +306,8 @@ class _Job:
                    "engine-replan": frozenset({"replan", "grow", "restart", "keep"})}[policy]
         if setting.replacement_eta_s is not None and policy in ADAPTIVE + ("engine-reroute",):
             allowed = allowed | {"wait"}
+        if not setting.engine_restart and policy in ADAPTIVE + ENGINE_RESTRICTED:
+            allowed = allowed - {"restart"}
         self.rebuild_d = setting.rebuild_s * (truth.rebuild if oracle else 1.0)
         self.restart_d = setting.restart_s * (truth.restart if oracle else 1.0)
         self.link_d = truth.link if oracle else 1.0

@@ -172,11 +172,13 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
            coeffs: Coefficients = Coefficients(), *, rebuild_s: float, restart_s: float,
            checkpoint_every_s: float, search_space: SearchSpace, replacement_eta_s: float | None = None,
            mttf_s: float | None = None, redundant_overhead: float | None = None,
-           checkpoint_phase_s: float = 0.0, limited_replacements: bool = False) -> dict[str, TraceResult]:
+           checkpoint_phase_s: float = 0.0, limited_replacements: bool = False,
+           engine_restart: bool = True) -> dict[str, TraceResult]:
     """Every policy in ``policies`` against the same events, from the same deployed ``plan``
     (``checkpoint_phase_s``: seconds since the last checkpoint when the trace starts;
     ``limited_replacements``: the trace's joins are all the replacements the job gets, as a
-    launcher's ``--max-replacements`` -- once they came, the engine expects none)."""
+    launcher's ``--max-replacements`` -- once they came, the engine expects none;
+    ``engine_restart`` False: the engine's policies cannot restart, the job writes no checkpoint)."""
     unknown = set(policies) - set(REPLAY_POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(REPLAY_POLICIES)}")
@@ -191,7 +193,8 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
     D = mttf_s if mttf_s is not None else trace.horizon_s / max(1, trace.failures)
     setting = JobSetting(workload, cluster, restart_s, checkpoint_every_s, search_space,
                          lambda alive, down: D, rebuild_s, replacement_eta_s, checkpoint_phase_s,
-                         sum(len(e.devices) for e in trace.events if e.kind == "join") if limited_replacements else None)
+                         sum(len(e.devices) for e in trace.events if e.kind == "join") if limited_replacements else None,
+                         engine_restart)
     ideal = workload.global_batch / estimate(plan, workload, cluster, coeffs).step_time
     results = {}
     for policy in policies:
@@ -443,6 +446,7 @@ class TraceSetup:
     replacement_eta_s: float | None = None
     checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint when the trace starts
     limited_replacements: bool = False  # the trace's joins are all the replacements (``replay``)
+    engine_restart: bool = True  # the engine's policies may restart (the job writes checkpoints)
 
     def to_json(self) -> dict:
         """``{"trace": {name, description, horizon_s, events: [{t_s, kind, devices, slowdown?}]},
@@ -450,7 +454,7 @@ class TraceSetup:
         micro_batch, weight_bytes, grad_bytes, optim_bytes}, "cluster": {devices, per_node, intra:
         [latency_s, bandwidth_Bps], inter: […], memory_bytes}, "coefficients": {compute_scale,
         comm_scale, step_overhead_s}, "stages": P, "settings": {rebuild_s, restart_s,
-        checkpoint_every_s, mttf_s, redundant_overhead, pp_min, pp_max}}``."""
+        checkpoint_every_s, mttf_s, redundant_overhead, pp_min, pp_max, engine_restart, …}}``."""
         return {"trace": self.trace.to_json(), "workload": workload_to_json(self.workload),
                 "cluster": cluster_to_json(self.cluster), "coefficients": coefficients_to_json(self.coefficients),
                 "stages": self.stages,
@@ -461,7 +465,8 @@ class TraceSetup:
                              "pp_min": self.space.pp_min, "pp_max": self.space.pp_max,
                              "dp_min": self.space.dp_min, "min_microbatches": self.space.min_microbatches,
                              "replacement_eta_s": self.replacement_eta_s,
-                             "limited_replacements": self.limited_replacements}}
+                             "limited_replacements": self.limited_replacements,
+                             "engine_restart": self.engine_restart}}
 
     @staticmethod
     def from_json(data: dict) -> "TraceSetup":
@@ -478,7 +483,7 @@ class TraceSetup:
                           float(s.get("rebuild_s", 1.0)), float(s.get("restart_s", 60.0)),
                           float(s.get("checkpoint_every_s", 600.0)), s.get("mttf_s"), s.get("redundant_overhead"),
                           space, s.get("replacement_eta_s"), float(s.get("checkpoint_phase_s", 0.0)),
-                          bool(s.get("limited_replacements", False)))
+                          bool(s.get("limited_replacements", False)), bool(s.get("engine_restart", True)))
 
     def run(self, devices: int | None = None, policies=DEFAULT_POLICIES) -> dict[str, TraceResult]:
         """Replay the trace on the recorded setting, or (``devices``) on the scaled one."""
@@ -489,4 +494,4 @@ class TraceSetup:
                       restart_s=self.restart_s, checkpoint_every_s=self.checkpoint_every_s,
                       search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead,
                       replacement_eta_s=self.replacement_eta_s, checkpoint_phase_s=self.checkpoint_phase_s,
-                      limited_replacements=self.limited_replacements)
+                      limited_replacements=self.limited_replacements, engine_restart=self.engine_restart)

@@ -95,3 +95,15 @@ def test_no_calibration_record_no_setup():
     res = synthetic_result()
     res["systems"]["adaptive"]["events"] = []
     assert trace_sim.setup_from_run(res) is None and trace_sim.compare(res) is None
+
+
+def test_restart_is_the_engines_only_where_a_live_decision_found_it_feasible():
+    res = synthetic_result()
+    assert trace_sim.setup_from_run(res).engine_restart  # no candidates logged: not known, allowed
+    fail = res["systems"]["adaptive"]["events"][1]["decision"]
+    fail["candidates"] = [{"policy": "reroute", "feasible": True}, {"policy": "restart", "feasible": False}]
+    assert trace_sim.engine_could_restart(res) is False
+    assert trace_sim.setup_from_run(res).engine_restart is False
+    assert trace_sim.setup_from_run(res).to_json()["settings"]["engine_restart"] is False
+    fail["candidates"][1]["feasible"] = True
+    assert trace_sim.setup_from_run(res).engine_restart

@@ -314,3 +314,19 @@ def test_limited_replacements_leave_no_wait_once_used(job):
         chosen = [d[2] for d in r.decisions]
         assert chosen[0] == "wait", chosen
         assert (chosen[2] == "wait") == (not limited), (limited, chosen)
+
+
+def test_a_job_without_checkpoints_never_restarts_in_the_engines_policies(job):
+    """``engine_restart=False``: the live pipeline benchmarks' chameleon-ft jobs write no
+    checkpoint, so their engine finds restart infeasible; the replay must not restart either
+    (a cheap restart made the simulated always-reroute restart twice where the live one rerouted).
+    The torchrun system (``restart``) still restarts."""
+    trace = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(300, "fail", (2,))), 1000)
+    kw = {"mttf_s": 1000, "restart_s": 0.01, "checkpoint_every_s": 100.0}
+    cheap = run(job, trace, ("engine-reroute", "adaptive", "restart"), **kw)
+    assert "restart" in [d[2] for d in cheap["engine-reroute"].decisions]  # restart is that cheap
+    none = run(job, trace, ("engine-reroute", "adaptive", "restart"), engine_restart=False, **kw)
+    for name in ("engine-reroute", "adaptive"):
+        chosen = [d[2] for d in none[name].decisions]
+        assert len(chosen) == 2 and "restart" not in chosen, (name, chosen)
+    assert [d[2] for d in none["restart"].decisions] == ["restart", "restart"]
