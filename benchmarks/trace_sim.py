@@ -77,17 +77,22 @@ def _replayed(res: dict, system: str) -> Optional[Trace]:
     """``system``'s own run as a trace: its faults at their wall times from its first post-warm-up
     commit, its replacements' joins (chameleon-ft: when the engine decided on one; torchrun: it
     relaunches every worker, the killed one too, so that one is back at once -- its relaunch
-    takes it in), horizon = its measured span."""
+    takes it in), horizon = its measured span.  A kill carries the steps since the torchrun
+    system's last checkpoint (its step mod ``--ckpt-every``): the trace's kills fall right after
+    checkpoint steps, where the simulator's time grid would decide by a few percent of timing
+    between nothing and a whole interval redone."""
     run = res["systems"].get(system) or {}
     if not run.get("stamps"):
         return None
     t0 = _start(run["stamps"], int(res.get("config", {}).get("warmup", 5)))
+    every = int(res.get("config", {}).get("ckpt_every", 10))
     horizon = max(t for _, t in run["stamps"]) - t0
     evs = [TraceEvent(max(0.0, ts - t0), "join", devs) for ts, devs in _joins(run)]
     for f in run.get("faults") or []:
         at = max(0.0, f["t"] - t0)
-        if f["kind"] == "kill":
-            evs.append(TraceEvent(at, "fail", (int(f["worker"]),)))
+        if f["kind"] == "kill":  # after worker 0 committed step f["step"]; checkpoints every N steps from 0
+            evs.append(TraceEvent(at, "fail", (int(f["worker"]),), redo_steps=int(f["step"]) % every
+                                  if f.get("step") is not None else None))
             if system == "restart":  # torchrun relaunches every worker, the killed one too
                 evs.append(TraceEvent(at + 1e-3, "join", (int(f["worker"]),)))
         elif f["kind"] == "slow":

@@ -360,13 +360,15 @@ class _Job:
             self.restart_until = self.busy_until
         self._record(now, self._kind, option.policy, option.transition_s)
 
-    def fail(self, now: float, devices: tuple[int, ...]) -> None:
+    def fail(self, now: float, devices: tuple[int, ...], redo_steps: int | None = None) -> None:
         self._kind = "fail"
         devs = tuple(d for d in devices if d in self.alive)
         if not devs:
             self._record(now, "fail", "ignored", 0.0)
             return
-        self._redo = int(self.setting.since_checkpoint(now) / self.step_time)
+        # Steps a restart redoes: the trace's own count where it knows it, else the time grid's.
+        since = self.setting.since_checkpoint(now)
+        self._redo = int(redo_steps) if redo_steps is not None else int(since / self.step_time)
         cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
         limit = self.setting.max_replacements
         if limit is not None and self.replaced >= limit:  # as the live engine: none left, no wait

@@ -78,6 +78,11 @@ class TraceEvent:
     kind: str
     devices: tuple[int, ...]
     slowdown: float = 1.0  # "slow": compute this many times slower than the cluster's speed
+    # "fail": the steps since the last checkpoint when it happens, where the trace knows them (a
+    # run that checkpoints every N steps, killed after step k: k mod N); None: the time grid
+    # (``checkpoint_every_s``) says.  A kill right after a checkpoint step sits on the grid's
+    # edge, where a few percent of timing decide between nothing and a whole interval redone.
+    redo_steps: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(sorted(int(d) for d in self.devices)))
@@ -91,17 +96,21 @@ class TraceEvent:
             raise ValueError("slowdown is a factor >= 1")
         if self.kind != "slow" and self.slowdown != 1.0:
             raise ValueError("only a 'slow' event has a slowdown")
+        if self.redo_steps is not None and (self.kind != "fail" or self.redo_steps < 0):
+            raise ValueError("only a 'fail' event has redo_steps (>= 0)")
 
     def to_json(self) -> dict:
         out = {"t_s": self.t_s, "kind": self.kind, "devices": list(self.devices)}
         if self.kind == "slow":
             out["slowdown"] = self.slowdown
+        if self.redo_steps is not None:
+            out["redo_steps"] = self.redo_steps
         return out
 
     @staticmethod
     def from_json(data: dict) -> "TraceEvent":
         return TraceEvent(float(data["t_s"]), data["kind"], tuple(data["devices"]),
-                          float(data.get("slowdown", 1.0)))
+                          float(data.get("slowdown", 1.0)), data.get("redo_steps"))
 
 
 @dataclass(frozen=True)
@@ -210,7 +219,7 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
             samples += _progress(job.busy_until, job.batch, job.step_time, now, ev.t_s)
             now = ev.t_s
             if ev.kind == "fail":
-                job.fail(now, ev.devices)
+                job.fail(now, ev.devices, ev.redo_steps)
             elif ev.kind == "join":
                 job.repair(now, ev.devices, kind="join")
             else:
@@ -343,13 +352,13 @@ class _RedundantJob(_Job):
         self.decisions[chosen] = self.decisions.get(chosen, 0) + 1
         self._record(now, self._kind, chosen, transition_s)
 
-    def fail(self, now: float, devices: tuple[int, ...]) -> None:
+    def fail(self, now: float, devices: tuple[int, ...], redo_steps: int | None = None) -> None:
         devs = tuple(d for d in devices if d in self.alive)
         plan = takeover_plan(self.full_plan, self.alive - set(devs)) if self.shadowed and devs else None
         step = self._fits(plan)
         if step is None:
             self.shadowed = self.shadowed and not devs
-            super().fail(now, devices)  # nothing to do, or checkpoint-restart over the survivors
+            super().fail(now, devices, redo_steps)  # nothing to do, or checkpoint-restart over the survivors
             return
         self._kind = "fail"
         self.alive -= set(devs)

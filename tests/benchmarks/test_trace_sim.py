@@ -107,3 +107,11 @@ def test_restart_is_the_engines_only_where_a_live_decision_found_it_feasible():
     assert trace_sim.setup_from_run(res).to_json()["settings"]["engine_restart"] is False
     fail["candidates"][1]["feasible"] = True
     assert trace_sim.setup_from_run(res).engine_restart
+
+
+def test_a_replayed_kill_carries_its_steps_since_the_torchrun_checkpoint():
+    res = synthetic_result()  # a kill after step 30, checkpoints every 10: nothing to redo
+    fails = [e for e in trace_sim.setup_from_run(res).trace.events if e.kind == "fail"]
+    assert [e.redo_steps for e in fails] == [0]
+    res["systems"]["adaptive"]["faults"][0]["step"] = 37
+    assert [e.redo_steps for e in trace_sim.setup_from_run(res).trace.events if e.kind == "fail"] == [7]

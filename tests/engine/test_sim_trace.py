@@ -330,3 +330,19 @@ def test_a_job_without_checkpoints_never_restarts_in_the_engines_policies(job):
         chosen = [d[2] for d in none[name].decisions]
         assert len(chosen) == 2 and "restart" not in chosen, (name, chosen)
     assert [d[2] for d in none["restart"].decisions] == ["restart", "restart"]
+
+
+def test_a_fail_that_knows_its_steps_since_the_checkpoint_redoes_exactly_those(job):
+    """``redo_steps``: a run that checkpoints every N steps, killed right after a checkpoint step,
+    redoes nothing -- whatever the time grid (``checkpoint_every_s``) says at that instant (here
+    199 of its 200 s: a whole interval)."""
+    w, c, plan = job
+    best = plan_search(w, c.without({1}), Coefficients(), SearchSpace(), base=plan).best.estimate.step_time
+    for redo, extra in ((None, int(199.0 / estimate(plan, w, c).step_time)), (0, 0), (3, 3)):
+        tr = Trace((TraceEvent(199.0, "fail", (1,), redo_steps=redo),), 1000)
+        t, kind, chosen, step, transition = run(job, tr, ("restart",), mttf_s=1000)["restart"].decisions[0]
+        assert chosen == "restart" and transition == pytest.approx(RESTART + extra * best), redo
+    ev = TraceEvent(5.0, "fail", (2,), redo_steps=4)
+    assert TraceEvent.from_json(ev.to_json()) == ev and "redo_steps" not in TraceEvent(5.0, "fail", (2,)).to_json()
+    with pytest.raises(ValueError, match="redo_steps"):
+        TraceEvent(5.0, "join", (2,), redo_steps=1)
