@@ -20,10 +20,16 @@ data-parallel worker whose share is merged into ``workload.items_per_step`` loop
 ``ceil(m / items_per_step)``).
 
 Rerouting is modelled without changing the plan: ``dead`` devices do no work and hold no state,
-and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  That work
-lengthens the stream of its stage: the pipeline runs ``m + max_s e_s`` periods (exact for data
-parallelism, where a rank simply accumulates ``m + e`` micro-batches; conservative for ReCycle,
-which hides part of it in the pipeline bubbles).
+and ``extra`` gives a device ``e`` more micro-batches than its pipeline's count.  Data
+parallelism: the rank accumulates ``m + e`` micro-batches (exact).  Pipelines: the pipelines
+rerouting couples -- those with a dead stage and those whose stage workers take its
+micro-batches -- are timed on the runtime's own schedule (``engine.schedule``: every micro-batch's
+route and each worker's 1F1B order, task by task, with the same stage costs and hops), since a
+rerouted micro-batch queues at the peer's doubled stage *and* at any slow stage of its own
+pipeline, which no per-pipeline period captures (a quick trace's step with a 2x-slow worker in the
+rerouted pipeline: 0.57 s per pipeline, 0.74 s on the schedule, 0.68 s measured).  Beyond
+``COUPLED_TASKS`` tasks (rerouting across thousands of pipelines) the per-pipeline form prices
+them: ``m + max_s e_s`` periods.
 
 A fixed ``task_overhead_s`` per micro-batch and stage (measured by the pipeline runtime: what
 a forward/backward task costs beyond its layers and the wire) is added to every stage's compute;
@@ -126,6 +132,39 @@ def ring_allgather_s(n: int, nbytes: float, link: Link) -> float:
     return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_Bps
 
 
+COUPLED_TASKS = 20_000  # the most tasks the coupled pipelines' schedule is timed for
+
+
+def _coupled_times(plan: Plan, rows, members, dead: frozenset, extra: Mapping[int, float], workload: Workload,
+                   cluster: Cluster, speed_of, lut, cs: float, task_s: float, hop_over: float,
+                   hop_s: float) -> dict[int, float] | None:
+    """Each coupled pipeline's time (row -> seconds) on the runtime's schedule, or None when it
+    is too large to time (see the module docstring)."""
+    from chameleon_ft.engine.schedule import ScheduleError, routes, slots_of, timed_orders
+
+    pipes = [plan.pipelines[members[i]] for i in rows]
+    if 2 * sum(p.microbatches * len(p.devices) for p in pipes) > COUPLED_TASKS:
+        return None
+    sub = Plan(tuple(pipes))
+    alive = set(sub.devices) - set(dead)
+    try:
+        rs = routes(sub, alive, {d: e for d, e in extra.items() if d in alive})
+    except ScheduleError:  # a dead stage whose micro-batches nobody takes: not a rerouted plan
+        return None
+    layers, memo = workload.layers, {}
+    fixed = task_s / 2 + hop_over / 2
+
+    def seconds(task, hop) -> float:
+        key = (task.kind, hop.lo, hop.hi, hop.worker)
+        if key not in memo:
+            work = sum((l.fwd_s if task.kind == "F" else l.bwd_s) for l in layers[hop.lo:hop.hi])
+            memo[key] = work / float(speed_of[lut[hop.worker]]) * cs + fixed
+        return memo[key]
+
+    done = timed_orders(rs, seconds, lambda a, b: hop_s)
+    return {i: max((done[s] for s in slots), default=0.0) for i, slots in zip(rows, slots_of(sub))}
+
+
 def estimate(
     plan: Plan,
     workload: Workload,
@@ -190,6 +229,16 @@ def estimate(
         t = np.where(mm > 0, fill + (n - 1) * period + hop * (n + p - 1), rerouted)
         bare = np.where(mm > 0, bare_fill + (n - 1) * bare_period, rerouted)
         t, bare = np.where(busy, t, 0.0), np.where(busy, bare, 0.0)
+        coupled = (dead_m.any(axis=1) | (e > 0).any(axis=1)) if p > 1 else np.zeros(len(members), dtype=bool)
+        if coupled.any() and (dead_m.any() or (e > 0).any()):
+            rows = np.flatnonzero(coupled).tolist()
+            timed = _coupled_times(plan, rows, members, frozenset(dead), extra, workload, cluster, speed_of, lut,
+                                   cs, coeffs.task_overhead_s, coeffs.hop_overhead_s,
+                                   float(x_max[rows].max()) / 2.0)
+            if timed is not None:
+                for i, ti in timed.items():
+                    bare[i] = ti - (t[i] - bare[i])  # the hops' share kept as the formula's
+                    t[i] = ti
         times[members] = t
         # Breakdown: the busiest stage's own work, waiting without any hop cost, what hops add.
         compute = np.where(busy, ((m + e) * c).max(axis=1), 0.0)

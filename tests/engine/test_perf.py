@@ -229,24 +229,48 @@ def test_reroute_merged_into_loop_items_holds_more_activations():
     assert estimate(plan, w, small, dead={0}, extra={1: 1, 2: 1}).over_memory == (1, 2)
 
 
-def test_reroute_in_pipelines_adds_periods_for_the_extra_micro_batches():
-    w = chain(COSTS, params=[1000] * 4, microbatches=8)
+def test_rerouted_pipelines_are_timed_on_the_runtimes_schedule():
+    w = chain(COSTS, params=[1000] * 4, microbatches=8)  # stage 0: 2 s forward + 4 s backward, stage 1: 3 + 6
     c = cluster(4)
     plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
     base = estimate(plan, w, c)
     est = estimate(plan, w, c, dead={0}, extra={2: 4})
-    # pipeline 1 takes pipeline 0's 4 micro-batches at stage 0: its stream runs 4 + 4 micro-batches,
-    # 4 more periods of its 1F1B (9 s: the slower stage sets the pace)
-    assert est.pipeline_times[1] == approx(base.pipeline_times[1] + 4 * 9)
-    assert est.pipeline_times[0] == approx(9 + 3 * 9)  # stage 1 of the broken pipeline still runs
+    # device 2 takes pipeline 0's 4 micro-batches at stage 0 (the runtime's routes and 1F1B
+    # orders, timed task by task): 75 s, 3 s under the per-pipeline form's 4 more periods
+    # (42 + 4 x 9) -- part of the extra work hides in the bubbles; pipeline 0's own micro-batches,
+    # first in device 2's order, are done at 42 s
+    assert base.pipeline_times == approx((42.0, 42.0))
+    assert est.pipeline_times == approx((42.0, 75.0))
     assert est.compute == approx(8 * 6)  # the busiest stage's work: device 2's 8 micro-batches
-    assert est.bubble == approx(est.pipeline_times[1] - 8 * 6) and est.p2p == 0.0  # no hop costs here
+    assert est.bubble == approx(75.0 - 8 * 6) and est.p2p == 0.0  # no hop costs here
     # stage 0 now has one holder (nothing to all-reduce), stage 1 still two
     assert est.allreduce == approx(ring_allreduce_s(2, 2000 * 4, INTRA))
-    # a dead stage on each side: each pipeline's survivor runs 8 micro-batches at its own pace
+    # a dead stage on each side: every micro-batch passes device 2 (stage 0) then device 1
+    # (stage 1, the slower): the first forward (2 s), device 1's 8 x 9 s, the last backward (4 s)
     est = estimate(plan, w, c, dead={0, 3}, extra={2: 4, 1: 4})
-    assert est.pipeline_times[0] == approx(8 * 9)
-    assert est.pipeline_times[1] == approx(8 * 6)
+    assert max(est.pipeline_times) == approx(2 + 8 * 9 + 4)
+
+
+def test_a_slow_stage_in_the_rerouted_pipeline_queues_behind_the_peers_doubled_stage():
+    """What the per-pipeline form missed (the quick trace's always-reroute: 0.57 s predicted,
+    0.68 s measured): pipeline 1's stage 0 is rerouted to device 0, which also runs pipeline 0's
+    own, and pipeline 1's stage 1 is 2x slow.  Each bottleneck alone is 8 x 6 s of work; together
+    the rerouted micro-batches wait at both."""
+    w = chain([2.0, 4.0, 2.0, 4.0], params=[1000] * 4, microbatches=8)  # two stages of 6 s
+    c = cluster(4, speeds=[1.0, 1.0, 1.0, 0.5])
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
+    est = estimate(plan, w, c, dead={2}, extra={0: 4})
+    per_pipeline = max(6 * 8, 6 + 12 + 3 * 12)  # device 0's 8 micro-batches; pipeline 1 alone at the slow pace
+    assert max(est.pipeline_times) > per_pipeline + 6
+
+
+def test_rerouting_too_large_to_time_falls_back_to_the_per_pipeline_form(monkeypatch):
+    import chameleon_ft.engine.perf as perf
+    w = chain([2.0, 4.0, 2.0, 4.0], params=[1000] * 4, microbatches=8)
+    c = cluster(4, speeds=[1.0, 1.0, 1.0, 0.5])
+    plan = Plan((Pipeline((0, 1), (0, 2, 4), 4), Pipeline((2, 3), (0, 2, 4), 4)))
+    monkeypatch.setattr(perf, "COUPLED_TASKS", 0)
+    assert estimate(plan, w, c, dead={2}, extra={0: 4}).pipeline_times == approx((54.0, 48.0))
 
 
 def test_dead_device_absent_from_the_cluster_holds_nothing():

@@ -9,7 +9,7 @@ from chameleon_ft.engine.perf import Coefficients
 from chameleon_ft.engine.plan import Pipeline, Plan
 from chameleon_ft.engine.planner import SearchSpace, plan_search
 from chameleon_ft.engine.migration import held_state, migrate, transfers_to
-from chameleon_ft.runtime.executors.pipeline.schedule import ScheduleError, Task, check, routes, worker_orders
+from chameleon_ft.engine.schedule import ScheduleError, Task, check, routes, worker_orders
 from chameleon_ft.engine.workload import Layer, Workload
 
 TWO_BY_FOUR = Plan((Pipeline((0, 1, 2, 3), (0, 2, 4, 6, 8), 4), Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 4)))

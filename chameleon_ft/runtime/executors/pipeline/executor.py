@@ -52,7 +52,7 @@ from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
 from chameleon_ft.runtime.executors.pipeline.calibration import calibration_row, read_rows
 from chameleon_ft.runtime.executors.pipeline.reduce import CommitPosts, holder_sets, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import PROBE_STEP, link_pairs, probe_links, probe_size, run_step
-from chameleon_ft.runtime.executors.pipeline.schedule import routes, worker_orders
+from chameleon_ft.engine.schedule import routes, worker_orders
 from chameleon_ft.runtime.recovery import ElasticConfig, RecoveryCore, seed_generators
 
 __all__ = ["PipelineExecutor"]

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from chameleon_ft.runtime.executors.pipeline.schedule import Route, Task
+from chameleon_ft.engine.schedule import Route, Task
 
 __all__ = ["run_step", "StepResult", "probe_links", "probe_size", "link_pairs", "PROBE_STEP"]
 

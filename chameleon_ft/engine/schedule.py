@@ -1,5 +1,8 @@
 """Which worker runs which blocks of which micro-batch, and in what order: pure, no torch.
 
+The pipeline runtime runs these orders; the performance model times them (``finish_times``) to
+price pipelines that rerouting couples (``perf.estimate``), so the schedule lives in the engine.
+
 A step of a pipeline plan is a set of *routes*: micro-batch ``slot`` passes through *hops*
 ``(worker, first block, stop block)`` that cover the block chain ``0..L`` in order.  Without a
 failure a route is its pipeline's stages.  Under rerouting (the engine's plan keeps dead
@@ -19,12 +22,12 @@ itself.  Every member computes the same schedule from the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from chameleon_ft.engine.plan import Plan
 from chameleon_ft.engine.reroute import reroute_load
 
-__all__ = ["Hop", "Route", "Task", "routes", "worker_orders", "check", "ScheduleError"]
+__all__ = ["Hop", "Route", "Task", "routes", "worker_orders", "check", "finish_times", "timed_orders", "ScheduleError"]
 
 
 class ScheduleError(RuntimeError):
@@ -63,16 +66,18 @@ def slots_of(plan: Plan) -> list[list[int]]:
     return out
 
 
-def routes(plan: Plan, alive: Iterable[int]) -> list[Route]:
+def routes(plan: Plan, alive: Iterable[int], extra: Mapping[int, float] | None = None) -> list[Route]:
     """Every micro-batch's route under ``plan`` with only ``alive`` workers.
 
     A dead stage's micro-batches are handed to its same-stage peers in the counts the engine's
-    ``reroute_load`` gives them (each peer takes a contiguous run, peers by id)."""
+    ``reroute_load`` gives them (each peer takes a contiguous run, peers by id), or ``extra``
+    where the caller has them (the performance model pricing a rerouted plan)."""
     alive = set(alive)
     dead = set(plan.devices) - alive
-    extra, why = reroute_load(plan, dead, alive) if dead else ({}, "")
-    if why:
-        raise ScheduleError(why)
+    if extra is None:
+        extra, why = reroute_load(plan, dead, alive) if dead else ({}, "")
+        if why:
+            raise ScheduleError(why)
     slots = slots_of(plan)
     # (bounds, stage) -> slots whose hop there has to go to a peer, in slot order
     orphaned: dict[tuple, list[int]] = {}
@@ -159,3 +164,54 @@ def worker_orders(rs: Sequence[Route]) -> dict[int, list[Task]]:
     if not check(rs, orders):  # cannot happen for monotone routes; a bug if it does
         raise ScheduleError("no consistent schedule for these routes")
     return orders
+
+
+def finish_times(rs: Sequence[Route], orders: dict[int, list[Task]],
+                 seconds: Callable[[Task, Hop], float], hop_s: Callable[[int, int], float]) -> dict[int, float]:
+    """When each micro-batch's backward leaves its first hop, timing the workers' orders: a task
+    starts once its worker finished the one before and its inputs arrived (``hop_s(from, to)``
+    seconds between two workers, none on the same one); it lasts ``seconds(task, hop)``.  Raises
+    ``ScheduleError`` where the orders wait on each other (as ``check``).  Linear in the tasks: a
+    worker is looked at again only when the task it waits for is done."""
+    route = {r.slot: r.hops for r in rs}
+    done: dict[tuple[str, int, int], float] = {}
+    free = dict.fromkeys(orders, 0.0)
+    at = dict.fromkeys(orders, 0)
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    todo = list(orders)
+    while todo:
+        w = todo.pop()
+        order = orders[w]
+        while at[w] < len(order):
+            t = order[at[w]]
+            hops = route[t.slot]
+            if t.kind == "F":
+                deps = () if t.hop == 0 else ((("F", t.slot, t.hop - 1), hops[t.hop - 1].worker),)
+            else:
+                deps = (((("F", t.slot, t.hop), w),) if t.hop == len(hops) - 1 else
+                        ((("F", t.slot, t.hop), w), (("B", t.slot, t.hop + 1), hops[t.hop + 1].worker)))
+            missing = next((k for k, _ in deps if k not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(w)
+                break
+            start = free[w]
+            for k, src in deps:
+                start = max(start, done[k] + (hop_s(src, w) if src != w else 0.0))
+            key = (t.kind, t.slot, t.hop)
+            free[w] = done[key] = start + seconds(t, hops[t.hop])
+            at[w] += 1
+            todo.extend(waiting.pop(key, ()))
+    if any(at[w] != len(o) for w, o in orders.items()):
+        raise ScheduleError("the orders wait on each other")
+    return {slot: done[("B", slot, 0)] for slot in route}
+
+
+def timed_orders(rs: Sequence[Route], seconds: Callable[[Task, Hop], float],
+                 hop_s: Callable[[int, int], float]) -> dict[int, float]:
+    """``finish_times`` of the orders ``worker_orders`` gives (1F1B, or GPipe where 1F1B waits on
+    itself), without simulating them twice."""
+    by = _tasks_by_worker(rs)
+    try:
+        return finish_times(rs, {w: _one_f_one_b(mine) for w, mine in by.items()}, seconds, hop_s)
+    except ScheduleError:
+        return finish_times(rs, {w: _gpipe(mine) for w, mine in by.items()}, seconds, hop_s)
