@@ -174,6 +174,29 @@ def finish_times(rs: Sequence[Route], orders: dict[int, list[Task]],
     ``ScheduleError`` where the orders wait on each other (as ``check``).  Linear in the tasks: a
     worker is looked at again only when the task it waits for is done."""
     route = {r.slot: r.hops for r in rs}
+    wire: dict[tuple[int, int], float] = {}
+
+    def link(a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        if (a, b) not in wire:
+            wire[(a, b)] = hop_s(a, b)
+        return wire[(a, b)]
+
+    plans = {}  # worker -> [(key, seconds, ((dependency key, its wire seconds), ...)), ...]
+    for w, order in orders.items():
+        steps = []
+        for t in order:
+            hops, slot, h = route[t.slot], t.slot, t.hop
+            if t.kind == "F":
+                deps = () if h == 0 else ((("F", slot, h - 1), link(hops[h - 1].worker, w)),)
+                key = ("F", slot, h)
+            else:
+                deps = ((("F", slot, h), 0.0),) if h == len(hops) - 1 else (
+                    (("F", slot, h), 0.0), (("B", slot, h + 1), link(hops[h + 1].worker, w)))
+                key = ("B", slot, h)
+            steps.append((key, seconds(t, hops[h]), deps))
+        plans[w] = steps
     done: dict[tuple[str, int, int], float] = {}
     free = dict.fromkeys(orders, 0.0)
     at = dict.fromkeys(orders, 0)
@@ -181,26 +204,25 @@ def finish_times(rs: Sequence[Route], orders: dict[int, list[Task]],
     todo = list(orders)
     while todo:
         w = todo.pop()
-        order = orders[w]
-        while at[w] < len(order):
-            t = order[at[w]]
-            hops = route[t.slot]
-            if t.kind == "F":
-                deps = () if t.hop == 0 else ((("F", t.slot, t.hop - 1), hops[t.hop - 1].worker),)
+        steps, i, clock = plans[w], at[w], free[w]
+        while i < len(steps):
+            key, dur, deps = steps[i]
+            start = clock
+            for k, wire in deps:
+                ready = done.get(k)
+                if ready is None:
+                    waiting.setdefault(k, []).append(w)
+                    break
+                start = max(start, ready + wire)
             else:
-                deps = (((("F", t.slot, t.hop), w),) if t.hop == len(hops) - 1 else
-                        ((("F", t.slot, t.hop), w), (("B", t.slot, t.hop + 1), hops[t.hop + 1].worker)))
-            missing = next((k for k, _ in deps if k not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(w)
-                break
-            start = free[w]
-            for k, src in deps:
-                start = max(start, done[k] + (hop_s(src, w) if src != w else 0.0))
-            key = (t.kind, t.slot, t.hop)
-            free[w] = done[key] = start + seconds(t, hops[t.hop])
-            at[w] += 1
-            todo.extend(waiting.pop(key, ()))
+                clock = done[key] = start + dur
+                i += 1
+                more = waiting.pop(key, None)
+                if more:
+                    todo.extend(more)
+                continue
+            break
+        at[w], free[w] = i, clock
     if any(at[w] != len(o) for w, o in orders.items()):
         raise ScheduleError("the orders wait on each other")
     return {slot: done[("B", slot, 0)] for slot in route}

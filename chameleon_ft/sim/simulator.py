@@ -9,8 +9,8 @@ the fixed policies model the systems people use today:
 ``adaptive``    the selector, global batch kept (the default a user gets)
 ``oracle``      the same selector deciding with the *true* cost model (only with model error)
 ``adaptive+shrink``  the selector with shrinking allowed (the user lets the global batch change)
-``reroute``     always reroute (ReCycle), heal repaired devices back in; restart when a stage
-                lost every replica
+``reroute``     always reroute (ReCycle's idea, priced as this runtime schedules it -- no bubble
+                filling), heal repaired devices back in; restart when a stage lost every replica
 ``replan``      always re-plan over the survivors (Oobleck)
 ``shrink``      drop broken replicas, smaller global batch (TorchFT); replicas heal back in
 ``restart``     checkpoint-restart on every membership change (torchrun elastic)
