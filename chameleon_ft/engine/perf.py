@@ -52,6 +52,7 @@ import numpy as np
 
 from chameleon_ft.engine.cluster import Cluster, Link
 from chameleon_ft.engine.plan import Plan, device_matrix
+from chameleon_ft.engine.schedule import ScheduleError, routes, slots_of, timed_orders
 from chameleon_ft.engine.workload import Workload
 
 
@@ -140,8 +141,6 @@ def _coupled_times(plan: Plan, rows, members, dead: frozenset, extra: Mapping[in
                    hop_s: float) -> dict[int, float] | None:
     """Each coupled pipeline's time (row -> seconds) on the runtime's schedule, or None when it
     is too large to time (see the module docstring)."""
-    from chameleon_ft.engine.schedule import ScheduleError, routes, slots_of, timed_orders
-
     pipes = [plan.pipelines[members[i]] for i in rows]
     if 2 * sum(p.microbatches * len(p.devices) for p in pipes) > COUPLED_TASKS:
         return None
@@ -230,7 +229,7 @@ def estimate(
         bare = np.where(mm > 0, bare_fill + (n - 1) * bare_period, rerouted)
         t, bare = np.where(busy, t, 0.0), np.where(busy, bare, 0.0)
         coupled = (dead_m.any(axis=1) | (e > 0).any(axis=1)) if p > 1 else np.zeros(len(members), dtype=bool)
-        if coupled.any() and (dead_m.any() or (e > 0).any()):
+        if coupled.any():
             rows = np.flatnonzero(coupled).tolist()
             timed = _coupled_times(plan, rows, members, frozenset(dead), extra, workload, cluster, speed_of, lut,
                                    cs, coeffs.task_overhead_s, coeffs.hop_overhead_s,

@@ -132,26 +132,11 @@ def _gpipe(mine: list[tuple[Route, int]]) -> list[Task]:
 
 def check(rs: Sequence[Route], orders: dict[int, list[Task]]) -> bool:
     """Whether the workers' local orders can all run to the end (no wait on each other)."""
-    hops = {r.slot: len(r.hops) for r in rs}
-    done: set[Task] = set()
-    at = {w: 0 for w in orders}
-    progress = True
-    while progress:
-        progress = False
-        for w, order in orders.items():
-            while at[w] < len(order):
-                t = order[at[w]]
-                if t.kind == "F":
-                    ready = t.hop == 0 or Task("F", t.slot, t.hop - 1) in done
-                else:
-                    ready = Task("F", t.slot, t.hop) in done and (
-                        t.hop == hops[t.slot] - 1 or Task("B", t.slot, t.hop + 1) in done)
-                if not ready:
-                    break
-                done.add(t)
-                at[w] += 1
-                progress = True
-    return all(at[w] == len(o) for w, o in orders.items())
+    try:
+        finish_times(rs, orders, lambda task, hop: 0.0, lambda a, b: 0.0)
+    except ScheduleError:
+        return False
+    return True
 
 
 def worker_orders(rs: Sequence[Route]) -> dict[int, list[Task]]:
