@@ -139,16 +139,27 @@ def check(rs: Sequence[Route], orders: dict[int, list[Task]]) -> bool:
     return True
 
 
+def _in_1f1b_else_gpipe(rs: Sequence[Route], run: Callable[[dict[int, list[Task]]], object]):
+    """``run`` on each worker's tasks in 1F1B order, or in GPipe order where 1F1B waits on itself
+    (``run`` raises ``ScheduleError``); GPipe order waiting too cannot happen for monotone
+    routes: a bug if it does."""
+    by = _tasks_by_worker(rs)
+    try:
+        return run({w: _one_f_one_b(mine) for w, mine in by.items()})
+    except ScheduleError:
+        pass
+    try:
+        return run({w: _gpipe(mine) for w, mine in by.items()})
+    except ScheduleError:
+        raise ScheduleError("no consistent schedule for these routes") from None
+
+
 def worker_orders(rs: Sequence[Route]) -> dict[int, list[Task]]:
     """Each worker's tasks in 1F1B order, or GPipe order where 1F1B would not be consistent."""
-    by = _tasks_by_worker(rs)
-    orders = {w: _one_f_one_b(mine) for w, mine in by.items()}
-    if check(rs, orders):
+    def consistent(orders):
+        finish_times(rs, orders, lambda task, hop: 0.0, lambda a, b: 0.0)
         return orders
-    orders = {w: _gpipe(mine) for w, mine in by.items()}
-    if not check(rs, orders):  # cannot happen for monotone routes; a bug if it does
-        raise ScheduleError("no consistent schedule for these routes")
-    return orders
+    return _in_1f1b_else_gpipe(rs, consistent)
 
 
 def finish_times(rs: Sequence[Route], orders: dict[int, list[Task]],
@@ -215,10 +226,5 @@ def finish_times(rs: Sequence[Route], orders: dict[int, list[Task]],
 
 def timed_orders(rs: Sequence[Route], seconds: Callable[[Task, Hop], float],
                  hop_s: Callable[[int, int], float]) -> dict[int, float]:
-    """``finish_times`` of the orders ``worker_orders`` gives (1F1B, or GPipe where 1F1B waits on
-    itself), without simulating them twice."""
-    by = _tasks_by_worker(rs)
-    try:
-        return finish_times(rs, {w: _one_f_one_b(mine) for w, mine in by.items()}, seconds, hop_s)
-    except ScheduleError:
-        return finish_times(rs, {w: _gpipe(mine) for w, mine in by.items()}, seconds, hop_s)
+    """``finish_times`` of the orders ``worker_orders`` gives, without simulating them twice."""
+    return _in_1f1b_else_gpipe(rs, lambda orders: finish_times(rs, orders, seconds, hop_s))

@@ -367,8 +367,8 @@ class _Job:
             self._record(now, "fail", "ignored", 0.0)
             return
         # Steps a restart redoes: the trace's own count where it knows it, else the time grid's.
-        since = self.setting.since_checkpoint(now)
-        self._redo = int(redo_steps) if redo_steps is not None else int(since / self.step_time)
+        self._redo = (int(redo_steps) if redo_steps is not None
+                      else int(self.setting.since_checkpoint(now) / self.step_time))
         cfg = replace(self.cfg, steps_since_checkpoint=self._redo)
         limit = self.setting.max_replacements
         if limit is not None and self.replaced >= limit:  # as the live engine: none left, no wait
