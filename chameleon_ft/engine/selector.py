@@ -78,6 +78,10 @@ class SelectorConfig:
     # A straggler rebalance of a pipeline plan may re-split its layers (a migration between two
     # steps); False: it only moves micro-batches between the running pipelines (no state moves).
     straggler_relayout: bool = True
+    # A re-plan's (or grow's) migration runs while the job trains on the running layout
+    # (rerouted around the dead), switching at a step boundary once the state has moved: its
+    # transition is the search and the rebuild only, the migration's seconds a rerouted phase.
+    overlap_migration: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.allowed) - set(POLICIES)
@@ -160,18 +164,41 @@ def _select(event: Event, state: JobState, config: SelectorConfig, mttf_s: float
     return Decision(event, mttf_s, options, best.policy if best else None, time.perf_counter() - t0, search_s)
 
 
-def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3):
+def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3, running_step=None):
     """The searched plan that scores best once its migration is priced in (a faster plan can
-    cost more to reach).  Small jobs weigh the ``top`` fastest; large ones only the fastest,
-    to stay within the decision budget."""
+    cost more to reach; overlapped, ``running_step`` is what the job runs meanwhile).  Small
+    jobs weigh the ``top`` fastest; large ones only the fastest, to stay within the decision
+    budget."""
     k = top if len(alive) <= 4 * cfg.space.global_limit else 1
     best = None
     for cand in result.candidates[:k] or [result.best]:
         mig = migrate(plan, cand.plan, w, cluster, alive)
-        value = score(w.global_batch, cand.estimate.step_time, cfg.search_s + mig.seconds + cfg.rebuild_s, mttf_s)
+        t = cand.estimate.step_time
+        if running_step is not None and mig.transfers:
+            value = phased_score(overlapped_phases(cfg, mig.seconds, running_step, t, w.global_batch)[1], mttf_s)
+        else:
+            value = score(w.global_batch, t, cfg.search_s + mig.seconds + cfg.rebuild_s, mttf_s)
         if best is None or value > best[0]:
             best = (value, cand, mig)
     return best[1], best[2]
+
+
+def overlapped_phases(cfg: SelectorConfig, migration_s: float, running_step: float, step: float,
+                      batch: int) -> tuple[float, tuple]:
+    """An overlapped migration (``SelectorConfig.overlap_migration``): (its un-overlapped
+    transition -- the search and the rebuild --, the phases: the running layout while the
+    state moves, then the new one)."""
+    u = cfg.search_s + cfg.rebuild_s
+    return u, ((u, u + migration_s, running_step, batch), (u + migration_s, math.inf, step, batch))
+
+
+def _overlap(o: Option, running_step, cfg: SelectorConfig) -> None:
+    """Price ``o`` (a re-plan or grow with transfers) as overlapped: see ``overlapped_phases``."""
+    if running_step is None or o.migration is None or not o.migration.transfers:
+        return
+    o.transition_s, o.phases = overlapped_phases(cfg, o.migration.seconds, running_step, o.step_time,
+                                                 o.global_batch)
+    o.breakdown = {**o.breakdown, "overlapped_s": o.migration.seconds, "running_step_s": running_step}
 
 
 def _option_from_plan(policy: str, plan: Plan, state: JobState, cluster: Cluster, running: bool = False,
@@ -210,6 +237,12 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
         o.transition_s, o.global_batch = cfg.rebuild_s, _plan_batch(state)
         o.dead = frozenset(dead)
         options.append(o)
+    # What an overlapped re-plan runs while its state moves: the layout rerouted around the dead.
+    running = None
+    if cfg.overlap_migration and plan.max_depth > 1 and not lost and not why:
+        rr = options[-1] if options[-1].policy == "reroute" and options[-1].feasible else \
+            _option_from_plan("reroute", plan, state, state.cluster, dead=frozenset(dead), extra=extra)
+        running = rr.step_time if rr.feasible else None
 
     # replan (also the layout every other over-the-survivors option restarts with)
     best = mig = None
@@ -219,7 +252,7 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
     if wanted & {"replan", "restart", "recompute", "rehabilitate"}:
         try:
             result = plan_search(w, survivors, state.coeffs, cfg.space, survivors=alive, base=plan)
-            best, mig = _best_by_score(result, plan, w, survivors, alive, cfg, mttf_s)
+            best, mig = _best_by_score(result, plan, w, survivors, alive, cfg, mttf_s, running_step=running)
         except PlanError as e:
             replan_why = str(e)
     measured = time.perf_counter() - t0
@@ -234,7 +267,9 @@ def _failure_options(event: Event, state: JobState, cfg: SelectorConfig, mttf_s:
             migration=mig, breakdown=best.estimate.breakdown(),
         )
         if cfg.replacement_eta_s is not None and max(plan.max_depth, mig.plan.max_depth) > 1:
-            _grow_back(o, plan, dead, state, cfg)
+            _grow_back(o, plan, dead, state, cfg, running)
+        else:
+            _overlap(o, running, cfg)
         options.append(o)
 
     # shrink: drop every pipeline that lost a device (whole shard groups under FSDP)
@@ -414,7 +449,8 @@ def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: Job
     return rerouted
 
 
-def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: SelectorConfig) -> None:
+def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: SelectorConfig,
+               running=None) -> None:
     """A replacement is expected: a pipeline re-plan runs until it arrives, then the job grows
     back to the plan before the failure (this migration the other way, and the replacement
     healed) -- the phases ``wait`` is scored over too, so that the two compare like for like.
@@ -424,22 +460,35 @@ def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: Sele
     membership change interrupts the recovery, the runtime undoes the re-plan (nobody dropped a
     block) and heals the replacement into the old plan (``PipelineExecutor.source_payload``).
     Nothing trains until then -- priced so, a re-plan no longer wins there on a layout it would
-    never reach (it did on the ``slowlink`` trace, 2026-12-03)."""
+    never reach (it did on the ``slowlink`` trace, 2026-12-03).  ``running``: the migration is
+    overlapped (``overlapped_phases``) and the job runs this step time meanwhile, so also until
+    an interrupting replacement arrives; growing back is overlapped too."""
     full = estimate(plan, state.workload, state.cluster, state.coeffs)
     B = o.global_batch
     heal = heal_seconds(plan, dead, state.workload, state.cluster)
-    if cfg.replacement_eta_s < o.transition_s:
-        o.phases = ((cfg.replacement_eta_s + heal + cfg.rebuild_s, math.inf, full.step_time, B),)
+    overlap = running is not None and o.migration is not None and bool(o.migration.transfers)
+    u = cfg.search_s + cfg.rebuild_s if overlap else o.transition_s
+    moved = u + o.migration.seconds if overlap else o.transition_s  # the state is where the plan wants it
+    if cfg.replacement_eta_s < moved:
+        grown = ((cfg.replacement_eta_s + heal + cfg.rebuild_s, math.inf, full.step_time, B),)
+        o.phases = ((u, cfg.replacement_eta_s, running, B),) + grown if overlap else grown
+        o.transition_s = u
         o.reason = (f"the replacement expected in {cfg.replacement_eta_s:.1f} s arrives during the "
-                    f"{o.transition_s:.1f} s re-plan: its migration would be undone and the replacement healed")
+                    f"{o.migration.seconds if overlap else o.transition_s:.1f} s re-plan: its migration would "
+                    "be undone and the replacement healed")
         o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s,
                        "interrupted": 1.0}
         return
+    if overlap:
+        _overlap(o, running, cfg)
     if not full.fits or full.step_time >= o.step_time:
         return  # the re-planned layout is as fast as the old one: it stays when the replacement comes
-    start = o.transition_s
-    back = max(cfg.replacement_eta_s, start) + o.migration.seconds + heal + cfg.rebuild_s
-    o.phases = ((start, max(cfg.replacement_eta_s, start), o.step_time, B), (back, math.inf, full.step_time, B))
+    start = max(cfg.replacement_eta_s, moved)
+    back = start + o.migration.seconds + heal + cfg.rebuild_s
+    if overlap:  # the re-planned layout runs while the state moves back
+        o.phases = ((u, moved, running, B), (moved, back, o.step_time, B), (back, math.inf, full.step_time, B))
+    else:
+        o.phases = ((moved, start, o.step_time, B), (back, math.inf, full.step_time, B))
     o.breakdown = {**o.breakdown, "grown_step_s": full.step_time, "arrival_s": cfg.replacement_eta_s}
 
 
@@ -498,11 +547,12 @@ def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[l
         result = plan_search(w, grown, state.coeffs, cfg.space, survivors=alive, base=plan)
         best = result.best
         mig = migrate(plan, best.plan, w, grown, alive, empty=set(event.devices))
-        options.append(Option(
-            "grow", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
-            transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=B,
-            plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown(),
-        ))
+        o = Option("grow", True, step_time=best.estimate.step_time, peak_memory=best.estimate.peak_memory,
+                   transition_s=cfg.search_s + mig.seconds + cfg.rebuild_s, global_batch=B,
+                   plan=mig.plan, migration=mig, breakdown=best.estimate.breakdown())
+        if cfg.overlap_migration and plan.max_depth > 1:
+            _overlap(o, keep.step_time, cfg)  # the joiners wait idle while their state moves
+        options.append(o)
     except PlanError as e:
         options.append(Option("grow", False, str(e)))
     return options, time.perf_counter() - t0

@@ -37,6 +37,12 @@ class ElasticConfig:
     emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
         an emulated network -- a message between stages is held until ``latency + bytes /
         bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
+    overlap_migration: pipeline jobs: a re-plan's (or grow's) migration runs in the background
+        while the job trains on the running layout (rerouted around the dead); the workers that
+        receive blocks keep them current from the blocks' reduced gradients, and the job switches
+        to the new layout at a step boundary once all have them -- the same trajectory.  The
+        engine prices the migration as a rerouted phase, not a pause.  Off: the job pauses while
+        the state moves (``executors/pipeline/overlap.py``).
     shard_recovery: sharded jobs: the ways back the engine may choose from (``heal``,
         ``recompute``, ``rehabilitate``, ``restart``); None: all of them.
     device_memory_bytes: each device's memory, for the engine's fit checks: a plan whose
@@ -71,6 +77,7 @@ class ElasticConfig:
     items_per_step: int = 0
     min_replicas: int = 2
     emulate_link: Optional[tuple[float, float]] = None
+    overlap_migration: bool = False
     shard_recovery: Optional[frozenset] = None
     device_memory_bytes: Optional[float] = None
     one_microbatch_each: bool = False

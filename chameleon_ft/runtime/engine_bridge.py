@@ -115,7 +115,7 @@ class EngineBridge(PipelineCalibration):
         # Bytes per parameter that a migration moves (weights, optimizer state): measured by
         # the pipeline runtime after its first step, so the migration plan predicts real bytes.
         self.weight_bytes, self.optim_bytes = 4, 8
-        self.last_migration = None
+        self.last_migration, self.overlap_migration = None, False  # (ElasticConfig.overlap_migration)
         # Pipeline re-plans keep at least this many pipelines (copies of every block).
         self.min_replicas = 2
         # Until every member confirms a re-plan's migration: the plan and load before it and the workers
@@ -134,9 +134,7 @@ class EngineBridge(PipelineCalibration):
         # observed in this job: once there is one, the ETA is their median, not the prior.
         self.replacement_delays: list[float] = []
         self._lost_at: dict[int, float] = {}  # worker -> wall time its loss was agreed
-        self.mttf_s = mttf_s
-        self.rebuild_s = rebuild_s
-        self.restart_s = restart_s
+        self.mttf_s, self.rebuild_s, self.restart_s = mttf_s, rebuild_s, restart_s
         self.stragglers = stragglers
         # What the executor carries out (its ``POLICIES`` less what the user ruled out); None:
         # everything the engine knows (a bridge used on its own, e.g. in a test).
@@ -226,6 +224,7 @@ class EngineBridge(PipelineCalibration):
             allowed=self.allowed, allow_batch_change=self.allow_batch_change, replacement_eta_s=self._eta(dead),
             rebuild_s=rebuild, restart_s=self.restart_s, search_s=self.search_s,
             steps_since_checkpoint=steps_since_checkpoint, straggler_relayout=self.stages == 1,
+            overlap_migration=self.overlap_migration and self.stages > 1,
             space=SearchSpace(pp_max=None if self.stages > 1 else 1, min_microbatches=1,
                               dp_min=self.min_replicas if self.stages > 1 else 1))
 

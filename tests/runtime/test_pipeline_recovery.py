@@ -297,3 +297,40 @@ def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
     healed = [e for e in read_events(tmp_path) if e["event"] == "migration" and e.get("transfers")
               and e["step"] > 0]
     assert healed, "no peer sent blocks to the replacement"
+
+
+def test_replan_migration_overlapped_with_rerouted_steps(tmp_path, reference):
+    """Issue 27 (3): with ``overlap_migration`` a worker killed from outside is re-planned
+    *without pausing*: the job trains rerouted while the blocks move (each transfer stretched by
+    a ``slow`` fault at the ``migrate`` phase), the receivers keep their copies current from
+    the blocks' reduced gradients, and every member switches to the new layout at one step
+    boundary -- exactly once, bitwise-equal replicas, within 1e-5 of the failure-free run."""
+    victim = random.choice([1, 2, 5, 6])
+    codes, j = kill_run(tmp_path, [victim], "--allowed", "replan", "--overlap", at_step=3, hang_timeout=20.0,
+                        launch_args=("--faults", "slow:rank=0,1,2,3,4,5,6,7:phase=migrate:factor=4:from=1"))
+    assert codes == [0], j.output()[-4000:]
+    finals = j.final()
+    assert sorted(finals) == sorted(set(range(8)) - {victim})
+    check_run(tmp_path, finals, reference)
+    ds = decisions(tmp_path)
+    assert [d["chosen"] for d in ds] == ["replan"] and ds[0]["event"]["devices"] == [victim], ds
+    replan = next(o for o in ds[0]["candidates"] if o["policy"] == "replan")
+    # Priced overlapped: the transition is the un-overlapped part, the migration a rerouted phase.
+    assert replan["phases"][0]["until_s"] - replan["phases"][0]["from_s"] == pytest.approx(
+        replan["migration"]["seconds"], rel=1e-6)
+    assert replan["transition_s"] == replan["phases"][0]["from_s"]
+    assert replan["breakdown"]["overlapped_s"] == replan["migration"]["seconds"]
+    evs = read_events(tmp_path)
+    start = [e for e in evs if e["event"] == "migration" and e.get("phase") == "start" and e["step"] > 0]
+    ends = [e for e in evs if e["event"] == "migration" and e.get("phase") == "end" and e["step"] > 0]
+    assert len(start) == 1 and start[0]["overlapped"], start
+    assert ends and all(e["overlapped"] for e in ends), ends
+    # Steps were committed while the state moved, and every member switched after the same one.
+    assert {e["step"] for e in ends} == {ends[0]["step"]} and ends[0]["step"] > start[0]["step"], ends
+    assert min(e["steps_overlapped"] for e in ends) >= 1, ends
+    steps = {e["step"] for e in evs if e["event"] == "step" and start[0]["step"] <= e["step"] < ends[0]["step"]}
+    assert steps, "no step ran during the migration"
+    # Only what is missing moved, exactly the migration plan's bytes; the job ends on its plan.
+    assert sum(e["bytes"] for e in ends) == replan["migration"]["bytes"]
+    result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
+    assert result["plan"] == replan["plan"], (result["plan"], replan["plan"])

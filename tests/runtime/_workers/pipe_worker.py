@@ -68,6 +68,7 @@ def main():
     p.add_argument("--slow", default=None, help="W:F: worker W's emulated compute F times slower")
     p.add_argument("--emulate-link", default=None, help="LATENCY_S:BANDWIDTH_BPS (ElasticConfig.emulate_link)")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--overlap", action="store_true", help="ElasticConfig.overlap_migration")
     p.add_argument("--straggler-window", type=int, default=None, help="the straggler detector's window (steps)")
     p.add_argument("--checkpoint", default=None, help="ElasticTrainer(checkpoint=...)")
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -107,7 +108,7 @@ def main():
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.7),
         seed=SEED, stages=a.stages, checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every,
         config=ElasticConfig(allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
-                             mttf_s=a.mttf,
+                             mttf_s=a.mttf, overlap_migration=a.overlap,
                              straggler_options={"window": a.straggler_window} if a.straggler_window else None,
                              emulate_link=tuple(map(float, a.emulate_link.split(":"))) if a.emulate_link else None))
     def on_step(ctx):

@@ -25,8 +25,8 @@ member then runs the rounds (``migration.py``: weights, optimizer and scheduler 
 blocks, point to point, only what is missing) and drops the blocks its slot no longer has.
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
-Limits, honestly: the migration runs during recovery, not overlapped with rerouted steps;
-shrink is off; a straggler rebalance moves micro-batches between the running pipelines, no state
+With ``ElasticConfig.overlap_migration`` the job trains on, rerouted, while the state moves, and
+switches at a step boundary (``overlap.py``).  Limits, honestly: shrink is off; a straggler rebalance moves micro-batches between the running pipelines, no state
 (docs/runtime-pipeline.md); no gradient clipping over the whole model (each block's optimizer is its own).
 """
 
@@ -47,8 +47,9 @@ from chameleon_ft.engine.migration import critical_path, held_state, transfers_t
 from chameleon_ft.runtime.errors import ConfigError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime import codec as run_state
-from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt, migration
+from chameleon_ft.runtime.executors.pipeline import checkpoint as ckpt, migration, overlap
 from chameleon_ft.runtime.executors.pipeline.blocks import Blocks
+from chameleon_ft.runtime.executors.pipeline.holdings import covers, held_ranges
 from chameleon_ft.runtime.executors.pipeline.calibration import calibration_row, read_rows
 from chameleon_ft.runtime.executors.pipeline.reduce import CommitPosts, holder_sets, reduce_sets
 from chameleon_ft.runtime.executors.pipeline.step import PROBE_STEP, link_pairs, probe_links, probe_size, run_step
@@ -164,6 +165,8 @@ class PipelineExecutor(RecoveryCore):
         self._measured_step = None  # the executor's StepResult of the step being committed
         self._optimizer_s = (0.0, 0.0)  # the last optimizer step: seconds, parameters
         self._last_commit: Optional[float] = None
+        self._overlap: Optional[overlap.Overlap] = None  # a migration running while the job trains
+        self.policy.overlap_migration = bool(cfg.overlap_migration)
         link = self.cfg.emulate_link
         if link is not None:
             lat, bw = float(link[0]), float(link[1])
@@ -264,8 +267,7 @@ class PipelineExecutor(RecoveryCore):
         meanwhile recovers as after a step and leaves the previous checkpoint in force."""
         step, folder = self.step, ckpt.blocks_dir(path, self.step)
         digests = torch.zeros(len(self.blocks), dtype=torch.int64)
-        self._schedule()
-        for holders, blocks in self._sets:
+        for holders, blocks in holder_sets(self.policy.plan, self.policy.alive, len(self.blocks)):
             if holders and holders[0] == self.worker_id:
                 for b in blocks:
                     digests[b] = ckpt.write_block(folder, b, self.block_state(b))
@@ -300,49 +302,11 @@ class PipelineExecutor(RecoveryCore):
         """Per block: 2 = this member holds the job's state of it, 1 = only built here, 0 = no."""
         return [2 if b in self.agreed else int(b in self.held) for b in range(len(self.blocks))]
 
-    def _holdings(self, members) -> dict[int, list[tuple[int, int]]]:
-        """Layer ranges each member holds at the agreed step (from the recovery all-reduce).
-        Before the first step a block nobody holds agreed state of is taken from the lowest
-        member that built it (every copy is a valid initialisation; one must win)."""
-        top = max(self.peer_steps)
-        own: dict[int, set[int]] = {w: set() for w in members}
-        for b in range(len(self.blocks)):
-            flags = [f[b] for f in self.peer_fields]
-            if 2 in flags:
-                for w, f in zip(members, flags):
-                    if f == 2:
-                        own[w].add(b)
-            elif top == 0 and 1 in flags:
-                own[members[flags.index(1)]].add(b)
-        out = {}
-        for w, blocks in own.items():
-            ranges, lo = [], None
-            for b in range(len(self.blocks) + 1):
-                if b in blocks and lo is None:
-                    lo = b
-                elif b not in blocks and lo is not None:
-                    ranges.append((lo, b))
-                    lo = None
-            out[w] = ranges
-        return out
-
-    @staticmethod
-    def _covers(plan: Plan, holdings: dict) -> bool:
-        """Every alive device of ``plan`` holds its slot's blocks."""
-        for pipe in plan.pipelines:
-            for s, d in enumerate(pipe.devices):
-                if d in holdings:
-                    lo, hi = pipe.layers_of_stage(s)
-                    have = {b for a, c in holdings[d] for b in range(a, c)}
-                    if not set(range(lo, hi)) <= have:
-                        return False
-        return True
-
     def source_payload(self, view, info) -> dict:
         members = view.members
-        holdings = self._holdings(members)
+        holdings = held_ranges(self.peer_fields, self.peer_steps, members, len(self.blocks))
         if self.policy.migrating_from is not None:  # a failure interrupted the last migration
-            if self._covers(self.policy.plan, holdings):
+            if covers(self.policy.plan, holdings):
                 self.policy.migrating_from = None  # every block already where the new plan wants it
             else:
                 self.policy.undo_migration()
@@ -377,23 +341,28 @@ class PipelineExecutor(RecoveryCore):
             payload["decisions"].append({"chosen": "restart", "reason": f"no survivor holds {lost}"})
             return payload
         self.policy.last_migration = None
-        if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
-            self.policy.begin_migration(before)
-            payload["engine"] = self.policy.state_dict()
         payload["migration"] = {"rounds": [[[t.src, t.dst, t.layers[0], t.layers[1]] for t in r]
                                            for r in mig.rounds],
                                 "predicted_bytes": mig.total_bytes, "predicted_s": mig.seconds}
+        if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
+            if not (self.cfg.overlap_migration and overlap.plan(self, payload, old_plan, members)):
+                self.policy.begin_migration(before)
+            payload["engine"] = self.policy.state_dict()
         return payload
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
         self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
         self._last_commit = None  # the next commit interval would include this recovery
+        if self._overlap is not None:  # a recovery ends an overlapped migration (overlap.py)
+            self._overlap, _ = None, self._overlap.cancel()
         plan = payload.get("migration") or {"rounds": []}
         want = self.slot_blocks()
         t0 = time.perf_counter()
         if plan["rounds"] and self._is_source and self.log:
             self.log.write("migration", step=self.step, phase="start", rounds=plan["rounds"],
-                           predicted_bytes=plan.get("predicted_bytes"))
+                           predicted_bytes=plan.get("predicted_bytes"), overlapped=bool(plan.get("overlap")))
+        if plan.get("overlap"):  # snapshot now, move in the background, switch later
+            self._overlap, plan = overlap.Overlap(self, plan), {"rounds": []}
         moved = migration.run(self, plan["rounds"], self.hang_timeout_s)
         timed = migration.confirm(self, plan["rounds"], moved, self.hang_timeout_s) if plan["rounds"] else []
         self.policy.migrating_from = None
@@ -453,11 +422,12 @@ class PipelineExecutor(RecoveryCore):
     # ---------------------------------------------------------------- one step
     def _schedule(self):
         plan = self.policy.plan
-        key = (repr(plan.to_json()), tuple(sorted(self.policy.alive)))
+        key = (repr(plan.to_json()), tuple(sorted(self.policy.alive)), id(self._overlap))
         if key != self._schedule_key:
             self._routes = routes(plan, self.policy.alive)
             self._orders = worker_orders(self._routes)
-            self._sets = holder_sets(plan, self.policy.alive, len(self.blocks))  # who reduces what
+            self._sets = holder_sets(plan, self.policy.alive, len(self.blocks),  # who reduces what
+                                     self._overlap.shadows if self._overlap else None)
             self._schedule_key = key
         return self._routes, self._orders.get(self.worker_id, [])
 
@@ -501,7 +471,14 @@ class PipelineExecutor(RecoveryCore):
 
     def sync_and_step(self, loss: float = 0.0) -> bool:
         self.faults.at(self.step, "allreduce")
-        held_numel = sum(self.block_numel[b] for b in self.held)
+        ov = self._overlap
+        if ov is not None:
+            if ov.error:  # the background transfers broke off: end the generation, decide again
+                self._recover(self.gm._local_failure(f"overlapped migration: {ov.error}", "peer_error"),
+                              time.perf_counter())
+                return False
+            ov.install(self)
+        held_numel = sum(self.block_numel[b] for b in self.held - (ov.mine if ov else set()))
         frac = held_numel / max(1, sum(self.block_numel))
         t0 = time.perf_counter()
         try:
@@ -513,7 +490,8 @@ class PipelineExecutor(RecoveryCore):
         sets_s = time.perf_counter() - t0
         # Compute is reported per whole-model micro-batch (the engine's unit): this worker's
         # seconds scaled by the share of the model it runs.  The commit point (reduce.py).
-        parts = [torch.tensor([loss], dtype=self.dtype), self._calibration_row()]
+        # [loss, blocks not yet caught up (overlap.py), calibration row]
+        parts = [torch.tensor([loss, ov.pending() if ov else 0], dtype=self.dtype), self._calibration_row()]
         reduced = self._reduce_step(parts, self._compute_s / frac if frac else 0.0)
         if reduced is None:
             return False
@@ -521,14 +499,20 @@ class PipelineExecutor(RecoveryCore):
         self.faults.at(self.step, "optimizer")
         t_opt = time.perf_counter()
         self._apply_update(self._staged)
+        if ov is not None:
+            ov.keep(self._staged)
         self._staged = None
         # Shared with the next step's calibration row: (seconds, parameters updated).
         self._optimizer_s = (time.perf_counter() - t_opt, float(held_numel))
         if not self._measured and self.held:
             self._measure_state_bytes()
         self.last_loss = float(buf[0])
-        self._observe_calibration(buf[1:])
+        self._observe_calibration(buf[2:])
         self._finish_step(timings, sets_s + comm)
+        if ov is not None and ov is self._overlap:  # the job is not at the Decision's layout yet
+            self._tracker.cancel()
+            if float(buf[1]) == 0:  # every member caught up: the new layout from the next step
+                overlap.switch(self)
         # Pipeline jobs report commit-to-commit seconds (what the engine's step time is checked
         # against); the step's own seconds when a recovery came between.
         now = time.perf_counter()
@@ -546,6 +530,8 @@ class PipelineExecutor(RecoveryCore):
         rank_of = {w: i for i, w in enumerate(self.view.members)}
 
         def grads_of(b: int) -> list[torch.Tensor]:
+            if b not in self.held:  # a shadow holder (overlap.py) adds nothing
+                return [torch.zeros(self.block_numel[b], dtype=self.dtype)]
             return [p.grad.detach().reshape(-1).to("cpu", self.dtype) if p.grad is not None
                     else torch.zeros(p.numel(), dtype=self.dtype) for p in self.blocks[b].parameters()]
         return self._store_op(lambda: reduce_sets(self.gm, self._sets, self.worker_id, rank_of, grads_of,
@@ -564,16 +550,20 @@ class PipelineExecutor(RecoveryCore):
     def _apply_update(self, reduced: dict[int, torch.Tensor]) -> None:
         """Set each held block's gradients from its reduced gradient and step its optimizer."""
         for b in sorted(self.held):
-            params, flat, at = list(self.blocks[b].parameters()), reduced[b], 0
-            for p in params:
-                # A view of the reduced buffer where it already is (no copy on the CPU).
-                p.grad = flat[at:at + p.numel()].view_as(p).to(p.device, p.dtype)
-                at += p.numel()
-            self.block_opt[b].step()
-            if b in self.block_sched:
-                self.block_sched[b].step()
-            for p in params:
-                p.grad = None
+            self.step_block(b, reduced[b])
+
+    def step_block(self, b: int, flat: torch.Tensor) -> None:
+        """One optimizer (and scheduler) step of held block ``b`` with ``flat``, its reduced gradient."""
+        params, at = list(self.blocks[b].parameters()), 0
+        for p in params:
+            # A view of the reduced buffer where it already is (no copy on the CPU).
+            p.grad = flat[at:at + p.numel()].view_as(p).to(p.device, p.dtype)
+            at += p.numel()
+        self.block_opt[b].step()
+        if b in self.block_sched:
+            self.block_sched[b].step()
+        for p in params:
+            p.grad = None
 
     def _measure_state_bytes(self) -> None:
         """Bytes per parameter of weights and of optimizer state, as the engine's workload

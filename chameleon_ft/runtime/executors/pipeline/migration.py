@@ -26,34 +26,57 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime import codec as run_state
 
-__all__ = ["confirm", "run"]
+__all__ = ["confirm", "encode_tree", "recv_tree", "run", "send_encoded", "walk"]
 
 _NOMINAL_BPS = 1e6  # fault injection only (see run)
 _BASE_TAG = 1 << 30  # above every tag a pipeline step uses (gloo tags are C ints)
 
 
-def _send_tree(gm, dst_rank: int, tag: int, tree, timeout_s: float) -> int:
+class _Port:
+    """Point-to-point ops and their wait, on the generation's group (``GroupManager``: fail
+    fast) -- ``overlap.py`` has another, on a group captured for a background thread."""
+
+    def __init__(self, gm, timeout_s: float):
+        self.gm, self.timeout_s = gm, timeout_s
+
+    def send(self, t, dst: int, tag: int):
+        return self.gm.send(t, dst, tag)
+
+    def recv(self, t, src: int, tag: int):
+        return self.gm.recv(t, src, tag)
+
+    def wait(self, works: list) -> None:
+        self.gm.wait_p2p(works, self.timeout_s)
+
+
+def encode_tree(tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree`` as the three messages of a transfer (sizes, JSON skeleton, raw tensor bytes):
+    a copy, so a snapshot of state that goes on changing."""
     skeleton, tensors = run_state.encode(tree)
     blob = json.dumps({"tree": skeleton, "specs": run_state._specs(tensors)}).encode()
     body = run_state._pack(tensors)
     meta = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    sizes = torch.tensor([meta.numel(), body.numel()], dtype=torch.int64)
-    works = [gm.send(sizes, dst_rank, tag), gm.send(meta, dst_rank, tag + 1)]
+    return torch.tensor([meta.numel(), body.numel()], dtype=torch.int64), meta, body
+
+
+def send_encoded(port, dst_rank: int, tag: int, enc) -> int:
+    sizes, meta, body = enc
+    works = [port.send(sizes, dst_rank, tag), port.send(meta, dst_rank, tag + 1)]
     if body.numel():
-        works.append(gm.send(body, dst_rank, tag + 2))
-    gm.wait_p2p(works, timeout_s)
+        works.append(port.send(body, dst_rank, tag + 2))
+    port.wait(works)
     return int(body.numel())
 
 
-def _recv_tree(gm, src_rank: int, tag: int, timeout_s: float):
+def recv_tree(port, src_rank: int, tag: int):
     sizes = torch.zeros(2, dtype=torch.int64)
-    gm.wait_p2p([gm.recv(sizes, src_rank, tag)], timeout_s)
+    port.wait([port.recv(sizes, src_rank, tag)])
     meta = torch.empty(int(sizes[0]), dtype=torch.uint8)
     body = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    works = [gm.recv(meta, src_rank, tag + 1)]
+    works = [port.recv(meta, src_rank, tag + 1)]
     if body.numel():
-        works.append(gm.recv(body, src_rank, tag + 2))
-    gm.wait_p2p(works, timeout_s)
+        works.append(port.recv(body, src_rank, tag + 2))
+    port.wait(works)
     info = json.loads(bytes(meta.numpy()).decode())
     return run_state.decode(info["tree"], run_state._unpack(body, info["specs"])), int(body.numel())
 
@@ -80,6 +103,25 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
 
 
 def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
+    port = _Port(ctx.gm, timeout_s)
+
+    def tree_of(lo: int, hi: int) -> dict:
+        missing = [b for b in range(lo, hi) if b not in ctx.held]
+        if missing:
+            raise RuntimeError(f"worker {ctx.worker_id} was asked to send blocks {missing} it does not hold")
+        return {str(b): ctx.block_state(b) for b in range(lo, hi)}
+
+    def received(lo: int, hi: int, tree: dict) -> None:
+        for b in range(lo, hi):
+            ctx.put_block(b, tree[str(b)])
+    walk(ctx, port, rounds, _BASE_TAG, lambda lo, hi, dst: encode_tree(tree_of(lo, hi)), received, out,
+         lambda lo, hi, dst: sum(ctx.state_bytes(b) for b in range(lo, hi)), lambda s: _hold(ctx.gm, s))
+
+
+def walk(ctx, port, rounds: list, base_tag: int, encoded, received, out: dict, state_bytes, hold) -> None:
+    """Walk ``rounds`` as ``ctx.worker_id`` (module doc): a sender sends ``encoded(lo, hi, dst)``, a
+    receiver hands the tree to ``received(lo, hi, tree)``; ``hold(seconds)``: the emulated
+    link's time.  Counts into ``out`` (see ``run``)."""
     me = ctx.worker_id
     rank_of = {w: i for i, w in enumerate(ctx.view.members)}
     delay = getattr(ctx, "_link_delay", None)  # the emulated network (ElasticConfig.emulate_link)
@@ -87,40 +129,36 @@ def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
     flat = 0
     for k, rnd in enumerate(rounds):
         for i, (src, dst, lo, hi) in enumerate(rnd):
-            tag = _BASE_TAG + (k * 4096 + i) * 4
+            tag = base_tag + (k * 4096 + i) * 4
             flat += 1
             if me not in (src, dst):
                 continue
             if src == me:
-                missing = [b for b in range(lo, hi) if b not in ctx.held]
-                if missing:
-                    raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
-                tree = {str(b): ctx.block_state(b) for b in range(lo, hi)}
+                enc = encoded(lo, hi, dst)
                 if delay is not None:
                     # An emulated link carries a transfer once both ends are free: wait for the
                     # receiver (gloo's send of a block can complete into socket buffers while
                     # the receiver is still busy, and the hold would overlap its other transfer).
-                    ctx.gm.wait_p2p([ctx.gm.recv(ready, rank_of[dst], tag + 3)], timeout_s)
+                    port.wait([port.recv(ready, rank_of[dst], tag + 3)])
                 began = time.perf_counter()
-                nbytes = _send_tree(ctx.gm, rank_of[dst], tag, tree, timeout_s)
+                nbytes = send_encoded(port, rank_of[dst], tag, enc)
                 out["wire_bytes"] += nbytes
-                out["state_bytes"] += sum(ctx.state_bytes(b) for b in range(lo, hi))
+                out["state_bytes"] += state_bytes(lo, hi, dst)
                 out["transfers"] += 1
             else:
                 if delay is not None:
-                    ctx.gm.wait_p2p([ctx.gm.send(ready, rank_of[src], tag + 3)], timeout_s)
+                    port.wait([port.send(ready, rank_of[src], tag + 3)])
                 began = time.perf_counter()
-                tree, nbytes = _recv_tree(ctx.gm, rank_of[src], tag, timeout_s)
+                tree, nbytes = recv_tree(port, rank_of[src], tag)
             if delay is not None:  # the emulated link is busy for both ends
-                _hold(ctx.gm, delay(nbytes))
+                hold(delay(nbytes))
             # A ``slow`` fault at this phase stretches the transfer by a multiple of its nominal
             # time at _NOMINAL_BPS (not of the measured time: that includes waiting for a
             # partner that may be stretched too, and would compound).
             ctx.faults.at(ctx.step, "migrate", nbytes / _NOMINAL_BPS)
             out["durations"][flat - 1] = time.perf_counter() - began  # the link's part, not the load below
             if dst == me:
-                for b in range(lo, hi):
-                    ctx.put_block(b, tree[str(b)])
+                received(lo, hi, tree)
 
 
 def _hold(gm, seconds: float) -> None:

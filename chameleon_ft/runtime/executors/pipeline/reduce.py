@@ -31,7 +31,7 @@ arrive while rank 0 (stage 0: the last to finish a 1F1B step) still computes: it
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -44,9 +44,12 @@ __all__ = ["CommitPosts", "holder_sets", "post_commit", "reduce_at_root", "reduc
 _COMMIT_TAG = 1 << 29
 
 
-def holder_sets(plan: Plan, alive: Iterable[int], n_blocks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def holder_sets(plan: Plan, alive: Iterable[int], n_blocks: int, extra: Optional[dict] = None
+                ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """``[(holders, blocks)]``: the alive workers holding each block under ``plan`` (sorted
-    worker ids), blocks with the same holders together, ordered by their first block."""
+    worker ids), blocks with the same holders together, ordered by their first block.
+    ``extra``: block -> more workers that take part in its reduction (an overlapped migration's
+    shadow holders, ``overlap.py``)."""
     alive = set(alive)
     holders: dict[int, list[int]] = {b: [] for b in range(n_blocks)}
     for pipe in plan.pipelines:
@@ -55,6 +58,8 @@ def holder_sets(plan: Plan, alive: Iterable[int], n_blocks: int) -> list[tuple[t
                 lo, hi = pipe.layers_of_stage(s)
                 for b in range(lo, hi):
                     holders[b].append(d)
+    for b, ws in (extra or {}).items():
+        holders[b].extend(w for w in ws if w in alive and w not in holders[b])
     sets: dict[tuple[int, ...], list[int]] = {}
     for b in range(n_blocks):
         sets.setdefault(tuple(sorted(holders[b])), []).append(b)
