@@ -129,3 +129,17 @@ def test_transfers_to_repairs_an_interrupted_migration_and_reports_lost_state():
     assert not mig.lost
     lost = transfers_to(plan, {0: [(0, 2)], 1: [(3, 6)], 3: [(6, 8)]}, w, cluster)
     assert lost.lost == [(2, 3, 0, 1)]
+
+
+def test_shadow_holders_join_the_reductions_of_the_blocks_they_receive():
+    """An overlapped migration's receivers (overlap.py) take part in the reduction of the blocks
+    they will hold: the sets every member derives include them, in the same order everywhere."""
+    from chameleon_ft.engine.plan import Pipeline, Plan
+    from chameleon_ft.runtime.executors.pipeline.reduce import holder_sets
+    plan = Plan((Pipeline((0, 1, 2, 3), (0, 2, 4, 6, 8), 8), Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 8)))
+    alive = set(range(8)) - {5}
+    plain = holder_sets(plan, alive, 8)
+    assert plain == [((0, 4), (0, 1)), ((1,), (2, 3)), ((2, 6), (4, 5)), ((3, 7), (6, 7))]
+    shadow = holder_sets(plan, alive, 8, {2: {6}, 3: {6}, 4: {1}, 6: {5}})
+    # Block 4 gains holder 1, block 5 does not: they split; dead worker 5 is never a holder.
+    assert shadow == [((0, 4), (0, 1)), ((1, 6), (2, 3)), ((1, 2, 6), (4,)), ((2, 6), (5,)), ((3, 7), (6, 7))]
