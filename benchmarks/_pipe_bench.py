@@ -390,7 +390,8 @@ def run_ft(a) -> None:
                                  config=ElasticConfig(allowed_policies=allowed, log_samples=False,
                                                       emulate_link=tuple(map(float, a.emulate_link.split(":")))
                                                       if a.emulate_link else None,
-                                                      device_memory_bytes=a.device_memory))
+                                                      device_memory_bytes=a.device_memory,
+                                                      overlap_migration=a.overlap))
         trainer.fit(max_steps=a.steps)
         if writer:
             write(a.out, "ft", stamps, predicted)
@@ -426,6 +427,8 @@ if __name__ == "__main__":
                          "migrations (ElasticConfig.emulate_link)")
     ap.add_argument("--device-memory", type=float, default=None,
                     help="ft: each emulated device's memory for the engine (ElasticConfig.device_memory_bytes)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="ft: migrations run while the job trains rerouted (ElasticConfig.overlap_migration)")
     ap.add_argument("--slow", default=None, metavar="WORKER:FACTOR:FROM_STEP",
                     help="straggler: that worker's emulated compute FACTOR x longer from that step on")
     ap.add_argument("--phases", default=None, metavar="OUT",

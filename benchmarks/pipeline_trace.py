@@ -290,6 +290,8 @@ def run_ft(a, root: Path, allowed: Optional[str], trace: Optional[Trace], steps:
     args = ["--mode", "ft", *worker_args(a, out, steps, trace)] + (["--allowed", allowed] if allowed else [])
     if a.emulate_link:
         args += ["--emulate-link", a.emulate_link]
+    if getattr(a, "overlap", False):
+        args += ["--overlap"]
     if a.device_memory:
         args += ["--device-memory", str(a.device_memory)]
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chameleon-ft systems: LATENCY_S:BANDWIDTH_BPS of an emulated network for messages "
                          "between stages and migrations (ElasticConfig.emulate_link); the torchrun baseline's "
                          "restart is not network-bound and runs without it")
+    ap.add_argument("--overlap", action="store_true",
+                    help="chameleon-ft systems: migrations run while the job trains rerouted "
+                         "(ElasticConfig.overlap_migration)")
     ap.add_argument("--device-memory", type=float, default=DEVICE_MEMORY,
                     help="chameleon-ft systems: each emulated device's memory for the engine (bytes; 0 for none; "
                          "see pipeline_bench.DEVICE_MEMORY): the model needs its pipeline stages")

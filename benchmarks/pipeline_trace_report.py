@@ -27,7 +27,8 @@ def markdown(res: dict) -> str:
            f"8 blocks (width {c.get('dim', 64)}), 8 workers = 2 pipelines x 4 stages, global batch {c['global_batch']}, "
            f"micro-batch {c['micro_batch']}")
     ft = ([f"emulated network {c['emulate_link']} (s:B/s)"] if c.get("emulate_link") else []) + (
-        [f"{memory_phrase(c)}, a limit on the engine's plans that slows nothing"] if c.get("device_memory") else [])
+        [f"{memory_phrase(c)}, a limit on the engine's plans that slows nothing"] if c.get("device_memory") else []) + (
+        ["migrations overlapped with rerouted training (`overlap_migration`)"] if c.get("overlap") else [])
     emu += ("; chameleon-ft systems: " + ", ".join(ft) if ft else "") + (
         "" if c.get("emulate_link") else "; no emulated network for any system (equal terms: the torchrun baseline's "
         "messages and ours cross the same loopback)")
