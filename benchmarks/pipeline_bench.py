@@ -119,7 +119,10 @@ def kill_metrics(events: list[dict], stamps: list, t_kill: float, ff_rate: Optio
                         "rounds": max((e.get("rounds", 0) for e in ends), default=0),
                         "predicted_bytes": next((e.get("predicted_bytes") for e in ends), None),
                         "predicted_s": next((e.get("predicted_s") for e in ends), None),
-                        "seconds_max": max((e.get("seconds", 0.0) for e in ends), default=0.0)}
+                        "seconds_max": max((e.get("seconds", 0.0) for e in ends), default=0.0),
+                        # overlapped (--overlap): trained on while the state moved, for this many steps
+                        "overlapped": any(e.get("overlapped") for e in ends),
+                        "steps_overlapped": max((e.get("steps_overlapped", 0) for e in ends), default=0)}
     out["to_new_layout_s"] = (max(e["ts"] for e in moved) - t_kill) if moved else None
     ds = [e["decision"] for e in events if e["event"] == "decision" and e["ts"] > t_kill - 1]
     if ds:
@@ -234,6 +237,8 @@ def run_ft(a, root: Path, allowed: Optional[str] = None, steps: Optional[int] = 
         args += ["--emulate-link", a.emulate_link]
     if kill_step is not None and a.device_memory:
         args += ["--device-memory", str(a.device_memory)]
+    if kill_step is not None and getattr(a, "overlap", False):
+        args.append("--overlap")
     if kill_step is not None:
         args.append("--predict")
     job = LocalJob(root / "run", SCRIPT, args, nproc=8, hang_timeout=a.hang_timeout,
@@ -379,6 +384,8 @@ def main(argv=None) -> int:
                     help="kill runs: each emulated device's memory for the engine (bytes; default 0: none, the "
                          f"engine re-plans to fewer, fuller stages); {DEVICE_MEMORY:g} holds at most two of the "
                          "model's blocks with their optimizer state, so that it needs its stages as on real accelerators")
+    ap.add_argument("--overlap", action="store_true",
+                    help="kill runs: migrations run while the job trains rerouted (ElasticConfig.overlap_migration)")
     ap.add_argument("--adaptive-mttf", default="0.3,3",
                     help="adaptive kill runs with D = these factors x the predicted crossover D* ('' for none)")
     ap.add_argument("--no-fixed-at-d", dest="fixed_at_d", action="store_false",

@@ -149,6 +149,10 @@ TRACES = {
     # A large model on a slow link: a worker lost for a moment (its replacement comes at once),
     # then one lost for good early on -- waiting suits the first, re-planning the second.
     "slowlink": Trace("slowlink", 150, (Fault(20, "kill", 1, replaced=True), Fault(50, "kill", 5))),
+    # Fail-slow, then fail-stop: a device turns 4x slow (a throttled accelerator, a degraded
+    # link) and stays so; later another worker dies for good.  Routing micro-batches away from
+    # the slow one suits the first, re-planning the second (issue 27: the choice per event).
+    "failslow": Trace("failslow", 120, (Fault(20, "slow", 6, factor=4.0), Fault(60, "kill", 1))),
 }
 
 
@@ -419,7 +423,8 @@ def run(argv=None) -> dict:
     for i, res in enumerate(results):
         if a.plot:
             path = Path(a.plot)
-            path = path if i == 0 else path.with_name(f"{path.stem}-{res['trace']['name']}{path.suffix}")
+            tag = res["trace"]["name"] + ("-overlap" if res["config"].get("overlap") else "")
+            path = path if i == 0 else path.with_name(f"{path.stem}-{tag}{path.suffix}")
             plot(res, path)
             res["plot"] = str(path)
             res["plot_rel"] = os.path.relpath(path, Path(a.markdown).parent if a.markdown else "docs")
