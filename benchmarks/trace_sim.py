@@ -147,7 +147,18 @@ def setup_from_run(res: dict, system: str = "adaptive", replay: Optional[str] = 
         # The trace starts at the first commit after warm-up; checkpoints are every ckpt_every
         # steps from step 0.
         checkpoint_phase_s=(warmup % int(cfg.get("ckpt_every", 10))) * ff,
-        engine_restart=engine_could_restart(res))
+        engine_restart=engine_could_restart(res), rebalance=rebalancing(res))
+
+
+def rebalancing(res: dict) -> tuple[str, ...]:
+    """The simulator's names of the live systems whose engine could rebalance a straggler: the
+    adaptive one, and always-reroute when its allowed set (stored with the run) names it."""
+    out = []
+    for name, run in res["systems"].items():
+        cfg = str(run.get("config") or "")
+        if name in SIM_POLICY and name != "restart" and ("allowed all" in cfg or "rebalance" in cfg):
+            out.append(SIM_POLICY[name])
+    return tuple(out)
 
 
 def at_step_time(setup: TraceSetup, step_s: float) -> TraceSetup:

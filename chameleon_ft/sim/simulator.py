@@ -256,6 +256,9 @@ class JobSetting:
     # Whether the engine's policies may choose checkpoint-restart: False for a job that writes no
     # checkpoint (the live pipeline benchmarks' chameleon-ft systems), where restart is infeasible.
     engine_restart: bool = True
+    # The policies that answer a straggler with a micro-batch rebalance (the live pipeline jobs'
+    # adaptive engine, and their always-reroute since 2026-12-05); the others keep it.
+    rebalance: frozenset = frozenset()
 
     def since_checkpoint(self, now: float) -> float:
         """Seconds of work since the last checkpoint at ``now`` (what a restart redoes)."""
@@ -308,6 +311,8 @@ class _Job:
             allowed = allowed | {"wait"}
         if not setting.engine_restart and policy in ADAPTIVE + ENGINE_RESTRICTED:
             allowed = allowed - {"restart"}
+        if policy in setting.rebalance:
+            allowed = allowed | {"rebalance"}
         self.rebuild_d = setting.rebuild_s * (truth.rebuild if oracle else 1.0)
         self.restart_d = setting.restart_s * (truth.restart if oracle else 1.0)
         self.link_d = truth.link if oracle else 1.0
@@ -437,8 +442,9 @@ class _Job:
 
     def slow(self, now: float, devices: tuple[int, ...], slowdown: float, base: Cluster) -> None:
         """``devices`` now run ``slowdown`` times slower than in ``base`` (1: their own speed
-        back); no decision, the running plan is re-priced (pipelines do not rebalance
-        stragglers here).  Later decisions see the new speeds."""
+        back); the running plan is re-priced, and a policy that rebalances stragglers
+        (``JobSetting.rebalance``) asks the selector, keep or rebalance (micro-batches between
+        the running pipelines, as the live pipeline runtime does).  Later decisions see the speeds."""
         speeds = {d: base[d].speed / slowdown for d in devices}
         oracle = self.decide_cluster is self.true_cluster
         self.cluster = self.cluster.with_speeds(speeds)
@@ -446,6 +452,13 @@ class _Job:
         self.decide_cluster = self.true_cluster if oracle else self.cluster
         if self.busy_until != math.inf:
             self.b_step_time, self.step_time = self._running_steps()
+            if "rebalance" in self.cfg.allowed and slowdown > 1:
+                self._kind = "slow"
+                d = select(Event(EventKind.STRAGGLER, devices, now), self._state(),
+                           replace(self.cfg, straggler_relayout=False), self._mttf())
+                if d.chosen == "rebalance":
+                    self._apply(now, d.choice)
+                    return
         self._record(now, "slow", "keep", 0.0)
 
     def _running_steps(self) -> tuple[float, float]:

@@ -182,12 +182,13 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
            checkpoint_every_s: float, search_space: SearchSpace, replacement_eta_s: float | None = None,
            mttf_s: float | None = None, redundant_overhead: float | None = None,
            checkpoint_phase_s: float = 0.0, limited_replacements: bool = False,
-           engine_restart: bool = True) -> dict[str, TraceResult]:
+           engine_restart: bool = True, rebalance=()) -> dict[str, TraceResult]:
     """Every policy in ``policies`` against the same events, from the same deployed ``plan``
     (``checkpoint_phase_s``: seconds since the last checkpoint when the trace starts;
     ``limited_replacements``: the trace's joins are all the replacements the job gets, as a
     launcher's ``--max-replacements`` -- once they came, the engine expects none;
-    ``engine_restart`` False: the engine's policies cannot restart, the job writes no checkpoint)."""
+    ``engine_restart`` False: the engine's policies cannot restart, the job writes no checkpoint;
+    ``rebalance``: the policies that rebalance a straggler, ``JobSetting.rebalance``)."""
     unknown = set(policies) - set(REPLAY_POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose from {', '.join(REPLAY_POLICIES)}")
@@ -203,7 +204,7 @@ def replay(trace: Trace, workload: Workload, cluster: Cluster, plan: Plan, polic
     setting = JobSetting(workload, cluster, restart_s, checkpoint_every_s, search_space,
                          lambda alive, down: D, rebuild_s, replacement_eta_s, checkpoint_phase_s,
                          sum(len(e.devices) for e in trace.events if e.kind == "join") if limited_replacements else None,
-                         engine_restart)
+                         engine_restart, frozenset(rebalance))
     ideal = workload.global_batch / estimate(plan, workload, cluster, coeffs).step_time
     results = {}
     for policy in policies:
@@ -456,6 +457,7 @@ class TraceSetup:
     checkpoint_phase_s: float = 0.0  # seconds since the last checkpoint when the trace starts
     limited_replacements: bool = False  # the trace's joins are all the replacements (``replay``)
     engine_restart: bool = True  # the engine's policies may restart (the job writes checkpoints)
+    rebalance: tuple = ()  # the policies that rebalance a straggler (``JobSetting.rebalance``)
 
     def to_json(self) -> dict:
         """``{"trace": {name, description, horizon_s, events: [{t_s, kind, devices, slowdown?}]},
@@ -475,7 +477,7 @@ class TraceSetup:
                              "dp_min": self.space.dp_min, "min_microbatches": self.space.min_microbatches,
                              "replacement_eta_s": self.replacement_eta_s,
                              "limited_replacements": self.limited_replacements,
-                             "engine_restart": self.engine_restart}}
+                             "engine_restart": self.engine_restart, "rebalance": list(self.rebalance)}}
 
     @staticmethod
     def from_json(data: dict) -> "TraceSetup":
@@ -492,7 +494,8 @@ class TraceSetup:
                           float(s.get("rebuild_s", 1.0)), float(s.get("restart_s", 60.0)),
                           float(s.get("checkpoint_every_s", 600.0)), s.get("mttf_s"), s.get("redundant_overhead"),
                           space, s.get("replacement_eta_s"), float(s.get("checkpoint_phase_s", 0.0)),
-                          bool(s.get("limited_replacements", False)), bool(s.get("engine_restart", True)))
+                          bool(s.get("limited_replacements", False)), bool(s.get("engine_restart", True)),
+                          tuple(s.get("rebalance", ())))
 
     def run(self, devices: int | None = None, policies=DEFAULT_POLICIES) -> dict[str, TraceResult]:
         """Replay the trace on the recorded setting, or (``devices``) on the scaled one."""
@@ -503,4 +506,5 @@ class TraceSetup:
                       restart_s=self.restart_s, checkpoint_every_s=self.checkpoint_every_s,
                       search_space=self.space, mttf_s=self.mttf_s, redundant_overhead=self.redundant_overhead,
                       replacement_eta_s=self.replacement_eta_s, checkpoint_phase_s=self.checkpoint_phase_s,
-                      limited_replacements=self.limited_replacements, engine_restart=self.engine_restart)
+                      limited_replacements=self.limited_replacements, engine_restart=self.engine_restart,
+                      rebalance=self.rebalance)

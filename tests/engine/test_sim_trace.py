@@ -346,3 +346,20 @@ def test_a_fail_that_knows_its_steps_since_the_checkpoint_redoes_exactly_those(j
     assert TraceEvent.from_json(ev.to_json()) == ev and "redo_steps" not in TraceEvent(5.0, "fail", (2,)).to_json()
     with pytest.raises(ValueError, match="redo_steps"):
         TraceEvent(5.0, "join", (2,), redo_steps=1)
+
+
+def test_a_policy_that_rebalances_moves_microbatches_off_a_slow_device(job):
+    """``rebalance`` (the live pipeline jobs' adaptive engine and always-reroute): a device 4x
+    slow gets fewer micro-batches from the selector's straggler Decision, nothing moves; the
+    others keep running the slowed plan."""
+    tr = Trace((TraceEvent(100, "slow", (6,), 4.0),), 1000)
+    res = run(job, tr, ("adaptive", "engine-reroute", "engine-replan"), mttf_s=1000,
+              rebalance=("adaptive", "engine-reroute"))
+    for name in ("adaptive", "engine-reroute"):
+        (t, kind, chosen, step, trans), = res[name].decisions
+        assert (t, kind, chosen) == (100, "slow", "rebalance") and trans == pytest.approx(0.0), name
+    assert res["engine-replan"].decisions[0][2] == "keep"
+    kept, moved = res["engine-replan"], res["adaptive"]
+    assert moved.decisions[0][3] < kept.decisions[0][3]  # the rebalanced step is shorter
+    assert moved.throughput > 1.2 * kept.throughput
+    assert res["engine-reroute"].throughput == pytest.approx(moved.throughput)
