@@ -153,6 +153,10 @@ TRACES = {
     # link) and stays so; later another worker dies for good.  Routing micro-batches away from
     # the slow one suits the first, re-planning the second (issue 27: the choice per event).
     "failslow": Trace("failslow", 120, (Fault(20, "slow", 6, factor=4.0), Fault(60, "kill", 1))),
+    # The same two events the other way round: a worker lost for good, then another turns 4x slow.
+    # After a reroute the routes stay as they are until the next failure (no rebalance of a
+    # rerouted plan); after a re-plan a rebalance can route work away from the slow worker.
+    "killslow": Trace("killslow", 110, (Fault(15, "kill", 1), Fault(35, "slow", 6, factor=4.0))),
 }
 
 

@@ -334,3 +334,35 @@ def test_replan_migration_overlapped_with_rerouted_steps(tmp_path, reference):
     assert sum(e["bytes"] for e in ends) == replan["migration"]["bytes"]
     result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
     assert result["plan"] == replan["plan"], (result["plan"], replan["plan"])
+
+
+def test_a_kill_during_an_overlapped_migration_ends_it_and_the_engine_decides_again(tmp_path, reference):
+    """A worker taking part in an overlapped migration (stretched by a ``slow`` fault) is killed
+    while the job trains rerouted: the recovery ends the overlap (the receivers' shadow copies are
+    not agreed state, the old holders still hold everything), the engine decides again for both
+    lost workers, and the run ends exactly as every kill must."""
+    killed = [2]
+
+    def during_overlap(j):
+        evs = j.wait_for(lambda evs: any(e["event"] == "migration" and e.get("phase") == "start"
+                                         and e.get("overlapped") for e in evs), 120, "an overlapped migration")
+        start = next(e for e in evs if e["event"] == "migration" and e.get("overlapped"))
+        j.wait_step(start["step"] + 1, 60)  # the job trains while the state moves
+        # Not worker 6: it holds the only live copy of worker 2's blocks (its stage peer).
+        busy = sorted({w for rnd in start["rounds"] for t in rnd for w in t[:2]} - {0, 2, 6})
+        killed.append(busy[-1])
+        j.kill(busy[-1])
+
+    codes, j = kill_run(tmp_path, [2], "--allowed", "replan", "--overlap", at_step=3, then=during_overlap,
+                        hang_timeout=20.0,
+                        launch_args=("--faults", "slow:rank=0,1,3,4,5,6,7:phase=migrate:factor=30:from=1"))
+    assert codes == [0], j.output()[-4000:]
+    finals = j.final()
+    assert sorted(finals) == sorted(set(range(8)) - set(killed))
+    check_run(tmp_path, finals, reference)
+    ds = decisions(tmp_path)
+    assert [d["event"]["devices"] for d in ds][:2] == [[2], [killed[1]]], ds
+    assert all(d["chosen"] == "replan" for d in ds), [d["chosen"] for d in ds]
+    evs = read_events(tmp_path)
+    starts = [e for e in evs if e["event"] == "migration" and e.get("phase") == "start" and e["step"] > 0]
+    assert len(starts) >= 2 and starts[0]["overlapped"], starts

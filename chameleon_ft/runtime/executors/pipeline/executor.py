@@ -290,6 +290,12 @@ class PipelineExecutor(RecoveryCore):
         self.policy.plan = None
         self._resume = (ckpt.blocks_dir(path, tree["step"]), int(tree["step"]), list(tree["blocks"]))
 
+    def close(self, **fields) -> None:
+        if self._overlap is not None:  # the job ended before the switch: the old layout holds all
+            self._overlap.end(self.hang_timeout_s)
+            self._overlap = None
+        super().close(**fields)
+
     def allow_restart(self) -> None:
         """Checkpoints are written: checkpoint-restart becomes one of the engine's choices
         (unless the user's ``allowed_policies`` leaves it out)."""

@@ -169,6 +169,13 @@ class Overlap:
         """A recovery ends the overlap (module doc); the thread stops at its next wait."""
         self.cancelled.set()
 
+    def end(self, timeout_s: float) -> None:
+        """The job ends before the switch: let the transfers finish (every peer does the same;
+        up to ``timeout_s``, at most 10 s) so that no gloo wait outlives its group at exit; then
+        stop them."""
+        self._thread.join(min(timeout_s, 10.0))
+        self.cancel()
+
     def record(self, ctx) -> dict:
         """The overlapped migration as the event log's ``migration`` end record."""
         return {"bytes": self.moved["state_bytes"], "wire_bytes": self.moved["wire_bytes"],
