@@ -479,12 +479,19 @@ class _Job:
         return None
 
     def _plan_over_alive(self) -> None:
-        """Run the best plan over the devices alive, from a checkpoint (a restart's layout)."""
-        survivors = self.decide_cluster.without(set(self.cluster.ids) - self.alive)
-        best = plan_search(self.workload, survivors, self.coeffs, self.setting.space, base=self.full_plan).best
-        self.plan, self.b_step_time = best.plan, best.estimate.step_time
+        """Run the best plan over the devices alive, from a checkpoint (a restart's layout) --
+        torchrun's (``restart``) relaunches the deployed layout when all of its devices are back:
+        it knows no device speeds (a straggler stays in its slot, as in the live baseline)."""
+        if self.policy == "restart" and set(self.full_plan.devices) <= self.alive:
+            plan = self.full_plan
+            b = estimate(plan, self.workload, self.decide_cluster, self.coeffs).step_time
+        else:
+            survivors = self.decide_cluster.without(set(self.cluster.ids) - self.alive)
+            best = plan_search(self.workload, survivors, self.coeffs, self.setting.space, base=self.full_plan).best
+            plan, b = best.plan, best.estimate.step_time
+        self.plan, self.b_step_time = plan, b
         self.run_dead, self.run_extra = frozenset(), {}
-        self.step_time = self._true_step(best.plan, predicted=best.estimate.step_time)
+        self.step_time = self._true_step(plan, predicted=b)
         self.batch = self.workload.global_batch
 
     def _restart_over_alive(self, now: float) -> None:

@@ -144,8 +144,8 @@ def test_a_device_back_during_the_relaunch_joins_it(job):
     assert r.counts == {"restart": 1}
     (_, k1, c1, _, t1), (_, k2, c2, step2, t2) = r.decisions[:2]
     assert (k1, c1, k2, c2) == ("fail", "restart", "join", "restart") and t1 > 5 and t2 == 0.0
-    every = plan_search(w, c, Coefficients(), SearchSpace(), base=plan).best.estimate.step_time
-    assert step2 == pytest.approx(every)  # the best plan over all 8 devices again
+    deployed = estimate(plan, w, c, Coefficients()).step_time
+    assert step2 == pytest.approx(deployed)  # torchrun relaunches the deployed layout on all 8
     late = Trace((TraceEvent(100, "fail", (1,)), TraceEvent(900, "join", (1,))), 1000)
     assert run(job, late, ("restart",), mttf_s=1000)["restart"].counts == {"restart": 2}
 
@@ -363,3 +363,15 @@ def test_a_policy_that_rebalances_moves_microbatches_off_a_slow_device(job):
     assert moved.decisions[0][3] < kept.decisions[0][3]  # the rebalanced step is shorter
     assert moved.throughput > 1.2 * kept.throughput
     assert res["engine-reroute"].throughput == pytest.approx(moved.throughput)
+
+
+def test_torchrun_relaunches_its_layout_with_a_straggler_in_its_slot(job):
+    """The restart baseline (torchrun) knows no device speeds: relaunched on all its devices, a
+    4x slow one keeps its slot and its micro-batches -- no plan search around it."""
+    w, c, plan = job
+    tr = Trace((TraceEvent(50, "slow", (6,), 4.0), TraceEvent(100, "fail", (1,)), TraceEvent(100.001, "join", (1,))), 1000)
+    r = run(job, tr, ("restart",), mttf_s=1000)["restart"]
+    step = r.decisions[-1][3]
+    slowed = c.with_speeds({6: c[6].speed / 4})
+    assert step == pytest.approx(estimate(plan, w, slowed, Coefficients()).step_time)
+    assert step > plan_search(w, slowed, Coefficients(), SearchSpace(), base=plan).best.estimate.step_time
