@@ -12,11 +12,14 @@ is the truth).
 * ``D`` (expected time to the next failure) is ``mttf_s`` when given, else the trace's horizon
   divided by its number of ``fail`` events: the average gap, known only in hindsight; a
   benchmark that wants the decisions blind to the trace passes ``mttf_s``.
-* ``slow`` takes no decision: the running plan is re-priced with the new speed (pipeline jobs
-  here do not rebalance stragglers); later decisions see it.
+* ``slow`` re-prices the running plan with the new speed; a policy in ``rebalance`` (the live
+  pipeline jobs' adaptive engine, and their always-reroute) then asks the selector to keep or
+  rebalance (micro-batches between the running pipelines, nothing moves; not a rerouted plan),
+  the others keep it.  Later decisions see the speed.
 * ``restart`` is torchrun-style checkpoint-restart: every membership change (fail or join) pays
   ``restart_s`` plus the steps since the last checkpoint (every ``checkpoint_every_s``), redone,
-  then runs the best plan over the devices alive -- except a device back while a relaunch is
+  then runs the best plan over the devices alive (the deployed layout once all of its devices
+  are back: torchrun knows no speeds) -- except a device back while a relaunch is
   still under way, which that relaunch takes in (torchrun's rendezvous admits a restarted
   node's workers: a kill with a quick replacement is one restart, not two).
 * ``engine-reroute`` / ``engine-replan`` are what a live benchmark's "fixed" systems are: the

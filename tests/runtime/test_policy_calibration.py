@@ -182,3 +182,28 @@ def test_members_stay_identical_after_a_state_round_trip():
             feed_step(member, step, {2: 0.5}, step_s)
     assert other.pipe_cal.state_dict() == pol.pipe_cal.state_dict()
     assert other.coefficients() == pol.coefficients()
+
+
+def test_a_worker_alone_in_its_stage_is_compared_with_the_fitted_block_costs():
+    """After a re-plan into unequal pipelines no two workers may hold the same blocks: a slow one
+    is then read against the fit's nominal seconds of its blocks (seen live: a 4x slow worker
+    alone in its stage was never flagged, the straggler detector saw every worker as its own
+    stage's fastest)."""
+    from chameleon_ft.engine.plan import Pipeline, Plan
+    pol = calibrated_policy()
+    total = sum(PARAMS)
+    pol.plan = Plan((Pipeline((4, 5, 6, 7), (0, 2, 4, 6, 8), 8), Pipeline((0, 2, 3), (0, 3, 5, 8), 8)))
+    pol.alive = frozenset(pol.plan.devices)
+
+    def compute(d, lo, hi, slow=1.0):  # what the runtime reports: per whole-model micro-batch
+        share = sum(PARAMS[lo:hi]) / total
+        return (8 * slow * sum(FWD[lo:hi] + BWD[lo:hi]) / share, 8, 0.0, 1.0)
+    timings = {}
+    for p in pol.plan.pipelines:
+        for s, d in enumerate(p.devices):
+            lo, hi = p.layers_of_stage(s)
+            timings[d] = compute(d, lo, hi, 4.0 if d == 6 else 1.0)
+    per_mb = pol._per_mb(timings)
+    others = [v for d, v in per_mb.items() if d != 6]
+    assert max(others) / min(others) == pytest.approx(1.0, rel=1e-6)  # nobody else reads slow
+    assert per_mb[6] / min(others) == pytest.approx(4.0, rel=1e-6)

@@ -148,7 +148,24 @@ class PipelineCalibration:
                     groups.setdefault((p.bounds[s], p.bounds[s + 1]), []).append(d)
         fastest = {k: min(per_mb[d] for d in ds) for k, ds in groups.items()}
         ref = median(fastest.values())
-        return {d: per_mb[d] / fastest[k] * ref for k, ds in groups.items() for d in ds}
+        out = {d: per_mb[d] / fastest[k] * ref for k, ds in groups.items() for d in ds}
+        # A worker whose blocks no other worker holds as one stage (unequal pipelines after a
+        # re-plan) has no peer to be compared with: against the fit's nominal seconds of its
+        # blocks instead (each block's fastest holder, from any stage that holds it), relative
+        # to every worker's ratio (seen: a 4x slow worker alone in its stage was never flagged).
+        fit, total = self.fit, sum(self.layer_params)
+        alone = [ds[0] for ds in groups.values() if len(ds) == 1]
+        if alone and fit is not None and len(fit.fwd_s) == len(self.layer_params) and total > 0:
+            ratio = {}
+            for lo, hi in groups:
+                for d in groups[(lo, hi)]:
+                    nominal = sum(fit.fwd_s[lo:hi]) + sum(fit.bwd_s[lo:hi])
+                    if nominal > 0:
+                        ratio[d] = per_mb[d] * sum(self.layer_params[lo:hi]) / total / nominal
+            if len(ratio) > 1:
+                mid = median(ratio.values())
+                out.update({d: ratio[d] / mid * ref for d in alone if d in ratio})
+        return out
 
     def _path(self, timings) -> float:
         """What a straggler rebalance must shorten, measured: the slowest member's compute in a
