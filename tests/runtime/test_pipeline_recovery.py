@@ -354,8 +354,8 @@ def test_a_kill_during_an_overlapped_migration_ends_it_and_the_engine_decides_ag
         j.kill(busy[-1])
 
     codes, j = kill_run(tmp_path, [2], "--allowed", "replan", "--overlap", at_step=3, then=during_overlap,
-                        hang_timeout=20.0,
-                        launch_args=("--faults", "slow:rank=0,1,3,4,5,6,7:phase=migrate:factor=30:from=1"))
+                        hang_timeout=20.0,  # the first overlap's transfers stretched, until step 6
+                        launch_args=("--faults", "slow:rank=0,1,3,4,5,6,7:phase=migrate:factor=30:from=1:to=6"))
     assert codes == [0], j.output()[-4000:]
     finals = j.final()
     assert sorted(finals) == sorted(set(range(8)) - set(killed))
@@ -366,3 +366,9 @@ def test_a_kill_during_an_overlapped_migration_ends_it_and_the_engine_decides_ag
     evs = read_events(tmp_path)
     starts = [e for e in evs if e["event"] == "migration" and e.get("phase") == "start" and e["step"] > 0]
     assert len(starts) >= 2 and starts[0]["overlapped"], starts
+    # The second re-plan's migration (not stretched: the fault ends at step 6) switched on every
+    # survivor at one step, to the plan the last Decision chose.
+    ends = [e for e in evs if e["event"] == "migration" and e.get("phase") == "end" and e["step"] > 0]
+    assert {e["worker"] for e in ends} == set(finals) and len({e["step"] for e in ends}) == 1, ends
+    result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
+    assert result["plan"] == next(o for o in ds[-1]["candidates"] if o["policy"] == "replan")["plan"]
