@@ -463,6 +463,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         payload = super().source_payload(view, info)
         if not payload["restart"]:
             payload["shard"] = self._shard_plan(view)
+            # Every member watches a heal on the same losses: the source's (a member that was a
+            # step behind, or adopted one, had another history, and another heal check -- seen).
+            payload["shard"]["loss_history"] = [[int(k), float(v)] for k, v in self.loss_history]
             if payload["shard"]["mode"] == "restart":
                 d = payload["shard"]["decision"]
                 why = "; ".join(f"{k}: {c['reason']}" for k, c in d["candidates"].items() if k != "restart")
@@ -497,6 +500,8 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             if self.k:
                 self._take_snapshot(wait=True)
             return
+        if "loss_history" in plan:
+            self.loss_history = [(int(k), float(v)) for k, v in plan["loss_history"]]
         t0, at = time.perf_counter(), self.step  # the failure's step (a recompute rolls back from it)
         new = _Layout(self._shapes, n, self._replicas_for(n))
         row = new.row_of(r)
