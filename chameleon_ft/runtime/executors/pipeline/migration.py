@@ -118,12 +118,14 @@ def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
          lambda lo, hi, dst: sum(ctx.state_bytes(b) for b in range(lo, hi)), lambda s: _hold(ctx.gm, s))
 
 
-def walk(ctx, port, rounds: list, base_tag: int, encoded, received, out: dict, state_bytes, hold) -> None:
+def walk(ctx, port, rounds: list, base_tag: int, encoded, received, out: dict, state_bytes, hold,
+         members=None) -> None:
     """Walk ``rounds`` as ``ctx.worker_id`` (module doc): a sender sends ``encoded(lo, hi, dst)``, a
     receiver hands the tree to ``received(lo, hi, tree)``; ``hold(seconds)``: the emulated
-    link's time.  Counts into ``out`` (see ``run``)."""
+    link's time; ``members``: the generation's (default ``ctx.view``'s).  Counts into ``out``
+    (see ``run``)."""
     me = ctx.worker_id
-    rank_of = {w: i for i, w in enumerate(ctx.view.members)}
+    rank_of = {w: i for i, w in enumerate(members or ctx.view.members)}
     delay = getattr(ctx, "_link_delay", None)  # the emulated network (ElasticConfig.emulate_link)
     ready = torch.zeros(1, dtype=torch.int64)
     flat = 0

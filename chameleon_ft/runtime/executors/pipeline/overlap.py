@@ -110,6 +110,7 @@ class Overlap:
                         migration.encode_tree({str(b): ctx.block_state(b) for b in range(lo, hi)}),
                         sum(ctx.state_bytes(b) for b in range(lo, hi)))
         port = _CapturedPort(ctx.gm.group(), ctx.hang_timeout_s, self.cancelled)
+        self._members = list(ctx.view.members)  # the captured group's ranks
         self._thread = threading.Thread(target=self._run, args=(ctx, port), daemon=True,
                                         name=f"cft-overlap-{me}")
         self._thread.start()
@@ -132,7 +133,8 @@ class Overlap:
             while (left := end - time.monotonic()) > 0 and not self.cancelled.is_set():
                 time.sleep(min(left, 0.05))
         try:
-            migration.walk(ctx, port, self.rounds, _TAG, encoded, received, self.moved, state_bytes, hold)
+            migration.walk(ctx, port, self.rounds, _TAG, encoded, received, self.moved, state_bytes, hold,
+                           self._members)
             self.done_s = time.perf_counter() - self.t0
         except Exception as exc:  # the main thread turns it into a failure of the generation
             if not self.cancelled.is_set():
