@@ -140,6 +140,10 @@ def test_shadow_holders_join_the_reductions_of_the_blocks_they_receive():
     alive = set(range(8)) - {5}
     plain = holder_sets(plan, alive, 8)
     assert plain == [((0, 4), (0, 1)), ((1,), (2, 3)), ((2, 6), (4, 5)), ((3, 7), (6, 7))]
-    shadow = holder_sets(plan, alive, 8, {2: {6}, 3: {6}, 4: {1}, 6: {5}})
-    # Block 4 gains holder 1, block 5 does not: they split; dead worker 5 is never a holder.
+    shadow = holder_sets(plan, alive, 8, {2: {6}, 3: {6}, 4: {1}})
+    # Block 4 gains holder 1, block 5 does not: they split.
     assert shadow == [((0, 4), (0, 1)), ((1, 6), (2, 3)), ((1, 2, 6), (4,)), ((2, 6), (5,)), ((3, 7), (6, 7))]
+    # A member the running layout leaves out (a replacement being healed: not alive in the plan)
+    # still takes part as a shadow of the blocks it receives.
+    healing = holder_sets(plan, alive, 8, {2: {5}, 3: {5}})
+    assert healing[1] == ((1, 5), (2, 3))

@@ -186,7 +186,8 @@ class PipelineExecutor(RecoveryCore):
     def slot_blocks(self, plan: Optional[Plan] = None) -> set[int]:
         """The blocks this worker's slot in ``plan`` (default: the running one) holds."""
         plan = plan or self.policy.plan
-        where = plan.locate(self.worker_id) if plan else None
+        # (a member the running layout waits for -- an overlapped heal's replacement -- holds no slot yet)
+        where = plan.locate(self.worker_id) if plan and self.worker_id in self.policy.alive else None
         if where is None:
             return set()
         lo, hi = plan.pipelines[where[0]].layers_of_stage(where[1])
@@ -350,10 +351,12 @@ class PipelineExecutor(RecoveryCore):
         payload["migration"] = {"rounds": [[[t.src, t.dst, t.layers[0], t.layers[1]] for t in r]
                                            for r in mig.rounds],
                                 "predicted_bytes": mig.total_bytes, "predicted_s": mig.seconds}
-        if mig.transfers and old_plan is not None and self.policy.plan != old_plan:
-            if not (self.cfg.overlap_migration and overlap.plan(self, payload, old_plan, members)):
+        if mig.transfers and old_plan is not None:
+            if self.cfg.overlap_migration and overlap.plan(self, payload, old_plan, members, holdings):
+                payload["engine"] = self.policy.state_dict()
+            elif self.policy.plan != old_plan:
                 self.policy.begin_migration(before)
-            payload["engine"] = self.policy.state_dict()
+                payload["engine"] = self.policy.state_dict()
         return payload
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:

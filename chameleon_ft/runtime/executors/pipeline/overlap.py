@@ -187,23 +187,28 @@ class Overlap:
                 "predicted_s": self.predicted_s}
 
 
-def plan(ctx, payload: dict, running: Plan, members) -> bool:
+def plan(ctx, payload: dict, running: Plan, members, holdings: dict) -> bool:
     """The source's recovery: make the Decision's migration (``payload["migration"]``)
     overlapped when ``running`` (the layout before it) can run over ``members`` -- every stage
-    still has a live holder.  The engine state then runs ``running`` (the dead rerouted around,
-    joiners idle) and the payload carries the Decision's layout as the target.  False: it
-    cannot, the job pauses for the migration."""
+    still has a live holder.  The engine state then runs ``running`` (the dead rerouted around;
+    a member that holds nothing of its slot yet -- a replacement to be healed, a joiner -- waits
+    idle) and the payload carries the Decision's layout as the target.  ``holdings``: the layer
+    ranges each member holds.  False: it cannot, the job pauses for the migration."""
     policy, alive = ctx.policy, set(members)
-    dead = set(running.devices) - alive
-    if unreplicated(running, alive):
+    have = {d: {b for a, c in holdings.get(d, []) for b in range(a, c)} for d in alive}
+    empty = {d for p in running.pipelines for s, d in enumerate(p.devices)
+             if d in alive and not set(range(*p.layers_of_stage(s))) <= have[d]}
+    live = alive - empty
+    dead = set(running.devices) - live
+    if unreplicated(running, live):
         return False
-    extra, why = reroute_load(running, dead, alive) if dead else ({}, "")
-    placed = alive & set(running.devices)
+    extra, why = reroute_load(running, dead, live) if dead else ({}, "")
+    placed = live & set(running.devices)
     alloc = None if why else policy._allocation_of(running, placed, extra, policy.current_batch)
     if alloc is None:
         return False
     payload["migration"]["overlap"] = policy.layout()
-    policy.plan = running
+    policy.plan, policy.alive = running, frozenset(live)
     policy.allocation = dict(sorted({**alloc, **{w: 0 for w in alive - placed}}.items()))
     policy._predicted = None
     return True
@@ -217,6 +222,7 @@ def switch(ctx) -> None:
     pol.plan = Plan.from_json(t["plan"])
     pol.allocation = {int(w): int(n) for w, n in t["allocation"]}
     pol.current_batch = int(t["current_batch"])
+    pol.alive = frozenset(int(w) for w in t["alive"])
     pol._predicted = None
     want = ctx.slot_blocks()
     if not want <= ctx.held:

@@ -58,8 +58,8 @@ def holder_sets(plan: Plan, alive: Iterable[int], n_blocks: int, extra: Optional
                 lo, hi = pipe.layers_of_stage(s)
                 for b in range(lo, hi):
                     holders[b].append(d)
-    for b, ws in (extra or {}).items():
-        holders[b].extend(w for w in ws if w in alive and w not in holders[b])
+    for b, ws in (extra or {}).items():  # (members of the generation, alive or waiting for a slot)
+        holders[b].extend(w for w in ws if w not in holders[b])
     sets: dict[tuple[int, ...], list[int]] = {}
     for b in range(n_blocks):
         sets.setdefault(tuple(sorted(holders[b])), []).append(b)
