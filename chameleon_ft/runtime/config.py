@@ -37,7 +37,7 @@ class ElasticConfig:
     emulate_link: pipeline jobs, accelerator-emulation mode: ``(latency_s, bandwidth_Bps)`` of
         an emulated network -- a message between stages is held until ``latency + bytes /
         bandwidth`` after it was sent (workers of one machine only; for benchmarks and tests).
-    overlap_migration: pipeline jobs: a re-plan's (or grow's) migration runs in the background
+    overlap_migration: pipeline jobs: a re-plan's (grow's, heal's) migration runs in the background
         while the job trains on the running layout (rerouted around the dead); the workers that
         receive blocks keep them current from the blocks' reduced gradients, and the job switches
         to the new layout at a step boundary once all have them -- the same trajectory.  The

@@ -1,8 +1,9 @@
 """An overlapped migration: the job trains on while a re-plan's state moves (issue 27, item 3).
 
-``ElasticConfig.overlap_migration``.  When a Decision moves blocks (a re-plan, a grow) and the
-layout that ran before it can still run over the members (no stage lost every replica: the dead
-are rerouted around, joiners wait idle), the recovery does not pause for the migration:
+``ElasticConfig.overlap_migration``.  When a Decision moves blocks (a re-plan, a grow, a heal)
+and the layout that ran before it can still run over the members (no stage lost every replica:
+the dead are rerouted around; joiners and replacements, which hold nothing of a slot yet, wait
+idle), the recovery does not pause for the migration:
 
 1. Every member runs the *running* layout (the one before the Decision, rerouted), and the
    engine state says so; the Decision's layout is the *target*, in the recovery payload.
