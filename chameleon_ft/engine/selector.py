@@ -365,7 +365,8 @@ def _reform(pipes: list[Pipeline], alive: set[int], cluster: Cluster, budget: in
     return out, added
 
 
-def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Cluster, alive: set[int]) -> Option:
+def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Cluster, alive: set[int],
+                 running=None) -> Option:
     """Put joined devices back without re-planning: into slots that rerouted-around devices left,
     then, while the global batch is below the workload's (after a shrink), as whole replicas of
     the most common pipeline shape.  Every device that comes in receives its state from peers."""
@@ -390,8 +391,15 @@ def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Clus
         return Option("heal", False, why)
     o = _option_from_plan("heal", healed, state, grown, dead=frozenset(still), extra=extra)
     if o.feasible:
-        o.transition_s = heal_seconds(healed, added, w, grown) + cfg.rebuild_s
+        heal = heal_seconds(healed, added, w, grown)
+        o.transition_s = heal + cfg.rebuild_s
         o.global_batch = healed.num_microbatches * w.micro_batch
+        if running is not None and cfg.overlap_migration and plan.max_depth > 1 and heal > 0:
+            # Overlapped (runtime overlap.py): the running layout trains while the copy moves.
+            o.transition_s = cfg.rebuild_s
+            o.phases = ((o.transition_s, o.transition_s + heal, running, _plan_batch(state)),
+                        (o.transition_s + heal, math.inf, o.step_time, o.global_batch))
+            o.breakdown = {**o.breakdown, "overlapped_s": heal, "running_step_s": running}
         o.dead, o.extra = frozenset(still), extra
         o.reason = f"{len(added)} device(s) healed from peers"
     return o
@@ -439,7 +447,9 @@ def _wait_option(plan: Plan, dead: set[int], extra: dict[int, float], state: Job
     B = _plan_batch(state)
     rerouted.transition_s, rerouted.global_batch = rebuild, B
     rerouted.dead, rerouted.extra = frozenset(dead), extra
-    rerouted.phases = ((rebuild, eta, rerouted.step_time, B), (resume, math.inf, healed.step_time, B))
+    # Overlapped (runtime overlap.py), the rerouted layout trains on while the replacement heals.
+    until = resume if cfg.overlap_migration and plan.max_depth > 1 else eta
+    rerouted.phases = ((rebuild, until, rerouted.step_time, B), (resume, math.inf, healed.step_time, B))
     rerouted.reason = (f"reroute {rerouted.step_time:.4g} s/step until the replacement arrives "
                        f"(in {eta:g} s), pause {heal + rebuild:.3g} s to heal it, then "
                        f"{healed.step_time:.4g} s/step" + (f"; D = {mttf_s:.3g} s ends before that"
@@ -541,7 +551,7 @@ def _join_options(event: Event, state: JobState, cfg: SelectorConfig) -> tuple[l
     options = [keep]
     alive = set(state.alive) | set(event.devices)
     grown = state.cluster.without(set(state.cluster.ids) - alive)
-    options.append(_heal_option(event, state, cfg, grown, alive))
+    options.append(_heal_option(event, state, cfg, grown, alive, keep.step_time))
     t0 = time.perf_counter()
     try:
         result = plan_search(w, grown, state.coeffs, cfg.space, survivors=alive, base=plan)

@@ -94,3 +94,27 @@ def test_without_transfers_nothing_is_overlapped():
     rp = decide(st, 100.0, True).option("replan")
     assert rp.phases is None
     assert rp.score == pytest.approx(score(64, rp.step_time, rp.transition_s, 100.0))
+
+
+def test_a_heal_and_a_wait_are_priced_overlapped_too():
+    """The replacement's copy moves while the running (rerouted) layout trains: a heal's
+    transition is the rebuild, and wait's rerouted phase lasts until the healed plan runs."""
+    from chameleon_ft.engine.selector import heal_seconds
+    state = slow_state()
+    cfg = dict(allowed=frozenset({"reroute", "replan", "wait", "heal", "keep", "grow"}), rebuild_s=0.1,
+               space=SearchSpace(dp_min=2, min_microbatches=1))
+    rerouted = replace(state, alive=frozenset(range(8)) - {1})
+    join = Event("join", (1,), 0.0)
+    paused = select(join, replace(rerouted, alive=frozenset(range(8))), SelectorConfig(**cfg), 100.0)
+    over = select(join, replace(rerouted, alive=frozenset(range(8))),
+                  SelectorConfig(**cfg, overlap_migration=True), 100.0)
+    h0, h = paused.option("heal"), over.option("heal")
+    heal = heal_seconds(state.plan, {1}, state.workload, state.cluster)
+    assert heal > 1.0 and h0.transition_s == pytest.approx(heal + 0.1) and h.transition_s == pytest.approx(0.1)
+    (a, b, t_run, _), (c, e, t_healed, _) = h.phases
+    assert (a, b, c) == pytest.approx((0.1, 0.1 + heal, 0.1 + heal)) and math.isinf(e)
+    assert t_run == pytest.approx(over.option("keep").step_time) and h.score > h0.score
+    w0 = decide(state, 100.0, False, eta=5.0).option("wait")
+    w = decide(state, 100.0, True, eta=5.0).option("wait")
+    assert w0.phases[0][1] == pytest.approx(5.0) and w.phases[0][1] == pytest.approx(w.phases[1][0])
+    assert w.score > w0.score
