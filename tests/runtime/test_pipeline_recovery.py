@@ -283,10 +283,17 @@ def test_a_slow_stage_worker_gets_fewer_microbatches_on_the_same_trajectory(tmp_
 
 
 @pytest.mark.chaos  # flaky on 2 cores: the launcher kills a replacement not admitted within 7 s
-def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_replacement_gets_its_blocks_from_peers(tmp_path, reference, overlap):
+    """A killed worker's replacement is healed from a peer.  ``overlap`` (``overlap_migration``):
+    in the background -- the job keeps training rerouted around its slot while the blocks
+    (snapshot + the reduced gradients since) reach it, stretched by a ``slow`` fault -- and it
+    takes its slot at one step boundary."""
     # Slower steps (30 ms per block forward): the replacement needs seconds to start and join.
-    codes, j = kill_run(tmp_path, [2], "--allowed", "reroute,wait,heal", "--block-sleep", "0.03", at_step=3,
-                        launch_args=("--max-replacements", "1"))
+    faults = ("--faults", "slow:rank=0,1,3,4,5,6,7:phase=migrate:factor=30:from=1") if overlap else ()
+    codes, j = kill_run(tmp_path, [2], "--allowed", "reroute,wait,heal", "--block-sleep", "0.03",
+                        *(("--overlap",) if overlap else ()), at_step=3, hang_timeout=20.0,
+                        launch_args=("--max-replacements", "1", *faults))
     assert codes == [0], j.output()[-4000:]
     finals = j.final()
     assert sorted(finals) == list(range(8))
@@ -294,9 +301,14 @@ def test_replacement_gets_its_blocks_from_peers(tmp_path, reference):
     assert any(w == 2 for copies in got.values() for w, _ in copies), "the replacement holds no block"
     joined = [d for d in decisions(tmp_path) if d["event"]["kind"] == "join"]
     assert joined and joined[0]["chosen"] == "heal"
-    healed = [e for e in read_events(tmp_path) if e["event"] == "migration" and e.get("transfers")
-              and e["step"] > 0]
-    assert healed, "no peer sent blocks to the replacement"
+    ends = [e for e in read_events(tmp_path) if e["event"] == "migration" and e.get("phase") == "end"
+            and e["step"] > 0]
+    assert [e for e in ends if e.get("transfers")], "no peer sent blocks to the replacement"
+    if overlap:
+        assert not [e for e in ends if e.get("transfers") and not e.get("overlapped")], ends  # nothing paused
+        healed = [e for e in ends if e.get("overlapped")]
+        assert {e["worker"] for e in healed} == set(range(8)) and len({e["step"] for e in healed}) == 1, healed
+        assert min(e["steps_overlapped"] for e in healed) >= 1, healed
 
 
 def test_replan_migration_overlapped_with_rerouted_steps(tmp_path, reference):
@@ -372,27 +384,3 @@ def test_a_kill_during_an_overlapped_migration_ends_it_and_the_engine_decides_ag
     assert {e["worker"] for e in ends} == set(finals) and len({e["step"] for e in ends}) == 1, ends
     result = json.loads((tmp_path / f"result_{min(finals)}.json").read_text())
     assert result["plan"] == next(o for o in ds[-1]["candidates"] if o["policy"] == "replan")["plan"]
-
-
-@pytest.mark.chaos  # as test_replacement_gets_its_blocks_from_peers: the launcher's 7 s admission limit
-def test_replacement_healed_while_the_job_trains_rerouted(tmp_path, reference):
-    """``overlap_migration``: the replacement of a killed worker is healed in the background --
-    the job keeps training rerouted around its slot while a peer's blocks (snapshot + the
-    reduced gradients since) reach it -- and it takes its slot at one step boundary."""
-    codes, j = kill_run(tmp_path, [2], "--allowed", "reroute,wait,heal", "--block-sleep", "0.03", "--overlap",
-                        at_step=3, hang_timeout=20.0, launch_args=(
-                            "--max-replacements", "1",
-                            "--faults", "slow:rank=0,1,3,4,5,6,7:phase=migrate:factor=30:from=1"))
-    assert codes == [0], j.output()[-4000:]
-    finals = j.final()
-    assert sorted(finals) == list(range(8))
-    got = check_run(tmp_path, finals, reference)
-    assert any(w == 2 for copies in got.values() for w, _ in copies), "the replacement holds no block"
-    joined = [d for d in decisions(tmp_path) if d["event"]["kind"] == "join"]
-    assert joined and joined[0]["chosen"] == "heal"
-    evs = read_events(tmp_path)
-    ends = [e for e in evs if e["event"] == "migration" and e.get("phase") == "end" and e["step"] > 0]
-    assert not [e for e in ends if e.get("transfers") and not e.get("overlapped")], ends  # nothing paused
-    healed = [e for e in ends if e.get("overlapped")]
-    assert {e["worker"] for e in healed} == set(range(8)) and len({e["step"] for e in healed}) == 1, healed
-    assert min(e["steps_overlapped"] for e in healed) >= 1, healed
