@@ -26,8 +26,11 @@ blocks, point to point, only what is missing) and drops the blocks its slot no l
 Reroute needs no transfer: the dead stage's micro-batches get a same-stage peer in the routes.
 
 With ``ElasticConfig.overlap_migration`` the job trains on, rerouted, while the state moves, and
-switches at a step boundary (``overlap.py``).  Limits, honestly: shrink is off; a straggler rebalance moves micro-batches between the running pipelines, no state
-(docs/runtime-pipeline.md); no gradient clipping over the whole model (each block's optimizer is its own).
+switches at a step boundary (``overlap.py``).
+
+Limits, honestly: shrink is off; a straggler rebalance moves micro-batches between the running
+pipelines, no state (docs/runtime-pipeline.md); no gradient clipping over the whole model (each
+block's optimizer is its own).
 """
 
 from __future__ import annotations
@@ -363,7 +366,8 @@ class PipelineExecutor(RecoveryCore):
         self._discard()  # a pipeline step is redone whole (its partial sums are spread out)
         self._last_commit = None  # the next commit interval would include this recovery
         if self._overlap is not None:  # a recovery ends an overlapped migration (overlap.py)
-            self._overlap, _ = None, self._overlap.cancel()
+            self._overlap.cancel()
+            self._overlap = None
         plan = payload.get("migration") or {"rounds": []}
         want = self.slot_blocks()
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime import codec as run_state
 
-__all__ = ["confirm", "encode_tree", "recv_tree", "run", "send_encoded", "walk"]
+__all__ = ["blocks_tree", "confirm", "encode_tree", "recv_tree", "run", "send_encoded", "walk"]
 
 _NOMINAL_BPS = 1e6  # fault injection only (see run)
 _BASE_TAG = 1 << 30  # above every tag a pipeline step uses (gloo tags are C ints)
@@ -102,19 +102,21 @@ def run(ctx, rounds: list, timeout_s: float) -> dict:
     return out
 
 
+def blocks_tree(ctx, lo: int, hi: int) -> dict:
+    """Blocks ``lo``..``hi - 1`` as a transfer sends them (each held block's ``block_state``)."""
+    missing = [b for b in range(lo, hi) if b not in ctx.held]
+    if missing:
+        raise RuntimeError(f"worker {ctx.worker_id} was asked to send blocks {missing} it does not hold")
+    return {str(b): ctx.block_state(b) for b in range(lo, hi)}
+
+
 def _rounds(ctx, rounds: list, timeout_s: float, out: dict) -> None:
     port = _Port(ctx.gm, timeout_s)
-
-    def tree_of(lo: int, hi: int) -> dict:
-        missing = [b for b in range(lo, hi) if b not in ctx.held]
-        if missing:
-            raise RuntimeError(f"worker {ctx.worker_id} was asked to send blocks {missing} it does not hold")
-        return {str(b): ctx.block_state(b) for b in range(lo, hi)}
 
     def received(lo: int, hi: int, tree: dict) -> None:
         for b in range(lo, hi):
             ctx.put_block(b, tree[str(b)])
-    walk(ctx, port, rounds, _BASE_TAG, lambda lo, hi, dst: encode_tree(tree_of(lo, hi)), received, out,
+    walk(ctx, port, rounds, _BASE_TAG, lambda lo, hi, dst: encode_tree(blocks_tree(ctx, lo, hi)), received, out,
          lambda lo, hi, dst: sum(ctx.state_bytes(b) for b in range(lo, hi)), lambda s: _hold(ctx.gm, s))
 
 

@@ -104,12 +104,8 @@ class Overlap:
         for rnd in self.rounds:
             for src, dst, lo, hi in rnd:
                 if src == me:
-                    missing = [b for b in range(lo, hi) if b not in ctx.held]
-                    if missing:
-                        raise RuntimeError(f"worker {me} was asked to send blocks {missing} it does not hold")
-                    self._encoded[(lo, hi, dst)] = (
-                        migration.encode_tree({str(b): ctx.block_state(b) for b in range(lo, hi)}),
-                        sum(ctx.state_bytes(b) for b in range(lo, hi)))
+                    self._encoded[(lo, hi, dst)] = (migration.encode_tree(migration.blocks_tree(ctx, lo, hi)),
+                                                    sum(ctx.state_bytes(b) for b in range(lo, hi)))
         port = _CapturedPort(ctx.gm.group(), ctx.hang_timeout_s, self.cancelled)
         self._members = list(ctx.view.members)  # the captured group's ranks
         self._thread = threading.Thread(target=self._run, args=(ctx, port), daemon=True,
