@@ -250,8 +250,17 @@ def snapshot_interval(cost_s: float, mttf_s: float, step_s: float, lo: int = 1, 
     return int(min(hi, max(lo, round(tau / step_s))))
 
 
+HEAL_WINDOW = 16  # losses before a rehabilitation that its heal check fits the trend to
+
+
+def heal_points(history: Sequence[tuple[int, float]], start: int, window: int = HEAL_WINDOW) -> list[tuple[int, float]]:
+    """The losses ``heal_check`` fits its trend to: the last ``window`` finite ones up to ``start``
+    (what a recovery ships to every member, so that all watch the heal on the same trend)."""
+    return [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
+
+
 def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: float,
-               window: int = 16, fallback_step: Optional[int] = None, path: Sequence[float] = ()) -> Optional[HealCheck]:
+               window: int = HEAL_WINDOW, fallback_step: Optional[int] = None, path: Sequence[float] = ()) -> Optional[HealCheck]:
     """The ``HealCheck`` of a rehabilitation at ``start``: the failure-free trend is the line
     fitted to the last ``window`` losses before it (to their logarithm when all are positive);
     ``fallback_step``: the snapshot step a recompute could still roll back to; ``path``: the
@@ -259,7 +268,7 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     trend: on a plateau (the slope not below zero by two standard errors) steps of progress are
     not defined -- a residual over a slope of ~0 reads as a lag of tens of steps (seen: a heal on
     the MLP's plateau "19 steps behind", and a needless fall back to recompute)."""
-    pts = [(s, v) for s, v in history if s <= start and math.isfinite(v)][-window:]
+    pts = heal_points(history, start, window)
     log = bool(pts) and all(v > 0 for _, v in pts)
     fit = [(s, math.log(v) if log else v) for s, v in pts]
     slope = _slope(fit) if len(fit) >= 3 else None

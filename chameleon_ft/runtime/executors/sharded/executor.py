@@ -463,9 +463,11 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         payload = super().source_payload(view, info)
         if not payload["restart"]:
             payload["shard"] = self._shard_plan(view)
-            # Every member watches a heal on the same losses: the source's (a member that was a
-            # step behind, or adopted one, had another history, and another heal check -- seen).
-            payload["shard"]["loss_history"] = [[int(k), float(v)] for k, v in self.loss_history]
+            if payload["shard"]["mode"] == "rehabilitate":
+                # Every member watches the heal on the same trend: the source's losses (a member
+                # that was a step behind, or adopted one, had another history and another check -- seen).
+                payload["shard"]["heal_history"] = [[int(k), float(v)]
+                                                    for k, v in sr.heal_points(self.loss_history, self.step)]
             if payload["shard"]["mode"] == "restart":
                 d = payload["shard"]["decision"]
                 why = "; ".join(f"{k}: {c['reason']}" for k, c in d["candidates"].items() if k != "restart")
@@ -500,8 +502,6 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             if self.k:
                 self._take_snapshot(wait=True)
             return
-        if "loss_history" in plan:
-            self.loss_history = [(int(k), float(v)) for k, v in plan["loss_history"]]
         t0, at = time.perf_counter(), self.step  # the failure's step (a recompute rolls back from it)
         new = _Layout(self._shapes, n, self._replicas_for(n))
         row = new.row_of(r)
@@ -516,7 +516,8 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         decided = plan.get("decision") or {}
         heal = decided.get("predicted_heal_steps")
         fallback = plan.get("fallback") if plan["mode"] == "rehabilitate" else None
-        self._heal = (sr.heal_check(self.loss_history, self.step, heal,
+        trend = [(int(k), float(v)) for k, v in plan.get("heal_history", ())] or self.loss_history
+        self._heal = (sr.heal_check(trend, self.step, heal,
                                     fallback_step=None if fallback is None else fallback["t"],
                                     path=decided.get("heal_path") or ())
                       if plan["mode"] == "rehabilitate" and heal is not None else None)
