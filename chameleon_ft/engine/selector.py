@@ -184,12 +184,13 @@ def _best_by_score(result, plan, w, cluster, alive, cfg, mttf_s, top: int = 3, r
 
 
 def overlapped_phases(cfg: SelectorConfig, migration_s: float, running_step: float, step: float,
-                      batch: int) -> tuple[float, tuple]:
+                      batch: int, search: bool = True, running_batch=None) -> tuple[float, tuple]:
     """An overlapped migration (``SelectorConfig.overlap_migration``): (its un-overlapped
-    transition -- the search and the rebuild --, the phases: the running layout while the
-    state moves, then the new one)."""
-    u = cfg.search_s + cfg.rebuild_s
-    return u, ((u, u + migration_s, running_step, batch), (u + migration_s, math.inf, step, batch))
+    transition -- the search, unless ``search`` is False (a heal), and the rebuild --, the phases:
+    the running layout, at ``running_batch`` (default ``batch``), while the state moves, then the
+    new one)."""
+    u = (cfg.search_s if search else 0.0) + cfg.rebuild_s
+    return u, ((u, u + migration_s, running_step, running_batch or batch), (u + migration_s, math.inf, step, batch))
 
 
 def _overlap(o: Option, running_step, cfg: SelectorConfig) -> None:
@@ -396,9 +397,8 @@ def _heal_option(event: Event, state: JobState, cfg: SelectorConfig, grown: Clus
         o.global_batch = healed.num_microbatches * w.micro_batch
         if running is not None and cfg.overlap_migration and plan.max_depth > 1 and heal > 0:
             # Overlapped (runtime overlap.py): the running layout trains while the copy moves.
-            o.transition_s = cfg.rebuild_s
-            o.phases = ((o.transition_s, o.transition_s + heal, running, _plan_batch(state)),
-                        (o.transition_s + heal, math.inf, o.step_time, o.global_batch))
+            o.transition_s, o.phases = overlapped_phases(cfg, heal, running, o.step_time, o.global_batch,
+                                                         search=False, running_batch=_plan_batch(state))
             o.breakdown = {**o.breakdown, "overlapped_s": heal, "running_step_s": running}
         o.dead, o.extra = frozenset(still), extra
         o.reason = f"{len(added)} device(s) healed from peers"
@@ -477,8 +477,11 @@ def _grow_back(o: Option, plan: Plan, dead: set[int], state: JobState, cfg: Sele
     B = o.global_batch
     heal = heal_seconds(plan, dead, state.workload, state.cluster)
     overlap = running is not None and o.migration is not None and bool(o.migration.transfers)
-    u = cfg.search_s + cfg.rebuild_s if overlap else o.transition_s
-    moved = u + o.migration.seconds if overlap else o.transition_s  # the state is where the plan wants it
+    if overlap:  # u: the un-overlapped part; moved: the state is where the plan wants it
+        u, phases = overlapped_phases(cfg, o.migration.seconds, running, o.step_time, B)
+        moved = phases[1][0]
+    else:
+        u = moved = o.transition_s
     if cfg.replacement_eta_s < moved:
         grown = ((cfg.replacement_eta_s + heal + cfg.rebuild_s, math.inf, full.step_time, B),)
         o.phases = ((u, cfg.replacement_eta_s, running, B),) + grown if overlap else grown

@@ -150,10 +150,9 @@ class Overlap:
             if b in reduced:
                 self.kept[b].append(reduced[b])
 
-    def install(self, ctx) -> list[int]:
-        """Load the snapshots that arrived and replay the kept gradients through them; returns
-        the blocks installed.  They join ``ctx.held`` (stepped from now on) but not
-        ``ctx.agreed`` until the switch."""
+    def install(self, ctx) -> None:
+        """Load the snapshots that arrived and replay the kept gradients through them.  They
+        join ``ctx.held`` (stepped from now on) but not ``ctx.agreed`` until the switch."""
         with self._lock:
             ready, self.arrived = dict(self.arrived), {}
         for b in sorted(ready):
@@ -162,7 +161,6 @@ class Overlap:
             for flat in self.kept.pop(b):
                 ctx.step_block(b, flat)
             self.installed.add(b)
-        return sorted(ready)
 
     def cancel(self) -> None:
         """A recovery ends the overlap (module doc); the thread stops at its next wait."""
