@@ -51,6 +51,9 @@ class ElasticConfig:
         first step the engine's bytes per parameter are a prior.  None: the cluster model's
         default (80 GB).  In accelerator-emulation benchmarks it stands for the memory that
         makes a model need pipeline stages.
+    bucket_cap_mb: data parallel: the gradient buckets' size in MiB (DDP's ``bucket_cap_mb``):
+        buckets are all-reduced while backward runs (``executors/buckets.py``); the adapters
+        take it from the user's DDP settings.
     one_microbatch_each: every live member runs at least one micro-batch per step when the
         global batch has that many (set by the Lightning adapter: Lightning logs per
         ``training_step``, so a member with none would skip the epoch-end metric sync).  The
@@ -81,3 +84,4 @@ class ElasticConfig:
     shard_recovery: Optional[frozenset] = None
     device_memory_bytes: Optional[float] = None
     one_microbatch_each: bool = False
+    bucket_cap_mb: float = 25.0

@@ -126,13 +126,17 @@ class GroupManager(Waits):
         paused: True while the coordinator (or etcd) does not answer (``Membership.paused``):
             no collective starts then -- nothing is committed without a working membership --
             and a wait does not count that time toward its timeout.
+        abort_seen: ``Membership.abort_seen``: a collective's start reads this flag instead of
+            asking the store (None, or a None answer: it asks the store).
     """
 
     def __init__(self, store: dist.Store, worker_id: int,
                  store_factory: Callable[[], dist.Store], *, op_timeout_s: float = 10.0,
                  connect_timeout_s: float = 5.0, abort_poll_s: float = 0.005,
-                 paused: Optional[Callable[[], bool]] = None, nccl=None):
+                 paused: Optional[Callable[[], bool]] = None, nccl=None,
+                 abort_seen: Optional[Callable[[str], Optional[bool]]] = None):
         self.paused = paused or (lambda: False)
+        self.abort_seen = abort_seen  # Membership.abort_seen: the watcher's flag, no store request
         self.nccl = nccl  # runtime/nccl.py's NcclData: CUDA tensors' all-reduce (None: gloo only)
         self._store = store
         self._store_factory = store_factory
@@ -160,6 +164,11 @@ class GroupManager(Waits):
         # False when the executor's step all-reduce runs without a header: a control
         # collective could then meet it and abort the process in gloo's size check.
         self.control_allowed = True
+        # Gradient buckets on a gloo group of their own (``data_group``): set where control
+        # collectives share the generation, so that a bucket can never meet one of them.
+        self.separate_data = False
+        self._data: Optional[dist.ProcessGroup] = None
+        self._data_work = None  # the newest bucket op started (see start_reduce)
 
     # ------------------------------------------------------------------ groups
     @property
@@ -196,7 +205,7 @@ class GroupManager(Waits):
                 self._abandon(pre[1], pre[3])
             builder, result, deadline = self._start_build(view)
         self._await_build(builder, result, deadline, "rebuild")
-        self._pg = result["pg"]
+        self._pg, self._data = result["pg"], result.get("data")
         # A store written in Python (etcd's) must outlive the group that may call into it:
         # the C++ side holds no reference to the Python object.
         self._stores = (self._stores + [result["store"]])[-4:]
@@ -216,16 +225,20 @@ class GroupManager(Waits):
                 self._abandon(self._pre[1], self._pre[3])
             self._pre = (view.token, *self._start_build(view))
 
-    def _start_build(self, view: MembershipView, ranks: Optional[tuple[int, ...]] = None
-                     ) -> tuple[threading.Thread, dict, float]:
+    def _start_build(self, view: MembershipView, ranks: Optional[tuple[int, ...]] = None,
+                     data: bool = False) -> tuple[threading.Thread, dict, float]:
         """A thread that sets up ``view``'s group (or, with ``ranks``, its subgroup of those
-        ranks, on the generation's store client) into the returned dict ("pg" and "store", or
-        "error"), and the time by which it must have ended."""
+        ranks, on the generation's store client; with ``data``, only its data group) into the
+        returned dict ("pg" and "store", "data" with ``separate_data``, or "error"), and the
+        time by which it must have ended."""
         result: dict = {}
 
         def build() -> None:
             try:
-                if ranks is None:
+                if data:
+                    store, rank, size = self._stores[-1], view.rank, view.world_size
+                    prefix = None
+                elif ranks is None:
                     store = self._store_factory()
                     prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
                     rank, size = view.rank, view.world_size
@@ -233,9 +246,18 @@ class GroupManager(Waits):
                     store = self._stores[-1]
                     prefix = dist.PrefixStore(f"cft/pg/{view.token}/sub/{'.'.join(map(str, ranks))}", store)
                     rank, size = ranks.index(view.rank), len(ranks)
-                pg = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.connect_timeout_s))
+                pg = None if data else dist.ProcessGroupGloo(prefix, rank, size,
+                                                             timedelta(seconds=self.connect_timeout_s))
                 # Connection set-up and ops get separate limits.
-                pg.set_timeout(timedelta(seconds=self.op_timeout_s))
+                if pg is not None:
+                    pg.set_timeout(timedelta(seconds=self.op_timeout_s))
+                if ranks is None and (data or self.separate_data):  # the buckets' own group (data_group)
+                    result["data"] = dist.ProcessGroupGloo(dist.PrefixStore(f"cft/pg/{view.token}/data", store),
+                                                           rank, size, timedelta(seconds=self.connect_timeout_s))
+                    result["data"].set_timeout(timedelta(seconds=self.op_timeout_s))
+                    if data:
+                        result["pg"], result["store"] = result["data"], store
+                        return
                 if self.nccl is not None and ranks is None:
                     self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
                 result["pg"], result["store"] = pg, store
@@ -283,6 +305,38 @@ class GroupManager(Waits):
             pg = self._subs[ranks] = result["pg"]
         return pg
 
+    def data_group(self) -> dist.ProcessGroup:
+        """Where a data-parallel step's gradient buckets are reduced: the generation's group, or
+        with ``separate_data`` a second gloo group over its members (set up with the generation,
+        or on first use by the first generation) -- no control collective can meet a bucket."""
+        if not self.separate_data:
+            return self.group()
+        if self._data is None:
+            self.group()
+            builder, result, deadline = self._start_build(self._view, data=True)
+            self._await_build(builder, result, deadline, "data group set-up")
+            self._data = result["data"]
+        return self._data
+
+    def start_reduce(self, buf: torch.Tensor) -> tuple:
+        """Start a SUM all-reduce of ``buf``, in place, on the data group (NCCL for CUDA
+        tensors), with no header and no store request; ``wait_reduce`` the returned handle."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        if buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
+            nccl = self.nccl.pg  # a failure aborts its communicator; its completion is polled
+            return self.start(lambda pg: nccl.allreduce([buf], opts)), self.nccl.abort, True
+        data = self.data_group()
+        work = self.start(lambda pg: data.allreduce([buf], opts))
+        # Parked with the newest op started on it: a step's later buckets block as long as this one.
+        self._data_work = work
+        return work, lambda: self._park(data, self._data_work), False
+
+    def wait_reduce(self, handle: tuple, timeout_s: Optional[float] = None) -> None:
+        """Wait for a ``start_reduce``, failing fast (``wait``)."""
+        work, abandon, poll = handle
+        self.wait(work, timeout_s, abandon=abandon, poll=poll)
+
     # ------------------------------------------------------------- collectives
     def collective(self, fn: Callable[[dist.ProcessGroup], object],
                    timeout_s: Optional[float] = None):
@@ -304,7 +358,7 @@ class GroupManager(Waits):
                 time.sleep(0.05)
             # Someone may already have ended this generation (e.g. a joiner is waiting); checked
             # first, since a watchdog expiry leaves the generation aborted and its group parked.
-            record = self.abort_record() if check_abort else None
+            record = self._ended() if check_abort else None
             if record is not None:
                 raise self._failure("generation aborted", "aborted", record)
             # The look-up may have blocked on a store that stopped answering (etcd without a
@@ -337,24 +391,44 @@ class GroupManager(Waits):
         and skips further control collectives until the next runtime header matches;
         differing runtime kinds abort the generation (``CollectiveFailure``, ``"mismatch"``).
         """
+        return self.settle_header(self.post_header(kind, tensor, label=label, arg=arg), timeout_s)
+
+    def post_header(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
+                    arg: int = 0) -> tuple:
+        """Start the header exchange of ``checked`` without waiting (a data-parallel step posts
+        its ``step`` header as backward starts; its buckets travel on ``data_group``, so they
+        need not wait for it); ``settle_header`` resolves it."""
         runtime = kind in RUNTIME_KINDS
         if not runtime and not self.control_allowed:
             raise ConfigError(f"a {kind} collective outside the training step: this executor's step "
                               "all-reduce carries no header, so a peer could meet it there; construct "
                               "the executor with control_collectives=True to run control collectives")
         mine = encode_header(kind, tensor, label, arg)
-        call = describe_header(mine)
         if not runtime and self.realigning is not None:
+            call = describe_header(mine)
             raise CollectiveMismatch(f"{call} skipped: {self.realigning}", call=call, skipped=True)
         n = self._view.world_size if self._view else 1
+        rows = torch.zeros(n, HEADER_LEN, dtype=torch.int64)
+        parts = list(rows.unbind(0))
+        return kind, mine, rows, self.start(lambda pg: pg.allgather([parts], [mine]))
+
+    def settle_header(self, posted: tuple, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """Wait for a ``post_header`` exchange and resolve it as ``checked`` does."""
+        kind, mine, rows, work = posted
+        runtime = kind in RUNTIME_KINDS
+        call = describe_header(mine)
+        n = rows.shape[0]
         me = self._view.rank if self._view else 0
         members = self._view.members if self._view else (self.worker_id,)
         # Each member gives up a control call at most once before it comes to its runtime
         # sync, so the second exchange agrees; more rounds mean a peer breaks the rule.
         for _ in range(n + 2):
-            rows = torch.zeros(n, HEADER_LEN, dtype=torch.int64)
-            parts = list(rows.unbind(0))
-            self.collective(lambda pg: pg.allgather([parts], [mine]), timeout_s)
+            if work is None:
+                rows = torch.zeros(n, HEADER_LEN, dtype=torch.int64)
+                parts = list(rows.unbind(0))
+                work = self.start(lambda pg: pg.allgather([parts], [mine]))
+            self.wait(work, timeout_s)
+            work = None
             differ = [i for i in range(n) if not torch.equal(rows[i, :AGREED], mine[:AGREED])]
             if not differ:
                 if runtime:
@@ -447,6 +521,12 @@ class GroupManager(Waits):
             # worker if it lasts (``Membership.paused``, ``cut_off_s``).
             return None
 
+    def _ended(self) -> Optional[dict]:
+        """``abort_record()``, asked of the store only when the watcher's flag says the
+        generation ended or no watcher runs (a collective's start: no round trip per op)."""
+        seen = self.abort_seen(self._view.token) if self.abort_seen is not None and self._view else None
+        return None if seen is False else self.abort_record()
+
     def raise_if_aborted(self) -> None:
         """Raise the generation's failure if a member ended it (a long local wait's check)."""
         record = self.abort_record()
@@ -505,6 +585,8 @@ class GroupManager(Waits):
             self._parked.append((pg, work))
         if self._pg is pg:
             self._pg = None
+        if self._data is pg:
+            self._data = None
 
     def _park_sub(self, ranks: tuple[int, ...]) -> None:
         """A subgroup whose op was abandoned: parked (see ``_park``), never used again."""
@@ -512,8 +594,12 @@ class GroupManager(Waits):
             self._park(self._subs.pop(ranks), self._sub_work.get(ranks))
 
     def _retire(self, work) -> None:
+        last, self._data_work = self._data_work, None  # the newest bucket op (start_reduce)
+        if self._data is not None:
+            self._park(self._data, last)
+            last = None
         if self._pg is not None:
-            self._park(self._pg, work)
+            self._park(self._pg, work if work is not None else last)
         for key in list(self._subs):
             self._park_sub(key)
         self._sub_work = {}

@@ -34,11 +34,10 @@ Limits, honestly:
 * ``report_failure`` is advisory: the Lighthouse has no eviction call, so a worker reported
   dead but still alive and asking joins the next quorum.  Liveness is decided by who asks
   and who heartbeats.
-* A live worker asks for the next quorum as soon as its generation is aborted, even while its
-  main thread computes (the abort watcher thread, ``Membership._watch_loop``, polls the abort key
-  every 20 ms).  Only a worker whose main thread stays busy for longer than the group set-up
-  (``connect_timeout_s``) after that, or whose process is stopped, misses the quorum; it then
-  aborts the new generation and is re-admitted one round later.
+* A live worker asks for the next quorum as soon as its generation is aborted, even while it
+  computes (``_watch_loop`` polls the abort key every 20 ms; ``abort_seen`` is its flag).  A
+  worker busy beyond the group set-up (``connect_timeout_s``) after that, or stopped, misses
+  the quorum, aborts the new generation and is re-admitted one round later.
 * Peer data is never unpickled: Lighthouse member data is JSON, store values are JSON text.
 """
 
@@ -81,12 +80,9 @@ __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer
 
 @dataclass(frozen=True)
 class MembershipView:
-    """One agreed generation, as seen by one member.
-
-    ``generation`` is the Lighthouse ``quorum_id`` (it only grows; it stays the same when a
-    new quorum has the same members).  ``token`` is unique per agreed quorum even then, and
-    names the generation's process group and abort key.
-    """
+    """One agreed generation, as seen by one member.  ``generation`` is the Lighthouse
+    ``quorum_id`` (it only grows; the same for a new quorum of the same members); ``token`` is
+    unique per agreed quorum even then, and names the generation's group and abort key."""
 
     generation: int
     members: tuple[int, ...]
@@ -106,13 +102,11 @@ class Membership:
         worker_id: stable id of this worker (survives restarts of its slot).
         store_addr: ``host:port`` of the coordinator's TCPStore.
         lighthouse_addr: ``http://host:port`` of the coordinator's Lighthouse.
-        heartbeat_interval_s: heartbeat period; keep it well under the Lighthouse's
-            ``heartbeat_timeout_ms``.
+        heartbeat_interval_s: heartbeat period (well under ``heartbeat_timeout_ms``).
         connect_timeout_s: limit for reaching the coordinator.
-        retry_s: how long one quorum request may wait before this worker re-checks whether
-            the others moved on without it.
+        retry_s: how long one quorum request waits before re-checking whether the others moved on.
         watch_aborts: run the abort watcher (``_watch_loop``): ask for the next quorum as soon
-            as the generation ends, even while the main thread is busy.
+            as the generation ends, even while the main thread is busy (and ``abort_seen``).
         heartbeat_timeout_s: a member whose heartbeat (a counter in the store, bumped every
             ``heartbeat_interval_s`` by its heartbeat thread) has not moved for this long is
             reported lost (a dead node, a partition, a stopped process), so the survivors'
@@ -158,6 +152,8 @@ class Membership:
         self._agree_lock = threading.Lock()
         self._watch_thread: Optional[threading.Thread] = None
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
+        self._aborted_token: Optional[str] = None  # the last generation the watcher saw ended
+        self._watching = False  # the watcher has its store client and polls
         # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
         # group's set-up overlaps the main thread's compute).
         self.on_early_view: Optional[Callable[[MembershipView], None]] = None
@@ -263,9 +259,8 @@ class Membership:
         is suspected.
 
         Idempotent: the first report of a generation wins the abort key; every report is
-        appended to the coordinator's failure log (JSON lines).  Pass the token of the
-        generation whose collective failed: the abort watcher may already have agreed on the
-        next one, which must not be ended by a report about its predecessor.
+        appended to the coordinator's failure log (JSON lines).  Pass the token of the failed
+        generation: the watcher may have agreed on the next one, which must not be ended.
         """
         record = {"by": self.worker_id, "reason": reason,
                   "suspects": sorted(set(int(w) for w in worker_ids)), "time": time.time()}
@@ -275,6 +270,7 @@ class Membership:
             if self._view is not None and self._view.token == token:
                 record["generation"] = self._view.generation
             self.store.compare_set(abort_key(token), "", json.dumps(record))
+            self._aborted_token = token
         self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
 
     def next_view(self, timeout_s: float = 30.0, after: Optional[str] = None) -> MembershipView:
@@ -330,7 +326,8 @@ class Membership:
                 # polled: a blocking store.wait logs a c10d warning at every timeout
                 t0 = time.monotonic()
                 aborted = view is not None and store.check([abort_key(view.token)])
-                self._last_ok = time.monotonic()
+                self._aborted_token = view.token if aborted else self._aborted_token
+                self._last_ok, self._watching = time.monotonic(), True
                 self._liveness.took(self._last_ok - t0)
             except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
                 aborted = False
@@ -367,6 +364,11 @@ class Membership:
             self.lost_reports += 1
             self.report_failure([w], f"timeout: no heartbeat from worker {w} for {silent:.1f} s "
                                 f"(a lost node, a network partition or a stopped process)", token=view.token)
+
+    def abort_seen(self, token: str) -> Optional[bool]:
+        """Whether the watcher saw generation ``token`` ended (a flag at most ``watch_poll_s``
+        old, no store request), or None when no watcher polls (ask the store)."""
+        return None if not self._watching or self._stop.is_set() else self._aborted_token == token
 
     def paused(self) -> bool:
         """True while the coordinator has not answered for half a second (``GroupManager``
@@ -565,8 +567,7 @@ class Membership:
 
     def _coordinator_alive(self) -> bool:
         try:
-            self.store.check([_LATEST_KEY])
-            return True
+            return self.store.check([_LATEST_KEY]) or True
         except Exception:
             return False
 
@@ -586,9 +587,8 @@ class Membership:
             self._heartbeat_once()
 
     def _beat_loop(self) -> None:
-        """The liveness counter every member's watcher reads, bumped with a store client of its
-        own, in a thread of its own: a slow store must never delay the Lighthouse's heartbeats
-        (a worker that misses them is left out of every quorum)."""
+        """Bump the liveness counter every watcher reads, on a store client and thread of its own:
+        a slow store must never delay the Lighthouse's heartbeats (or quorums leave it out)."""
         store = None
         while not self._stop.wait(self.heartbeat_interval_s):
             try:

@@ -81,6 +81,9 @@ class RecoveryCore:
     # adapter's metric gather) give way, at one more collective per step.  None: no header, for
     # executors whose members run only the same collectives in the same order between two syncs.
     step_header: Optional[str] = "step"
+    # Gradients reduced in buckets on ``GroupManager.data_group`` (data parallel): with a step
+    # header, that is a group of its own, so no control collective can meet a bucket.
+    reduces_in_buckets = False
     # The engine's policies this executor carries out: each executor declares its own
     # (executors/protocol.py); the engine is offered only these.
     POLICIES: frozenset = frozenset()
@@ -195,6 +198,7 @@ class RecoveryCore:
         self.membership, self.gm = joined.membership, joined.gm
         # Without a step header a control collective could meet the step's all-reduce: refused.
         self.gm.control_allowed = self.step_header is not None
+        self.gm.separate_data = self.reduces_in_buckets and self.step_header is not None
         view = joined.view
         timer.mark("membership")
         if self.log:
@@ -222,23 +226,42 @@ class RecoveryCore:
     # ---------------------------------------------------------------- commit
     def _reduce_step(self, parts: list[torch.Tensor], compute_s: float):
         """The step's one all-reduce: this member's ``parts`` (flat, ``self.dtype``) followed
-        by every member's timings (``compute_s``, micro-batches, the previous step's
-        all-reduce and step seconds).  Returns (the reduced ``parts`` as one buffer, timings
-        per member, all-reduce seconds), or None when a failure interrupted it: the job has
-        then reconfigured and the caller redoes the step."""
+        by every member's timings (``_tail_row``).  Returns (the reduced ``parts`` as one
+        buffer, timings per member, all-reduce seconds), or None when a failure interrupted it:
+        the job has then reconfigured and the caller redoes the step."""
         n, r = self.view.world_size, self.view.rank
         device = parts[0].device if parts else torch.device("cpu")  # the gradients' device
         tail = torch.zeros(_TAIL * n, dtype=self.dtype)
-        tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(
-            [compute_s, self._n_mb, self._prev_comm, self._prev_step], dtype=self.dtype)
+        tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(compute_s), dtype=self.dtype)
+        # A fresh buffer each step, so an abandoned op can't touch anything we keep.
         buf = torch.cat([p.to(self.dtype) for p in parts] + [tail.to(device)])
+        comm = self._commit_attempt(lambda: self._commit_reduce(buf))
+        if comm is None:
+            return None
+        at = buf.numel() - _TAIL * n
+        return buf[:at], self._read_tail(buf[at:]), comm
+
+    def _tail_row(self, compute_s: float) -> list[float]:
+        """This member's timings in the step's reduction: compute seconds, micro-batches, the
+        previous step's reduction and step seconds (``_read_tail`` reads every member's)."""
+        return [compute_s, self._n_mb, self._prev_comm, self._prev_step]
+
+    def _read_tail(self, tail: torch.Tensor) -> dict:
+        """Every member's ``_tail_row`` from a reduced tail, by worker id.  The step's only read
+        of reduced numbers on the host, after its commit point (the reduction's completion)."""
+        rows = tail.view(self.view.world_size, _TAIL).tolist()
+        return {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}
+
+    def _commit_attempt(self, reduce) -> Optional[float]:
+        """Run the step's reduction ``reduce()`` -- the commit point -- and return its seconds;
+        None when a failure interrupted it (the job has then reconfigured: ``_recover``)."""
         if self.log:
-            self.log.step(self.step, n, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""), ids=self._ids if self.cfg.log_samples else None)
+            self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
+                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""),
+                          ids=self._ids if self.cfg.log_samples else None)
         t0 = time.perf_counter()
         try:
-            # A fresh buffer each step, so an abandoned op can't touch anything we keep.
-            self._store_op(lambda: self._commit_reduce(buf))
+            self._store_op(reduce)
             if self.faults.fires(self.step, "commit", "drop"):  # tests: a partial completion
                 raise self.gm._local_failure("injected drop: the commit all-reduce, completed by the peers, "
                                              "failed here", "peer_error")
@@ -248,10 +271,7 @@ class RecoveryCore:
             self._step_start = None
             self._recover(failure, t0)
             return None
-        comm = time.perf_counter() - t0
-        at = buf.numel() - _TAIL * n
-        rows = buf[at:].view(n, _TAIL).cpu().tolist()
-        return buf[:at], {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}, comm
+        return time.perf_counter() - t0
 
     def _commit_reduce(self, buf: torch.Tensor) -> None:
         """The step's all-reduce, in place; its "step" header makes a peer's stray control

@@ -11,7 +11,11 @@ A framework-agnostic core that the trainer and the Lightning/Accelerate adapters
         ctx.sync_and_step()                       # all-reduce + commit, or recover and redo
 
 A step: compute the member's micro-batches (gradients weighted by their share of the global
-batch's samples), flatten all gradients plus the timing tail into one buffer, all-reduce, step.
+batch's samples); during the last one's backward the gradients are all-reduced in buckets as
+they become final (``buckets.py``, DDP's scheme on the live generation's group), the last
+bucket after backward with the step's loss and the members' timings in its tail; then the
+update.  Nothing on that path reads the device (the loss stays a tensor until someone looks:
+``last_loss``); the one wait is the reduction's completion, the commit point.
 The commit protocol, recovery and Decisions are the core's (``recovery.py``); this module adds
 the micro-batch loop, the loop-shaped items of the adapters, and the salvage of an interrupted
 step (only the dead members' micro-batches are recomputed).
@@ -30,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.engine.plan import even_split
-from chameleon_ft.runtime.recovery import RecoveryCore, seed_generators
+from chameleon_ft.runtime.executors.buckets import GradientBuckets
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore, seed_generators
 from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams, scale_lr
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
@@ -68,28 +74,53 @@ class DataParallelExecutor(RecoveryCore):
     # (``control_collectives=True``: the adapters pass it; groups.py, "Collective headers").
     step_header = None
 
+    reduces_in_buckets = True
+
     def __init__(self, *args, control_collectives: bool = False, **kwargs):
         if control_collectives:
+            # Its header is posted as the step's backward starts and settled after the buckets,
+            # which travel on a group of their own (GroupManager.data_group).
             self.step_header = "step"
         super().__init__(*args, **kwargs)
+        self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb)
+        self._header = None  # the step header's exchange in flight (GroupManager.post_header)
+        self._early_failure: Optional[CollectiveFailure] = None  # met while arming, raised at the sync
+        self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
+        self._last_loss: Optional[torch.Tensor | float] = None
         # Slots of the current step whose gradients this member holds (kept across a failed
         # all-reduce), and the slots it still has to compute when a failure interrupted it.
         self._done_slots: list[int] = []
         self._redo_slots: Optional[list[int]] = None
         self._spilled: list[MicroBatch] = []  # see items(spill=True)
         self._home_slots: Optional[frozenset] = None  # slots of this member under its first allocation
-        # This member's share of the step's mean loss (sum of micro-batch loss x weight), kept
-        # with its gradients; reduced with them, so ``last_loss`` is the global batch's mean
-        # loss of the last committed step on every member (None until one is known).
-        self._step_loss = 0.0
-        self.last_loss: Optional[float] = None
         self.last_grad_norms: list[float] = []  # an adapter's clipping norms of that step
         self._groups_at_commit: Optional[list] = None  # runtime/hyperparams.py
         self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
-        self._step_loss = 0.0
+        self._loss_sum = None
+        self.buckets.disarm()
+        self._header = None
+
+    @property
+    def last_loss(self) -> Optional[float]:
+        """The global batch's mean loss of the last committed step, the same on every member
+        (reduced with the gradients); None until one is known.  Reading it waits for the
+        device: ``last_loss_tensor`` does not."""
+        if isinstance(self._last_loss, torch.Tensor):
+            self._last_loss = float(self._last_loss)
+        return self._last_loss
+
+    @last_loss.setter
+    def last_loss(self, value: Optional[float]) -> None:
+        self._last_loss = value
+
+    @property
+    def last_loss_tensor(self) -> Optional[torch.Tensor]:
+        """``last_loss`` as a 0-dim tensor on the gradients' device (no host read)."""
+        v = self._last_loss
+        return v if isinstance(v, torch.Tensor) or v is None else torch.tensor(v, dtype=self.dtype)
 
     def state_dict(self) -> dict:
         # The last step's loss and clipping norms travel with the state: a member that adopts a
@@ -116,8 +147,9 @@ class DataParallelExecutor(RecoveryCore):
 
     def record_loss(self, loss: torch.Tensor, weight: float) -> None:
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
-        adapters that run ``backward`` themselves."""
-        self._step_loss += float(loss.detach()) * weight
+        adapters that run ``backward`` themselves (a device op: nothing is read)."""
+        part = loss.detach() * weight
+        self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
 
     def recovery_fields(self) -> list[int]:
         """The slots of its current step whose gradients this member holds (``_salvage``): one
@@ -166,7 +198,7 @@ class DataParallelExecutor(RecoveryCore):
         if self._home_slots is None:  # the first step this member runs: its launch share
             self._home_slots = frozenset(mb.index for mb in self.sampler.local_microbatches(self.worker_id))
         if spill is None or n_items is None or len(todo) <= n_items:
-            yield from self._run(step_items(todo, n_items))
+            yield from self._run(step_items(todo, n_items), last=True)
             return
         # The member's own slots first: its loop then sees the items it would have seen without
         # the failure, and the adopted micro-batches are the surplus.
@@ -175,14 +207,14 @@ class DataParallelExecutor(RecoveryCore):
             left = n_items - i
             take = 1 if spill(i) else (len(todo) if left == 1 else -(-len(todo) // left))
             group, todo = todo[:take], todo[take:]
-            yield from self._run(step_items(group, 1))
+            yield from self._run(step_items(group, 1), last=i == n_items - 1 and not todo)
         self._spilled = todo
 
     def spilled(self) -> Iterator[MicroBatch]:
         """The micro-batches ``items(..., spill=True)`` left over, one at a time (seeded and
         counted like the items)."""
         todo, self._spilled = self._spilled, []
-        for item in self._run(step_items(todo, None)):
+        for item in self._run(step_items(todo, None), last=True):
             yield item.parts[0]
 
     def unspill(self) -> list[int]:
@@ -193,8 +225,13 @@ class DataParallelExecutor(RecoveryCore):
             self._redo_slots = slots
         return slots
 
-    def _run(self, items: list[StepItem]) -> Iterator[StepItem]:
-        for item in items:
+    def _run(self, items: list[StepItem], last: bool) -> Iterator[StepItem]:
+        """Yield ``items``; with ``last`` (nothing more of this step follows them on this member)
+        the buckets are armed before the last one that computes: its backward reduces."""
+        final = max((k for k, item in enumerate(items) if not item.ghost), default=None) if last else None
+        for k, item in enumerate(items):
+            if k == final:
+                self._arm()
             self.faults.at(self.step, "forward")
             if self.cfg.seed_microbatches and not item.ghost:
                 seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
@@ -221,8 +258,23 @@ class DataParallelExecutor(RecoveryCore):
         self.record_loss(loss, mb.weight)
         (loss * mb.weight).backward()
 
+    def _arm(self) -> None:
+        """The coming backward is this member's last of the step: its gradients are reduced in
+        buckets as they become final; the step header (control collectives on) is posted now."""
+        if self.buckets.armed:
+            return
+        # The tail: the loss, then (gradients on the CPU: in the same buffer) every member's timings.
+        on_host = not (self.params and self.params[0].is_cuda)
+        self.buckets.set_tail(1 + (_TAIL * self.view.world_size if on_host else 0))
+        self.buckets.arm(self.gm.start_reduce)
+        if self.step_header is not None and self._header is None and self._early_failure is None:
+            try:
+                self._header = self.gm.post_header("step", label="buckets", arg=len(self.buckets))
+            except CollectiveFailure as failure:  # raised at the sync, not in the user's loop
+                self._early_failure = failure
+
     def sync_and_step(self) -> bool:
-        """All-reduce the accumulated gradients and commit the step.
+        """Reduce the accumulated gradients and commit the step.
 
         Returns True when the step committed; False when a failure interrupted it: the
         gradients were discarded, the job reconfigured, and the caller simply runs the (same
@@ -233,24 +285,43 @@ class DataParallelExecutor(RecoveryCore):
                 self._compute_s, self._n_mb, self._ids = 0.0, 0, []
             self._redo_slots = None
         self.faults.at(self.step, "allreduce")
-        grads = [p.grad.reshape(-1) if p.grad is not None
-                 else torch.zeros(p.numel(), dtype=self.dtype, device=p.device) for p in self.params]
-        device = grads[0].device if grads else torch.device("cpu")
-        loss = torch.tensor([self._step_loss], dtype=self.dtype, device=device)
-        reduced = self._reduce_step([*grads, loss], self._compute_s)
-        if reduced is None:
+        self._arm()  # (no-op when the last backward was armed)
+        buckets = self.buckets
+        tail = buckets.tail()
+        if self._loss_sum is None:
+            tail[0].zero_()
+        else:
+            tail[0].copy_(self._loss_sum)
+        timings = tail[1:]
+        if timings.numel():
+            timings.zero_()
+            r = self.view.rank
+            timings[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s), dtype=self.dtype)
+        host_tail = None
+
+        def reduce() -> None:
+            nonlocal host_tail
+            if self._early_failure is not None:
+                failure, self._early_failure = self._early_failure, None
+                raise failure
+            buckets.finish(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
+            if self._header is not None:
+                posted, self._header = self._header, None
+                self.gm.settle_header(posted, self.hang_timeout_s)
+            if not timings.numel():  # the gradients on a device: the timings go over gloo, on the host
+                host_tail = torch.zeros(_TAIL * self.view.world_size, dtype=torch.float64)
+                r = self.view.rank
+                host_tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s))
+                self.gm.allreduce(host_tail, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False)
+
+        comm = self._commit_attempt(reduce)
+        if comm is None:
+            self._header = None
             return False  # this member's gradients are kept for the redone step (see _salvage)
-        buf, timings, comm = reduced
-        self.last_loss = float(buf[sum(g.numel() for g in grads)])
-        self._step_loss = 0.0
-        at = 0
-        for p in self.params:
-            g = buf[at:at + p.numel()].view_as(p)
-            at += p.numel()
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        self._last_loss = tail[0].clone()  # read when someone looks (last_loss)
+        self._loss_sum = None
+        timing_rows = self._read_tail(timings if host_tail is None else host_tail)
+        buckets.assign_grads()
         self.faults.at(self.step, "optimizer")
         self.optimizer.step()
         if self.scheduler is not None:
@@ -258,7 +329,7 @@ class DataParallelExecutor(RecoveryCore):
         self._groups_at_commit = group_hyperparams([self.optimizer])
         self.optimizer.zero_grad(set_to_none=True)
         self._done_slots = []
-        self._finish_step(timings, comm)
+        self._finish_step(timing_rows, comm)
         return True
 
     def _salvage(self, top: int, n: int, r: int) -> None:

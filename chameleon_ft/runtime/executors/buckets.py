@@ -1,0 +1,211 @@
+"""``GradientBuckets``: a data-parallel step's gradients reduced in buckets while backward runs.
+
+DDP's scheme, on the live generation's group instead of a fixed world:
+
+* parameters are grouped in reverse order of ``model.parameters()`` (about the order their
+  gradients become final in backward) into buckets of ``cap_mb`` MiB, the first one of
+  ``first_cap_mb`` (DDP's ``bucket_cap_mb`` = 25 and its 1 MiB first bucket);
+* a post-accumulate-grad hook on every parameter copies the gradient into its bucket during the
+  step's *final* backward (``arm``: the executor arms the member's last micro-batch; the others
+  accumulate locally, as under DDP's ``no_sync``), and a bucket whose gradients are all in is
+  all-reduced asynchronously at once, buckets in the same order on every member (gloo and NCCL
+  pair a group's ops by their order);
+* the last bucket (the first layers, final last) is launched by ``finish`` after backward, with
+  a tail of control numbers (the step's loss, the members' timings) in its last elements: the
+  commit's few numbers ride with the gradients, no collective of their own.
+
+The parameters' own ``.grad`` is never written: it holds this member's local sum, which survives
+a failed reduction and is its share of the redone step (``DataParallelExecutor._salvage``).
+After a successful reduction the executor points ``.grad`` at the buckets' views for the update
+(no copy back).  Memory: local gradients plus buckets, as DDP without ``gradient_as_bucket_view``.
+
+A parameter whose gradient was not produced in the final backward (unused in this forward, or a
+member with nothing to compute this step) is filled by ``finish`` from its ``.grad`` or zeros,
+so DDP's ``find_unused_parameters`` needs no flag here (the buckets holding such parameters are
+launched at the end instead of during backward).
+
+Limits: one dtype for every trainable parameter (the core checks it); a second backward into a
+parameter after its bucket was launched in the same step is refused, as DDP refuses it; failures
+of a launch inside a hook are kept and raised by ``finish`` (an exception must not escape into
+the user's ``backward()``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["GradientBuckets", "DEFAULT_CAP_MB", "FIRST_CAP_MB"]
+
+DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb default
+FIRST_CAP_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+class GradientBuckets:
+    """Buckets over ``params`` (see module doc).
+
+    Args:
+        params: the trainable parameters, in ``model.parameters()`` order (one dtype).
+        cap_mb: bucket size in MiB (``bucket_cap_mb``).
+        first_cap_mb: the first bucket's size (the last layers', launched first; at most ``cap_mb``).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], cap_mb: float = DEFAULT_CAP_MB,
+                 first_cap_mb: float = FIRST_CAP_MB) -> None:
+        if cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {cap_mb}")
+        self.params = list(params)
+        self.cap_mb = float(cap_mb)
+        itemsize = self.params[0].element_size() if self.params else 4
+        caps = [max(1, int(min(first_cap_mb, cap_mb) * 2 ** 20) // itemsize),
+                max(1, int(cap_mb * 2 ** 20) // itemsize)]
+        # Bucket assignment: reverse order, a bucket closes once it holds its cap.
+        self.buckets: list[list[int]] = []  # parameter indices per bucket
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+        sizes: list[int] = []
+        current: list[int] = []
+        size = 0
+        for i in reversed(range(len(self.params))):
+            n = self.params[i].numel()
+            current.append(i)
+            size += n
+            if size >= caps[min(len(self.buckets), 1)]:
+                self.buckets.append(current)
+                sizes.append(size)
+                current, size = [], 0
+        if current or not self.buckets:
+            self.buckets.append(current)
+            sizes.append(size)
+        for b, idx in enumerate(self.buckets):
+            at = 0
+            for i in idx:
+                self._where[id(self.params[i])] = (b, at)
+                at += self.params[i].numel()
+        self.sizes = sizes
+        self.tail_len = 0
+        self._bufs: Optional[list[torch.Tensor]] = None
+        self._launch: Optional[Callable[[torch.Tensor], object]] = None
+        self._pending: list[int] = []
+        self._filled: set[int] = set()
+        self._next = 0  # the next bucket to launch (in order)
+        self._works: list = []
+        self.failure: Optional[BaseException] = None
+        self.armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in self.params]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    # ---------------------------------------------------------------- buffers
+    def _buffers(self) -> list[torch.Tensor]:
+        if self._bufs is None:
+            p0 = self.params[0] if self.params else None
+            kw = {"dtype": p0.dtype if p0 is not None else torch.float32,
+                  "device": p0.device if p0 is not None else torch.device("cpu")}
+            n = len(self.sizes)
+            self._bufs = [torch.empty(s + (self.tail_len if b == n - 1 else 0), **kw)
+                          for b, s in enumerate(self.sizes)]
+        return self._bufs
+
+    def set_tail(self, n: int) -> None:
+        """Reserve ``n`` elements after the last bucket's gradients for the step's control numbers."""
+        if n != self.tail_len:
+            self.tail_len = n
+            self._bufs = None
+
+    def drop_buffers(self) -> None:
+        """Forget the buffers: an op abandoned after a failure may still write into them (gloo
+        keeps its tensors alive), so the next step reduces fresh ones."""
+        self._bufs = None
+
+    def tail(self) -> torch.Tensor:
+        """The last bucket's control elements (write before ``finish``, read after it)."""
+        last = self._buffers()[-1]
+        return last[last.numel() - self.tail_len:]
+
+    # ---------------------------------------------------------------- the step
+    def arm(self, launch: Callable[[torch.Tensor], object]) -> None:
+        """The next backward is this member's last of the step: reduce as gradients become final.
+        ``launch(buffer) -> work`` starts one bucket's all-reduce on the generation's group."""
+        if self.armed:
+            return
+        self._buffers()
+        self._launch = launch
+        self._pending = [len(idx) for idx in self.buckets]
+        self._filled = set()
+        self._next, self._works, self.failure = 0, [], None
+        self.armed = True
+
+    def disarm(self) -> None:
+        """Forget a step that is not reduced (a failure, a discarded step)."""
+        self.armed = False
+        self._launch, self._works = None, []
+
+    def _on_ready(self, p: torch.nn.Parameter) -> None:
+        if not self.armed or self.failure is not None:
+            return
+        key = id(p)
+        if key in self._filled:
+            self.failure = RuntimeError(
+                "a parameter's gradient was produced twice in the step's final backward (backward "
+                "called again after the gradients were handed to the reduction); accumulate in "
+                "earlier micro-batches, as under DDP")
+            return
+        b, at = self._where[key]
+        self._bufs[b][at:at + p.numel()].copy_(p.grad.reshape(-1))
+        self._filled.add(key)
+        self._pending[b] -= 1
+        # Launch in order; the last bucket waits for ``finish`` (it carries the tail).
+        while self._next < len(self.buckets) - 1 and self._pending[self._next] == 0:
+            self._start(self._next)
+
+    def _start(self, b: int) -> None:
+        try:
+            self._works.append(self._launch(self._bufs[b]))
+        except Exception as exc:  # a CollectiveFailure: raised by ``finish``, not in backward()
+            self.failure = exc
+        self._next = b + 1
+
+    def finish(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
+        """Fill what the final backward did not produce, launch the buckets left (the last with
+        its tail), and ``wait(work)`` for each in order; return the reduced buffers.  Raises what
+        a launch or a wait raised (the caller recovers; ``.grad`` is untouched)."""
+        if not self.armed:
+            raise RuntimeError("finish() without arm()")
+        try:
+            for p in self.params:
+                if id(p) not in self._filled and self.failure is None:
+                    b, at = self._where[id(p)]
+                    view = self._bufs[b][at:at + p.numel()]
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad.reshape(-1))
+                    self._filled.add(id(p))
+            while self.failure is None and self._next < len(self.buckets):
+                self._start(self._next)
+            if self.failure is not None:
+                raise self.failure
+            for work in self._works:
+                wait(work)
+            return self._bufs
+        except BaseException:
+            self.drop_buffers()
+            raise
+        finally:
+            self.disarm()
+
+    def assign_grads(self) -> None:
+        """Point every parameter's ``.grad`` at its reduced slice (after ``finish``)."""
+        for b, idx in enumerate(self.buckets):
+            buf, at = self._bufs[b], 0
+            for i in idx:
+                p = self.params[i]
+                p.grad = buf[at:at + p.numel()].view_as(p)
+                at += p.numel()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

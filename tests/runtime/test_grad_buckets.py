@@ -1,0 +1,158 @@
+"""Gradients reduced in buckets while backward runs (``executors/buckets.py``).
+
+Unit tests of the bucket logic run in one process with a recording "launch" (no collective: a
+world of one sums nothing); the live tests run ``chameleon-ft run`` with 4 gloo workers whose
+2-layer MLP is cut into three buckets, and kill one from outside: the step stays atomic, the
+data exactly once, the replicas bitwise equal and the trajectory the failure-free one.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from chameleon_ft.runtime.executors.buckets import GradientBuckets
+
+sys.path.insert(0, str(Path(__file__).with_name("_workers")))
+from elastic_job import Job, assert_exactly_once, assert_replicas_equal, max_relative_diff, reference  # noqa: E402
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+class _Recorder:
+    """A ``launch`` that records which bucket started when, and how far backward had come."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.launched: list[tuple[int, bool]] = []  # (numel, the first layer's weight grad ready yet)
+        self.first = model[0].weight
+        self.first_ready = False
+        self.first.register_post_accumulate_grad_hook(lambda p: setattr(self, "first_ready", True))
+
+    def __call__(self, buf: torch.Tensor):
+        self.launched.append((buf.numel(), self.first_ready))
+        return buf
+
+
+# ---------------------------------------------------------------------------- unit
+def test_buckets_follow_reverse_parameter_order_and_the_cap():
+    model = _mlp()
+    params = list(model.parameters())  # w1 (512), b1 (32), w2 (128), b2 (4)
+    b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20)
+    assert [[tuple(params[i].shape) for i in idx] for idx in b.buckets] == [[(4,), (4, 32)], [(32,)], [(32, 16)]]
+    assert GradientBuckets(params).buckets == [[3, 2, 1, 0]]  # DDP's 25 MiB: one bucket
+    with pytest.raises(ValueError):
+        GradientBuckets(params, cap_mb=0)
+
+
+def test_buckets_launch_during_the_final_backward_and_hold_the_local_gradients():
+    model = _mlp()
+    params = list(model.parameters())
+    b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20)
+    rec = _Recorder(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()  # not armed: accumulates locally (no_sync)
+    assert rec.launched == []
+    rec.first_ready = False
+    b.set_tail(1)
+    b.arm(rec)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    # Buckets 0 and 1 started inside backward, before the first layer's weight gradient was
+    # final; the last one waits for finish (it carries the tail).
+    assert rec.launched == [(132, False), (32, False)]
+    local = [p.grad.clone() for p in params]
+    b.tail()[0] = 7.0
+    bufs = b.finish(lambda work: None)
+    assert rec.launched[-1] == (512 + 1, True)
+    assert float(bufs[-1][-1]) == 7.0
+    # .grad kept the local sum (the redone step's share after a failure) ...
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, local))
+    # ... and the buckets hold the same values, given to .grad as views for the update.
+    b.assign_grads()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, local))
+    assert params[0].grad.data_ptr() == bufs[2].data_ptr()
+
+
+def test_parameters_without_a_gradient_in_the_final_backward_are_filled_at_finish():
+    model = _mlp()
+    params = list(model.parameters())
+    b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20)
+    rec = _Recorder(model)
+    model(torch.randn(2, 16)).sum().backward()
+    before = [p.grad.clone() for p in params]
+    b.set_tail(0)
+    b.arm(rec)  # armed, but this member runs no backward (no share, or a ghost last item)
+    bufs = b.finish(lambda work: None)
+    assert len(rec.launched) == 3
+    flat = torch.cat([bufs[k] for k in range(3)])
+    expect = torch.cat([before[i].reshape(-1) for idx in b.buckets for i in idx])
+    assert torch.equal(flat, expect)
+    # An unused parameter (no .grad at all) is reduced as zeros.
+    model2 = _mlp()
+    b2 = GradientBuckets(list(model2.parameters()), cap_mb=26 * 4 / 2 ** 20)
+    b2.set_tail(0)
+    b2.arm(lambda buf: buf)
+    model2[0](torch.randn(2, 16)).sum().backward()  # the last layer is unused
+    bufs2 = b2.finish(lambda work: None)
+    assert torch.count_nonzero(bufs2[0]) == 0
+
+
+def test_a_second_backward_into_a_reduced_bucket_is_refused_and_a_failed_launch_waits_for_finish():
+    model = _mlp()
+    b = GradientBuckets(list(model.parameters()), cap_mb=26 * 4 / 2 ** 20)
+    x = torch.randn(2, 16)
+    b.set_tail(0)
+    b.arm(lambda buf: buf)
+    model(x).sum().backward()
+    model(x).sum().backward()  # no exception inside the user's backward() ...
+    with pytest.raises(RuntimeError, match="produced twice"):
+        b.finish(lambda work: None)  # ... the step's sync raises it
+    assert not b.armed
+
+    def broken(buf):
+        raise ConnectionError("peer gone")
+    model.zero_grad()
+    b.arm(broken)
+    model(x).sum().backward()
+    with pytest.raises(ConnectionError):
+        b.finish(lambda work: None)
+
+
+# ---------------------------------------------------------------------------- live
+EPOCHS = 2
+_THREE_BUCKETS = ["--bucket-mb", str(26 * 4 / 2 ** 20)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill_with_gradients_in_three_buckets_keeps_the_step_atomic_and_the_trajectory(tmp_path, tmp_path_factory):
+    rng = random.Random()
+    victim, step, delay = rng.randrange(4), rng.randrange(2, 13), rng.uniform(0.0, 0.03)
+    print(f"victim {victim} step {step} delay {delay:.3f}")
+    job = Job(tmp_path, worker_args=_THREE_BUCKETS)
+    try:
+        job.start()
+        job.wait_step(step)
+        time.sleep(delay)
+        job.kill(victim)
+        assert job.wait(60) == [0], job.output()
+        evs = job.events()
+        assert_exactly_once(evs, EPOCHS)
+        finals = job.final()
+        survivors = [w for w in range(4) if w != victim]
+        assert sorted(finals) == survivors
+        assert_replicas_equal(finals, survivors)
+        chosen = {e["decision"]["chosen"] for e in evs if e["event"] == "decision"}
+        assert chosen <= {"reroute", "replan", "keep", "rebalance"}, chosen
+        ref = reference(tmp_path_factory.mktemp("ref"), EPOCHS)  # one bucket (DDP's default size)
+        assert max_relative_diff(finals[survivors[0]], ref) < 1e-5
+    finally:
+        job.cleanup()
