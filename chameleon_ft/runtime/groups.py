@@ -182,6 +182,9 @@ class GroupManager(Waits):
 
     def group(self) -> dist.ProcessGroup:
         if self._pg is None:
+            if self._view is not None:  # parked after a failure of this generation: it is over
+                raise self._failure("the generation's group was given up after a failure", "aborted",
+                                    self.abort_record())
             raise RuntimeError("no process group yet: call rebuild(view) first")
         return self._pg
 

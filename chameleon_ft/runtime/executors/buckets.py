@@ -138,7 +138,10 @@ class GradientBuckets:
         self.armed = True
 
     def disarm(self) -> None:
-        """Forget a step that is not reduced (a failure, a discarded step)."""
+        """Forget a step that is not reduced (a failure, a discarded step); buckets already
+        launched leave their buffers to the abandoned ops (``drop_buffers``)."""
+        if self._works:
+            self.drop_buffers()
         self.armed = False
         self._launch, self._works = None, []
 
@@ -189,10 +192,8 @@ class GradientBuckets:
                 raise self.failure
             for work in self._works:
                 wait(work)
+            self._works = []  # all done: the buffers stay ours
             return self._bufs
-        except BaseException:
-            self.drop_buffers()
-            raise
         finally:
             self.disarm()
 

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from chameleon_ft.engine.plan import even_split
 from chameleon_ft.runtime.executors.buckets import GradientBuckets
-from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore, seed_generators
 from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams, scale_lr
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
@@ -78,13 +77,11 @@ class DataParallelExecutor(RecoveryCore):
 
     def __init__(self, *args, control_collectives: bool = False, **kwargs):
         if control_collectives:
-            # Its header is posted as the step's backward starts and settled after the buckets,
-            # which travel on a group of their own (GroupManager.data_group).
+            # Its header travels beside the last bucket; the buckets go on a group of their own
+            # (GroupManager.data_group), so a control collective never meets one.
             self.step_header = "step"
         super().__init__(*args, **kwargs)
         self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb)
-        self._header = None  # the step header's exchange in flight (GroupManager.post_header)
-        self._early_failure: Optional[CollectiveFailure] = None  # met while arming, raised at the sync
         self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
         self._last_loss: Optional[torch.Tensor | float] = None
         # Slots of the current step whose gradients this member holds (kept across a failed
@@ -101,7 +98,6 @@ class DataParallelExecutor(RecoveryCore):
         self._done_slots, self._redo_slots = [], None
         self._loss_sum = None
         self.buckets.disarm()
-        self._header = None
 
     @property
     def last_loss(self) -> Optional[float]:
@@ -267,11 +263,6 @@ class DataParallelExecutor(RecoveryCore):
         on_host = not (self.params and self.params[0].is_cuda)
         self.buckets.set_tail(1 + (_TAIL * self.view.world_size if on_host else 0))
         self.buckets.arm(self.gm.start_reduce)
-        if self.step_header is not None and self._header is None and self._early_failure is None:
-            try:
-                self._header = self.gm.post_header("step", label="buckets", arg=len(self.buckets))
-            except CollectiveFailure as failure:  # raised at the sync, not in the user's loop
-                self._early_failure = failure
 
     def sync_and_step(self) -> bool:
         """Reduce the accumulated gradients and commit the step.
@@ -301,12 +292,13 @@ class DataParallelExecutor(RecoveryCore):
 
         def reduce() -> None:
             nonlocal host_tail
-            if self._early_failure is not None:
-                failure, self._early_failure = self._early_failure, None
-                raise failure
+            # Posted here, after everything the member's loop ran in this step (a control
+            # collective inside it pairs with its peers' before it), and settled after the
+            # buckets: it travels while the last bucket does.
+            posted = (self.gm.post_header("step", label="buckets", arg=len(buckets))
+                      if self.step_header is not None else None)
             buckets.finish(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
-            if self._header is not None:
-                posted, self._header = self._header, None
+            if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
             if not timings.numel():  # the gradients on a device: the timings go over gloo, on the host
                 host_tail = torch.zeros(_TAIL * self.view.world_size, dtype=torch.float64)
@@ -316,7 +308,7 @@ class DataParallelExecutor(RecoveryCore):
 
         comm = self._commit_attempt(reduce)
         if comm is None:
-            self._header = None
+            buckets.disarm()  # (a failure before the buckets' finish: the header, a drop)
             return False  # this member's gradients are kept for the redone step (see _salvage)
         self._last_loss = tail[0].clone()  # read when someone looks (last_loss)
         self._loss_sum = None
