@@ -33,7 +33,7 @@ from typing import Optional
 
 from chameleon_ft.runtime import env as E
 
-__all__ = ["ConfigError", "LauncherError", "MembershipError", "CheckpointError", "RestartRequested",
+__all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
            "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
@@ -52,6 +52,39 @@ class LauncherError(ConfigError, RuntimeError):
 
 class MembershipError(RuntimeError):
     """The coordinator is unreachable, or no quorum formed in time."""
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective of generation ``token`` did not complete on this member.
+
+    ``kind`` is ``"peer_error"`` (gloo reported a broken connection), ``"timeout"`` (the
+    watchdog expired: a peer hangs or is very slow), ``"aborted"`` (another member, or the
+    launcher, declared the generation over), ``"rebuild"`` (the group could not be formed) or
+    ``"mismatch"`` (runtime collectives of different kinds or sizes met; see ``checked``).
+    ``suspects`` are worker ids believed to have failed, empty when unknown.
+    """
+
+    def __init__(self, message: str, *, kind: str, token: str, generation: int,
+                 suspects: tuple[int, ...] = (), reporter: Optional[int] = None):
+        super().__init__(message)
+        self.kind = kind
+        self.token = token
+        self.generation = generation
+        self.suspects = tuple(sorted(set(suspects)))
+        self.reporter = reporter
+
+
+class CollectiveMismatch(RuntimeError):
+    """A control collective gave up without moving any data: its peers were in a different
+    collective (``peers``: (rank, worker id, their call) of each one that differed), or this
+    member is still realigning after such a mismatch (``skipped``).  Nothing failed: the
+    caller returns its local value and carries on."""
+
+    def __init__(self, message: str, *, call: str, peers: tuple = (), skipped: bool = False):
+        super().__init__(message)
+        self.call = call
+        self.peers = tuple(peers)
+        self.skipped = skipped
 
 
 class CheckpointError(RuntimeError):

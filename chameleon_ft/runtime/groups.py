@@ -67,7 +67,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from chameleon_ft.runtime.errors import ConfigError
+from chameleon_ft.runtime.errors import CollectiveFailure, CollectiveMismatch, ConfigError
 from chameleon_ft.runtime.waits import FAST_WAIT_S, Waits  # noqa: F401  (FAST_WAIT_S re-exported)
 from chameleon_ft.runtime.membership import MembershipView, abort_key
 from chameleon_ft.runtime.headers import (  # noqa: F401  (HEADER_LEN ... re-exported)
@@ -77,39 +77,6 @@ from chameleon_ft.runtime.headers import (  # noqa: F401  (HEADER_LEN ... re-exp
 log = logging.getLogger(__name__)
 
 __all__ = ["CollectiveFailure", "CollectiveMismatch", "GroupManager", "HEADER_LEN"]
-
-class CollectiveFailure(RuntimeError):
-    """A collective of generation ``token`` did not complete on this member.
-
-    ``kind`` is ``"peer_error"`` (gloo reported a broken connection), ``"timeout"`` (the
-    watchdog expired: a peer hangs or is very slow), ``"aborted"`` (another member, or the
-    launcher, declared the generation over), ``"rebuild"`` (the group could not be formed) or
-    ``"mismatch"`` (runtime collectives of different kinds or sizes met; see ``checked``).
-    ``suspects`` are worker ids believed to have failed, empty when unknown.
-    """
-
-    def __init__(self, message: str, *, kind: str, token: str, generation: int,
-                 suspects: tuple[int, ...] = (), reporter: Optional[int] = None):
-        super().__init__(message)
-        self.kind = kind
-        self.token = token
-        self.generation = generation
-        self.suspects = tuple(sorted(set(suspects)))
-        self.reporter = reporter
-
-
-class CollectiveMismatch(RuntimeError):
-    """A control collective gave up without moving any data: its peers were in a different
-    collective (``peers``: (rank, worker id, their call) of each one that differed), or this
-    member is still realigning after such a mismatch (``skipped``).  Nothing failed: the
-    caller returns its local value and carries on."""
-
-    def __init__(self, message: str, *, call: str, peers: tuple = (), skipped: bool = False):
-        super().__init__(message)
-        self.call = call
-        self.peers = tuple(peers)
-        self.skipped = skipped
-
 
 class GroupManager(Waits):
     """Owns the current generation's gloo group for one worker.

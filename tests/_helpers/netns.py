@@ -7,6 +7,7 @@ addresses only inside them.  Needs root and iproute2.
     net.kill_node(i)                   # SIGKILL every process in node i's namespace
     net.partition(i) / net.heal(i)     # node i's link down / up (at the bridge)
     net.impair(delay_ms, loss)         # tc netem, or a userspace switch where the kernel has none
+    net.limit("1gbit")                 # each node's egress rate-limited (tc tbf)
     net.down()                         # every process killed, every namespace deleted
 
 ``python tests/_helpers/netns.py clean`` removes what a crashed test left (every namespace whose
@@ -192,6 +193,15 @@ class Net:
             f.write(f"{delay_ms} {loss_pct}\n")
         os.replace(tmp, self._switch_ctl)
         return f"a userspace switch: delay {delay_ms} ms, loss {loss_pct} % per frame (no sch_netem: {self._why})"
+
+    def limit(self, rate: str = "1gbit", burst: str = "256kb", latency_ms: float = 50.0) -> str:
+        """Each node's egress rate-limited by ``tc tbf`` (a token bucket: ``rate``, ``burst``,
+        at most ``latency_ms`` queued); returns what was applied."""
+        for i in range(self.n):
+            subprocess.run(self.wrap(i) + ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
+                                           "burst", burst, "latency", f"{latency_ms}ms"], check=True,
+                           capture_output=True)
+        return f"tc tbf rate {rate} burst {burst} latency {latency_ms} ms on every node's eth0"
 
     def _start_switch(self, why: str) -> None:
         if shutil.which("ethtool") is None:

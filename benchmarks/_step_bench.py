@@ -1,0 +1,133 @@
+"""One side of ``benchmarks/step_cost.py``: the same step under plain DDP, chameleon-ft's
+``ElasticTrainer``, or an adapter (Lightning, Accelerate, the HF ``Trainer``) and its plain self.
+
+    torchrun ... _step_bench.py --system ddp --model mlp6 --bucket-mb 4 --out F
+    chameleon-ft run ... _step_bench.py --system ft --model mlp6 --bucket-mb 4 --out F
+
+Every system trains the same model on the same samples: one micro-batch per worker per step,
+collated from ``dataset[i]`` the same way (``default_collate``), SGD with momentum.  Models:
+
+* ``tiny``: a 2-layer MLP whose step is 1-2 ms of compute: what shows is the fixed cost per step;
+* ``mlp6``: 6 x ``Linear(1024, 1024)`` (6.3 M parameters), each layer's backward followed by
+  ``--device-ms`` of emulated device time (a sleep inside autograd: the CPU is free meanwhile,
+  as while a GPU computes), so that a reduction that overlaps backward shows on a CPU.
+
+The lowest-ranked worker writes the wall-clock seconds of every step to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch.utils.data import default_collate
+
+N = 4096
+
+
+class DeviceTime(torch.autograd.Function):
+    """Identity forward; the backward waits ``seconds`` (an accelerator's kernel time)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class Emulated(torch.nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        return DeviceTime.apply(x, self.seconds) if self.seconds else x
+
+
+def build(name: str, device_ms: float):
+    torch.manual_seed(0)
+    if name == "tiny":
+        dim, classes = 32, 8
+        model = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.ReLU(), torch.nn.Linear(64, classes))
+    else:
+        dim, classes = 1024, 1024
+        layers = []
+        for _ in range(6):
+            layers += [torch.nn.Linear(dim, dim), Emulated(device_ms / 1e3)]
+        model = torch.nn.Sequential(*layers)
+    g = torch.Generator().manual_seed(1234)
+    data = torch.utils.data.TensorDataset(torch.randn(N, dim, generator=g), torch.randint(0, classes, (N,), generator=g))
+    return model, data
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def write(out: str, stamps: list[float], **extra) -> None:
+    with open(out, "w") as f:
+        json.dump({"stamps": stamps, **extra}, f)
+
+
+def run_ddp(a) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, data = build(a.model, a.device_ms)
+    kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+    net = DDP(model, **kw)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    stamps = []
+    for step in range(a.steps):
+        lo = (step * a.micro_batch * world + rank * a.micro_batch) % N
+        batch = default_collate([data[i] for i in range(lo, lo + a.micro_batch)])
+        loss_of(net, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    if rank == 0:
+        write(a.out, stamps)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ft(a) -> None:
+    from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
+
+    def main():
+        model, data = build(a.model, a.device_ms)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        stamps: list[float] = []
+        world = int(os.environ.get("WORLD_SIZE", "2"))
+        kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+        trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
+                                 config=ElasticConfig(**kw), on_step=lambda ctx: stamps.append(time.perf_counter()))
+        trainer.fit(max_steps=a.steps)
+        if trainer.ctx.rank == 0:
+            write(a.out, stamps)
+
+    elastic_main(main)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system", choices=["ddp", "ft"], required=True)
+    ap.add_argument("--model", choices=["tiny", "mlp6"], default="tiny")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_cap_mb (default: DDP's 25)")
+    ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    run_ddp(a) if a.system == "ddp" else run_ft(a)

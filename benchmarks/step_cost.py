@@ -1,0 +1,189 @@
+"""What one data-parallel step costs against plain DDP, where the difference shows on a CPU.
+
+    python benchmarks/step_cost.py [--cases link,tiny] [--repeats 3] [--json F] [--markdown docs/benchmarks-step.md]
+
+Cases (every figure against plain DDP in the same run, runs alternating; ``benchmarks/_step_bench.py``
+is the script every side runs: the same model, samples, micro-batches and collation):
+
+* ``link``: two network-namespace nodes (``tests/_helpers/netns.py``), one worker each, every
+  node's egress rate-limited to 1 Gbit/s by ``tc tbf``; 6 x ``Linear(1024, 1024)`` (6.3 M
+  parameters, a 25 MB gradient: ~0.2 s over the link) whose every layer's backward also waits
+  30 ms of emulated device time (the CPU free meanwhile, as while a GPU computes): reducing
+  during backward hides the transfer there.  Plain DDP as shipped (``bucket_cap_mb`` 25) and
+  tuned (``bucket_cap_mb=4``: a bucket per layer, as its docs advise for overlap), chameleon-ft
+  given the same ``bucket_cap_mb`` (``ElasticConfig.bucket_cap_mb``).  Needs root and iproute2.
+* ``tiny``: two workers on this machine, a 2-layer MLP whose step is 1-2 ms: only the fixed cost
+  per step shows (Python, synchronisation, the commit).
+
+Step time = median of the gaps between consecutive steps on the lowest-ranked worker, after
+``--warmup`` steps; ratio = DDP's steps/s over ours... reported as ours/DDP steps per second.
+Wall-clock timings on a shared 2-core machine: read the medians of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("_step_bench.py")
+PORT = 29561
+
+
+def step_seconds(out: Path, warmup: int) -> float:
+    stamps = json.loads(out.read_text())["stamps"][warmup:]
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def _ddp_cmd(nnodes: int, node: int, nproc: int, master: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node),
+            "--nproc-per-node", str(nproc), "--master-addr", master, "--master-port", str(PORT), str(SCRIPT), *args]
+
+
+def run_link(system: str, bucket_mb, steps: int, work: Path, net) -> Path:
+    out = work / f"{system}-{bucket_mb}.json"
+    args = ["--system", system, "--model", "mlp6", "--out", str(out), "--steps", str(steps), "--micro-batch", "8"]
+    if bucket_mb:
+        args += ["--bucket-mb", str(bucket_mb)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    if system == "ddp":
+        procs = [net.run(i, _ddp_cmd(2, i, 1, net.addr(0), args), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT) for i in range(2)]
+        outs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"plain DDP failed:\n{outs[0][-2000:]}\n{outs[1][-2000:]}")
+        return out
+    job = LocalJob(work / f"ft-{bucket_mb}", SCRIPT, args, nproc=1, hang_timeout=60, env=env)
+    try:
+        for i in range(2):
+            job.start(extra=["--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", f"{net.addr(0)}:{PORT}"],
+                      wrap=net.wrap(i))
+        if job.wait(600) != [0, 0]:
+            raise RuntimeError(f"chameleon-ft failed:\n{job.output()[-3000:]}")
+    finally:
+        job.cleanup()
+    return out
+
+
+def run_tiny(system: str, steps: int, work: Path) -> Path:
+    out = work / f"tiny-{system}.json"
+    args = ["--system", system, "--model", "tiny", "--out", str(out), "--steps", str(steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if system == "ddp":
+        p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
+        return out
+    job = LocalJob(work / "ft-tiny", SCRIPT, args, nproc=2, hang_timeout=30, env=env)
+    try:
+        job.start()
+        if job.wait(600) != [0]:
+            raise RuntimeError(f"chameleon-ft failed:\n{job.output()[-3000:]}")
+    finally:
+        job.cleanup()
+    return out
+
+
+LINK_SYSTEMS = [("ddp", None), ("ft", None), ("ddp", 4.0), ("ft", 4.0)]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="link,tiny")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-steps", type=int, default=30)
+    ap.add_argument("--tiny-steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    a = ap.parse_args(argv)
+    res: dict = {"command": "python benchmarks/step_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+    cases = a.cases.split(",")
+    with tempfile.TemporaryDirectory(prefix="cft-step-") as tmp:
+        work = Path(tmp)
+        if "link" in cases:
+            from _helpers import netns
+            why = netns.available()
+            if why:
+                raise SystemExit(f"step_cost: the link case {why}")
+            runs: dict = {f"{s}/{b or 25}": [] for s, b in LINK_SYSTEMS}
+            with netns.Net(2) as net:
+                res["link"] = net.limit(a.rate)
+                for r in range(a.repeats):
+                    order = LINK_SYSTEMS if r % 2 == 0 else LINK_SYSTEMS[::-1]
+                    for system, bucket in order:
+                        d = work / f"link{r}"
+                        d.mkdir(exist_ok=True)
+                        s = step_seconds(run_link(system, bucket, a.link_steps, d, net), a.warmup)
+                        runs[f"{system}/{bucket or 25}"].append(s)
+                        print(f"link {system} bucket_cap_mb={bucket or 25}: {s * 1e3:.1f} ms/step", flush=True)
+            res["cases"]["link"] = runs
+        if "tiny" in cases:
+            runs = {"ddp": [], "ft": []}
+            for r in range(a.repeats):
+                for system in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
+                    d = work / f"tiny{r}"
+                    d.mkdir(exist_ok=True)
+                    s = step_seconds(run_tiny(system, a.tiny_steps, d), a.warmup)
+                    runs[system].append(s)
+                    print(f"tiny {system}: {s * 1e3:.3f} ms/step", flush=True)
+            res["cases"]["tiny"] = runs
+    text = markdown(res)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    return res
+
+
+def _med(xs) -> float:
+    return statistics.median(xs)
+
+
+def markdown(res: dict) -> str:
+    lines = ["# The data-parallel step against plain DDP", "",
+             f"`{res['command']}` ({res['date']}; generated by `benchmarks/step_cost.py`, whose docstring "
+             "gives the method).  Median ms per step over the repeats (each run's median step); "
+             "ratio = chameleon-ft's steps/s over plain DDP's in the same configuration.", ""]
+    link = res["cases"].get("link")
+    if link:
+        lines += [f"## Two namespace nodes, 1 Gbit/s link, 6.3 M parameters, 30 ms emulated device time per "
+                  f"layer backward ({res.get('link', '')})", "",
+                  "| bucket_cap_mb | plain DDP | chameleon-ft | ours / DDP (steps/s) | runs (DDP; ours) |",
+                  "| --- | ---: | ---: | ---: | --- |"]
+        for b in ("25", "4.0"):
+            d, f = link.get(f"ddp/{b}"), link.get(f"ft/{b}")
+            if d and f:
+                lines.append(f"| {b.replace('.0', '')}{' (as shipped)' if b == '25' else ' (tuned)'} | "
+                             f"{_med(d) * 1e3:.1f} ms | {_med(f) * 1e3:.1f} ms | {_med(d) / _med(f):.3f} | "
+                             f"{', '.join(f'{x * 1e3:.0f}' for x in d)}; {', '.join(f'{x * 1e3:.0f}' for x in f)} |")
+        if link.get("ddp/25") and link.get("ft/4.0"):
+            lines += ["", f"Ours at `bucket_cap_mb=4` against DDP as shipped: "
+                          f"{_med(link['ddp/25']) / _med(link['ft/4.0']):.3f}."]
+        lines.append("")
+    tiny = res["cases"].get("tiny")
+    if tiny:
+        d, f = _med(tiny["ddp"]), _med(tiny["ft"])
+        lines += ["## A 1-2 ms step, two workers on one machine (the fixed cost per step)", "",
+                  "| plain DDP | chameleon-ft | overhead | runs (DDP; ours) |", "| ---: | ---: | ---: | --- |",
+                  f"| {d * 1e3:.3f} ms | {f * 1e3:.3f} ms | {100 * (f / d - 1):+.1f} % | "
+                  f"{', '.join(f'{x * 1e3:.3f}' for x in tiny['ddp'])}; {', '.join(f'{x * 1e3:.3f}' for x in tiny['ft'])} |", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
