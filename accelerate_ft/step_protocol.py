@@ -36,8 +36,8 @@ from accelerate.state import PartialState
 
 from chameleon_ft.runtime.errors import ConfigError, install_excepthook
 from chameleon_ft.runtime import codec as run_state
-from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ft_metrics, recovery_line,
-                                          training_order)
+from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_bucket_cap_mb, ft_metrics,
+                                          recovery_line, training_order)
 from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
@@ -239,6 +239,7 @@ class StepProtocol:
                                  f"{resume['micro_batch']}, this run uses {micro}")
             glob = int(resume["global_batch"])
         self.cfg.items_per_step = self.items_per_step  # a share may be merged into the items
+        self.cfg.bucket_cap_mb = ddp_bucket_cap_mb(self.acc.ddp_handler, self.cfg.bucket_cap_mb)
         handle = UpdateHandle(self.optimizer.optimizer)
         handle.update = self._apply_update
         ctx = DataParallelExecutor(self.model, handle, len(dl.dataset), glob, micro,
@@ -253,6 +254,7 @@ class StepProtocol:
             self.replay_steps = ctx.sampler.cursor
         self.train_loader = loader
         self.ctx = ctx
+        ctx.on_reconfigured = self.after_reconfiguration
         ctx.start(self.joined)
         self.after_reconfiguration()
         return ctx
@@ -339,7 +341,6 @@ class StepProtocol:
             self.gen = None
         self.sync_attempted = True
         self.redo_items = False
-        step = ctx.step
         if not self.replay.ready and ctx.unspill():
             # A recipe restored from a checkpoint did not match this loop's first backward:
             # the surplus it was to compute takes one more item.
@@ -350,27 +351,22 @@ class StepProtocol:
             return False
         self._compute_extra(ctx.spilled(), ctx.sampler.cursor)
         ts = time.perf_counter()
-        while True:
-            end = ctx.end_of_step(ctx.sync_and_step(), step)
-            committed = end is not StepEnd.REDO
-            if end is StepEnd.COMMITTED:
-                break
-            self.after_reconfiguration()
-            if end is StepEnd.ADOPTED:
-                self.coll.catch_up = True  # peers are a step ahead until our next step
-                # The norms the loop was handed are the committed step's, as its peers clipped it.
-                outs = [out for _, out in self.clips if out is not None]
-                for out, norm in zip(outs, ctx.last_grad_norms):
-                    out.fill_(norm)
-                break
-            if not self.replay.ready:
-                self._warn_once("redo", "a failure interrupted a step whose loss is computed outside the "
-                                "model (or from transformed inputs): the step is redone through one more "
-                                "item of the training loader (return the loss from the model, e.g. "
-                                "model(**batch).loss, to keep the loop's shape)")
-                self.redo_items = True
-                break
-            self._redo_inside()
+        attempts = []
+
+        def attempt() -> bool:  # the loop computed the first; a redo is computed here
+            if attempts:
+                self._redo_inside()
+            attempts.append(1)
+            return ctx.sync_and_step()
+
+        end = ctx.run_step(attempt, self._redo_here)
+        committed = end is not StepEnd.REDO
+        if end is StepEnd.ADOPTED:
+            self.coll.catch_up = True  # peers are a step ahead until our next step
+            # The norms the loop was handed are the committed step's, as its peers clipped it.
+            outs = [out for _, out in self.clips if out is not None]
+            for out, norm in zip(outs, ctx.last_grad_norms):
+                out.fill_(norm)
         self.clips = []
         self.acc.gradient_state._set_sync_gradients(committed)
         if committed:
@@ -380,6 +376,18 @@ class StepProtocol:
                 self.logged_recoveries = ctx.recoveries
                 self.on_recovered()
         return committed
+
+    def _redo_here(self) -> bool:
+        """Whether a step nobody committed is redone inside ``optimizer.step()`` (with a loss
+        recipe) or through one more loop item (without one: said once)."""
+        if self.replay.ready:
+            return True
+        self._warn_once("redo", "a failure interrupted a step whose loss is computed outside the "
+                        "model (or from transformed inputs): the step is redone through one more "
+                        "item of the training loader (return the loss from the model, e.g. "
+                        "model(**batch).loss, to keep the loop's shape)")
+        self.redo_items = True
+        return False
 
     def _redo_inside(self) -> None:
         """Compute this member's share of the interrupted step with the learnt loss recipe."""
@@ -466,7 +474,6 @@ class StepProtocol:
             self.coll.reraise = False
             return
         same = ctx.recover_off_step(failure, ctx.activity)
-        self.after_reconfiguration()
         self.eval_seen = max(self.eval_seen, self.eval_position)
         start = self.eval_position
         if same:
@@ -495,7 +502,6 @@ class StepProtocol:
             return True
         except CollectiveFailure as failure:
             again = ctx.recover_off_step(failure, _SAVE_TAG + self.saves)
-            self.after_reconfiguration()
             if again:
                 self.saves -= 1  # the same save, written again: peers count it once too
             return not again

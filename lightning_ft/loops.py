@@ -10,7 +10,7 @@
   ``validate()``/``test()`` (we shard without padding) and the "unreliable results" of a
   mid-epoch resume -- are filtered where they are emitted and replaced by true lines.
 
-The mixin uses the strategy's ``ctx``, ``_coll``, ``lightning_module``, ``_after_reconfiguration``
+The mixin uses the strategy's ``ctx``, ``_coll``, ``lightning_module``
 and its evaluation counters.
 """
 
@@ -122,7 +122,6 @@ class LoopWrappers:
                 except CollectiveFailure as failure:
                     self._coll.reraise = False
                     everyone_here = ctx.recover_off_step(failure, tag)
-                    self._after_reconfiguration()
                     self._reset_evaluation(loop, modes, updates)
                     if everyone_here:
                         self.eval_reruns += 1

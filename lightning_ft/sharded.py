@@ -257,7 +257,9 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         self._coll.catch_up = False
         ran_closure, result = False, None
         t_first = time.perf_counter()
-        while True:
+
+        def attempt() -> bool:
+            nonlocal ran_closure, result
             step = ctx.step
             t0 = ctx.begin_step()
             self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
@@ -286,14 +288,14 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                 self._mb = None
                 self._coll.local_reason = None
                 ctx.interrupted(exc, t0)  # re-raises anything but a failed collective
-                self._step_ended(ctx, False, step)  # nobody committed a step still computing
-                continue
+                return False  # nobody committed a step still computing
             self._mb = None
             self._coll.local_reason = None
             update = functools.partial(self._apply_update, optimizer, model, result, kwargs)
             ids = [i for mb in mine for i in mb.indices]
-            if self._step_ended(ctx, ctx.commit(loss_w, t0, len(mine), ids, update=update), step):
-                break
+            return ctx.commit(loss_w, t0, len(mine), ids, update=update)
+
+        self._step_ended(ctx.run_step(attempt))
         self._close_step(closure, ran_closure)
         self.last_step = {"step_s": time.perf_counter() - t_first, "compute_s": ctx._compute_s,
                           "data_wait_s": 0.0, "sync_s": ctx._prev_comm}

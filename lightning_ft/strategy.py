@@ -69,7 +69,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.relaunch import launched
 from lightning_ft.launch import relaunch_lightning
-from chameleon_ft.runtime.adapter_kit import LiveCollectives, UpdateHandle, refuse_grad_scaler, training_order
+from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_bucket_cap_mb, refuse_grad_scaler,
+                                          training_order)
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.groups import CollectiveFailure
@@ -325,6 +326,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                              f"{resume['micro_batch']}, this run uses {mb}")
         ctx = self._new_context(len(dl.dataset), global_batch, mb, seed=seed, shuffle=shuffle,
                                 drop_last=dl.drop_last)
+        ctx.on_reconfigured = self._after_reconfiguration
         if self.event_log:
             ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
         if resume:
@@ -344,7 +346,9 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
     def _new_context(self, dataset_len: int, global_batch: int, micro_batch: int, **kw) -> DataParallelExecutor:
         self._handle = UpdateHandle(self.optimizers[0])
         # At least one micro-batch per member and step (ElasticConfig.one_microbatch_each).
-        config = dataclasses.replace(self.ft_config or ElasticConfig(), one_microbatch_each=True)
+        config = self.ft_config or ElasticConfig()
+        config = dataclasses.replace(config, one_microbatch_each=True,
+                                     bucket_cap_mb=ddp_bucket_cap_mb(self._ddp_kwargs, config.bucket_cap_mb))
         return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
                                     scheduler=_SchedulerState(self), config=config, env=self.env,
                                     control_collectives=True, user_loop=True, **kw)  # metric syncs, barriers
@@ -390,9 +394,11 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         self._coll.catch_up = False
         ran_closure, result = False, None
-        t0 = time.perf_counter()
+        t0 = ts = time.perf_counter()
         compute = data_wait = 0.0
-        while True:
+
+        def attempt() -> bool:
+            nonlocal ran_closure, result, compute, data_wait, ts
             step = ctx.step
             self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
             for mb in ctx.microbatches():
@@ -419,26 +425,20 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             self._coll.local_reason = None
             self._handle.update = lambda: self._apply_update(optimizer, model, result, kwargs)
             ts = time.perf_counter()
-            if self._step_ended(ctx, ctx.sync_and_step(), step):
-                break
+            return ctx.sync_and_step()
+
+        self._step_ended(ctx.run_step(attempt))
         self._close_step(closure, ran_closure)
         end = time.perf_counter()
         self.last_step = {"step_s": end - t0, "compute_s": compute - data_wait, "data_wait_s": data_wait,
                           "sync_s": end - ts}
         return result
 
-    def _step_ended(self, ctx, committed: bool, step: int) -> bool:
-        """The end of one attempt at ``step`` (``RecoveryCore.end_of_step``): True when the step
-        is done -- committed here, or adopted from a peer that committed it (its state is ours;
-        our collectives stay local until our next step) -- False when it is redone."""
-        end = ctx.end_of_step(committed, step)
-        if end is StepEnd.COMMITTED:
-            return True
-        self._after_reconfiguration()
+    def _step_ended(self, end: StepEnd) -> None:
+        """A step adopted from a peer that committed it (its state is ours): our collectives
+        stay local until our next step."""
         if end is StepEnd.ADOPTED:
             self._coll.catch_up = True
-            return True
-        return False
 
     @property
     def redone_steps(self) -> int:
@@ -534,7 +534,6 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         (``catch_up``); the step's all-reduce is the first that pairs up again."""
         ctx = self.ctx
         ctx.recover_off_step(failure, 0)
-        self._after_reconfiguration()
         self._coll.catch_up = True
         self._coll.local_reason = _OFF_STEP
         if self.is_global_zero:

@@ -191,11 +191,13 @@ class FaultTolerantTrainer(Trainer):
         ft = self._ft
         if ft is None or ft.ctx is None:
             return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
-        if self.state.global_step != self._ft_counted and ft.ctx.last_loss is not None:
-            self._ft_loss += ft.ctx.last_loss
+        last = ft.ctx.last_loss_tensor  # on the device: nothing is read until the Trainer logs
+        if self.state.global_step != self._ft_counted and last is not None:
+            self._ft_loss = self._ft_loss + last.to(tr_loss.device, tr_loss.dtype)
             self._ft_counted = self.state.global_step
         with torch.no_grad():
-            tr_loss.fill_(self._ft_loss)  # the global losses since the last log, not the local ones
+            # the global losses since the last log, not the local ones
+            tr_loss.copy_(self._ft_loss) if torch.is_tensor(self._ft_loss) else tr_loss.fill_(self._ft_loss)
         logged = self._globalstep_last_logged
         super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
         if self._globalstep_last_logged != logged:

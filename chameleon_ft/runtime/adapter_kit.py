@@ -57,7 +57,7 @@ from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 log = logging.getLogger(__name__)
 
 __all__ = ["MicroBatchSource", "MicroBatchFeed", "training_order", "shard_indices", "ShardSampler",
-           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics", "recovery_line"]
+           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics", "recovery_line", "ddp_bucket_cap_mb"]
 
 
 # ---------------------------------------------------------------------------- training data
@@ -151,6 +151,25 @@ def refuse_grad_scaler(who: str, how: str) -> None:
     instead.  ``how``: what the user set (``mixed_precision='fp16'``, ``precision='16-mixed'``)."""
     raise ConfigError(f"{who}: {how} needs a GradScaler, which skips and rescales updates outside "
                       "the fault-tolerant step; use bf16 mixed precision (no scaler) or full precision")
+
+
+def ddp_bucket_cap_mb(handler, default: float) -> float:
+    """The gradient buckets' size from a user's DDP settings (Accelerate's
+    ``DistributedDataParallelKwargs``, the HF Trainer's ``ddp_bucket_cap_mb``, Lightning's
+    ``DDPStrategy`` keyword arguments as a dict): ``bucket_cap_mb`` as DDP reads it.
+    ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` need nothing
+    (``executors/buckets.py``: unused parameters are reduced as zeros, the update reads the
+    buckets' views); a communication hook (fp16/bf16 compression, PowerSGD) is not carried
+    out, and is refused rather than silently dropped."""
+    get = handler.get if isinstance(handler, dict) else (lambda k, d=None: getattr(handler, k, d))
+    if handler is None:
+        return default
+    hook = get("comm_hook", None)
+    if hook is not None and str(getattr(hook, "value", hook)).lower() not in ("no", "none"):
+        raise ConfigError(f"DDP communication hook {hook!r}: chameleon-ft's gradient buckets do not run DDP "
+                          "communication hooks yet; leave comm_hook unset (full-precision reduction)")
+    cap = get("bucket_cap_mb", None)
+    return float(cap) if cap is not None else default
 
 
 def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_change: bool, **kw) -> ElasticConfig:

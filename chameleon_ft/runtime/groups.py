@@ -386,7 +386,6 @@ class GroupManager(Waits):
         """Wait for a ``post_header`` exchange and resolve it as ``checked`` does."""
         kind, mine, rows, work = posted
         runtime = kind in RUNTIME_KINDS
-        call = describe_header(mine)
         n = rows.shape[0]
         me = self._view.rank if self._view else 0
         members = self._view.members if self._view else (self.worker_id,)
@@ -404,6 +403,7 @@ class GroupManager(Waits):
                 if runtime:
                     self.realigning = None
                 return rows
+            call = describe_header(mine)
             peers = tuple((i, members[i], describe_header(rows[i])) for i in differ)
             met = "; ".join(f"rank {i} (worker {w}) in {c}" for i, w, c in peers)
             if not runtime:
@@ -417,7 +417,7 @@ class GroupManager(Waits):
                                           "mismatch")
             log.warning("%s on rank %d met %s; they give up their call, headers are exchanged again",
                         call, me, met)
-        raise self._local_failure(f"collective mismatch: {call} on rank {me} kept meeting "
+        raise self._local_failure(f"collective mismatch: {describe_header(mine)} on rank {me} kept meeting "
                                   "control collectives", "mismatch")
 
     def allreduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM,

@@ -1,33 +1,28 @@
-"""The recovery core shared by every executor: one worker's membership, group, commit
-protocol, engine bridge and state agreement.
+"""The recovery core shared by every executor (``executors/``): one worker's membership, group,
+commit protocol, engine bridge and state agreement; executors add how a step is computed and
+committed and how a Decision's layout is carried out (``carry_out``).
 
-``RecoveryCore`` is what every executor (data parallel, DP x PP: ``executors/``) is built on; it
-adds how a step is computed and committed, and how a Decision's layout is carried out (``carry_out``).
+**Commit protocol.**  Every member holds a committed step counter.  A step ends with its
+reduction over the generation's group -- the gradients (data parallel: in buckets during
+backward, ``executors/buckets.py``) and a small tail of per-member timings -- then the optimizer
+step and ``sampler.commit()``.  Gloo may let some members finish a reduction in which a peer
+died while others fail, so after every reconfiguration the members all-reduce their committed
+steps (``_sync``); the lowest-ranked member at the maximum (the *source*) broadcasts the run
+state, the engine state and its Decisions to every member that is behind or new.  A step nobody
+finished is redone with the new allocation, one somebody finished adopted by everyone: no half
+steps, bitwise-equal replicas, each global batch's samples consumed once (the sampler's cursor
+moves only on commit).  Every loop ends its steps through ``run_step``.
 
-**Commit protocol.**  Every member holds a committed step counter.  A step ends with one
-SUM-all-reduce over the generation's gloo group (the executor's gradient buffer plus a small
-tail of per-member timings), then the optimizer step and ``sampler.commit()``.  Gloo may let
-some members finish an all-reduce in which a peer died while others fail.  So after every
-reconfiguration the members all-reduce their committed steps (``_sync``); the lowest-ranked
-member at the maximum (the *source*) broadcasts the run state to every member that is behind or
-new, together with the engine state and the Decisions it took.  A step nobody finished is redone
-with the new allocation; a step somebody finished is adopted by everyone.  Hence no half steps,
-bitwise-equal replicas, and each global batch's samples are consumed exactly once (the sampler's
-cursor moves only on commit).
+**Decisions.**  On a membership change the source asks the engine (``engine_bridge.py``); on a
+straggler every member asks it from the same reduced timings.  ``restart`` makes the worker exit
+with ``RESTART_EXIT_CODE`` for the launcher.
 
-**Decisions.**  On a membership change the source asks the engine (``runtime/engine_bridge.py``) what
-to do and ships the result; on a straggler every member asks it from the same all-reduced
-timings.  ``restart`` makes the worker exit with ``RESTART_EXIT_CODE`` for the launcher.
+Executor hooks: ``recovery_fields``, ``source_payload``, ``carry_out``, ``reset_step``,
+``state_dict``/``load_state_dict`` (``executors/protocol.py``).
 
-Hooks for executors: ``_sync_fields`` (integers every member reports in the recovery
-all-reduce), ``_decide`` (the source's payload), ``carry_out`` (carry the agreed state out),
-``_reset_step`` (forget a discarded step's bookkeeping), ``state_dict``/``load_state_dict``.
-
-Limits, honestly: one process group of gloo on CPU tensors; all trainable parameters must
-share one dtype; the coordinator (hosted by the launcher on node 0) is a single point of
-failure: when it is gone, the next collective raises ``MembershipError``.  An abandoned gloo op
-keeps a thread until ``hang_timeout_s``, so end the process with ``os._exit``
-(``trainer.elastic_main`` does).
+Limits, honestly: all trainable parameters share one dtype; the embedded coordinator is a single
+point of failure (``MembershipError`` at the next collective when it is gone); an abandoned gloo
+op keeps a thread until ``hang_timeout_s``, so end the process with ``os._exit`` (``elastic_main``).
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import os
 import random
 import time
 from enum import Enum
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,9 +128,8 @@ class RecoveryCore:
         self.lr_scale = 1.0  # learning-rate factor applied for a changed global batch
         self.fresh = True  # holds no agreed state yet (first start, replacement)
         self.last_checkpoint_step = 0
-        # Committed steps the run is meant to reach (the trainer's max_steps / epochs; None:
-        # unknown): the sharded executor bounds its snapshot interval and the engine what
-        # rehabilitation may leave to heal by it.
+        # Committed steps the run is meant to reach (None: unknown): bounds the sharded snapshot
+        # interval and what rehabilitation may leave to heal.
         self.planned_steps: Optional[int] = None
         self.checkpoint_path: Optional[str] = None  # set by the trainer that writes checkpoints
         self.view: Optional[MembershipView] = None
@@ -149,20 +143,16 @@ class RecoveryCore:
         self.faults = FaultInjector(self.env.faults if self.env.replacement == 0 else None,
                                     self.worker_id, self.env.local_rank, self.env.node_rank)
         self._step_start: Optional[float] = None
-        self._compute_s = 0.0
-        self._n_mb = 0
-        self._ids: list[int] = []
-        self._prev_comm = 0.0
-        self._prev_step = 0.0
+        self._compute_s, self._n_mb, self._ids = 0.0, 0, []
+        self._prev_comm, self._prev_step = 0.0, 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
         self._is_source = False
-        # What this member does outside a training step, as an adapter's integer tag (0:
-        # nothing in particular, e.g. an evaluation's number while inside it); every
-        # reconfiguration shares them, in the all-reduce that agrees on the step, so members
-        # recovering from a failure outside a step can tell whether all of them were in the
-        # same activity (and may redo it together) or not.
+        # What this member does outside a step (an adapter's tag, 0: nothing in particular),
+        # shared by every reconfiguration's agreement (``recover_off_step``).
         self.activity = 0
         self.peer_activity: list[int] = []
+        # After every reconfiguration (in a step or outside one): the adapter's translation.
+        self.on_reconfigured: Optional[Callable[[], None]] = None
         self.redone_steps = 0  # attempts no member committed (run again)
         self.rollbacks = 0  # in-place rollbacks of this generation (its steps' attempts then differ)
         self.adopted_steps = 0  # attempts interrupted here that a peer committed
@@ -243,7 +233,7 @@ class RecoveryCore:
 
     def _tail_row(self, compute_s: float) -> list[float]:
         """This member's timings in the step's reduction: compute seconds, micro-batches, the
-        previous step's reduction and step seconds (``_read_tail`` reads every member's)."""
+        previous step's reduction and step seconds."""
         return [compute_s, self._n_mb, self._prev_comm, self._prev_step]
 
     def _read_tail(self, tail: torch.Tensor) -> dict:
@@ -265,17 +255,14 @@ class RecoveryCore:
             if self.faults.fires(self.step, "commit", "drop"):  # tests: a partial completion
                 raise self.gm._local_failure("injected drop: the commit all-reduce, completed by the peers, "
                                              "failed here", "peer_error")
-        except CollectiveFailure as failure:
-            # The executor keeps what it computed: unless a peer committed the step, it may
-            # still be this member's share of the redone step.
+        except CollectiveFailure as failure:  # what it computed is kept (the redone step's share)
             self._step_start = None
             self._recover(failure, t0)
             return None
         return time.perf_counter() - t0
 
     def _commit_reduce(self, buf: torch.Tensor) -> None:
-        """The step's all-reduce, in place; its "step" header makes a peer's stray control
-        collective give way (groups.py).  An executor may reduce another way (pipeline)."""
+        """The step's all-reduce in place (its header makes a peer's stray control call give way)."""
         self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False, header=self.step_header)
 
     def _finish_step(self, timings: dict, comm: float) -> None:
@@ -286,7 +273,7 @@ class RecoveryCore:
         self._prev_step = time.perf_counter() - self._step_start
         self._step_start = None
 
-    def _commit(self) -> None:
+    def _commit(self) -> None:  # the sampler's cursor moves only here
         self.sampler.commit()
         self.step += 1
         if self.sampler.epoch_done:
@@ -340,19 +327,24 @@ class RecoveryCore:
 
     # ---------------------------------------------------------------- recovery
     def recover(self, failure: CollectiveFailure) -> None:
-        """Reconfigure after ``failure`` of a collective outside ``sync_and_step`` (an
-        adapter's evaluation loop): agree on the survivors, form their group, agree on the
-        state, as after a failed step.  No step is in flight, so nothing is redone; the next
-        ``microbatches()`` runs the new allocation.  ``peer_activity`` then tells what every
-        member was doing when it recovered."""
+        """Reconfigure after ``failure`` of a collective outside a step, as after a failed one
+        (nothing is redone; ``peer_activity`` then tells what every member was doing)."""
         self._recover(failure, time.perf_counter())
 
+    def run_step(self, attempt: Callable[[], bool], again: Optional[Callable[[], bool]] = None) -> StepEnd:
+        """The end of a step, once for every loop: ``attempt()`` computes this member's share
+        (after a failure: what the recovery gave it) and commits it, True when it committed
+        here.  A step nobody committed is attempted again (here unless ``again()`` says no: the
+        caller's loop redoes it) until committed or adopted from a peer; returns how it ended."""
+        before = self.step
+        end = self.end_of_step(attempt(), before)
+        while end is StepEnd.REDO and (again is None or again()):
+            end = self.end_of_step(attempt(), before)
+        return end
+
     def end_of_step(self, committed: bool, step_before: int) -> StepEnd:
-        """Classify and count the end of an attempted step: ``committed`` is what the executor's
-        commit call returned, ``step_before`` the committed step counter before the attempt.
-        Every loop -- ``ElasticTrainer`` and both adapters -- ends its steps through here, so the
-        counters (``redone_steps``, ``adopted_steps``; the ``ft/*`` metrics, the run's end
-        record) mean the same everywhere."""
+        """Classify and count an attempt's end (``committed``: what the commit returned;
+        ``step_before``: the step counter before it): ``redone_steps`` / ``adopted_steps``."""
         if committed:
             return StepEnd.COMMITTED
         if self.step > step_before:
@@ -362,12 +354,10 @@ class RecoveryCore:
         return StepEnd.REDO
 
     def recover_off_step(self, failure: CollectiveFailure, activity: int = 0) -> bool:
-        """A collective outside a training step failed (an adapter's evaluation, barrier,
-        save or epoch-end sync): recover now, tagged with ``activity`` (the adapter's integer
-        for what this member was doing: an evaluation's number, a save's; 0 for nothing in
-        particular), and return True when every member recovered from the same activity --
-        they may then run it again together; otherwise its peers were elsewhere and this member
-        finishes on its own.  The tag is restored to what it was before the call."""
+        """The one recovery outside a step (an evaluation, barrier, save, epoch-end sync): recover
+        now, tagged with ``activity`` (the adapter's integer for what this member did; 0:
+        nothing in particular); True when every member recovered from the same activity (they
+        may run it again together), else this member finishes it alone."""
         before, self.activity = self.activity, activity
         try:
             self.recover(failure)
@@ -403,6 +393,8 @@ class RecoveryCore:
         timer.mark("membership")
         self._establish(view, timer, info)
         self._pending = (timer, info)
+        if self.on_reconfigured is not None:
+            self.on_reconfigured()
 
     def _establish(self, view: MembershipView, timer: RecoveryTimer, info: Optional[dict]) -> None:
         """Form the group for ``view`` and agree on the state; on another failure (a kill
@@ -445,7 +437,7 @@ class RecoveryCore:
                                                  header="sync"))
         steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
         self.peer_activity = v[2 * n:3 * n].tolist()
-        # What every member reported, for an executor's _decide / _after_sync.
+        # What every member reported, for an executor's source_payload / carry_out.
         self.peer_steps, self.peer_fresh = steps, fresh
         self.peer_fields = [v[3 * n + i * k:3 * n + (i + 1) * k].tolist() for i in range(n)]
         top = max(steps)
@@ -475,14 +467,11 @@ class RecoveryCore:
             if payload["state"] is not None and (self.fresh or self.step < top):
                 self.load_state_dict(payload["state"])
             self.sampler.load_state_dict(payload["sampler"])
-        # The source too: straggler Decisions are taken by every member on its own, so the engine
-        # state must be identical everywhere, also what its state_dict leaves out (hysteresis
-        # counters, cached predictions: a source that kept its own ran other allocations).
+        # The source too: every member takes straggler Decisions on its own, so the engine state
+        # (hysteresis counters, cached predictions too) must be identical everywhere.
         self.policy.load_state_dict(payload["engine"])
         if was_behind or self.sampler.global_batch != batch_before:
-            # Nothing of ours belongs to the step everyone is at now (or the step's samples
-            # and weights changed with the global batch).
-            self._discard()
+            self._discard()  # nothing of ours belongs to the step everyone is at (or its batch changed)
         self._apply_lr_scale()
         self.fresh = False
         self.last_decisions, self._engine_s = list(payload["decisions"]), float(payload.get("engine_s", 0.0))
@@ -493,9 +482,8 @@ class RecoveryCore:
         self.carry_out(payload, top, n, r)
 
     def _leave(self, view: MembershipView, top: int) -> None:
-        """Peers committed more steps than the one a user's loop was inside (an adapter's: it
-        may adopt that one, no more): end the generation naming this member, stop heartbeating
-        and raise ``LeftBehind`` -- the worker exits as a lost one, its peers carry on."""
+        """Peers committed more than the one step a user's loop may adopt: end the generation
+        naming this member and raise ``LeftBehind`` (it exits as a lost one; peers carry on)."""
         msg = (f"worker {self.worker_id} was left out of the job "
                f"{'before its first step' if self.fresh else f'at step {self.step}'} while its peers "
                f"committed up to step {top} (it stopped or was cut off for longer than the hang "
@@ -507,8 +495,7 @@ class RecoveryCore:
         raise LeftBehind(msg)
 
     def recovery_fields(self) -> list[int]:
-        """Integers this member reports in the recovery all-reduce (an executor's facts, e.g.
-        the blocks a pipeline worker holds); every member must report as many."""
+        """Integers (as many on every member) it reports in the recovery all-reduce."""
         return []
 
     def carry_out(self, payload: dict, top: int, n: int, r: int) -> None:
@@ -540,8 +527,7 @@ class RecoveryCore:
         self.sampler.set_allocation(list(alloc), list(alloc.values()))
 
     def _apply_lr_scale(self) -> None:
-        """Follow the global batch with the learning rate (linear scaling rule): every member
-        does this after a reconfiguration, from the same engine state."""
+        """The learning rate follows the global batch (linear scaling rule), on every member."""
         factor = self.policy.lr_scale / self.lr_scale
         if factor == 1.0:
             return
@@ -575,14 +561,10 @@ class RecoveryCore:
     def _run_state(self) -> dict:
         """The run state besides the model, optimizer and engine: counters, scheduler,
         sampler, RNG (what a rollback to a snapshot restores too)."""
-        return {
-            "step": self.step,
-            "last_checkpoint_step": self.last_checkpoint_step,
-            "lr_scale": self.lr_scale,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sampler": self.sampler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
+        return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step, "lr_scale": self.lr_scale,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "sampler": self.sampler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def _load_run(self, s: dict) -> None:
         if self.scheduler is not None and s["scheduler"] is not None:

@@ -111,8 +111,7 @@ class ElasticTrainer:
         try:
             while True:
                 while not self._done(max_steps, epochs):
-                    before = ctx.step
-                    if ctx.end_of_step(self._attempt(), before) is StepEnd.COMMITTED:
+                    if ctx.run_step(self._attempt) is StepEnd.COMMITTED:
                         self._after_step()
                 # Sharded: the trained model into the user's module (a failure during the
                 # gather recovers, and training goes on where the recovery left it).

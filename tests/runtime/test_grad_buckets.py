@@ -8,6 +8,7 @@ data exactly once, the replicas bitwise equal and the trajectory the failure-fre
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -156,3 +157,34 @@ def test_kill_with_gradients_in_three_buckets_keeps_the_step_atomic_and_the_traj
         assert max_relative_diff(finals[survivors[0]], ref) < 1e-5
     finally:
         job.cleanup()
+
+
+# ---------------------------------------------------------------------------- host reads
+SYNC_WORKER = Path(__file__).with_name("_workers") / "sync_worker.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("control", [False, True], ids=["trainer", "adapters"])
+def test_the_step_reads_nothing_from_the_device_but_the_reduced_tail(tmp_path, control):
+    """Over 6 steps of 2 workers (three buckets), the package's own code calls none of the
+    APIs that make a host wait for a device (``item``, ``tolist``, ``float(t)``...), except the
+    one read of the reduced timings after the commit point (``_read_tail``, once per step) and
+    the sampler's epoch order (computed on the host by construction).  On
+    a GPU the same calls would each stop the CPU from running ahead (``gpu_check.py`` runs
+    ``torch.cuda.set_sync_debug_mode`` there)."""
+    from chameleon_ft.cli.localjob import LocalJob
+
+    job = LocalJob(tmp_path, SYNC_WORKER, ["--out", str(tmp_path)] + (["--control"] if control else []),
+                   nproc=2, hang_timeout=30)
+    try:
+        job.start()
+        assert job.wait(90) == [0], job.output()
+    finally:
+        job.cleanup()
+    for w in (0, 1):
+        got = json.loads((tmp_path / f"syncs_{w}.json").read_text())
+        # (the sampler's epoch order is a host tensor by construction: a CPU generator's randperm)
+        on_device = {k: v for k, v in got["counts"].items() if k != "tolist in order"}
+        assert on_device == {"tolist in _read_tail": got["steps"]}, got
+        assert got["deliberate"] == {"__float__ in last_loss": 1}, got  # the counter sees a read

@@ -1,0 +1,79 @@
+"""Test worker: counts the host reads of tensors (the calls that make a host wait for a device:
+``item``, ``tolist``, ``float(t)``, ``bool(t)``, ``cpu()``, ``numpy()``...) that chameleon-ft's own
+code makes during data-parallel steps, with ``DataParallelExecutor`` under ``chameleon-ft run``.
+
+A call counts when its direct caller is a function of the package (the user's loss code, torch's
+optimizer and the reduction's designated read of the reduced tail after the commit point,
+``_read_tail``, are reported apart).  At the end one deliberate read (``ctx.last_loss``) checks
+that the counter sees one.  Writes ``<out>/syncs_<worker id>.json``.
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+
+from chameleon_ft.runtime.executors.dp import DataParallelExecutor
+from chameleon_ft.runtime.recovery import ElasticConfig
+from chameleon_ft.runtime.trainer import elastic_main
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["chameleon_ft"].__file__)))
+NAMES = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--control", action="store_true", help="control_collectives=True (the adapters' step)")
+    p.add_argument("--steps", type=int, default=6)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    ctx = DataParallelExecutor(model, opt, 256, 32, 4, seed=3, control_collectives=a.control,
+                               config=ElasticConfig(stragglers=False, bucket_cap_mb=26 * 4 / 2 ** 20))
+    ctx.start()
+    counts: collections.Counter = collections.Counter()
+    counting = [False]
+    originals = {name: getattr(torch.Tensor, name) for name in NAMES}
+
+    def counted(name, fn):
+        def wrapper(self, *args, **kwargs):
+            if counting[0]:
+                caller = sys._getframe(1)
+                if caller.f_code.co_filename.startswith(os.path.join(PACKAGE, "chameleon_ft")):
+                    counts[f"{name} in {caller.f_code.co_name}"] += 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, counted(name, fn))
+    try:
+        for i in range(3 + a.steps):  # three warm-up steps (the engine's first plan, first buckets)
+            counting[0] = i >= 3
+            for mb in ctx.microbatches():
+                loss = torch.nn.functional.cross_entropy(model(x[list(mb.indices)]), y[list(mb.indices)])
+                ctx.backward(loss, mb)
+            assert ctx.sync_and_step(), "no failure is expected in this test"
+        counting[0] = True
+        steps_counted = dict(counts)
+        counts.clear()
+        value = ctx.last_loss  # one deliberate host read: the counter must see it
+        deliberate = dict(counts)
+    finally:
+        counting[0] = False
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        ctx.close()
+    with open(os.path.join(a.out, f"syncs_{ctx.worker_id}.json"), "w") as f:
+        json.dump({"steps": a.steps, "counts": steps_counted, "deliberate": deliberate, "loss": value}, f)
+
+
+if __name__ == "__main__":
+    elastic_main(main)
