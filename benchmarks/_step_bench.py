@@ -112,7 +112,14 @@ def run_ft(a) -> None:
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(**kw), on_step=lambda ctx: stamps.append(time.perf_counter()))
-        trainer.fit(max_steps=a.steps)
+        if a.profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0":
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.runcall(trainer.fit, max_steps=a.steps)
+            prof.dump_stats(a.out + ".prof")
+        else:
+            trainer.fit(max_steps=a.steps)
         if trainer.ctx.rank == 0:
             write(a.out, stamps)
 
@@ -128,6 +135,7 @@ if __name__ == "__main__":
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_cap_mb (default: DDP's 25)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
+    ap.add_argument("--profile", action="store_true", help="cProfile worker 0 (ft) into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
     run_ddp(a) if a.system == "ddp" else run_ft(a)

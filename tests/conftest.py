@@ -6,6 +6,7 @@ run as a CLI) do not see this file, so they keep their own inserts."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ ROOT = TESTS.parent
 for _p in (str(ROOT), str(TESTS)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+# Every worker the tests start logs its sample ids per step: the exactly-once checks read them.
+os.environ.setdefault("CHAMELEON_FT_LOG_SAMPLES", "1")
 
 
 def pytest_sessionstart(session) -> None:

@@ -62,7 +62,8 @@ class Job:
 
     # ------------------------------------------------------------------ processes
     def env(self, **extra) -> dict:
-        return dict(os.environ, BENCH_OUT=str(self.run_dir), OMP_NUM_THREADS="1",
+        # CHAMELEON_FT_LOG_SAMPLES: every step's sample ids in the event log (samples lost / duplicated)
+        return dict(os.environ, BENCH_OUT=str(self.run_dir), OMP_NUM_THREADS="1", CHAMELEON_FT_LOG_SAMPLES="1",
                     PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     **{k: str(v) for k, v in {**self.extra_env, **extra}.items()})
 

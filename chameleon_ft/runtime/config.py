@@ -20,7 +20,9 @@ class ElasticConfig:
     warmup_steps: steps measured before the engine's workload is frozen.
     seed_microbatches: seed torch's RNG per (step, micro-batch) so dropout & co. draw the same
         numbers whichever member runs a micro-batch (same trajectory under rerouting).
-    log_samples: write each member's sample ids of every step attempt to the event log.
+    log_samples: write each member's sample ids of every step attempt to the event log (a
+        JSON list per step: for exactly-once checks, not for speed); None: the environment's
+        ``CHAMELEON_FT_LOG_SAMPLES=1`` turns it on (tests and benchmarks set it), default off.
     allowed_policies: restrict the engine's choices (intersected with what the runtime can
         carry out); None: all of them.
     allow_batch_change: let the engine consider policies that change the global batch.
@@ -70,7 +72,7 @@ class ElasticConfig:
     warmup_steps: int = 3
     stragglers: bool = True
     seed_microbatches: bool = True
-    log_samples: bool = True
+    log_samples: Optional[bool] = None
     mttf_s: Optional[float] = None
     replacement_eta_s: float = 5.0  # prior; a worker measures its own start-up and uses that
     restart_s: float = 60.0

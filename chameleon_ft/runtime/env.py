@@ -43,6 +43,7 @@ MEMBERSHIP_EXIT_CODE = 3
 # ... and with this one when the user's code raised (a bug, not a failure to survive: the
 # launcher stops the job; sysexits' EX_SOFTWARE).
 USER_ERROR_EXIT_CODE = 70
+LOG_SAMPLES = "CHAMELEON_FT_LOG_SAMPLES"    # 1: every step's sample ids in the event log (ElasticConfig.log_samples)
 ON_ERROR = "CHAMELEON_FT_ON_WORKER_ERROR"   # stop (default) | continue: what a user-code exception means
 
 

@@ -27,6 +27,7 @@ op keeps a thread until ``hang_timeout_s``, so end the process with ``os._exit``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.coordination import first_to_record
 from chameleon_ft.runtime.errors import ConfigError, LeftBehind, NothingToHeal, RestartRequested, WorldTooSmall
-from chameleon_ft.runtime.env import WorkerEnv, startup_s
+from chameleon_ft.runtime.env import LOG_SAMPLES, WorkerEnv, startup_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
 from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
@@ -91,6 +92,8 @@ class RecoveryCore:
         self.env = env or WorkerEnv.from_env()
         self.user_loop = user_loop  # an adapter's loop, which cannot skip steps (``_leave``)
         self.cfg = config or ElasticConfig()
+        if self.cfg.log_samples is None:
+            self.cfg = dataclasses.replace(self.cfg, log_samples=os.environ.get(LOG_SAMPLES) == "1")
         self.hang_timeout_s = float(self.cfg.hang_timeout_s or self.env.hang_timeout_s)
         if not self.POLICIES:
             raise TypeError(f"{type(self).__name__} declares no POLICIES (executors/protocol.py)")

@@ -2,21 +2,17 @@
 
 A member waiting for a collective or a point-to-point op must notice a peer's death (another
 member writes the generation's abort key), a hang (the watchdog, ``timeout_s``) and a paused
-membership (that time does not count: peers wait too).  Two ways, both reading the abort key
+membership (that time does not count: peers wait too).  Three ways, each reading the abort key
 every ``abort_poll_s``:
 
-* polling (``_poller``): ``work.is_completed()`` with sleeps of 0.1-1 ms.  Right for an op that
-  completes at once (the step's all-reduce, its members arriving together) and the only way
-  for an NCCL op, whose ``wait()`` only makes the current CUDA stream wait.
-* ``_await``: a helper thread blocks in the op's ``wait()`` (it releases the GIL) and wakes
-  this member the moment the op completes.  Right for a long wait: polled, every waiting member
-  woke a thousand times a second, CPU that a machine running several workers per core took from
-  the members still computing (a recovery's Decision, a redone step's micro-batches).  An
+* a gloo collective: the op's own ``wait`` with a timeout of ``abort_poll_s`` (it releases the
+  GIL and wakes the moment the op completes, as DDP's wait does; a wait that times out leaves
+  the op running and is simply waited again): no polling latency, no CPU spent waiting;
+* polling (``_poller``): ``work.is_completed()`` with sleeps of 0.1-1 ms -- the only way for an
+  NCCL op, whose ``wait()`` only makes the current CUDA stream wait;
+* ``_await`` (point-to-point): a helper thread blocks in the ops' ``wait()``; gloo's
+  point-to-point ``Work`` never reports ``is_completed()`` (measured on torch 2.13).  An
   abandoned wait keeps its thread until gloo's own timeout; the next call gets a fresh helper.
-
-``GroupManager.wait`` polls for ``FAST_WAIT_S`` and then hands the wait to the helper; gloo's
-point-to-point ``Work`` never reports ``is_completed()`` (measured on torch 2.13), so
-``wait_p2p`` always uses the helper.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from typing import Callable, Optional
 
 __all__ = ["FAST_WAIT_S", "Waits"]
 
-# How long ``GroupManager.wait`` polls an op before handing its wait to the helper thread.
+# How long a poll-only wait (NCCL) polls before its sleeps grow to their cap.
 FAST_WAIT_S = 0.002
 
 
@@ -62,23 +58,30 @@ class Waits:
         ``abandon``: what to do with the op on a failure (default: park its gloo group).
         ``poll``: wait by polling ``work.is_completed()`` only -- an NCCL op's ``wait()`` only
         makes the current CUDA stream wait (it returns before the op completes, and a dead peer
-        leaves the kernel waiting), so no helper thread may stand for its completion."""
+        leaves the kernel waiting), so no blocking wait may stand for its completion."""
         pg = self.group()
         abandon = abandon or (lambda: self._park(pg, work))
         if poll:
             self._watch(_poller(work.is_completed, 0.001), timeout_s, abandon, "collective")
-        elif not _poller(work.is_completed, 0.0005)(FAST_WAIT_S):
-            # A short op (the step's all-reduce, its members arriving together) was polled for
-            # ``FAST_WAIT_S``: handing it to the helper costs two thread wake-ups, a noticeable
-            # part of a millisecond op on a loaded machine.
-            self._await(work.wait, timeout_s, abandon, "collective")
+            try:  # Not work.result(): deprecated in torch 2.13 (a warning per op).
+                work.wait()
+            except Exception as exc:
+                raise self._local_failure(f"collective failed: {exc}", "peer_error")
             return
-        # Not work.result(): deprecated in torch 2.13 (a warning per op), and ops write into
-        # their tensors anyway.
-        try:
-            work.wait()
-        except Exception as exc:
-            raise self._local_failure(f"collective failed: {exc}", "peer_error")
+
+        def within(seconds: float) -> bool:
+            try:
+                work.wait(timedelta(seconds=seconds))
+                return True
+            except Exception:
+                if not work.is_completed():
+                    return False  # our own time limit: the op goes on
+            try:  # completed, maybe just after the time limit: its own outcome decides
+                work.wait()
+                return True
+            except Exception as exc:
+                raise self._local_failure(f"collective failed: {exc}", "peer_error")
+        self._watch(within, timeout_s, abandon, "collective")
 
     def _await(self, block: Callable[[], object], timeout_s: Optional[float], abandon: Callable[[], None],
                what: str) -> None:

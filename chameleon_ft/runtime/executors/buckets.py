@@ -92,7 +92,11 @@ class GradientBuckets:
         self._works: list = []
         self.failure: Optional[BaseException] = None
         self.armed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in self.params]
+        self._views: Optional[list] = None  # (param, its slice of a bucket), per buffer allocation
+        # The last bucket is filled and launched by ``finish``: its parameters need no hook.
+        last = set(self.buckets[-1])
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready)
+                       for i, p in enumerate(self.params) if i not in last]
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -106,18 +110,25 @@ class GradientBuckets:
             n = len(self.sizes)
             self._bufs = [torch.empty(s + (self.tail_len if b == n - 1 else 0), **kw)
                           for b, s in enumerate(self.sizes)]
+            self._views = []
+            for b, idx in enumerate(self.buckets):
+                at = 0
+                for i in idx:
+                    p = self.params[i]
+                    self._views.append((p, self._bufs[b][at:at + p.numel()].view_as(p)))
+                    at += p.numel()
         return self._bufs
 
     def set_tail(self, n: int) -> None:
         """Reserve ``n`` elements after the last bucket's gradients for the step's control numbers."""
         if n != self.tail_len:
             self.tail_len = n
-            self._bufs = None
+            self._bufs = self._views = None
 
     def drop_buffers(self) -> None:
         """Forget the buffers: an op abandoned after a failure may still write into them (gloo
         keeps its tensors alive), so the next step reduces fresh ones."""
-        self._bufs = None
+        self._bufs = self._views = None
 
     def tail(self) -> torch.Tensor:
         """The last bucket's control elements (write before ``finish``, read after it)."""
@@ -177,15 +188,20 @@ class GradientBuckets:
         if not self.armed:
             raise RuntimeError("finish() without arm()")
         try:
-            for p in self.params:
-                if id(p) not in self._filled and self.failure is None:
-                    b, at = self._where[id(p)]
-                    view = self._bufs[b][at:at + p.numel()]
-                    if p.grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(p.grad.reshape(-1))
-                    self._filled.add(id(p))
+            last = len(self.buckets) - 1
+            if self.failure is None:
+                for b in range(last):  # parameters no gradient reached in the final backward
+                    if self._pending[b]:
+                        for i in self.buckets[b]:
+                            p = self.params[i]
+                            if id(p) not in self._filled:
+                                at = self._where[id(p)][1]
+                                self._fill(self._bufs[b][at:at + p.numel()], p)
+                # The last bucket in one copy (its gradients are final once backward returned).
+                grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                         for p in (self.params[i] for i in self.buckets[last])]
+                if grads:
+                    torch.cat(grads, out=self._bufs[last][:self.sizes[last]])
             while self.failure is None and self._next < len(self.buckets):
                 self._start(self._next)
             if self.failure is not None:
@@ -197,14 +213,17 @@ class GradientBuckets:
         finally:
             self.disarm()
 
+    @staticmethod
+    def _fill(view: torch.Tensor, p: torch.nn.Parameter) -> None:
+        if p.grad is None:
+            view.zero_()  # unused in this step's forward: reduced as zeros
+        else:
+            view.copy_(p.grad.reshape(-1))
+
     def assign_grads(self) -> None:
         """Point every parameter's ``.grad`` at its reduced slice (after ``finish``)."""
-        for b, idx in enumerate(self.buckets):
-            buf, at = self._bufs[b], 0
-            for i in idx:
-                p = self.params[i]
-                p.grad = buf[at:at + p.numel()].view_as(p)
-                at += p.numel()
+        for p, view in self._views:
+            p.grad = view
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -144,7 +144,9 @@ class DataParallelExecutor(RecoveryCore):
     def record_loss(self, loss: torch.Tensor, weight: float) -> None:
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
         adapters that run ``backward`` themselves (a device op: nothing is read)."""
-        part = loss.detach() * weight
+        self._add_loss(loss.detach() * weight)
+
+    def _add_loss(self, part: torch.Tensor) -> None:
         self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
 
     def recovery_fields(self) -> list[int]:
@@ -251,8 +253,9 @@ class DataParallelExecutor(RecoveryCore):
     def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
         """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""
         self.faults.at(self.step, "backward")
-        self.record_loss(loss, mb.weight)
-        (loss * mb.weight).backward()
+        scaled = loss * mb.weight
+        self._add_loss(scaled.detach())
+        scaled.backward()
 
     def _arm(self) -> None:
         """The coming backward is this member's last of the step: its gradients are reduced in
@@ -279,15 +282,14 @@ class DataParallelExecutor(RecoveryCore):
         self._arm()  # (no-op when the last backward was armed)
         buckets = self.buckets
         tail = buckets.tail()
-        if self._loss_sum is None:
-            tail[0].zero_()
-        else:
-            tail[0].copy_(self._loss_sum)
         timings = tail[1:]
-        if timings.numel():
-            timings.zero_()
+        # The tail in one copy: the loss, then (on the host) every member's timings, ours set.
+        row = [0.0] * timings.numel()
+        if row:
             r = self.view.rank
-            timings[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s), dtype=self.dtype)
+            row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
+        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=self.dtype, device=tail.device)
+        torch.cat([loss.reshape(1).to(self.dtype), torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
         host_tail = None
 
         def reduce() -> None:
