@@ -88,7 +88,9 @@ def _worker_args(a, kind: str, out: Path, nproc: int, per_gpu: bool) -> list[str
 
 
 def _env(per_gpu: bool) -> dict:
-    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHAMELEON_FT_BACKEND": "nccl" if per_gpu else "gloo"}
+    # CHAMELEON_FT_LOG_SAMPLES: the sample ids per step the exactly-once check reads
+    return {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CHAMELEON_FT_BACKEND": "nccl" if per_gpu else "gloo",
+            "CHAMELEON_FT_LOG_SAMPLES": "1"}
 
 
 def _job(out: Path, a, kind: str, kills: list[tuple[int, int]], nproc: int, per_gpu: bool):

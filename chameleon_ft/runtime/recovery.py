@@ -246,8 +246,7 @@ class RecoveryCore:
         return {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}
 
     def _commit_attempt(self, reduce) -> Optional[float]:
-        """Run the step's reduction ``reduce()`` -- the commit point -- and return its seconds;
-        None when a failure interrupted it (the job has then reconfigured: ``_recover``)."""
+        """Run the step's reduction (the commit point); its seconds, or None after a failure (recovered)."""
         if self.log:
             self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
                           token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""),
@@ -268,8 +267,7 @@ class RecoveryCore:
         """The step's all-reduce in place (its header makes a peer's stray control call give way)."""
         self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False, header=self.step_header)
 
-    def _finish_step(self, timings: dict, comm: float) -> None:
-        """Commit the step whose update was applied, then feed its timings to the engine."""
+    def _finish_step(self, timings: dict, comm: float) -> None:  # the update was applied
         self._commit()
         self._after_commit(timings)
         self._prev_comm = comm
@@ -327,7 +325,6 @@ class RecoveryCore:
 
     def reset_step(self) -> None:
         """Forget the executor's bookkeeping of a discarded step."""
-
     # ---------------------------------------------------------------- recovery
     def recover(self, failure: CollectiveFailure) -> None:
         """Reconfigure after ``failure`` of a collective outside a step, as after a failed one

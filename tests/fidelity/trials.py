@@ -290,6 +290,9 @@ def run_trials(n: int, frameworks, seed: int, root: Path, log=None, setups_per_f
 
 
 def main(argv=None) -> int:
+    import os
+
+    os.environ.setdefault("CHAMELEON_FT_LOG_SAMPLES", "1")  # the exactly-once check reads the ids
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
