@@ -112,14 +112,9 @@ def run_ft(a) -> None:
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(**kw), on_step=lambda ctx: stamps.append(time.perf_counter()))
-        if a.profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0":
-            import cProfile
+        from _profiled import fit
 
-            prof = cProfile.Profile()
-            prof.runcall(trainer.fit, max_steps=a.steps)
-            prof.dump_stats(a.out + ".prof")
-        else:
-            trainer.fit(max_steps=a.steps)
+        fit(trainer, a.steps, a.out, a.profile)
         if trainer.ctx.rank == 0:
             write(a.out, stamps)
 

@@ -89,14 +89,9 @@ def run_ft(a) -> None:
         trainer = ElasticTrainer(net, opt, dataset(), loss_fn, a.global_batch, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(stragglers=False, log_samples=False),
                                  on_step=lambda ctx: stamps.append(time.time()))
-        if a.profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0":
-            import cProfile
+        from _profiled import fit
 
-            prof = cProfile.Profile()
-            prof.runcall(trainer.fit, max_steps=a.steps)
-            prof.dump_stats(a.out + ".prof")
-        else:
-            trainer.fit(max_steps=a.steps)
+        fit(trainer, a.steps, a.out, a.profile)
         if trainer.ctx.rank == 0:
             with open(a.out, "w") as f:
                 json.dump({"mode": "ft", "stamps": stamps}, f)

@@ -43,11 +43,14 @@ def _check_run(job: Job, survivors, tmp_path_factory, same_trajectory: bool = Tr
     return evs
 
 
-def test_random_sigkill_run_completes_exactly_once_and_on_trajectory(tmp_path, tmp_path_factory):
+# The MLP's gradient in DDP's one 25 MiB bucket, or in three (``executors/buckets.py``: the first
+# two all-reduced while backward runs); the reference run is always the one-bucket one.
+@pytest.mark.parametrize("buckets", [(), ("--bucket-mb", str(26 * 4 / 2 ** 20))], ids=["one-bucket", "three-buckets"])
+def test_random_sigkill_run_completes_exactly_once_and_on_trajectory(tmp_path, tmp_path_factory, buckets):
     rng = random.Random()
     victim, step, delay = rng.randrange(4), rng.randrange(2, 13), rng.uniform(0.0, 0.05)
     print(f"victim {victim} step {step} delay {delay:.3f}")
-    job = Job(tmp_path)
+    job = Job(tmp_path, worker_args=buckets)
     try:
         job.start()
         job.wait_step(step)
