@@ -211,10 +211,9 @@ class RecoveryCore:
     def close(self, **fields) -> None:
         if self.log:
             self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), **fields)
-        if self.membership:
-            self.membership.close()
-        if self.gm:
-            self.gm.close()
+        for part in (self.membership, self.gm):
+            if part:
+                part.close()
 
     # ---------------------------------------------------------------- commit
     def _reduce_step(self, parts: list[torch.Tensor], compute_s: float):
@@ -235,22 +234,19 @@ class RecoveryCore:
         return buf[:at], self._read_tail(buf[at:]), comm
 
     def _tail_row(self, compute_s: float) -> list[float]:
-        """This member's timings in the step's reduction: compute seconds, micro-batches, the
-        previous step's reduction and step seconds."""
+        """This member's timings: compute s, micro-batches, the previous reduction's and step's s."""
         return [compute_s, self._n_mb, self._prev_comm, self._prev_step]
 
     def _read_tail(self, tail: torch.Tensor) -> dict:
-        """Every member's ``_tail_row`` from a reduced tail, by worker id.  The step's only read
-        of reduced numbers on the host, after its commit point (the reduction's completion)."""
+        """Every member's ``_tail_row`` by worker id: the step's one host read, after its commit point."""
         rows = tail.view(self.view.world_size, _TAIL).tolist()
         return {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}
 
-    def _commit_attempt(self, reduce) -> Optional[float]:
-        """Run the step's reduction (the commit point); its seconds, or None after a failure (recovered)."""
-        if self.log:
-            self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""),
-                          ids=self._ids if self.cfg.log_samples else None)
+    def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
+        """Run the step's reduction (the commit point; ``logged``: it writes ``_log_attempt``
+        itself); its seconds, or None after a failure (recovered)."""
+        if not logged:
+            self._log_attempt()
         t0 = time.perf_counter()
         try:
             self._store_op(reduce)
@@ -263,6 +259,11 @@ class RecoveryCore:
             return None
         return time.perf_counter() - t0
 
+    def _log_attempt(self) -> None:
+        if self.log:
+            self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
+                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""),
+                          ids=self._ids if self.cfg.log_samples else None)
     def _commit_reduce(self, buf: torch.Tensor) -> None:
         """The step's all-reduce in place (its header makes a peer's stray control call give way)."""
         self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False, header=self.step_header)
@@ -310,9 +311,8 @@ class RecoveryCore:
             self.log.write("calibration", step=self.step, **self.policy.calibration_json())
 
     def _measure_agreement(self, mttr: dict) -> None:
-        """The fixed part of an in-place reconfiguration beyond the group rebuild, for the next
-        Decision: the state transfer phase less the migration and the source's engine work in
-        it (the decisions taken, or at start-up the first plan: ``engine_s`` in the payload)."""
+        """For the next Decision: a reconfiguration's fixed part beyond the rebuild (state transfer
+        less migration and the source's engine work, ``engine_s``)."""
         migration_s = (getattr(self, "last_migration", None) or {}).get("seconds") or 0.0
         self.policy.agree_s = max(0.0, (mttr.get("state_transfer") or 0.0) - migration_s
                                   - getattr(self, "_engine_s", 0.0))

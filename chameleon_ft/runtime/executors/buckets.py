@@ -182,30 +182,43 @@ class GradientBuckets:
         self._next = b + 1
 
     def finish(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
-        """Fill what the final backward did not produce, launch the buckets left (the last with
-        its tail), and ``wait(work)`` for each in order; return the reduced buffers.  Raises what
-        a launch or a wait raised (the caller recovers; ``.grad`` is untouched)."""
-        if not self.armed:
-            raise RuntimeError("finish() without arm()")
+        """``launch_rest`` then ``wait_all`` (disarmed however it ends)."""
         try:
-            last = len(self.buckets) - 1
-            if self.failure is None:
-                for b in range(last):  # parameters no gradient reached in the final backward
-                    if self._pending[b]:
-                        for i in self.buckets[b]:
-                            p = self.params[i]
-                            if id(p) not in self._filled:
-                                at = self._where[id(p)][1]
-                                self._fill(self._bufs[b][at:at + p.numel()], p)
-                # The last bucket in one copy (its gradients are final once backward returned).
-                grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                         for p in (self.params[i] for i in self.buckets[last])]
-                if grads:
-                    torch.cat(grads, out=self._bufs[last][:self.sizes[last]])
-            while self.failure is None and self._next < len(self.buckets):
-                self._start(self._next)
-            if self.failure is not None:
-                raise self.failure
+            self.launch_rest()
+        except BaseException:
+            self.disarm()
+            raise
+        return self.wait_all(wait)
+
+    def launch_rest(self) -> None:
+        """Fill what the final backward did not produce and launch the buckets left (the last
+        with its tail, which the caller wrote).  Raises what a launch raised (the caller
+        recovers and ``disarm``s; ``.grad`` is untouched)."""
+        if not self.armed:
+            raise RuntimeError("launch_rest() without arm()")
+        last = len(self.buckets) - 1
+        if self.failure is None:
+            for b in range(last):  # parameters no gradient reached in the final backward
+                if self._pending[b]:
+                    for i in self.buckets[b]:
+                        p = self.params[i]
+                        if id(p) not in self._filled:
+                            at = self._where[id(p)][1]
+                            self._fill(self._bufs[b][at:at + p.numel()], p)
+            # The last bucket in one copy (its gradients are final once backward returned).
+            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                     for p in (self.params[i] for i in self.buckets[last])]
+            if grads:
+                torch.cat(grads, out=self._bufs[last][:self.sizes[last]])
+        while self.failure is None and self._next < len(self.buckets):
+            self._start(self._next)
+        if self.failure is not None:
+            raise self.failure
+
+    def wait_all(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
+        """``wait(work)`` for every launched bucket in order; the reduced buffers.  The buckets
+        are disarmed however it ends (a failure leaves the buffers to the abandoned ops)."""
+        try:
             for work in self._works:
                 wait(work)
             self._works = []  # all done: the buffers stay ours

@@ -299,7 +299,11 @@ class DataParallelExecutor(RecoveryCore):
             # buckets: it travels while the last bucket does.
             posted = (self.gm.post_header("step", label="buckets", arg=len(buckets))
                       if self.step_header is not None else None)
-            buckets.finish(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
+            try:
+                buckets.launch_rest()
+            finally:
+                self._log_attempt()  # while the last bucket is in flight
+            buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
             if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
             if not timings.numel():  # the gradients on a device: the timings go over gloo, on the host
@@ -308,7 +312,7 @@ class DataParallelExecutor(RecoveryCore):
                 host_tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s))
                 self.gm.allreduce(host_tail, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False)
 
-        comm = self._commit_attempt(reduce)
+        comm = self._commit_attempt(reduce, logged=True)
         if comm is None:
             buckets.disarm()  # (a failure before the buckets' finish: the header, a drop)
             return False  # this member's gradients are kept for the redone step (see _salvage)
