@@ -72,8 +72,7 @@ class DataParallelExecutor(RecoveryCore):
     # collectives (metric syncs, barriers), which must then give way to the step
     # (``control_collectives=True``: the adapters pass it; groups.py, "Collective headers").
     step_header = None
-
-    reduces_in_buckets = True
+    reduces_in_buckets = True  # during backward (executors/buckets.py): GroupManager.data_group
 
     def __init__(self, *args, control_collectives: bool = False, **kwargs):
         if control_collectives:
