@@ -351,12 +351,13 @@ class StepProtocol:
             return False
         self._compute_extra(ctx.spilled(), ctx.sampler.cursor)
         ts = time.perf_counter()
-        attempts = []
+        first = True
 
         def attempt() -> bool:  # the loop computed the first; a redo is computed here
-            if attempts:
+            nonlocal first
+            if not first:
                 self._redo_inside()
-            attempts.append(1)
+            first = False
             return ctx.sync_and_step()
 
         end = ctx.run_step(attempt, self._redo_here)

@@ -161,9 +161,9 @@ def ddp_bucket_cap_mb(handler, default: float) -> float:
     (``executors/buckets.py``: unused parameters are reduced as zeros, the update reads the
     buckets' views); a communication hook (fp16/bf16 compression, PowerSGD) is not carried
     out, and is refused rather than silently dropped."""
-    get = handler.get if isinstance(handler, dict) else (lambda k, d=None: getattr(handler, k, d))
     if handler is None:
         return default
+    get = handler.get if isinstance(handler, dict) else (lambda k, d=None: getattr(handler, k, d))
     hook = get("comm_hook", None)
     if hook is not None and str(getattr(hook, "value", hook)).lower() not in ("no", "none"):
         raise ConfigError(f"DDP communication hook {hook!r}: chameleon-ft's gradient buckets do not run DDP "

@@ -163,7 +163,7 @@ class EngineBridge(PipelineCalibration):
         self._undos: dict[int, int] = {}  # rebalances undone, per rank
         self.estimator = FailureRateEstimator()
         self.search_s = 0.0  # measured by the last failure/join Decision
-        self._predicted: Optional[tuple] = None  # ((plan, alive), compute, all-reduce) of _calibrate
+        self._predicted: Optional[tuple] = None  # (plan, alive, compute, all-reduce) of _calibrate
         # Pipeline jobs: the pipeline terms fitted online (per-block costs, device speeds,
         # links, overhead; see calibrate.PipelineCalibrator), and the fixed cost of an in-place
         # reconfiguration beyond the group rebuild (the state agreement), measured.
@@ -436,12 +436,12 @@ class EngineBridge(PipelineCalibration):
                         for w, (c, n, _, _) in timings.items() if n > 0 and c > 0)
         if not comm or not steps or not ratios:
             return
-        key = (self.plan, self.alive)  # a plan is immutable: compared by identity, not by its JSON
-        if self._predicted is None or self._predicted[0][0] is not self.plan or self._predicted[0][1] != self.alive:
+        # A plan is immutable: compared by identity, not by its JSON.
+        if self._predicted is None or self._predicted[0] is not self.plan or self._predicted[1] != self.alive:
             dead = frozenset(set(self.plan.devices) - self.alive)
             est = estimate(self.plan, self.workload(), self.cluster(), Coefficients(), dead, self._rerouted_extra())
-            self._predicted = (key, est.compute, est.allreduce)
-        _, pc, pm = self._predicted
+            self._predicted = (self.plan, self.alive, est.compute, est.allreduce)
+        *_, pc, pm = self._predicted
         compute = pc * ratios[len(ratios) // 2]
         self.calibrator.observe(StepSample(pc, pm, compute, sum(comm) / len(comm), max(steps)))
 

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.errors import CollectiveFailure, CollectiveMismatch, ConfigError
-from chameleon_ft.runtime.waits import FAST_WAIT_S, Waits  # noqa: F401  (FAST_WAIT_S re-exported)
+from chameleon_ft.runtime.waits import Waits
 from chameleon_ft.runtime.membership import MembershipView, abort_key
 from chameleon_ft.runtime.headers import (  # noqa: F401  (HEADER_LEN ... re-exported)
     AGREED, CONTROL_KINDS, FREE_DIMS, GATHERS, HEADER_LEN, RUNTIME_KINDS, code_of, describe_header, encode_header,
@@ -136,6 +136,8 @@ class GroupManager(Waits):
         self.separate_data = False
         self._data: Optional[dist.ProcessGroup] = None
         self._data_work = None  # the newest bucket op started (see start_reduce)
+        self._sum_opts = dist.AllreduceOptions()  # a bucket's (made once: start_reduce is per bucket)
+        self._sum_opts.reduceOp = dist.ReduceOp.SUM
 
     # ------------------------------------------------------------------ groups
     @property
@@ -291,8 +293,7 @@ class GroupManager(Waits):
     def start_reduce(self, buf: torch.Tensor) -> tuple:
         """Start a SUM all-reduce of ``buf``, in place, on the data group (NCCL for CUDA
         tensors), with no header and no store request; ``wait_reduce`` the returned handle."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts = self._sum_opts
         if buf.is_cuda and self.nccl is not None and self.nccl.pg is not None:
             nccl = self.nccl.pg  # a failure aborts its communicator; its completion is polled
             return self.start(lambda pg: nccl.allreduce([buf], opts)), self.nccl.abort, True
@@ -366,8 +367,8 @@ class GroupManager(Waits):
     def post_header(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                     arg: int = 0) -> tuple:
         """Start the header exchange of ``checked`` without waiting (a data-parallel step posts
-        its ``step`` header as backward starts; its buckets travel on ``data_group``, so they
-        need not wait for it); ``settle_header`` resolves it."""
+        its ``step`` header beside its last bucket; the buckets travel on ``data_group``, so
+        they need not wait for it); ``settle_header`` resolves it."""
         runtime = kind in RUNTIME_KINDS
         if not runtime and not self.control_allowed:
             raise ConfigError(f"a {kind} collective outside the training step: this executor's step "

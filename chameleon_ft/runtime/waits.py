@@ -23,10 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
-__all__ = ["FAST_WAIT_S", "Waits"]
-
-# How long a poll-only wait (NCCL) polls before its sleeps grow to their cap.
-FAST_WAIT_S = 0.002
+__all__ = ["Waits"]
 
 
 def _poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:

@@ -10,7 +10,7 @@ DDP's scheme, on the live generation's group instead of a fixed world:
   accumulate locally, as under DDP's ``no_sync``), and a bucket whose gradients are all in is
   all-reduced asynchronously at once, buckets in the same order on every member (gloo and NCCL
   pair a group's ops by their order);
-* the last bucket (the first layers, final last) is launched by ``finish`` after backward, with
+* the last bucket (the first layers, final last) is launched by ``launch_rest`` after backward, with
   a tail of control numbers (the step's loss, the members' timings) in its last elements: the
   commit's few numbers ride with the gradients, no collective of their own.
 
@@ -20,13 +20,13 @@ After a successful reduction the executor points ``.grad`` at the buckets' views
 (no copy back).  Memory: local gradients plus buckets, as DDP without ``gradient_as_bucket_view``.
 
 A parameter whose gradient was not produced in the final backward (unused in this forward, or a
-member with nothing to compute this step) is filled by ``finish`` from its ``.grad`` or zeros,
+member with nothing to compute this step) is filled by ``launch_rest`` from its ``.grad`` or zeros,
 so DDP's ``find_unused_parameters`` needs no flag here (the buckets holding such parameters are
 launched at the end instead of during backward).
 
 Limits: one dtype for every trainable parameter (the core checks it); a second backward into a
 parameter after its bucket was launched in the same step is refused, as DDP refuses it; failures
-of a launch inside a hook are kept and raised by ``finish`` (an exception must not escape into
+of a launch inside a hook are kept and raised by ``launch_rest`` (an exception must not escape into
 the user's ``backward()``).
 """
 
@@ -56,7 +56,6 @@ class GradientBuckets:
         if cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {cap_mb}")
         self.params = list(params)
-        self.cap_mb = float(cap_mb)
         itemsize = self.params[0].element_size() if self.params else 4
         caps = [max(1, int(min(first_cap_mb, cap_mb) * 2 ** 20) // itemsize),
                 max(1, int(cap_mb * 2 ** 20) // itemsize)]
@@ -93,7 +92,7 @@ class GradientBuckets:
         self.failure: Optional[BaseException] = None
         self.armed = False
         self._views: Optional[list] = None  # (param, its slice of a bucket), per buffer allocation
-        # The last bucket is filled and launched by ``finish``: its parameters need no hook.
+        # The last bucket is filled and launched by ``launch_rest``: its parameters need no hook.
         last = set(self.buckets[-1])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready)
                        for i, p in enumerate(self.params) if i not in last]
@@ -170,14 +169,14 @@ class GradientBuckets:
         self._bufs[b][at:at + p.numel()].copy_(p.grad.reshape(-1))
         self._filled.add(key)
         self._pending[b] -= 1
-        # Launch in order; the last bucket waits for ``finish`` (it carries the tail).
+        # Launch in order; the last bucket waits for ``launch_rest`` (it carries the tail).
         while self._next < len(self.buckets) - 1 and self._pending[self._next] == 0:
             self._start(self._next)
 
     def _start(self, b: int) -> None:
         try:
             self._works.append(self._launch(self._bufs[b]))
-        except Exception as exc:  # a CollectiveFailure: raised by ``finish``, not in backward()
+        except Exception as exc:  # a CollectiveFailure: raised by ``launch_rest``, not in backward()
             self.failure = exc
         self._next = b + 1
 
