@@ -96,7 +96,9 @@ def main(argv=None) -> int:
                      suspects=list(exc.suspects), message=str(exc)[:300])
                 failure = exc
                 m.report_failure(exc.suspects, f"{exc.kind}: {str(exc)[:200]}")
-                view = m.next_view(a.view_timeout)
+                # after=: the watcher may have agreed on the next generation already; asking
+                # after the current one would end that one and leave out whoever took it
+                view = m.next_view(a.view_timeout, after=view.token)
                 emit("view", phase="recover", generation=view.generation,
                      members=list(view.members), token=view.token)
 
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
                      step=step, suspects=list(exc.suspects), reporter=exc.reporter,
                      message=str(exc)[:300], t_detect=t_detect)
                 m.report_failure(exc.suspects, f"{exc.kind}: {str(exc)[:200]}")
-                view = m.next_view(a.view_timeout)
+                view = m.next_view(a.view_timeout, after=exc.token or view.token)
                 emit("view", phase="recover", generation=view.generation,
                      members=list(view.members), token=view.token)
                 view = establish(view, exc)
