@@ -229,6 +229,10 @@ class FaultTolerantAccelerator(Accelerator):
             when the process was not started by ``chameleon-ft run``.
     """
 
+    #: Set by a wrapper that builds loaders (the ``Trainer``): whether the next one prepared
+    #: is the training loader; None: the first one is.
+    next_loader_trains: Optional[bool] = None
+
     def __init__(self, *args: Any, allowed_policies: Optional[Iterable[str]] = None,
                  hang_timeout_s: Optional[float] = None, stragglers: bool = True,
                  allow_batch_change: bool = False, event_log: Optional[str] = None,
@@ -276,12 +280,15 @@ class FaultTolerantAccelerator(Accelerator):
     @override
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None,
                             training: Optional[bool] = None):
-        """``training``: whether this is the training loader (default: the first DataLoader
-        prepared is, the others are evaluation loaders)."""
+        """``training``: whether this is the training loader (default: ``next_loader_trains``
+        when a wrapper set it, else the first DataLoader prepared is, the others are evaluation
+        loaders)."""
         if self._ft is None or not isinstance(data_loader, torch.utils.data.DataLoader):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         placement = self.device_placement if device_placement is None else device_placement
         rt = self._ft
+        if training is None:
+            training = self.next_loader_trains
         if training is None:
             training = not getattr(rt, "_train_prepared", False)
         if training:

@@ -117,18 +117,34 @@ class FaultTolerantTrainer(Trainer):
         return self.accelerator.is_local_main_process if self._ft is not None else super().is_local_process_zero()
 
     def evaluation_loop(self, *args, **kwargs):
-        """The ``Trainer``'s evaluation, run again over the survivors when a member died during
-        it.  The loop gathers the labels, the logits and the losses of a batch in separate calls:
-        a death between two of them leaves rows of the dead member in one and not in the
-        others (seen in a test: 100 predictions against 96 labels, and ``compute_metrics``
-        raised).  The second run has every survivor from its first batch."""
+        """The ``Trainer``'s evaluation over the current members, with a loss that does not
+        depend on their number, run again over the survivors when a member died during it.
+
+        The loss: with ``average_tokens_across_devices`` (the default) the ``Trainer`` divides
+        each batch's token loss by the tokens of every process's batch of that round and
+        multiplies by the number of processes, so a token-mean loss (a causal LM over padded
+        batches) depends on the world size and on which batches share a round.  Here each batch
+        is normalised by its own tokens -- the loss the ``Trainer`` computes on one process --
+        and the batches are the dataset's runs of ``per_device_eval_batch_size`` whatever the
+        membership (``adapter_kit.eval_batches``): the same ``eval_loss`` before and after a
+        failure.  (Training is not affected: its token count is the global batch's.)
+
+        Run again: the loop gathers the labels, the logits and the losses of a batch in
+        separate calls; a death between two of them leaves rows of the dead member in one and
+        not in the others (``compute_metrics`` would see 100 predictions against 96 labels).
+        The second run has every survivor from its first batch."""
         for attempt in range(3):
             ft = self._ft
             before = ft.eval_failures if ft is not None else 0
+            averaged = self.args.average_tokens_across_devices
+            if ft is not None:
+                self.args.average_tokens_across_devices = False
             try:
                 out, error = super().evaluation_loop(*args, **kwargs), None
             except Exception as exc:
                 out, error = None, exc
+            finally:
+                self.args.average_tokens_across_devices = averaged
             if ft is None or ft.eval_failures == before or attempt == 2:
                 if error is not None:
                     raise error  # the user's own error (or a third death in a row): not ours to hide
@@ -140,6 +156,18 @@ class FaultTolerantTrainer(Trainer):
     def _ft(self):
         acc = getattr(self, "accelerator", None)
         return getattr(acc, "_ft", None)
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any):
+        """The ``Trainer``'s loaders, each prepared as what it is: only the one built with
+        ``is_training`` is the training loader (``trainer.evaluate()`` may come first)."""
+        acc = getattr(self, "accelerator", None)
+        if self._ft is None:
+            return super()._get_dataloader(*args, **kwargs)
+        acc.next_loader_trains = bool(kwargs.get("is_training", args[4] if len(args) > 4 else False))
+        try:
+            return super()._get_dataloader(*args, **kwargs)
+        finally:
+            acc.next_loader_trains = None
 
     # ---------------------------------------------------------------- the step
     def get_batch_samples(self, epoch_iterator, num_batches, device):

@@ -10,10 +10,11 @@ collectives that follow the membership, the optimizer handle and the fault-toler
   when its order cannot be kept exactly once under membership changes.
 * ``shard_indices`` / ``ShardSampler``: rank ``r`` of ``n`` current members gets ``r, r+n, ...``
   (every sample once, no padding).  ``eval_batches``: the same, as batches with the *same
-  count* on every member (for frameworks that run one collective per evaluation batch): round
-  ``k`` covers samples ``[k*n*b, (k+1)*n*b)`` split contiguously, so gathering the rounds in
-  rank order gives the dataset order; a member with nothing left in the last round gets one
-  *ghost* sample whose results must be dropped (``n_valid == 0``).
+  count* on every member (for frameworks that run one collective per evaluation batch): the
+  batches are the dataset's runs of ``b`` consecutive samples whatever the membership, round
+  ``k`` gives member ``r`` batch ``k*n + r``, so gathering the rounds in rank order gives the
+  dataset order; a member with nothing left in the last round gets one *ghost* sample whose
+  results must be dropped (``n_valid == 0``).
 * ``LiveCollectives``: reduce / all-gather (any shapes) / broadcast / barrier / object gather
   over the current generation's group with the runtime's watchdog.  Outside a training step a
   failed collective cannot be redone by the runtime (the framework's evaluation loop is the
@@ -242,15 +243,19 @@ def eval_batches(dataset_len: int, batch_size: int, rank: int, world_size: int,
                  start: int = 0) -> list[tuple[list[int], int]]:
     """``(indices, n_valid)`` per evaluation batch of ``rank``; every member gets the same number
     of batches (see module doc).  ``n_valid`` is 0 for a ghost batch (one repeated sample).
-    ``start``: the rounds cover samples ``[start, dataset_len)`` (an evaluation resumed over
-    the survivors after a failure)."""
+    The batches are the dataset's consecutive runs of ``batch_size`` samples whatever the
+    membership (a batch-mean loss over padded sequences, averaged per sample as the
+    ``Trainer`` does, depends on which samples share a batch), dealt round-robin: round ``k``
+    gives member ``r`` batch ``k*n + r``.  ``start``: the rounds cover samples
+    ``[start, dataset_len)`` (an evaluation resumed over the survivors after a failure; a
+    multiple of ``batch_size`` keeps the failure-free batches)."""
     n, b = max(1, world_size), max(1, batch_size)
     out = []
     for lo in range(start, dataset_len, n * b):
-        shares = even_split(min(n * b, dataset_len - lo), n)
-        start = lo + sum(shares[:rank])
-        if shares[rank]:
-            out.append((list(range(start, start + shares[rank])), shares[rank]))
+        first = lo + rank * b
+        if first < dataset_len:
+            last = min(first + b, dataset_len)
+            out.append((list(range(first, last)), last - first))
         else:
             out.append(([lo], 0))
     return out
