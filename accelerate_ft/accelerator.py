@@ -337,10 +337,14 @@ class FaultTolerantAccelerator(Accelerator):
 
     # ---------------------------------------------------------------- the step
     @override
-    def backward(self, loss, **kwargs):
+    def backward(self, loss, num_items=None, **kwargs):
+        """``Accelerator.backward``; ``num_items``: the number of items (tokens) ``loss`` is the
+        mean over.  Given for every micro-batch, the update is the global batch's token mean,
+        whoever computes which micro-batch (docs/accelerate.md, "Token-weighted losses");
+        without the runtime it is ignored (the plain loss is back-propagated)."""
         if self._ft is None:
             return super().backward(loss, **kwargs)
-        self._ft.backward(loss, **kwargs)
+        self._ft.backward(loss, num_items=num_items, **kwargs)
 
     @override
     def _do_sync(self):

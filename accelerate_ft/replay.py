@@ -114,11 +114,12 @@ class LossReplay:
         if not self.replaying:
             self._call = (args, kwargs, output, batch)
 
-    def on_backward(self, loss: torch.Tensor) -> None:
-        """``accelerator.backward(loss)``: keep the recipe if ``loss`` came from the last call."""
+    def on_backward(self, loss: torch.Tensor, counted: bool = False) -> None:
+        """``accelerator.backward(loss)``: keep the recipe if ``loss`` came from the last call
+        (``counted``: the loop also gave the batch's item count, which no recipe replays)."""
         call, self._call = self._call, None
         self.seen = True
-        if call is None:
+        if call is None or counted:
             self.recipe = None
             return
         args, kwargs, output, batch = call

@@ -97,6 +97,7 @@ class StepProtocol:
         # What ``backward`` multiplies the loop's loss by to get the item's mean loss: 1 for an
         # Accelerate loop; the HF Trainer divides by gradient_accumulation_steps itself.
         self.loss_scale = 1.0
+        self.items_of_next_backward = None  # a wrapper's num_items for the next backward (the Trainer)
         if env.replacement:
             raise RuntimeError("accelerate_ft does not heal replacement workers (the user's loop "
                                "state cannot be replayed): run `chameleon-ft run` without --max-replacements")
@@ -289,7 +290,9 @@ class StepProtocol:
     def leave_step(self) -> None:
         self.in_step, self.current, self.gen = False, None, None
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, num_items: Optional[int] = None, **kwargs: Any) -> None:
+        """``accelerator.backward``; ``num_items``: the items (tokens) ``loss`` is the mean over,
+        for a token-weighted global batch (``DataParallelExecutor.token_weight``)."""
         if self.skipping:
             return  # an item of a step the checkpoint already holds
         if not self.in_step:
@@ -299,11 +302,14 @@ class StepProtocol:
             return
         if self.current is None:
             return  # a ghost item: this member has nothing of this step to compute
-        self.replay.on_backward(loss)
+        if num_items is None:
+            num_items = self.items_of_next_backward
+        self.replay.on_backward(loss, counted=num_items is not None)
         self.ctx.faults.at(self.ctx.step, "backward")
         loss = loss * self.loss_scale
-        self.ctx.record_loss(loss, self.current.weight)
-        (loss * self.current.weight).backward(**kwargs)
+        weight = self.ctx.token_weight(self.current, num_items)
+        self.ctx.record_loss(loss, weight)
+        (loss * weight).backward(**kwargs)
 
     def defer(self, fn: Callable[[], Any], out: Optional[torch.Tensor] = None) -> None:
         """Run ``fn`` (gradient clipping) on the reduced gradients, just before the update; what

@@ -11,10 +11,10 @@ does something a plain Accelerate loop does not:
   ``num_steps`` = 1) and divides each micro-batch loss by ``gradient_accumulation_steps``;
   here the Accelerator knows the real count (the training loader yields that many items per
   global step) and ``backward`` multiplies the loss back, so every item contributes its
-  mean loss weighted by its share of the global batch (``StepProtocol.loss_scale``).  Losses
-  are weighted by samples, not by tokens: ``num_items_in_batch`` is not computed (a token-
-  weighted loss over a global batch whose micro-batches move between workers would need the
-  token count of micro-batches a worker never sees).
+  mean loss weighted by its share of the global batch (``StepProtocol.loss_scale``).
+  Where the ``Trainer`` weights by tokens (``num_items_in_batch``, a causal LM), each
+  micro-batch's loss is its own token mean weighted by its token count, and the reduced
+  token count of the global batch divides the update (``training_step``).
 * **Prefetching.**  The ``Trainer`` takes all of a step's batches from the loader before the
   first forward; here they are taken one at a time as the loop reaches them (the loader
   knows which micro-batch each item is).
@@ -182,10 +182,31 @@ class FaultTolerantTrainer(Trainer):
         return self.compute_loss_func is not None
 
     def training_step(self, model, inputs, num_items_in_batch: Optional[Any] = None):
+        """The ``Trainer``'s step of one micro-batch.  Where the ``Trainer`` weights the loss by
+        tokens (``num_items_in_batch``: a model that takes loss kwargs, or a
+        ``compute_loss_func``, and labels), the micro-batch's loss is its own token mean and the
+        runtime weights it by its token count (``accelerator.backward(num_items=)``): the update
+        is the global batch's token mean, as the plain ``Trainer``'s, whoever computes which
+        micro-batch."""
         ft = self._ft
-        if ft is not None:
-            ft.loss_scale = 1.0 if self._loss_is_scaled_for_ga() else float(self.current_gradient_accumulation_steps)
-        return super().training_step(model, inputs, num_items_in_batch)
+        if ft is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False  # this micro-batch's own count
+        try:
+            count = self._get_num_items_in_batch([inputs], self.args.device)
+        finally:
+            self.args.average_tokens_across_devices = averaged
+        if count is not None:
+            ft.loss_scale, ft.items_of_next_backward = 1.0, count
+            self.args.average_tokens_across_devices = False  # compute_loss: no x num_processes
+            try:
+                return super().training_step(model, inputs, count)
+            finally:
+                self.args.average_tokens_across_devices = averaged
+                ft.items_of_next_backward = None
+        ft.loss_scale = 1.0 if self._loss_is_scaled_for_ga() else float(self.current_gradient_accumulation_steps)
+        return super().training_step(model, inputs, None)
 
     # ---------------------------------------------------------------- checkpoints
     # The Trainer synchronizes its processes around a checkpoint only through

@@ -2,27 +2,26 @@
 commit protocol, engine bridge and state agreement; executors add how a step is computed and
 committed and how a Decision's layout is carried out (``carry_out``).
 
-**Commit protocol.**  Every member holds a committed step counter.  A step ends with its
-reduction over the generation's group -- the gradients (data parallel: in buckets during
-backward, ``executors/buckets.py``) and a small tail of per-member timings -- then the optimizer
-step and ``sampler.commit()``.  Gloo may let some members finish a reduction in which a peer
-died while others fail, so after every reconfiguration the members all-reduce their committed
-steps (``_sync``); the lowest-ranked member at the maximum (the *source*) broadcasts the run
-state, the engine state and its Decisions to every member that is behind or new.  A step nobody
-finished is redone with the new allocation, one somebody finished adopted by everyone: no half
-steps, bitwise-equal replicas, each global batch's samples consumed once (the sampler's cursor
-moves only on commit).  Every loop ends its steps through ``run_step``.
+**Commit protocol.** Every member holds a committed step counter. A step ends with its reduction
+over the generation's group -- the gradients (data parallel: in buckets during backward,
+``executors/buckets.py``) and a small tail (loss, tokens, per-member timings) -- then the optimizer
+step and ``sampler.commit()``. Gloo may let some members finish a reduction in which a peer died
+while others fail, so after every reconfiguration the members all-reduce their committed steps
+(``_sync``); the lowest-ranked member at the maximum (the *source*) broadcasts the run state, the
+engine state and its Decisions to every member that is behind or new. A step nobody finished is
+redone with the new allocation, one somebody finished adopted by everyone: no half steps, bitwise-
+equal replicas, each global batch's samples consumed once (the sampler's cursor moves only on
+commit). Every loop ends its steps through ``run_step``.
 
-**Decisions.**  On a membership change the source asks the engine (``engine_bridge.py``); on a
-straggler every member asks it from the same reduced timings.  ``restart`` makes the worker exit
-with ``RESTART_EXIT_CODE`` for the launcher.
+**Decisions.** On a membership change the source asks the engine (``engine_bridge.py``); on a
+straggler every member asks it from the same reduced timings. ``restart`` makes the worker exit with
+``RESTART_EXIT_CODE`` for the launcher.
 
 Executor hooks: ``recovery_fields``, ``source_payload``, ``carry_out``, ``reset_step``,
-``state_dict``/``load_state_dict`` (``executors/protocol.py``).
-
-Limits, honestly: all trainable parameters share one dtype; the embedded coordinator is a single
-point of failure (``MembershipError`` at the next collective when it is gone); an abandoned gloo
-op keeps a thread until ``hang_timeout_s``, so end the process with ``os._exit`` (``elastic_main``).
+``state_dict``/``load_state_dict`` (``executors/protocol.py``). Limits: all trainable parameters
+share one dtype; the embedded coordinator is a single point of failure (``MembershipError`` at the
+next collective when it is gone); an abandoned gloo op keeps a thread until ``hang_timeout_s``, so
+end the process with ``os._exit`` (``elastic_main``).
 """
 
 from __future__ import annotations
@@ -231,16 +230,18 @@ class RecoveryCore:
         if comm is None:
             return None
         at = buf.numel() - _TAIL * n
-        return buf[:at], self._read_tail(buf[at:]), comm
+        return buf[:at], self._read_tail(buf[at:])[1], comm
 
     def _tail_row(self, compute_s: float) -> list[float]:
         """This member's timings: compute s, micro-batches, the previous reduction's and step's s."""
         return [compute_s, self._n_mb, self._prev_comm, self._prev_step]
 
-    def _read_tail(self, tail: torch.Tensor) -> dict:
-        """Every member's ``_tail_row`` by worker id: the step's one host read, after its commit point."""
-        rows = tail.view(self.view.world_size, _TAIL).tolist()
-        return {w: tuple(rows[i]) for i, w in enumerate(self.view.members)}
+    def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
+        """The reduced tail's first ``lead`` numbers, and every member's ``_tail_row`` by worker
+        id after them: the step's one host read, after its commit point."""
+        words = tail.tolist()
+        return words[:lead], {w: tuple(words[lead + i * _TAIL:lead + (i + 1) * _TAIL])
+                              for i, w in enumerate(self.view.members)}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
         """Run the step's reduction (the commit point; ``logged``: it writes ``_log_attempt``
@@ -596,5 +597,3 @@ class RecoveryCore:
         """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""
         self.load_state_dict(run_state.load_checkpoint(path))
         self.policy.plan = None
-
-

@@ -8,7 +8,9 @@ For scripts started by ``chameleon-ft run``::
         trainer.fit(epochs=3)
     elastic_main(main)
 
-``loss_fn(model, batch)`` returns the mean loss of one micro-batch; ``batch`` is
+``loss_fn(model, batch)`` returns the mean loss of one micro-batch, or (data parallel) a
+pair ``(sum, count)`` -- the loss summed over ``count`` items (tokens) -- for an update that
+is the global batch's token mean, whoever computes which micro-batch; ``batch`` is
 ``collate_fn([dataset[i] for i in micro_batch.indices])`` (``default_collate`` by default).
 Every member of the job runs the same loop; failures, replacements and stragglers are
 handled inside ``DataParallelExecutor.sync_and_step`` -- the loop only asks again what to compute.
@@ -138,7 +140,12 @@ class ElasticTrainer:
         for mb in ctx.microbatches():
             t0 = time.perf_counter()
             batch = self.collate_fn([self.dataset[i] for i in mb.indices])
-            ctx.backward(self.loss_fn(self.model, batch), mb)
+            loss = self.loss_fn(self.model, batch)
+            if isinstance(loss, tuple):  # (sum over the items, their count): token-weighted
+                total, count = loss
+                ctx.backward(total / count, mb, tokens=count)
+            else:
+                ctx.backward(loss, mb)
             # ``slow`` faults pad the micro-batch by (factor - 1) x its compute time.
             ctx.faults.at(ctx.step, "forward", time.perf_counter() - t0)
         return ctx.sync_and_step()

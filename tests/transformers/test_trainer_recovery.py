@@ -192,7 +192,9 @@ def same_run(final: dict, ref: dict, spec: dict) -> None:
 def references(tmp_path_factory, reference):
     job = ScriptJob(SCRIPT, tmp_path_factory.mktemp("reference-lm"), *LM["args"])
     lm = job.run_to_end()
-    assert sorted(lm) == [0, 1, 2, 3] and len({f["log_history"] for f in lm.values()}) == 1
+    assert sorted(lm) == [0, 1, 2, 3]
+    for f in lm.values():
+        same_run(f, lm[0], LM)
     return {"lm": lm[0], "cls": reference}
 
 
@@ -221,6 +223,53 @@ def test_a_kill_anywhere_keeps_the_failure_free_run(tmp_path, references, model,
         assert f["world_size"] == 3
     failures = [e for e in job.events() if e["event"] == "failure" and e.get("kind") != "collective"]
     assert failures and failures[0]["workers"] == [victim]
+
+
+def test_a_causal_lm_update_is_the_global_batchs_token_mean(tmp_path):
+    """The ``Trainer``'s token-weighted loss (``num_items_in_batch``) on padded sequences of
+    6-24 tokens: one step of 4 workers (2 micro-batches of 4 each), plain SGD, no dropout.  The
+    update equals the plain ``Trainer``'s on the step's 32 samples (their ids from the event log)
+    computed here in one process: the loss summed over the global batch's tokens divided by
+    their number as the ``Trainer`` counts them (``_get_num_items_in_batch``), within 1e-6; the
+    sample-weighted update (the mean of the micro-batches' token means) differs by far more."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from hf_train import Tokens, pad
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from _helpers.recovery import committed_ids
+
+    job = ScriptJob(SCRIPT, tmp_path, "--model", "lm", "--step-lr", "--no-dropout", "--max-steps", "1",
+                    env={"HF_HOME": str(tmp_path / "hf")})
+    finals = job.run_to_end()
+    ids = committed_ids(job.events())[0]
+    assert sorted(finals) == [0, 1, 2, 3] and len(ids) == 32 and finals[0]["global_step"] == 1
+    data = Tokens(512, 1)
+
+    def updated(token_mean: bool) -> dict:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=48, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                           bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                           attn_pdrop=0.0))
+        plain = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "plain"), use_cpu=True,
+                                                            report_to="none"))
+        if token_mean:  # the plain Trainer's loss of the whole global batch in one micro-batch
+            batch = pad([data[i] for i in ids])
+            count = plain._get_num_items_in_batch([batch], torch.device("cpu"))
+            assert count is not None  # the Trainer weights this model's loss by tokens
+            model(**batch, num_items_in_batch=count).loss.backward()
+        else:
+            for k in range(0, 32, 4):
+                (model(**pad([data[i] for i in ids[k:k + 4]])).loss / 8).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 3e-2 * p.grad
+        return {"params": list(model.state_dict().values())}
+
+    want, by_samples = updated(True), updated(False)
+    for f in finals.values():
+        assert rel_diff(f, want) < 1e-6
+    assert rel_diff(by_samples, want) > 1e-3
 
 
 @pytest.mark.chaos  # the adoption's hyperparameters under Lightning: test_lightning_recovery.py (tests/README.md)

@@ -232,6 +232,13 @@ class GradientBuckets:
         else:
             view.copy_(p.grad.reshape(-1))
 
+    def divide(self, denom) -> None:
+        """Divide the reduced gradients (not the tail) by ``denom`` (a number or a 1-element
+        tensor on their device): a token-weighted step's global token count."""
+        for i, buf in enumerate(self._bufs):
+            n = buf.numel() - (self.tail_len if i == len(self._bufs) - 1 else 0)
+            buf[:n].div_(denom)
+
     def assign_grads(self) -> None:
         """Point every parameter's ``.grad`` at its reduced slice (after ``finish``)."""
         for p, view in self._views:

@@ -82,6 +82,7 @@ class DataParallelExecutor(RecoveryCore):
         super().__init__(*args, **kwargs)
         self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb)
         self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
+        self._tokens = 0.0  # this member's token count of the step (token-weighted losses)
         self._last_loss: Optional[torch.Tensor | float] = None
         # Slots of the current step whose gradients this member holds (kept across a failed
         # all-reduce), and the slots it still has to compute when a failure interrupted it.
@@ -95,7 +96,7 @@ class DataParallelExecutor(RecoveryCore):
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
-        self._loss_sum = None
+        self._loss_sum, self._tokens = None, 0.0
         self.buckets.disarm()
 
     @property
@@ -140,7 +141,7 @@ class DataParallelExecutor(RecoveryCore):
         if self._groups_at_commit is not None and self.lr_scale != before:
             scale_lr(self._groups_at_commit, self.lr_scale / before)
 
-    def record_loss(self, loss: torch.Tensor, weight: float) -> None:
+    def record_loss(self, loss: torch.Tensor, weight: float) -> None:  # weight: token_weight's
         """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
         adapters that run ``backward`` themselves (a device op: nothing is read)."""
         self._add_loss(loss.detach() * weight)
@@ -249,21 +250,40 @@ class DataParallelExecutor(RecoveryCore):
             return [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
         return self.sampler.local_microbatches(self.worker_id)
 
-    def backward(self, loss: torch.Tensor, mb: MicroBatch) -> None:
-        """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share."""
+    def backward(self, loss: torch.Tensor, mb: MicroBatch, tokens: Optional[int] = None) -> None:
+        """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share, or --
+        with ``tokens``, the number of items ``loss`` is the mean over -- by its token count:
+        the step's gradient is then the sum over the global batch's tokens divided by their
+        number (``token_weight``).  A step's micro-batches are weighted one way or the other."""
         self.faults.at(self.step, "backward")
-        scaled = loss * mb.weight
+        scaled = loss * self.token_weight(mb, tokens)
         self._add_loss(scaled.detach())
         scaled.backward()
+
+    def token_weight(self, mb: MicroBatch, tokens=None):
+        """The factor of a micro-batch's mean loss: its sample share, or with ``tokens`` (a
+        number, or a 0-dim tensor: never read here) its token count, counted into the step's;
+        the reduced total divides the gradients and the loss after the commit
+        (``sync_and_step``): the global batch's token mean, whoever computed which micro-batch,
+        with no collective of its own."""
+        if tokens is None:
+            return mb.weight
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().reshape(()).to(self.dtype)
+        elif tokens <= 0:
+            raise ValueError(f"a token-weighted micro-batch needs a positive item count, got {tokens}")
+        self._tokens = self._tokens + tokens
+        return tokens
 
     def _arm(self) -> None:
         """The coming backward is this member's last of the step: its gradients are reduced in
         buckets as they become final; the step header (control collectives on) is posted now."""
         if self.buckets.armed:
             return
-        # The tail: the loss, then (gradients on the CPU: in the same buffer) every member's timings.
+        # The tail: the loss, the tokens, then (gradients on the CPU: in the same buffer) every
+        # member's timings.
         on_host = not (self.params and self.params[0].is_cuda)
-        self.buckets.set_tail(1 + (_TAIL * self.view.world_size if on_host else 0))
+        self.buckets.set_tail(2 + (_TAIL * self.view.world_size if on_host else 0))
         self.buckets.arm(self.gm.start_reduce)
 
     def sync_and_step(self) -> bool:
@@ -281,14 +301,16 @@ class DataParallelExecutor(RecoveryCore):
         self._arm()  # (no-op when the last backward was armed)
         buckets = self.buckets
         tail = buckets.tail()
-        timings = tail[1:]
-        # The tail in one copy: the loss, then (on the host) every member's timings, ours set.
+        timings = tail[2:]
+        # The tail in one copy: the loss, the tokens, then (on the host) every member's timings, ours set.
         row = [0.0] * timings.numel()
         if row:
             r = self.view.rank
             row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
         loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=self.dtype, device=tail.device)
-        torch.cat([loss.reshape(1).to(self.dtype), torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
+        tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
+        torch.cat([loss.reshape(1).to(self.dtype), tokens.reshape(1).to(tail.device, self.dtype),
+                   torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
         host_tail = None
 
         def reduce() -> None:
@@ -315,9 +337,17 @@ class DataParallelExecutor(RecoveryCore):
         if comm is None:
             buckets.disarm()  # (a failure before the buckets' finish: the header, a drop)
             return False  # this member's gradients are kept for the redone step (see _salvage)
-        self._last_loss = tail[0].clone()  # read when someone looks (last_loss)
         self._loss_sum = None
-        timing_rows = self._read_tail(timings if host_tail is None else host_tail)
+        if host_tail is None:  # on the host: the tokens and the timings in the step's one read
+            (tokens,), timing_rows = self._read_tail(tail[1:], lead=1)
+            denom = tokens if tokens > 0 else None
+        else:  # on a device: no read; a sample-weighted step divides by 1
+            timing_rows = self._read_tail(host_tail)[1]
+            denom = tail[1:2].clamp(min=1).clone()
+        self._tokens = 0.0
+        self._last_loss = tail[0].clone() if denom is None else tail[0] / denom  # read when someone looks
+        if denom is not None:
+            buckets.divide(denom)
         buckets.assign_grads()
         self.faults.at(self.step, "optimizer")
         self.optimizer.step()

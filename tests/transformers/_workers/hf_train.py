@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--mb-sleep", type=float, default=0.0)
     p.add_argument("--model", choices=["cls", "lm"], default="cls")
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--no-dropout", action="store_true", help="lm: dropout 0 (an update computed elsewhere again)")
     p.add_argument("--step-lr", action="store_true",
                    help="the user's own SGD + StepLR(step_size=5, gamma=0.5) (optimizers=...), not the Trainer's")
     a = p.parse_args()
@@ -125,13 +127,18 @@ def causal_lm(a) -> None:
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=2, eval_strategy="steps", eval_steps=10,
         save_strategy="steps", save_steps=10, save_total_limit=2, load_best_model_at_end=True,
         metric_for_best_model="eval_loss", use_cpu=True, report_to="none", seed=0, dataloader_num_workers=0,
-        disable_tqdm=True)
+        disable_tqdm=True, max_steps=a.max_steps)
+    drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if a.no_dropout else {}
     config = GPT2Config(vocab_size=48, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                        eos_token_id=0)
+                        eos_token_id=0, **drop)
     model = GPT2LMHeadModel(config)
+    optimizers = (None, None)
+    if a.step_lr:
+        opt = torch.optim.SGD(model.parameters(), lr=3e-2)
+        optimizers = (opt, torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5))
     if a.mb_sleep:
         model.register_forward_pre_hook(lambda m, _: time.sleep(a.mb_sleep) if m.training else None)
-    trainer = FaultTolerantTrainer(model=model, args=args, train_dataset=Tokens(2 * DATASET, 1),
+    trainer = FaultTolerantTrainer(model=model, args=args, optimizers=optimizers, train_dataset=Tokens(2 * DATASET, 1),
                                    eval_dataset=Tokens(EVAL, 2), data_collator=pad)
     finish(a, trainer)
 
