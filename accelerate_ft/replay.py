@@ -50,7 +50,12 @@ def _path_of(value: Any, batch: Any) -> Optional[_Path]:
     return None
 
 
-def _get(batch: Any, path: _Path) -> Any:
+_ITEMS = ("#items",)  # the path of a call argument that is the batch's item count (``count_items``)
+
+
+def _get(batch: Any, path: _Path, items: Any = None) -> Any:
+    if path == _ITEMS:
+        return items
     return batch[path[0]] if path else batch
 
 
@@ -96,6 +101,10 @@ class LossReplay:
         self.recipe: Optional[tuple] = None  # (arg paths, kwarg paths, picker)
         self.seen = False  # a backward was checked (so ``recipe is None`` means: none)
         self.replaying = False
+        # ``count_items(batch)``: the batch's item count, as the loop gave it to backward
+        # (``num_items``) and to the model call (the HF Trainer's ``num_items_in_batch``); set by
+        # a wrapper that knows the rule.  Without it a counted loss has no recipe.
+        self.count_items = None
 
     @property
     def ready(self) -> bool:
@@ -114,31 +123,45 @@ class LossReplay:
         if not self.replaying:
             self._call = (args, kwargs, output, batch)
 
-    def on_backward(self, loss: torch.Tensor, counted: bool = False) -> None:
-        """``accelerator.backward(loss)``: keep the recipe if ``loss`` came from the last call
-        (``counted``: the loop also gave the batch's item count, which no recipe replays)."""
+    def on_backward(self, loss: torch.Tensor, items: Any = None) -> None:
+        """``accelerator.backward(loss)``: keep the recipe if ``loss`` came from the last call.
+        ``items``: the item count the loop gave with it; replayed by ``count_items`` (a call
+        argument that *is* it becomes that count), or without it no recipe."""
         call, self._call = self._call, None
         self.seen = True
-        if call is None or counted:
+        if call is None or (items is not None and self.count_items is None):
             self.recipe = None
             return
         args, kwargs, output, batch = call
+
+        def path(value):
+            return _ITEMS if items is not None and value is items else _path_of(value, batch)
+
         pick = _picker(output, loss)
-        arg_paths = [_path_of(a, batch) for a in args]
-        kw_paths = {k: _path_of(v, batch) for k, v in kwargs.items()}
+        arg_paths = [path(a) for a in args]
+        kw_paths = {k: path(v) for k, v in kwargs.items()}
         if pick is None or None in arg_paths or None in kw_paths.values():
             self.recipe = None
             return
-        self.recipe = (arg_paths, kw_paths, pick)
+        self.recipe = (arg_paths, kw_paths, pick, items is not None)
 
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` computed as the user's loop computed the last one."""
-        arg_paths, kw_paths, (i, scale) = self.recipe
+    def items(self, batch: Any) -> Any:
+        """The item count of ``batch`` for a counted recipe (``count_items``), else None."""
+        return self.count_items(batch) if self.counted and self.count_items is not None else None
+
+    @property
+    def counted(self) -> bool:
+        return self.recipe is not None and self.recipe[3]
+
+    def loss(self, model: torch.nn.Module, batch: Any, items: Any = None) -> torch.Tensor:
+        """The loss of ``batch`` computed as the user's loop computed the last one (``items``:
+        its count, from ``items()``, where the loop's call took it)."""
+        arg_paths, kw_paths, (i, scale), _ = self.recipe
         self.replaying = True
         try:
             with torch.enable_grad():
-                out = model(*[_get(batch, p) for p in arg_paths],
-                            **{k: _get(batch, p) for k, p in kw_paths.items()})
+                out = model(*[_get(batch, p, items) for p in arg_paths],
+                            **{k: _get(batch, p, items) for k, p in kw_paths.items()})
             loss = _PICKS[i](out)
             return loss * scale if scale is not None else loss
         finally:
@@ -151,13 +174,13 @@ class LossReplay:
         at the first backward after the resume (``seen`` stays False until then)."""
         if self.recipe is None:
             return None
-        arg_paths, kw_paths, (i, scale) = self.recipe
+        arg_paths, kw_paths, (i, scale), counted = self.recipe
         return {"args": [list(p) for p in arg_paths], "kwargs": {k: list(p) for k, p in kw_paths.items()},
-                "pick": i, "scale": scale}
+                "pick": i, "scale": scale, "counted": counted}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if not state:
             return
         self.recipe = ([tuple(p) for p in state["args"]], {k: tuple(p) for k, p in state["kwargs"].items()},
-                       (int(state["pick"]), state["scale"]))
+                       (int(state["pick"]), state["scale"]), bool(state.get("counted", False)))
         self.seen = False

@@ -137,6 +137,7 @@ class StepProtocol:
         self.eval_seen = 0  # rows of samples below this were gathered before a recovery: dropped
         self.eval_restart: Optional[tuple[int, bool]] = None  # (from sample, alone) after a recovery
         self.eval_alone = False  # this evaluation runs over every sample on this member
+        self.eval_alone_next = False  # the next evaluation does (a wrapper's re-run: the Trainer)
         self.eval_complete: Optional[bool] = None  # of the last evaluation
         self.eval_failures = 0  # collectives that failed inside an evaluation, ever
         self.saves = 0  # save_state calls (their activity tag, see barrier_or_redo)
@@ -304,7 +305,7 @@ class StepProtocol:
             return  # a ghost item: this member has nothing of this step to compute
         if num_items is None:
             num_items = self.items_of_next_backward
-        self.replay.on_backward(loss, counted=num_items is not None)
+        self.replay.on_backward(loss, num_items)
         self.ctx.faults.at(self.ctx.step, "backward")
         loss = loss * self.loss_scale
         weight = self.ctx.token_weight(self.current, num_items)
@@ -407,11 +408,13 @@ class StepProtocol:
         for mb in microbatches:
             t0 = time.perf_counter()
             batch = loader.load_item(mb, step)
-            loss = self.replay.loss(self.model, batch)
+            items = self.replay.items(batch)
+            loss = self.replay.loss(self.model, batch, items)
             ctx.faults.at(ctx.step, "backward")
             loss = loss * self.loss_scale
-            ctx.record_loss(loss, mb.weight)
-            (loss * mb.weight).backward()
+            weight = ctx.token_weight(mb, items)
+            ctx.record_loss(loss, weight)
+            (loss * weight).backward()
             self._compute += time.perf_counter() - t0
 
     def _apply_update(self) -> None:
@@ -439,6 +442,7 @@ class StepProtocol:
         # or a collective mismatched) evaluates every sample itself, as one that finishes an
         # evaluation alone after a failure does: its gathers return its own rows, all of them.
         self.eval_alone = self.eval_goes_local()
+        self.eval_alone_next = False
         self.eval_complete = True
         if self.eval_alone:
             self.coll.local_reason = ("while it evaluates every sample on its own (its collectives "
@@ -448,8 +452,9 @@ class StepProtocol:
             self.coll.reraise = True  # a failed collective recovers the job (eval_failed)
 
     def eval_goes_local(self) -> bool:
-        """True while this member's collectives would return its local value."""
-        return self.coll.world_size > 1 and self.coll.stays_local
+        """True while this member's collectives would return its local value (or the next
+        evaluation was asked to run alone)."""
+        return self.eval_alone_next or (self.coll.world_size > 1 and self.coll.stays_local)
 
     def end_eval(self) -> None:
         if self.coll.realigning and not self.eval_alone:  # a gather gave way: it returned a shard

@@ -129,10 +129,12 @@ class FaultTolerantTrainer(Trainer):
         membership (``adapter_kit.eval_batches``): the same ``eval_loss`` before and after a
         failure.  (Training is not affected: its token count is the global batch's.)
 
-        Run again: the loop gathers the labels, the logits and the losses of a batch in
-        separate calls; a death between two of them leaves rows of the dead member in one and
-        not in the others (``compute_metrics`` would see 100 predictions against 96 labels).
-        The second run has every survivor from its first batch."""
+        Run again, on this member alone (every sample, no collective): the loop gathers the
+        labels, the logits and the losses of a batch in separate calls; a death between two of
+        them leaves rows of the dead member in one and not in the others (``compute_metrics``
+        would see 100 predictions against 96 labels), and a member that adopted the step its
+        peers committed meanwhile evaluates alone while theirs gather a shard
+        (``eval_complete`` false).  Alone, the batches and the loss are the failure-free run's."""
         for attempt in range(3):
             ft = self._ft
             before = ft.eval_failures if ft is not None else 0
@@ -145,12 +147,13 @@ class FaultTolerantTrainer(Trainer):
                 out, error = None, exc
             finally:
                 self.args.average_tokens_across_devices = averaged
-            if ft is None or ft.eval_failures == before or attempt == 2:
+            if ft is None or (ft.eval_failures == before and ft.eval_complete is not False) or attempt == 2:
                 if error is not None:
                     raise error  # the user's own error (or a third death in a row): not ours to hide
                 return out
-            _log.warning("transformers_ft: a worker died during the evaluation; evaluating again "
-                         "over the survivors")
+            ft.eval_alone_next = True
+            _log.warning("transformers_ft: a worker died during the evaluation; this worker "
+                         "evaluates again, every sample on its own")
 
     @property
     def _ft(self):
@@ -181,6 +184,15 @@ class FaultTolerantTrainer(Trainer):
             return bool(self.loss_is_scaled_for_ga)
         return self.compute_loss_func is not None
 
+    def _items_of(self, batch) -> Optional[Any]:
+        """The ``Trainer``'s ``num_items_in_batch`` of this one micro-batch (None: not token-weighted)."""
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False  # this micro-batch's own count
+        try:
+            return self._get_num_items_in_batch([batch], self.args.device)
+        finally:
+            self.args.average_tokens_across_devices = averaged
+
     def training_step(self, model, inputs, num_items_in_batch: Optional[Any] = None):
         """The ``Trainer``'s step of one micro-batch.  Where the ``Trainer`` weights the loss by
         tokens (``num_items_in_batch``: a model that takes loss kwargs, or a
@@ -191,12 +203,9 @@ class FaultTolerantTrainer(Trainer):
         ft = self._ft
         if ft is None:
             return super().training_step(model, inputs, num_items_in_batch)
+        ft.replay.count_items = self._items_of  # a redone micro-batch is counted the same way
+        count = self._items_of(inputs)
         averaged = self.args.average_tokens_across_devices
-        self.args.average_tokens_across_devices = False  # this micro-batch's own count
-        try:
-            count = self._get_num_items_in_batch([inputs], self.args.device)
-        finally:
-            self.args.average_tokens_across_devices = averaged
         if count is not None:
             ft.loss_scale, ft.items_of_next_backward = 1.0, count
             self.args.average_tokens_across_devices = False  # compute_loss: no x num_processes

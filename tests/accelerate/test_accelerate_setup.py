@@ -111,6 +111,7 @@ def _eval_runtime(catch_up: bool):
     rt.coll = LiveCollectives(rt.gm, rt.view, lambda: 5.0, who="accelerate_ft")
     rt.coll.catch_up = catch_up
     rt.eval_runs, rt.in_eval, rt.eval_valid, rt.eval_restart, rt.eval_alone = 0, False, None, None, False
+    rt.eval_alone_next = False
     ds = torch.utils.data.TensorDataset(torch.arange(50))
     return rt, ElasticEvalLoader(rt, torch.utils.data.DataLoader(ds, batch_size=4), device_placement=False)
 

@@ -129,8 +129,9 @@ SYNC_WORKER = Path(__file__).with_name("_workers") / "sync_worker.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("control", [False, True], ids=["trainer", "adapters"])
-def test_the_step_reads_nothing_from_the_device_but_the_reduced_tail(tmp_path, control):
+@pytest.mark.parametrize("control,tokens", [(False, False), (True, False), (False, True)],
+                         ids=["trainer", "adapters", "token-weighted"])
+def test_the_step_reads_nothing_from_the_device_but_the_reduced_tail(tmp_path, control, tokens):
     """Over 6 steps of 2 workers (three buckets), the package's own code calls none of the
     APIs that make a host wait for a device (``item``, ``tolist``, ``float(t)``...), except the
     one read of the reduced timings after the commit point (``_read_tail``, once per step) and
@@ -139,8 +140,8 @@ def test_the_step_reads_nothing_from_the_device_but_the_reduced_tail(tmp_path, c
     ``torch.cuda.set_sync_debug_mode`` there)."""
     from chameleon_ft.cli.localjob import LocalJob
 
-    job = LocalJob(tmp_path, SYNC_WORKER, ["--out", str(tmp_path)] + (["--control"] if control else []),
-                   nproc=2, hang_timeout=30)
+    job = LocalJob(tmp_path, SYNC_WORKER, ["--out", str(tmp_path)] + (["--control"] if control else [])
+                   + (["--tokens"] if tokens else []), nproc=2, hang_timeout=30)
     try:
         job.start()
         assert job.wait(90) == [0], job.output()
@@ -152,3 +153,38 @@ def test_the_step_reads_nothing_from_the_device_but_the_reduced_tail(tmp_path, c
         on_device = {k: v for k, v in got["counts"].items() if k != "tolist in order"}
         assert on_device == {"tolist in _read_tail": got["steps"]}, got
         assert got["deliberate"] == {"__float__ in last_loss": 1}, got  # the counter sees a read
+    if tokens:
+        _same_as_token_means(job, tmp_path)
+
+
+def _same_as_token_means(job, tmp_path) -> None:
+    """The workers' weights after the 9 token-weighted steps equal one process's, each step's
+    gradient the sum over its 32 samples of (tokens x loss) divided by its tokens (the sample
+    ids of each committed step from the event log); the sample-weighted run differs."""
+    from chameleon_ft.runtime.eventlog import committed_attempts
+
+    steps = committed_attempts(job.events())
+    ids = {s: [i for r in recs for i in r["ids"]] for s, recs in steps.items()}
+    assert sorted(ids) == list(range(9)) and all(len(v) == 32 for v in ids.values())
+
+    def run(token_mean: bool) -> list:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+        tokens = torch.randint(1, 9, (256,), generator=g).float()
+        for s in range(9):
+            idx = ids[s]
+            per = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            w = tokens[idx] / tokens[idx].sum() if token_mean else torch.full((32,), 1 / 32)
+            (per * w).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    want, by_samples = run(True), run(False)
+    for w in (0, 1):
+        got = torch.load(tmp_path / f"params_{w}.pt", weights_only=True)
+        assert max(float((a - b).norm() / b.norm()) for a, b in zip(got, want)) < 1e-5
+    assert max(float((a - b).norm() / b.norm()) for a, b in zip(by_samples, want)) > 1e-3

@@ -29,6 +29,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--control", action="store_true", help="control_collectives=True (the adapters' step)")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tokens", action="store_true",
+                   help="token-weighted: sample i stands for TOKENS[i] items of its loss (backward(tokens=))")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -36,6 +38,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    tokens = torch.randint(1, 9, (256,), generator=g).float()
     ctx = DataParallelExecutor(model, opt, 256, 32, 4, seed=3, control_collectives=a.control,
                                config=ElasticConfig(stragglers=False, bucket_cap_mb=26 * 4 / 2 ** 20))
     ctx.start()
@@ -58,7 +61,13 @@ def main():
         for i in range(3 + a.steps):  # three warm-up steps (the engine's first plan, first buckets)
             counting[0] = i >= 3
             for mb in ctx.microbatches():
-                loss = torch.nn.functional.cross_entropy(model(x[list(mb.indices)]), y[list(mb.indices)])
+                idx = list(mb.indices)
+                if a.tokens:  # the micro-batch's token mean and its token count (a tensor: not read)
+                    per = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")
+                    count = tokens[idx].sum()
+                    ctx.backward((per * tokens[idx]).sum() / count, mb, tokens=count)
+                    continue
+                loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
                 ctx.backward(loss, mb)
             assert ctx.sync_and_step(), "no failure is expected in this test"
         counting[0] = True
@@ -71,6 +80,7 @@ def main():
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
         ctx.close()
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(a.out, f"params_{ctx.worker_id}.pt"))
     with open(os.path.join(a.out, f"syncs_{ctx.worker_id}.json"), "w") as f:
         json.dump({"steps": a.steps, "counts": steps_counted, "deliberate": deliberate, "loss": value}, f)
 
