@@ -22,7 +22,6 @@ starts them when the old one died) and receive the ``ft/*`` metrics.
 
 from __future__ import annotations
 
-from chameleon_ft._compat import renamed_getattr
 
 import atexit
 import logging
@@ -595,7 +594,3 @@ class StepProtocol:
             self.joined.membership.close()
             self.joined.gm.close()
         self.joined = None
-
-
-# The old name, kept working with a deprecation warning.
-__getattr__ = renamed_getattr(__name__, {"AccelerateRuntime": "StepProtocol"})

@@ -18,19 +18,13 @@ The layers, top to bottom (arrows only go down):
   numpy/scipy/networkx, never ``torch.distributed``
 
 Names here are loaded on first use, so ``import chameleon_ft.engine`` stays free of torch.
-Old module paths (``chameleon_ft.selector``, ``chameleon_ft.runtime.worker``, ...) keep working
-with a ``ChameleonFTDeprecationWarning`` (``_compat.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from chameleon_ft import _compat
-
 __version__ = "0.1.0"
-
-_compat.install()
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -39,7 +33,6 @@ _EXPORTS = {
     "ElasticConfig": "chameleon_ft.runtime.config",
     "ConfigError": "chameleon_ft.runtime.errors",
     "ElasticSampler": "chameleon_ft.runtime.sampler",
-    "ChameleonFTDeprecationWarning": "chameleon_ft._compat",
 }
 _ENGINE = ("Workload", "transformer", "Cluster", "homogeneous", "Event", "Plan", "SearchSpace",
            "plan_search", "JobState", "SelectorConfig", "Decision", "select", "estimate")
@@ -54,8 +47,6 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
-    if f"chameleon_ft.{name}" in _compat.MOVED_MODULES:  # ``from chameleon_ft import selector``
-        return importlib.import_module(f"chameleon_ft.{name}")
     raise AttributeError(f"module 'chameleon_ft' has no attribute {name!r}")
 
 

@@ -43,7 +43,6 @@ costs are split by parameter count, not measured per layer.
 
 from __future__ import annotations
 
-from chameleon_ft._compat import renamed_getattr
 
 import random
 import threading
@@ -593,7 +592,3 @@ def layer_params(model: "torch.nn.Module") -> list[int]:
     sizes = [sum(p.numel() for p in child.parameters()) for child in model.children()]
     own = sum(p.numel() for p in model.parameters(recurse=False))
     return [s for s in sizes if s > 0] + ([own] if own else []) or [max(1, own)]
-
-
-# The old name, kept working with a deprecation warning.
-__getattr__ = renamed_getattr(__name__, {"EnginePolicy": "EngineBridge"})

@@ -38,8 +38,6 @@ def layer(module: str) -> str:
         return "adapters"
     if len(parts) == 1:
         return "top"
-    if parts[1] == "_compat":
-        return "base"
     return {"engine": "engine", "sim": "sim", "runtime": "runtime", "cli": "cli",
             "examples": "examples"}[parts[1]]
 

@@ -25,7 +25,6 @@ Limits, honestly: the model is a replica per worker (no sharding).
 
 from __future__ import annotations
 
-from chameleon_ft._compat import renamed_getattr
 
 import time
 from typing import Callable, Iterator, Optional
@@ -398,8 +397,3 @@ class DataParallelExecutor(RecoveryCore):
 
     def _step_had_work(self) -> bool:
         return bool(self._done_slots) and any(p.grad is not None for p in self.params)
-
-
-
-# The old name, kept working with a deprecation warning.
-__getattr__ = renamed_getattr(__name__, {"ElasticContext": "DataParallelExecutor"})

@@ -35,7 +35,6 @@ block's optimizer is its own).
 
 from __future__ import annotations
 
-from chameleon_ft._compat import renamed_getattr
 
 import inspect
 import time
@@ -590,7 +589,3 @@ class PipelineExecutor(RecoveryCore):
         self.policy.weight_bytes, self.policy.optim_bytes = int(wb), int(round(ob))
         self.policy._predicted = None
         self._measured = True
-
-
-# The old name, kept working with a deprecation warning.
-__getattr__ = renamed_getattr(__name__, {"PipelineContext": "PipelineExecutor"})

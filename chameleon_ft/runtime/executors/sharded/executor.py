@@ -47,7 +47,6 @@ from one member.
 
 from __future__ import annotations
 
-from chameleon_ft._compat import renamed_getattr
 
 import collections
 import copy
@@ -542,9 +541,3 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
                 print(f"chameleon-ft: worker {self.worker_id}: {sr.describe(d)}{unchecked}", file=sys.stderr, flush=True)
                 if self.log:
                     self.log.write("shard_recovery", **self.last_shard_decision)
-
-
-
-
-# The old name, kept working with a deprecation warning.
-__getattr__ = renamed_getattr(__name__, {"ShardedContext": "ShardedExecutor"})
