@@ -203,17 +203,49 @@ def _place_on_device(cpu: bool, env, mixed_precision=None) -> None:
             "CPU, or use a plain Accelerator (no in-place fault tolerance) for it.")
 
 
+#: DeepSpeed's ZeRO stage -> what FSDP2 calls the same sharding (Accelerate's "FSDP vs
+#: DeepSpeed" guide maps the other options).
+_ZERO_AS_FSDP2 = {
+    0: "no sharding: plain data parallelism (drop the DeepSpeed plugin)",
+    1: "FSDP2 with reshard_after_forward=False (SHARD_GRAD_OP; ZeRO-1's optimizer-only sharding has no "
+       "FSDP form, this also shards gradients)",
+    2: "FSDP2 with reshard_after_forward=False (SHARD_GRAD_OP)",
+    3: "FSDP2 with reshard_after_forward=True (FULL_SHARD)",
+}
+
+
+def _zero_stage(kwargs: dict) -> Optional[int]:
+    plugin = kwargs.get("deepspeed_plugin")
+    stage = getattr(plugin, "zero_stage", None) if plugin is not None else \
+        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    try:
+        return int(stage) if stage is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def _refuse_sharding(kwargs: dict) -> None:
     """FSDP / DeepSpeed setups are not carried by this adapter yet, and Accelerate drops an FSDP
-    plugin on the CPU without a word (docs/accelerate.md): refuse it instead of training DDP."""
+    plugin on the CPU without a word (docs/accelerate.md): refuse it instead of training DDP.
+    A DeepSpeed setup is told what its ZeRO stage is in FSDP2 terms."""
     fsdp = kwargs.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     ds = kwargs.get("deepspeed_plugin") is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
-    if fsdp or ds:
+    if not (fsdp or ds):
+        return
+    where = ("for sharded training that survives failures use chameleon_ft's ElasticTrainer(..., "
+             "sharding='full' (FSDP2, FULL_SHARD) or 'hybrid') or Lightning's ModelParallelStrategy "
+             "(docs/runtime-sharded.md)")
+    if ds:
+        stage = _zero_stage(kwargs)
+        same = _ZERO_AS_FSDP2.get(stage, "FSDP2 (ZeRO-3 is FULL_SHARD, ZeRO-2 SHARD_GRAD_OP)")
         raise ConfigError(
-            f"FaultTolerantAccelerator does not carry {'FSDP' if fsdp else 'DeepSpeed'} setups yet "
-            "(and Accelerate ignores an FSDP plugin on the CPU); for sharded training that survives "
-            "failures use chameleon_ft's ElasticTrainer(..., sharding='full' or 'hybrid') "
-            "(docs/runtime-sharded.md)")
+            f"FaultTolerantAccelerator does not carry DeepSpeed setups yet; your ZeRO stage "
+            f"{stage if stage is not None else '(unknown)'} is, in FSDP2 terms, {same} -- `accelerate "
+            f"config` writes an FSDP config and Accelerate's 'FSDP vs DeepSpeed' guide maps the other "
+            f"options; {where}")
+    raise ConfigError(
+        "FaultTolerantAccelerator does not carry FSDP setups yet (and Accelerate ignores an FSDP plugin "
+        f"on the CPU); {where}")
 
 
 class FaultTolerantAccelerator(Accelerator):

@@ -95,6 +95,21 @@ def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):
         FaultTolerantAccelerator(cpu=True)
 
 
+@pytest.mark.parametrize("stage,fsdp2", [("3", "reshard_after_forward=True .FULL_SHARD"),
+                                          ("2", "reshard_after_forward=False .SHARD_GRAD_OP"),
+                                          ("0", "plain data parallelism")])
+def test_a_deepspeed_setup_is_refused_naming_its_fsdp2_equivalent(monkeypatch, stage, fsdp2):
+    """``accelerate launch`` with a DeepSpeed config sets these variables (the plugin itself needs
+    deepspeed installed); the refusal names the user's ZeRO stage in FSDP2 terms."""
+    from chameleon_ft.runtime.errors import ConfigError
+    import accelerate_ft.accelerator as acc_mod
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", stage)
+    with pytest.raises(ConfigError, match=f"DeepSpeed.*ZeRO stage {stage} is, in FSDP2 terms, [^;]*{fsdp2}"):
+        FaultTolerantAccelerator(cpu=True)
+
+
 def _eval_runtime(catch_up: bool):
     """An ``StepProtocol`` as member 1 of 3 (no job joined): the real evaluation loader and
     the real ``LiveCollectives`` over a stand-in group whose collectives record what they gather."""

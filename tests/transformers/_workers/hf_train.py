@@ -17,7 +17,7 @@ import time
 
 import torch
 from torch import nn
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from transformers_ft import FaultTolerantTrainer
 
@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--mb-sleep", type=float, default=0.0)
     p.add_argument("--model", choices=["cls", "lm"], default="cls")
     p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=0, help="lm: the model's initialisation and the Trainer's seed")
+    p.add_argument("--plain", action="store_true", help="lm: transformers.Trainer itself (a torchrun baseline)")
     p.add_argument("--no-dropout", action="store_true", help="lm: dropout 0 (an update computed elsewhere again)")
     p.add_argument("--step-lr", action="store_true",
                    help="the user's own SGD + StepLR(step_size=5, gamma=0.5) (optimizers=...), not the Trainer's")
@@ -126,9 +128,10 @@ def causal_lm(a) -> None:
         gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=2, eval_strategy="steps", eval_steps=10,
         save_strategy="steps", save_steps=10, save_total_limit=2, load_best_model_at_end=True,
-        metric_for_best_model="eval_loss", use_cpu=True, report_to="none", seed=0, dataloader_num_workers=0,
+        metric_for_best_model="eval_loss", use_cpu=True, report_to="none", seed=a.seed, dataloader_num_workers=0,
         disable_tqdm=True, max_steps=a.max_steps)
     drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if a.no_dropout else {}
+    torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=48, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0, **drop)
     model = GPT2LMHeadModel(config)
@@ -138,7 +141,8 @@ def causal_lm(a) -> None:
         optimizers = (opt, torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5))
     if a.mb_sleep:
         model.register_forward_pre_hook(lambda m, _: time.sleep(a.mb_sleep) if m.training else None)
-    trainer = FaultTolerantTrainer(model=model, args=args, optimizers=optimizers, train_dataset=Tokens(2 * DATASET, 1),
+    cls = Trainer if a.plain else FaultTolerantTrainer
+    trainer = cls(model=model, args=args, optimizers=optimizers, train_dataset=Tokens(2 * DATASET, 1),
                                    eval_dataset=Tokens(EVAL, 2), data_collator=pad)
     finish(a, trainer)
 
@@ -147,7 +151,7 @@ def finish(a, trainer) -> None:
     args = trainer.args
     result = trainer.train()
     metrics = trainer.evaluate()
-    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", "0"))
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", os.environ.get("RANK", "0")))
     ckpts = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
     state = trainer.model.state_dict()
     torch.save({"params": [v.detach().clone() for v in state.values()], "names": list(state),
