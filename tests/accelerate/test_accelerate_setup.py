@@ -51,14 +51,15 @@ def test_each_worker_is_put_on_its_gpu_and_other_devices_are_refused_clearly(mon
     from types import SimpleNamespace
 
     import accelerate_ft.accelerator as acc_mod
+    import accelerate_ft.setups as setups
     picked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", picked.append)
     for lr in range(4):
-        acc_mod._place_on_device(False, SimpleNamespace(local_rank=lr))
+        setups.place_on_device(False, SimpleNamespace(local_rank=lr))
     assert picked == [0, 1, 0, 1]
-    acc_mod._place_on_device(True, SimpleNamespace(local_rank=1))  # cpu=True: no device chosen
+    setups.place_on_device(True, SimpleNamespace(local_rank=1))  # cpu=True: no device chosen
     assert picked == [0, 1, 0, 1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
