@@ -167,13 +167,13 @@ def _same_as_token_means(job, tmp_path) -> None:
     ids = {s: [i for r in recs for i in r["ids"]] for s, recs in steps.items()}
     assert sorted(ids) == list(range(9)) and all(len(v) == 32 for v in ids.values())
 
+    import sys
+
+    sys.path.insert(0, str(SYNC_WORKER.parent))
+    from sync_worker import build
+
     def run(token_mean: bool) -> list:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
-        tokens = torch.randint(1, 9, (256,), generator=g).float()
+        model, opt, (x, y, tokens) = build()
         for s in range(9):
             idx = ids[s]
             per = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")

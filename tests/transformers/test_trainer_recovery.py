@@ -49,19 +49,29 @@ def close(a: float, b: float, tol: float = 1e-5) -> bool:
 
 
 def same_as(final: dict, ref: dict) -> None:
-    assert final["global_step"] == ref["global_step"] == STEPS
-    (tr, ev), (rtr, rev) = history(final), history(ref)
-    assert [(h["step"], h["epoch"]) for h in tr] == [(h["step"], h["epoch"]) for h in rtr]
-    for h, r in zip(tr, rtr):
-        assert all(close(h[k], r[k]) for k in TRAIN_KEYS), (h, r)
-    assert [(h["step"], h["epoch"]) for h in ev] == [(h["step"], h["epoch"]) for h in rev]
-    for h, r in zip(ev, rev):
-        assert h["eval_accuracy"] == r["eval_accuracy"] and close(h["eval_loss"], r["eval_loss"]), (h, r)
-    assert final["checkpoints"] == ref["checkpoints"] and final["best"] == ref["best"]
-    assert rel_diff(final, ref) < 1e-5
-    m, rm = json.loads(final["eval"]), json.loads(ref["eval"])
-    assert m["eval_accuracy"] == rm["eval_accuracy"] and close(m["eval_loss"], rm["eval_loss"])
-    assert close(final["train_loss"], ref["train_loss"])
+    same_run(final, ref, CLS)
+
+
+def run_and_kill(tmp_path, args, victim: int, at: int, delay: float = 0.0, prefix=None) -> tuple:
+    """Start ``hf_train.py`` (under ``chameleon-ft run`` unless ``prefix``), SIGKILL worker
+    ``victim`` ``delay`` s after some worker attempted step ``at``; (job, finals of the survivors)."""
+    prefix = prefix or [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "4",
+                        "--run-dir", str(tmp_path)]
+    job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", *args, prefix=prefix,
+                          env={"HF_HOME": str(tmp_path / "hf")})
+    try:
+        job.start()
+        job.wait_step(at)
+        time.sleep(delay)
+        job.kill(victim)
+        assert job.wait(180) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    failures = [e for e in job.events() if e["event"] == "failure" and e.get("kind") != "collective"]
+    assert failures and failures[0]["workers"] == [victim]
+    return job, finals
 
 
 @pytest.fixture(scope="module")
@@ -97,22 +107,11 @@ def test_a_trainer_script_survives_a_kill(tmp_path, reference, how, victim):
               if how == "chameleon-ft run" else
               [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "4", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"])
-    job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", prefix=prefix, env={"HF_HOME": str(tmp_path / "hf")})
-    try:
-        job.start()
-        job.wait_step(random.randrange(1, 4))  # before the first save (step 4): see docs/transformers.md
-        job.kill(victim)
-        assert job.wait(180) == [0], job.output()[-4000:]
-        finals = job.final()
-    finally:
-        job.cleanup()
-    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    job, finals = run_and_kill(tmp_path, (), victim, random.randrange(1, 4), prefix=prefix)  # before the first save
     for f in finals.values():
         same_as(f, reference)
         assert f["world_size"] == 3
     evs = job.events()
-    failures = [e for e in evs if e["event"] == "failure" and e.get("kind") != "collective"]
-    assert failures and failures[0]["workers"] == [victim]
     if how == "chameleon-ft run":
         ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
         assert ends[1]["adopted_steps"] == 1, ends
@@ -205,24 +204,10 @@ def test_a_kill_anywhere_keeps_the_failure_free_run(tmp_path, references, model,
     with the failure-free run's logs (losses, learning rates, gradient norms, evaluations),
     checkpoint folders, best checkpoint and weights (1e-5)."""
     spec = LM if model == "lm" else CLS
-    prefix = [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "4", "--run-dir", str(tmp_path)]
-    job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", *spec["args"], prefix=prefix,
-                          env={"HF_HOME": str(tmp_path / "hf")})
-    try:
-        job.start()
-        job.wait_step(at)
-        time.sleep(delay)
-        job.kill(victim)
-        assert job.wait(180) == [0], job.output()[-4000:]
-        finals = job.final()
-    finally:
-        job.cleanup()
-    assert sorted(finals) == sorted(set(range(4)) - {victim})
+    _, finals = run_and_kill(tmp_path, spec["args"], victim, at, delay)
     for f in finals.values():
         same_run(f, references[model], spec)
         assert f["world_size"] == 3
-    failures = [e for e in job.events() if e["event"] == "failure" and e.get("kind") != "collective"]
-    assert failures and failures[0]["workers"] == [victim]
 
 
 def test_a_causal_lm_update_is_the_global_batchs_token_mean(tmp_path):

@@ -24,6 +24,17 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["chameleon
 NAMES = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
 
 
+def build():
+    """The model, its optimizer and the data (inputs, labels, tokens per sample): the test
+    computes the same steps again in one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    return model, opt, (x, y, torch.randint(1, 9, (256,), generator=g).float())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -33,12 +44,7 @@ def main():
                    help="token-weighted: sample i stands for TOKENS[i] items of its loss (backward(tokens=))")
     a = p.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
-    tokens = torch.randint(1, 9, (256,), generator=g).float()
+    model, opt, (x, y, tokens) = build()
     ctx = DataParallelExecutor(model, opt, 256, 32, 4, seed=3, control_collectives=a.control,
                                config=ElasticConfig(stragglers=False, bucket_cap_mb=26 * 4 / 2 ** 20))
     ctx.start()
