@@ -3,6 +3,8 @@
 
     torchrun ... _step_bench.py --system ddp --model mlp6 --bucket-mb 4 --out F
     chameleon-ft run ... _step_bench.py --system ft --model mlp6 --bucket-mb 4 --out F
+    torchrun ... _step_bench.py --system acc --out F         (plain Accelerate: DDP)
+    chameleon-ft run ... _step_bench.py --system acc-ft --out F   (FaultTolerantAccelerator)
 
 Every system trains the same model on the same samples: one micro-batch per worker per step,
 collated from ``dataset[i]`` the same way (``default_collate``), SGD with momentum.  Models:
@@ -121,9 +123,38 @@ def run_ft(a) -> None:
     elastic_main(main)
 
 
+def run_accelerate(a, ft: bool) -> None:
+    """The same step as an Accelerate loop: ``Accelerator`` (DDP under torchrun) or
+    ``FaultTolerantAccelerator`` (under ``chameleon-ft run``), one micro-batch per worker and step."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if ft:
+        from accelerate_ft import FaultTolerantAccelerator as Accelerator  # noqa: F811
+    kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+    acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(**kw)])
+    model, data = build(a.model, a.device_ms)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = torch.utils.data.DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    stamps: list[float] = []
+    while len(stamps) < a.steps:
+        for batch in loader:
+            acc.backward(loss_of(model, batch))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+            if len(stamps) >= a.steps:
+                break
+    if acc.is_main_process:
+        write(a.out, stamps)
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", choices=["ddp", "ft"], required=True)
+    ap.add_argument("--system", choices=["ddp", "ft", "acc", "acc-ft"], required=True)
     ap.add_argument("--model", choices=["tiny", "mlp6"], default="tiny")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=200)
@@ -133,4 +164,7 @@ if __name__ == "__main__":
     ap.add_argument("--profile", action="store_true", help="cProfile worker 0 (ft) into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    run_ddp(a) if a.system == "ddp" else run_ft(a)
+    if a.system.startswith("acc"):
+        run_accelerate(a, a.system == "acc-ft")
+    else:
+        run_ddp(a) if a.system == "ddp" else run_ft(a)

@@ -14,6 +14,9 @@ is the script every side runs: the same model, samples, micro-batches and collat
   given the same ``bucket_cap_mb`` (``ElasticConfig.bucket_cap_mb``).  Needs root and iproute2.
 * ``tiny``: two workers on this machine, a 2-layer MLP whose step is 1-2 ms: only the fixed cost
   per step shows (Python, synchronisation, the commit).
+* ``accelerate``: the ``tiny`` step written as an Accelerate loop (``prepare``, ``backward``,
+  ``optimizer.step``): plain ``Accelerator`` under torchrun (DDP, gloo) against
+  ``FaultTolerantAccelerator`` under ``chameleon-ft run`` -- the adapter against its plain self.
 
 Step time = median of the gaps between consecutive steps on the lowest-ranked worker, after
 ``--warmup`` steps; ratio = DDP's steps/s over ours... reported as ours/DDP steps per second.
@@ -80,7 +83,7 @@ def run_tiny(system: str, steps: int, work: Path) -> Path:
     out = work / f"tiny-{system}.json"
     args = ["--system", system, "--model", "tiny", "--out", str(out), "--steps", str(steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if system == "ddp":
+    if system in ("ddp", "acc"):  # under torchrun
         p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
         if p.returncode:
             raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
@@ -131,16 +134,18 @@ def main(argv=None) -> dict:
                         runs[f"{system}/{bucket or 25}"].append(s)
                         print(f"link {system} bucket_cap_mb={bucket or 25}: {s * 1e3:.1f} ms/step", flush=True)
             res["cases"]["link"] = runs
-        if "tiny" in cases:
+        for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft"))):
+            if case not in cases:
+                continue
             runs = {"ddp": [], "ft": []}
             for r in range(a.repeats):
-                for system in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
-                    d = work / f"tiny{r}"
+                for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    d = work / f"{case}{r}"
                     d.mkdir(exist_ok=True)
-                    s = step_seconds(run_tiny(system, a.tiny_steps, d), a.warmup)
-                    runs[system].append(s)
-                    print(f"tiny {system}: {s * 1e3:.3f} ms/step", flush=True)
-            res["cases"]["tiny"] = runs
+                    s = step_seconds(run_tiny(pair[side], a.tiny_steps, d), a.warmup)
+                    runs[("ddp", "ft")[side]].append(s)
+                    print(f"{case} {pair[side]}: {s * 1e3:.3f} ms/step", flush=True)
+            res["cases"][case] = runs
     text = markdown(res)
     print(text)
     if a.json:
@@ -175,13 +180,19 @@ def markdown(res: dict) -> str:
             lines += ["", f"Ours at `bucket_cap_mb=4` against DDP as shipped: "
                           f"{_med(link['ddp/25']) / _med(link['ft/4.0']):.3f}."]
         lines.append("")
-    tiny = res["cases"].get("tiny")
-    if tiny:
-        d, f = _med(tiny["ddp"]), _med(tiny["ft"])
-        lines += ["## A 1-2 ms step, two workers on one machine (the fixed cost per step)", "",
-                  "| plain DDP | chameleon-ft | overhead | runs (DDP; ours) |", "| ---: | ---: | ---: | --- |",
+    for case, title, names in (
+            ("tiny", "A 1-2 ms step, two workers on one machine (the fixed cost per step)",
+             ("plain DDP", "chameleon-ft")),
+            ("accelerate", "The same step as an Accelerate loop: plain `Accelerator` (DDP under torchrun) "
+             "against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator"))):
+        runs = res["cases"].get(case)
+        if not runs:
+            continue
+        d, f = _med(runs["ddp"]), _med(runs["ft"])
+        lines += [f"## {title}", "",
+                  f"| {names[0]} | {names[1]} | overhead | runs (plain; ours) |", "| ---: | ---: | ---: | --- |",
                   f"| {d * 1e3:.3f} ms | {f * 1e3:.3f} ms | {100 * (f / d - 1):+.1f} % | "
-                  f"{', '.join(f'{x * 1e3:.3f}' for x in tiny['ddp'])}; {', '.join(f'{x * 1e3:.3f}' for x in tiny['ft'])} |", ""]
+                  f"{', '.join(f'{x * 1e3:.3f}' for x in runs['ddp'])}; {', '.join(f'{x * 1e3:.3f}' for x in runs['ft'])} |", ""]
     return "\n".join(lines)
 
 
