@@ -22,7 +22,6 @@ starts them when the old one died) and receive the ``ft/*`` metrics.
 
 from __future__ import annotations
 
-
 import atexit
 import logging
 import os
@@ -292,7 +291,7 @@ class StepProtocol:
 
     def backward(self, loss: torch.Tensor, num_items: Optional[int] = None, **kwargs: Any) -> None:
         """``accelerator.backward``; ``num_items``: the items (tokens) ``loss`` is the mean over,
-        for a token-weighted global batch (``DataParallelExecutor.token_weight``)."""
+        for a token-weighted global batch (``DataParallelExecutor.backward``)."""
         if self.skipping:
             return  # an item of a step the checkpoint already holds
         if not self.in_step:
@@ -305,11 +304,7 @@ class StepProtocol:
         if num_items is None:
             num_items = self.items_of_next_backward
         self.replay.on_backward(loss, num_items)
-        self.ctx.faults.at(self.ctx.step, "backward")
-        loss = loss * self.loss_scale
-        weight = self.ctx.token_weight(self.current, num_items)
-        self.ctx.record_loss(loss, weight)
-        (loss * weight).backward(**kwargs)
+        self.ctx.backward(loss * self.loss_scale, self.current, num_items, **kwargs)
 
     def defer(self, fn: Callable[[], Any], out: Optional[torch.Tensor] = None) -> None:
         """Run ``fn`` (gradient clipping) on the reduced gradients, just before the update; what
@@ -408,12 +403,7 @@ class StepProtocol:
             t0 = time.perf_counter()
             batch = loader.load_item(mb, step)
             items = self.replay.items(batch)
-            loss = self.replay.loss(self.model, batch, items)
-            ctx.faults.at(ctx.step, "backward")
-            loss = loss * self.loss_scale
-            weight = ctx.token_weight(mb, items)
-            ctx.record_loss(loss, weight)
-            (loss * weight).backward()
+            ctx.backward(self.replay.loss(self.model, batch, items) * self.loss_scale, mb, items)
             self._compute += time.perf_counter() - t0
 
     def _apply_update(self) -> None:

@@ -34,6 +34,7 @@ Started by ``chameleon-ft run`` (or ``accelerate launch`` / torchrun, which hand
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Iterator, Optional
 
@@ -109,6 +110,19 @@ class FaultTolerantTrainer(Trainer):
             # The Trainer accumulates itself: the training loader must still yield a step's
             # items, and only the Trainer's optimizer.step() commits.
             self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+            self._ft.replay.count_items = self._items_of  # a redone micro-batch is counted alike
+
+    @contextlib.contextmanager
+    def _tokens_per_process(self):
+        """``average_tokens_across_devices`` off meanwhile: the ``Trainer`` then counts, and
+        scales the loss by, this process's tokens only (``_get_num_items_in_batch``,
+        ``compute_loss``) -- the runtime reduces the counts itself."""
+        averaged = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            yield
+        finally:
+            self.args.average_tokens_across_devices = averaged
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process if self._ft is not None else super().is_world_process_zero()
@@ -138,15 +152,11 @@ class FaultTolerantTrainer(Trainer):
         for attempt in range(3):
             ft = self._ft
             before = ft.eval_failures if ft is not None else 0
-            averaged = self.args.average_tokens_across_devices
-            if ft is not None:
-                self.args.average_tokens_across_devices = False
             try:
-                out, error = super().evaluation_loop(*args, **kwargs), None
+                with self._tokens_per_process() if ft is not None else contextlib.nullcontext():
+                    out, error = super().evaluation_loop(*args, **kwargs), None
             except Exception as exc:
                 out, error = None, exc
-            finally:
-                self.args.average_tokens_across_devices = averaged
             if ft is None or (ft.eval_failures == before and ft.eval_complete is not False) or attempt == 2:
                 if error is not None:
                     raise error  # the user's own error (or a third death in a row): not ours to hide
@@ -186,12 +196,8 @@ class FaultTolerantTrainer(Trainer):
 
     def _items_of(self, batch) -> Optional[Any]:
         """The ``Trainer``'s ``num_items_in_batch`` of this one micro-batch (None: not token-weighted)."""
-        averaged = self.args.average_tokens_across_devices
-        self.args.average_tokens_across_devices = False  # this micro-batch's own count
-        try:
+        with self._tokens_per_process():
             return self._get_num_items_in_batch([batch], self.args.device)
-        finally:
-            self.args.average_tokens_across_devices = averaged
 
     def training_step(self, model, inputs, num_items_in_batch: Optional[Any] = None):
         """The ``Trainer``'s step of one micro-batch.  Where the ``Trainer`` weights the loss by
@@ -203,16 +209,13 @@ class FaultTolerantTrainer(Trainer):
         ft = self._ft
         if ft is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        ft.replay.count_items = self._items_of  # a redone micro-batch is counted the same way
         count = self._items_of(inputs)
-        averaged = self.args.average_tokens_across_devices
         if count is not None:
             ft.loss_scale, ft.items_of_next_backward = 1.0, count
-            self.args.average_tokens_across_devices = False  # compute_loss: no x num_processes
             try:
-                return super().training_step(model, inputs, count)
+                with self._tokens_per_process():
+                    return super().training_step(model, inputs, count)
             finally:
-                self.args.average_tokens_across_devices = averaged
                 ft.items_of_next_backward = None
         ft.loss_scale = 1.0 if self._loss_is_scaled_for_ga() else float(self.current_gradient_accumulation_steps)
         return super().training_step(model, inputs, None)

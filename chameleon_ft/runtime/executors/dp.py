@@ -140,14 +140,6 @@ class DataParallelExecutor(RecoveryCore):
         if self._groups_at_commit is not None and self.lr_scale != before:
             scale_lr(self._groups_at_commit, self.lr_scale / before)
 
-    def record_loss(self, loss: torch.Tensor, weight: float) -> None:  # weight: token_weight's
-        """Count a micro-batch's mean ``loss`` (its share ``weight``) into the step's loss, for
-        adapters that run ``backward`` themselves (a device op: nothing is read)."""
-        self._add_loss(loss.detach() * weight)
-
-    def _add_loss(self, part: torch.Tensor) -> None:
-        self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
-
     def recovery_fields(self) -> list[int]:
         """The slots of its current step whose gradients this member holds (``_salvage``): one
         bit each, so that they travel in the recovery's all-reduce instead of one of their own."""
@@ -249,17 +241,20 @@ class DataParallelExecutor(RecoveryCore):
             return [mb for mb in self.sampler.microbatches(self.sampler.cursor) if mb.index in wanted]
         return self.sampler.local_microbatches(self.worker_id)
 
-    def backward(self, loss: torch.Tensor, mb: MicroBatch, tokens: Optional[int] = None) -> None:
+    def backward(self, loss: torch.Tensor, mb: MicroBatch, tokens=None, **kwargs) -> None:
         """Accumulate ``loss`` (the micro-batch's mean loss) weighted by its sample share, or --
         with ``tokens``, the number of items ``loss`` is the mean over -- by its token count:
         the step's gradient is then the sum over the global batch's tokens divided by their
-        number (``token_weight``).  A step's micro-batches are weighted one way or the other."""
+        number (``_token_weight``).  A step's micro-batches are weighted one way or the other.
+        The weighted loss is added to the step's (a device op: nothing is read); ``kwargs`` go
+        to ``Tensor.backward``."""
         self.faults.at(self.step, "backward")
-        scaled = loss * self.token_weight(mb, tokens)
-        self._add_loss(scaled.detach())
-        scaled.backward()
+        scaled = loss * self._token_weight(mb, tokens)
+        part = scaled.detach()
+        self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
+        scaled.backward(**kwargs)
 
-    def token_weight(self, mb: MicroBatch, tokens=None):
+    def _token_weight(self, mb: MicroBatch, tokens=None):
         """The factor of a micro-batch's mean loss: its sample share, or with ``tokens`` (a
         number, or a 0-dim tensor: never read here) its token count, counted into the step's;
         the reduced total divides the gradients and the loss after the commit
