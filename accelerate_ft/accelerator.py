@@ -39,7 +39,8 @@ from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
-from accelerate_ft.setups import place_on_device, refuse_sharding
+from accelerate_ft.setups import fsdp_env_hidden, fsdp_setup, place_on_device, refuse_sharding
+from accelerate_ft.sharded import ShardedModel, gathered
 from accelerate_ft.step_protocol import StepProtocol
 from chameleon_ft.runtime.adapter_kit import adapter_config, refuse_grad_scaler
 from chameleon_ft.runtime.recovery import ElasticConfig
@@ -101,6 +102,23 @@ class _FTOptimizer(AcceleratedOptimizer):
     micro-batch (a no-op otherwise); the runtime zeroes the gradients after each commit."""
 
     _ft_rt: StepProtocol
+
+    @override
+    def state_dict(self):
+        """Sharded (FSDP2): the whole state in torch's format, as gathered for the checkpoint
+        being written (``save_state`` gathers it on every member first)."""
+        rt = self._ft_rt
+        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
+            return gathered(rt, rt.ctx.whole_state, 0)[1]
+        return super().state_dict()
+
+    @override
+    def load_state_dict(self, state_dict):
+        rt = self._ft_rt
+        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
+            rt.ctx.load_whole({n: p.detach() for n, p in rt.ctx.model.named_parameters()}, state_dict)
+            return
+        super().load_state_dict(state_dict)
 
     @override
     def step(self, closure=None):
@@ -213,8 +231,11 @@ class FaultTolerantAccelerator(Accelerator):
         place_on_device(bool(args[4]) if len(args) > 4 else bool(kwargs.get("cpu", False)), env,
                          args[2] if len(args) > 2 else kwargs.get("mixed_precision"))
         refuse_sharding(kwargs)
-        super().__init__(*args, **kwargs)
+        sharding = fsdp_setup(kwargs)  # FSDP2: the runtime shards, Accelerate sees one process
+        with fsdp_env_hidden():
+            super().__init__(*args, **kwargs)
         self._ft = StepProtocol(self, env, cfg, event_log)
+        self._ft.sharding = sharding
 
     # ---------------------------------------------------------------- introspection
     @property
@@ -262,6 +283,13 @@ class FaultTolerantAccelerator(Accelerator):
 
     @override
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        """Sharded (an FSDP2 plugin): returns a ``ShardedModel`` over ``model`` (accelerate_ft/sharded.py)."""
+        if self._ft is not None and self._ft.sharding is not None and not evaluation_mode:
+            if isinstance(model, ShardedModel):
+                return model
+            model = ShardedModel(self._ft, super().prepare_model(model, device_placement=device_placement))
+            self._ft.add_model(model)
+            return model
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self._ft is not None and not evaluation_mode:
             self._ft.add_model(model)
@@ -334,13 +362,43 @@ class FaultTolerantAccelerator(Accelerator):
     @override
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Inside a training step the clipping is applied to the *reduced* gradients just before
-        the update; the returned tensor is filled with the total norm when the step commits."""
+        the update; the returned tensor is filled with the total norm when the step commits.
+        Sharded: the 2-norm of every trained parameter (``parameters`` is not read)."""
         if self._ft is None or not self._ft.in_step:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if self._ft.sharding is not None:
+            if float(norm_type) != 2.0:
+                raise ConfigError(f"accelerate_ft: sharded training clips by the 2-norm only (got norm_type={norm_type})")
+            out = torch.zeros(())
+            self._ft.defer(lambda: self._ft.ctx.clip_grad_norm(max_norm), out)
+            return out
         params = list(parameters)
         out = torch.zeros((), device=params[0].device if params else None)
         self._ft.defer(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type), out)
         return out
+
+    # ---------------------------------------------------------------- the sharded model, whole
+    @override
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile=None):
+        """Sharded: the user's model object holding the committed weights (a gather outside a
+        step: every process calls it, as ``get_state_dict``)."""
+        if isinstance(model, ShardedModel):
+            rt = self._ft
+            if rt.ctx is not None and rt.ctx.module is not None and not rt.in_step:
+                gathered(rt, rt.ctx.refresh_model, 0)
+            return model._original
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    @override
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Sharded: the whole ``state_dict`` of the user's model (a gather: every process calls it)."""
+        if self._ft is not None and self._ft.sharding is not None:
+            if isinstance(model, ShardedModel) or model is getattr(self._ft.model, "_original", None):
+                rt = self._ft
+                if rt.ctx is not None and rt.ctx.module is not None:
+                    gathered(rt, rt.ctx.refresh_model, 0)
+                return getattr(model, "_original", model).state_dict()
+        return super().get_state_dict(model, unwrap)
 
     @override
     def clip_grad_value_(self, parameters, clip_value):
@@ -484,6 +542,8 @@ class FaultTolerantAccelerator(Accelerator):
         folder = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
                   if auto else output_dir)
         counted = False  # this member advanced Accelerate's checkpoint iteration already
+        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
+            gathered(rt, rt.ctx.whole_state, 0)  # every member: the main one writes it
         while True:
             if self.is_main_process:
                 if auto and counted:

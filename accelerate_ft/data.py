@@ -118,7 +118,7 @@ class ElasticTrainLoader(MicroBatchSource):
         n = 1 if rt.redo_items else rt.items_per_step
         # With a loss recipe, a share larger than n is not merged: the extra micro-batches are
         # computed inside optimizer.step() (same memory and per-slot seeds as without a failure).
-        grain = None if rt.replay.spill(0, n) else n
+        grain = n if rt.sharding is not None or not rt.replay.spill(0, n) else None
         if not rt.redo_items:
             self._feed_from(cursor, grain)
         gen = ctx.items(n, spill=lambda i: rt.replay.spill(i, n))

@@ -44,6 +44,7 @@ from chameleon_ft.runtime.codec import CheckpointError
 from chameleon_ft.runtime.recovery import ElasticConfig, StepEnd, join_job
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
 from accelerate_ft.replay import LossReplay
+from accelerate_ft.sharded import gathered, sharded_executor
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class StepProtocol:
         # Accelerate loop; the HF Trainer divides by gradient_accumulation_steps itself.
         self.loss_scale = 1.0
         self.items_of_next_backward = None  # a wrapper's num_items for the next backward (the Trainer)
+        self.sharding = None  # accelerate_ft.setups.FsdpSetup: FSDP2 (LoopShardedExecutor)
         if env.replacement:
             raise RuntimeError("accelerate_ft does not heal replacement workers (the user's loop "
                                "state cannot be replayed): run `chameleon-ft run` without --max-replacements")
@@ -240,13 +242,17 @@ class StepProtocol:
             glob = int(resume["global_batch"])
         self.cfg.items_per_step = self.items_per_step  # a share may be merged into the items
         self.cfg.bucket_cap_mb = ddp_bucket_cap_mb(self.acc.ddp_handler, self.cfg.bucket_cap_mb)
-        handle = UpdateHandle(self.optimizer.optimizer)
-        handle.update = self._apply_update
-        ctx = DataParallelExecutor(self.model, handle, len(dl.dataset), glob, micro,
-                             scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle,
-                             drop_last=dl.drop_last, config=self.cfg, env=self.env,
-                             control_collectives=True,  # gather, reduce, wait_for_everyone
-                             user_loop=True)
+        common = dict(scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle, drop_last=dl.drop_last,
+                      config=self.cfg, env=self.env)
+        if self.sharding is not None:
+            ctx = sharded_executor(self, self.model._original, self.optimizer.optimizer, len(dl.dataset),
+                                   glob, micro, **common)
+        else:
+            handle = UpdateHandle(self.optimizer.optimizer)
+            handle.update = self._apply_update
+            ctx = DataParallelExecutor(self.model, handle, len(dl.dataset), glob, micro, user_loop=True,
+                                       control_collectives=True,  # gather, reduce, wait_for_everyone
+                                       **common)
         if self.event_log:
             ctx.log = EventLog(self.event_log, worker=ctx.worker_id, pid=os.getpid())
         if resume:
@@ -299,8 +305,10 @@ class StepProtocol:
                             "training DataLoader: plain loss.backward(), not part of a global step")
             loss.backward(**kwargs)
             return
-        if self.current is None:
-            return  # a ghost item: this member has nothing of this step to compute
+        if self.current is None:  # a ghost item: this member has nothing of this step to compute
+            if self.sharding is not None:  # (but its pass runs FSDP's collectives for the others)
+                self.ctx.backward(loss, None, **kwargs)
+            return
         if num_items is None:
             num_items = self.items_of_next_backward
         self.replay.on_backward(loss, num_items)
@@ -392,8 +400,10 @@ class StepProtocol:
         return False
 
     def _redo_inside(self) -> None:
-        """Compute this member's share of the interrupted step with the learnt loss recipe."""
-        self._compute_extra(self.ctx.microbatches(), None)
+        """Compute this member's share of the interrupted step with the learnt loss recipe
+        (sharded: as the step's items, the same number on every member)."""
+        ctx = self.ctx
+        self._compute_extra(ctx.items(self.items_per_step) if self.sharding else ctx.microbatches(), None)
 
     def _compute_extra(self, microbatches, step: Optional[int]) -> None:
         """Forward and backward of ``microbatches`` with the loss recipe (``LossReplay``):
@@ -401,9 +411,11 @@ class StepProtocol:
         ctx, loader = self.ctx, self.train_loader
         for mb in microbatches:
             t0 = time.perf_counter()
-            batch = loader.load_item(mb, step)
+            ghost = getattr(mb, "ghost", False)  # (sharded: a zero-weight pass on a real sample)
+            batch = loader.load_item(ctx.sampler.microbatches(ctx.sampler.cursor)[0] if ghost else mb, step)
             items = self.replay.items(batch)
-            ctx.backward(self.replay.loss(self.model, batch, items) * self.loss_scale, mb, items)
+            ctx.backward(self.replay.loss(self.model, batch, items) * self.loss_scale, None if ghost else mb,
+                         None if ghost else items)
             self._compute += time.perf_counter() - t0
 
     def _apply_update(self) -> None:
@@ -439,6 +451,8 @@ class StepProtocol:
         if self.ctx is not None:
             self.ctx.activity = self.eval_runs  # what recovering members compare
             self.coll.reraise = True  # a failed collective recovers the job (eval_failed)
+            if self.sharding is not None and not self.eval_alone:  # it runs the unsharded model object
+                gathered(self, self.ctx.refresh_model, self.eval_runs)
 
     def eval_goes_local(self) -> bool:
         """True while this member's collectives would return its local value (or the next

@@ -45,6 +45,7 @@ from transformers import Trainer, TrainerCallback
 from accelerate_ft import FaultTolerantAccelerator
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.accelerator import relaunch_torchrun
+from accelerate_ft.sharded import gathered
 
 __all__ = ["FaultTolerantTrainer"]
 
@@ -94,7 +95,17 @@ class FaultTolerantTrainer(Trainer):
             relaunch_torchrun()
         self._ft_loss = 0.0          # the global losses of the steps since the last log
         self._ft_counted = -1        # the global_step whose loss is in _ft_loss
-        super().__init__(*args, **kwargs)
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # fsdp=: the FSDP2 plugin goes to FaultTolerantAccelerator, which shards the model
+        # itself (Accelerate sees one process, so the Trainer would refuse fsdp as "not distributed").
+        fsdp = getattr(targs, "fsdp", None) if launch_env() is not None else None
+        if fsdp:
+            targs.fsdp = False
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if fsdp:
+                targs.fsdp = fsdp
         if self._ft is not None:
             self.callback_handler.callbacks.insert(0, _LiveRankZero(self))
 
@@ -230,13 +241,37 @@ class FaultTolerantTrainer(Trainer):
         ft = self._ft
         while True:
             before = ft.ctx.recoveries
+            self._whole_model(optimizer=True)
             write()
             self.accelerator.wait_for_everyone()
             if ft.ctx.recoveries == before:
                 return
 
+    def _whole_model(self, optimizer: bool = False) -> None:
+        """Sharded (``fsdp=``): the model object (``self.model``, what the ``Trainer`` saves and
+        evaluates) holds the committed weights -- and with ``optimizer`` the optimizer's whole
+        state is gathered for its ``state_dict()`` -- on every member at this same point."""
+        ft = self._ft
+        if ft is not None and ft.sharding is not None and ft.ctx is not None and ft.ctx.module is not None:
+            gathered(ft, ft.ctx.whole_state if optimizer else ft.ctx.refresh_model, 0)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """``Trainer.train``; sharded, ``self.model`` then holds the trained (or best) weights."""
+        out = super().train(*args, **kwargs)
+        self._whole_model()
+        return out
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        ft = self._ft
+        if ft is not None and ft.sharding is not None and ft.ctx is not None and ft.ctx.module is not None:
+            # The best weights, loaded into self.model, become the rows' (training is over).
+            ft.ctx.load_whole({n: p.detach() for n, p in self.model.named_parameters()}, None)
+
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         ft = self._ft
+        if ft is not None and not _internal_call:
+            self._whole_model()  # (every process calls save_model, as the Trainer's docs ask)
         if ft is None or ft.ctx is None or not _internal_call:
             return super().save_model(output_dir, _internal_call)
         self._written_by_everyone(lambda: super(FaultTolerantTrainer, self).save_model(output_dir, _internal_call))

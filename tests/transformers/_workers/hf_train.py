@@ -5,7 +5,8 @@ classifier with dropout, AdamW, a linear schedule with warm-up, gradient accumul
 2-layer GPT-2 causal LM on 512 sequences of 6-24 tokens padded per batch (labels -100 on the
 padding): 2 epochs of 16 steps on 4 workers, a cosine schedule with warm-up, evaluations and
 checkpoints every 10 steps.  Writes
-``<out>/final_<worker>.pt``: the final weights, ``state.global_step``, ``state.log_history``,
+``<out>/final_<worker>.pt``
+(and with ``--fsdp``, sharded, ``<out>/model``: ``trainer.save_model``): the final weights, ``state.global_step``, ``state.log_history``,
 the checkpoint folders left, the best checkpoint and the last evaluation's metrics."""
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="lm: the model's initialisation and the Trainer's seed")
     p.add_argument("--plain", action="store_true", help="lm: transformers.Trainer itself (a torchrun baseline)")
     p.add_argument("--no-dropout", action="store_true", help="lm: dropout 0 (an update computed elsewhere again)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="lm: sharded, FSDP2 (fsdp='full_shard', GPT2Block units); saves <out>/model (save_model)")
     p.add_argument("--step-lr", action="store_true",
                    help="the user's own SGD + StepLR(step_size=5, gamma=0.5) (optimizers=...), not the Trainer's")
     a = p.parse_args()
@@ -129,7 +132,8 @@ def causal_lm(a) -> None:
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=2, eval_strategy="steps", eval_steps=10,
         save_strategy="steps", save_steps=10, save_total_limit=2, load_best_model_at_end=True,
         metric_for_best_model="eval_loss", use_cpu=True, report_to="none", seed=a.seed, dataloader_num_workers=0,
-        disable_tqdm=True, max_steps=a.max_steps)
+        disable_tqdm=True, max_steps=a.max_steps,
+        **({"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}} if a.fsdp else {}))
     drop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if a.no_dropout else {}
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=48, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
@@ -151,6 +155,8 @@ def finish(a, trainer) -> None:
     args = trainer.args
     result = trainer.train()
     metrics = trainer.evaluate()
+    if getattr(a, "fsdp", False):
+        trainer.save_model(os.path.join(a.out, "model"))
     wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", os.environ.get("RANK", "0")))
     ckpts = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
     state = trainer.model.state_dict()

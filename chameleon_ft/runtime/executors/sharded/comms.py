@@ -154,13 +154,21 @@ class FsdpComms:
     like every collective of the runtime (a dead or hung peer ends them within the abort
     poll).  ``install`` sets them on every ``FSDPModule`` of a module, with sum reduction and
     no division (the step's weights make the mean).  ``failure``: the last one that failed
-    (FSDP may wrap the exception it raised)."""
+    (FSDP may wrap the exception it raised).
+
+    ``give_way``: for a loop that is the user's (an exception would end it), a failed
+    collective raises nothing; it and every later one of the step run locally instead (the
+    all-gather fills the peers' shards with zeros, the reduce-scatter keeps this member's own
+    gradient slice), so the loop reaches its ``optimizer.step()``, where ``failure`` is seen
+    and the step is redone.  What the forward computed meanwhile is meaningless; nothing of
+    it is committed."""
 
     def __init__(self, gm, world: int, shards: int, rank: int, timeout_s: float):
         self.gm, self.world, self.shards, self.rank = gm, world, shards, rank
         self.row = rank % shards
         self.timeout_s = timeout_s
         self.failure: Optional[CollectiveFailure] = None
+        self.give_way = False
         _, _, all_gather_cls, reduce_scatter_cls = _fsdp()
         comms = self
 
@@ -203,12 +211,19 @@ class FsdpComms:
             unit.set_gradient_divide_factor(1.0)
         return units
 
-    def _run(self, fn) -> None:
+    def _run(self, fn) -> bool:
+        """Run a collective; False when it did not run (it failed, or an earlier one of the
+        step did, with ``give_way``): the caller fills its output locally."""
+        if self.give_way and self.failure is not None:
+            return False
         try:
             self.gm.collective(fn, self.timeout_s)
         except CollectiveFailure as exc:
             self.failure = exc
+            if self.give_way:
+                return False
             raise
+        return True
 
     # Gloo gathers only host tensors: a shard on an accelerator goes through host memory here
     # (the NCCL path, where there is one, needs none of this: docs/gpu.md).
@@ -217,12 +232,16 @@ class FsdpComms:
         host_in = inp.detach().contiguous().cpu()
         if n == s:  # one shard group: gather straight into FSDP's buffer (or a host copy of it)
             host_out = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
-            self._run(lambda pg: allgather_base(pg, host_out, host_in))
+            if not self._run(lambda pg: allgather_base(pg, host_out, host_in)):
+                out.zero_()
+                return
             if host_out is not out:
                 out.copy_(host_out)
             return
         parts = [torch.empty_like(host_in) for _ in range(n)]
-        self._run(lambda pg: pg.allgather([parts], [host_in]))
+        if not self._run(lambda pg: pg.allgather([parts], [host_in])):
+            out.zero_()
+            return
         base = (self.rank // s) * s
         for i, chunk in enumerate(out.chunk(s)):
             chunk.copy_(parts[base + i])
@@ -231,7 +250,7 @@ class FsdpComms:
         buf = inp.detach().to("cpu", copy=True)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._run(lambda pg: pg.allreduce([buf], opts))
+        self._run(lambda pg: pg.allreduce([buf], opts))  # (not run: the local slice, discarded)
         out.copy_(buf.chunk(self.shards)[self.row])
         if self.world != self.shards:  # HSDP: FSDP's replica all-reduce of ``out`` is the identity
             _NoCommGroup.summed = out

@@ -150,6 +150,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         self._fallback: Optional[dict] = None  # the recompute still possible while it is watched
         self.heal_scale = 1.0  # measured / predicted heal steps of the last one (the next prediction's)
         self.heal_checks: list[dict] = []  # every heal_check record of this run
+        self.commit_sums: list[float] = []  # the last commit's reduced token count and extras
         self._init_mesh, self._fully_shard = _fsdp()[:2]
 
     # ---------------------------------------------------------------- the model
@@ -186,7 +187,19 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         raise NotImplementedError("a live start needs the framework's sharded module")
 
     def _make_template(self, model: torch.nn.Module):
-        return copy.deepcopy(model).to("meta")
+        """``model`` on the meta device, its tied parameters (one object under several names:
+        an LM's embedding and output layer) tied again (the conversion unties them)."""
+        template = copy.deepcopy(model).to("meta")
+        first: dict[int, tuple[str, str]] = {}
+        for mod_name, mod in model.named_modules():
+            for p_name, p in mod.named_parameters(recurse=False):
+                if id(p) not in first:
+                    first[id(p)] = (mod_name, p_name)
+                    continue
+                owner, attr = first[id(p)]
+                setattr(template.get_submodule(mod_name), p_name,
+                        getattr(template.get_submodule(owner), attr))
+        return template
 
     def _make_mesh(self, n: int):
         if self.layout.replicas == 1:
@@ -281,11 +294,17 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         return False
 
     def commit(self, weighted_loss: float, t0: float, n_mb: int, ids: list,
-               update: Optional[Callable[[], None]] = None) -> bool:
+               update: Optional[Callable[[], None]] = None, tokens: float = 0.0, extra=()) -> bool:
         """Commit the step whose gradients this member computed (its ``weighted_loss``: its
         samples' share of the global mean loss): the snapshot in flight completes, the
         all-reduce agrees, then ``update`` (default ``optimizer.step()``) runs.  True when
-        committed; False when a failure interrupted it (the job reconfigured; redo)."""
+        committed; False when a failure interrupted it (the job reconfigured; redo).
+
+        ``tokens``: this member's item count of a token-weighted step (its losses weighted by
+        their counts): the reduced count divides the gradients and the loss before the update.
+        ``extra``: more numbers summed over the members in the same all-reduce (the same
+        count on every member), read back as ``commit_sums[1:]`` (``commit_sums[0]`` is the
+        token count)."""
         self._grads_ready = True
         self._update = update
         try:
@@ -298,18 +317,26 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         if not math.isfinite(weighted_loss):
             raise FloatingPointError(f"worker {self.worker_id}: the loss is {weighted_loss} at step {self.step}; "
                                      "nothing was committed (the last snapshot and checkpoint are intact)")
-        parts = torch.tensor([weighted_loss, self.snapshot_cost_s or 0.0], dtype=self.dtype)
+        parts = torch.tensor([weighted_loss, self.snapshot_cost_s or 0.0, tokens, *extra], dtype=self.dtype)
         reduced = self._reduce_step([parts], self._compute_s)
         if reduced is None:
             self._grads_ready = False
             return False
         buf, timings, comm = reduced
+        self.commit_sums = buf[2:].tolist()
         self._apply_update()
         self._finish_step(timings, comm)
-        self._after_commit_sharded(float(buf[0]), float(buf[1]) / max(1, self.view.world_size))
+        loss = float(buf[0]) / (self.commit_sums[0] if self.commit_sums[0] > 0 else 1.0)
+        self._after_commit_sharded(loss, float(buf[1]) / max(1, self.view.world_size))
         return True
 
     def _apply_update(self) -> None:
+        tokens = self.commit_sums[0] if self.commit_sums else 0.0
+        if tokens > 0:  # a token-weighted step: the global batch's token mean
+            with torch.no_grad():
+                for p in self.shard_params:
+                    if p.grad is not None:
+                        p.grad.div_(tokens)
         before = self._restored_values()
         with self.faults.phase(self.step, "optimizer"):  # a ``slow`` fault can pad the update
             if self._update is not None:
@@ -440,10 +467,12 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         s = self._run_state()
         s["engine"] = self.policy.state_dict()
         s["heal_scale"] = self.heal_scale  # the gap model's calibration on this job
+        s["commit_sums"] = list(self.commit_sums)  # an adopting member's update needs them
         return s
 
     def load_state_dict(self, s: dict) -> None:
         if self._grads_ready and int(s["step"]) == self.step + 1 and self.module is not None:
+            self.commit_sums = [float(v) for v in s.get("commit_sums") or []]
             # A peer committed the step this member's gradients are for: apply them (the
             # commit protocol's adoption, without moving any state).
             self._apply_update()
