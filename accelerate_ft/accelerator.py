@@ -39,6 +39,7 @@ from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.groups import CollectiveFailure
 from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.data import ElasticEvalLoader, ElasticTrainLoader, SkipFirst
+from accelerate_ft.results import drop_rows, map_tensors, tensors_only, trim_rows
 from accelerate_ft.setups import fsdp_env_hidden, fsdp_setup, place_on_device, refuse_sharding
 from accelerate_ft.sharded import ShardedModel, gathered
 from accelerate_ft.step_protocol import StepProtocol
@@ -147,52 +148,6 @@ class _FTScheduler(AcceleratedScheduler):
     def step(self, *args, **kwargs):
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
-
-
-def _tensors_only(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, dict):
-        return all(_tensors_only(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return len(data) > 0 and all(_tensors_only(v) for v in data)
-    return False
-
-
-def _map(fn, data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        return type(data)({k: _map(fn, v) for k, v in data.items()})
-    if isinstance(data, (list, tuple)) and _tensors_only(data):
-        return type(data)(_map(fn, v) for v in data)
-    return data
-
-
-def _trim(data: Any, n: int) -> Any:
-    """The first ``n`` samples of a batch's results (tensors, containers, lists of objects)."""
-    if isinstance(data, torch.Tensor):
-        return data[:n] if data.ndim else data
-    if isinstance(data, dict):
-        return type(data)({k: _trim(v, n) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        if _tensors_only(data) or all(isinstance(v, dict) for v in data):
-            return type(data)(_trim(v, n) for v in data)
-        return data[:n]
-    return data
-
-
-def _drop(data: Any, n: int) -> Any:
-    """``data`` without its first ``n`` rows (tensors, containers, lists of objects)."""
-    if isinstance(data, torch.Tensor):
-        return data[n:] if data.ndim else data
-    if isinstance(data, dict):
-        return type(data)({k: _drop(v, n) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        if _tensors_only(data):
-            return type(data)(_drop(v, n) for v in data)
-        return data[n:]
-    return data
 
 
 class FaultTolerantAccelerator(Accelerator):
@@ -423,7 +378,7 @@ class FaultTolerantAccelerator(Accelerator):
         the first dimension)."""
         if self._ft is None:
             return super().gather(tensor)
-        return self._in_eval(lambda: _map(self._gather_one, tensor), lambda: tensor)
+        return self._in_eval(lambda: map_tensors(self._gather_one, tensor), lambda: tensor)
 
     def _in_eval(self, fn, local):
         """Run a collective; one that fails inside an evaluation recovers the job at once and
@@ -449,19 +404,19 @@ class FaultTolerantAccelerator(Accelerator):
         rt = self._ft
         n_valid = rt.eval_valid
         if n_valid is not None:
-            input_data = _trim(input_data, n_valid)
-        objects = use_gather_object or not _tensors_only(input_data)
+            input_data = trim_rows(input_data, n_valid)
+        objects = use_gather_object or not tensors_only(input_data)
         try:
             if objects:
                 items = input_data if isinstance(input_data, list) else [input_data]
                 out = [x for part in rt.coll.gather_objects(items) for x in part]
             else:
-                out = _map(self._gather_one, input_data)
+                out = map_tensors(self._gather_one, input_data)
         except CollectiveFailure as failure:  # only raised inside an evaluation (coll.reraise)
             rt.eval_failed(failure)
-            return [] if objects else _trim(input_data, 0)
+            return [] if objects else trim_rows(input_data, 0)
         if rt.in_eval:
-            out = rt.eval_received(out, _drop)
+            out = rt.eval_received(out, drop_rows)
         return out
 
     @override
@@ -470,7 +425,7 @@ class FaultTolerantAccelerator(Accelerator):
             return super().reduce(tensor, reduction, scale)
         if reduction == "none":
             return tensor
-        return self._in_eval(lambda: _map(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
+        return self._in_eval(lambda: map_tensors(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
                                           else self._ft.coll.allreduce(t, reduction), tensor),
                              lambda: tensor)
 

@@ -82,18 +82,34 @@ def test_fp16_mixed_precision_is_refused_clearly(monkeypatch):
         FaultTolerantAccelerator(True, False, "fp16", 1, True)
 
 
-def test_an_fsdp_plugin_is_refused_clearly(monkeypatch):
-    """Accelerate drops an FSDP plugin on the CPU silently; under chameleon-ft run we say so."""
+def test_an_fsdp_plugin_is_read_into_the_sharded_setup_or_refused_by_name(monkeypatch):
+    """FSDP2 (the plugin, or ``accelerate launch --use_fsdp``'s variables) becomes the sharded
+    executor's setup and Accelerate is not given it; what the runtime does not carry is
+    refused by name (Accelerate would drop an FSDP plugin on the CPU without a word)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from accelerate_ft.setups import FsdpSetup, fsdp_setup, unit_names
     from chameleon_ft.runtime.errors import ConfigError
-    import accelerate_ft.accelerator as acc_mod
-    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())
-    with pytest.raises(ConfigError, match="FSDP.*ElasticTrainer.*sharding"):
-        FaultTolerantAccelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    kw = {"fsdp_plugin": FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap="Linear",
+        reshard_after_forward=False)}
+    setup = fsdp_setup(kw)
+    assert "fsdp_plugin" not in kw and setup == FsdpSetup(False, "transformer", ("Linear",), 0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(8, 2)))
+    assert unit_names(net, setup) == ["0", "2.0"]
+    assert unit_names(net, FsdpSetup(policy="size", min_num_params=20)) == ["0"]  # 40 parameters; "2" has 18
+    assert unit_names(net, FsdpSetup()) == []  # no policy: the root only
+    with pytest.raises(ConfigError, match="no module of the model is a GPT2Block"):
+        unit_names(net, FsdpSetup(policy="transformer", class_names=("GPT2Block",)))
+    with pytest.raises(ConfigError, match="FSDP2 only.*fsdp_version=2"):
+        fsdp_setup({"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=1)})
+    with pytest.raises(ConfigError, match="cpu_offload"):
+        fsdp_setup({"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=CPUOffloadPolicy())})
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ConfigError, match="FSDP"):
-        FaultTolerantAccelerator(cpu=True)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert fsdp_setup({}) == FsdpSetup()
+    assert fsdp_setup({}) is not None and "ACCELERATE_USE_FSDP" in __import__("os").environ
 
 
 @pytest.mark.parametrize("stage,fsdp2", [("3", "reshard_after_forward=True .FULL_SHARD"),

@@ -63,6 +63,8 @@ def main():
     p.add_argument("--loss", choices=["model", "external"], default="model",
                    help="model: loss = model(x, y)['loss'] (HF style); external: cross_entropy(model(x)['logits'], y)")
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2: FullyShardedDataParallelPlugin(fsdp_version=2), every Linear a unit")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -73,7 +75,12 @@ def main():
         from accelerate import Accelerator
         acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=a.accum, log_with=[tracker]))
     else:
-        acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker])
+        fsdp = {}
+        if a.fsdp:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+            fsdp = {"fsdp_plugin": FullyShardedDataParallelPlugin(
+                fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap="Linear")}
+        acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker], **fsdp)
     acc.init_trackers("acc")
     model = Net(a.dropout)
     if a.optimizer == "adamw":
@@ -126,9 +133,11 @@ def main():
     acc.wait_for_everyone()
     ctx = acc.ft_context
     wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", acc.process_index))
-    torch.save({"params": [q.detach().clone() for q in model.parameters()],
+    whole = acc.get_state_dict(model) if a.fsdp else None  # sharded: the whole weights (every worker)
+    torch.save({"params": [q.detach().clone() for q in model.parameters()] if whole is None
+                else [t.clone() for n, t in whole.items()],
                 "momentum": [t.clone() for q in model.parameters() for t in opt.state[q].values()
-                             if torch.is_tensor(t) and t.ndim > 0],
+                             if torch.is_tensor(t) and t.ndim > 0] if whole is None else [],
                 "step": ctx.step, "epoch": ctx.epoch, "completed": completed,
                 "lr": sched.get_last_lr(), "eval_ids": eval_ids, "val_acc": accs,
                 "num_processes": acc.num_processes, "process_index": acc.process_index,
