@@ -118,10 +118,12 @@ class ElasticTrainLoader(MicroBatchSource):
         n = 1 if rt.redo_items else rt.items_per_step
         # With a loss recipe, a share larger than n is not merged: the extra micro-batches are
         # computed inside optimizer.step() (same memory and per-slot seeds as without a failure).
-        grain = n if rt.sharding is not None or not rt.replay.spill(0, n) else None
+        # (sharded: the surplus is spilled only with a recipe, every member's passes must pair up)
+        spill = (lambda i: rt.replay.ready) if rt.sharding is not None else (lambda i: rt.replay.spill(i, n))
+        grain = None if spill(0) else n
         if not rt.redo_items:
             self._feed_from(cursor, grain)
-        gen = ctx.items(n, spill=lambda i: rt.replay.spill(i, n))
+        gen = ctx.items(n, spill=spill)
         rt.enter_step(gen, n)
         for i in range(n):
             item = next(gen)  # fault hooks and the per-(step, slot) seed happen here

@@ -253,16 +253,22 @@ def test_an_fsdp2_plugin_trains_as_data_parallel_and_survives_a_kill(tmp_path, r
     """``FaultTolerantAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
     transformer_based_wrap over every Linear))``: failure-free, the sharded job is the
     data-parallel one (same samples, dropout masks and updates: within 1e-5, the same
-    evaluations); a worker SIGKILLed after the first snapshot is recovered in place by the
+    evaluations), and so is its resume from ``save_state`` on 2 workers; a worker SIGKILLed after the first snapshot is recovered in place by the
     engine's choice for the lost shard rows (event log, console line), every sample is still
     trained once, every evaluation sample gathered once, the survivors' whole weights equal."""
-    free = AccJob(tmp_path / "free", "--fsdp")
+    free = AccJob(tmp_path / "free", "--fsdp", "--save-at", "10")
     finals = free.run_to_end()
     got = replicas_equal(finals)
     exactly_once(free.events())
     eval_exactly_once(got)
     assert got["step"] == got["completed"] == EPOCHS * STEPS_PER_EPOCH
     assert rel_diff(got, reference) < 1e-5 and got["val_acc"] == reference["val_acc"]
+    # save_state writes the whole state; resumed on 2 workers (each with twice the micro-batches,
+    # the surplus computed inside optimizer.step, seeds kept) it ends where the reference does.
+    resumed = AccJob(tmp_path / "resumed", "--fsdp", "--resume", str(free.run_dir / "ckpt"), nproc=2)
+    got = replicas_equal(resumed.run_to_end())
+    assert sorted(committed_ids(resumed.events())) == list(range(10, EPOCHS * STEPS_PER_EPOCH))
+    assert got["step"] == EPOCHS * STEPS_PER_EPOCH and rel_diff(got, reference) < 1e-5
 
     job = AccJob(tmp_path / "killed", "--fsdp", "--mb-sleep", "0.01")
     victim, finals = kill_at_random_step(job, steps=(4, 9), rng=random.Random(5))

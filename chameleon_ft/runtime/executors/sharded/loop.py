@@ -66,6 +66,7 @@ class LoopShardedExecutor(ShardedExecutor):
         self.last_grad_norms: list[float] = []
         self.grad_norm: Optional[float] = None  # the committed step's global gradient 2-norm
         self._refreshed: Optional[tuple] = None  # (step, generation) the model object holds
+        self._spilled: list = []  # the step's surplus micro-batches (None: a ghost pass)
         self._whole: Optional[tuple] = None  # ((step, generation), the optimizer's whole state)
 
     # ---------------------------------------------------------------- the model
@@ -109,8 +110,11 @@ class LoopShardedExecutor(ShardedExecutor):
 
     # ---------------------------------------------------------------- the step's items
     def items(self, n_items: Optional[int], spill: Optional[Callable[[int], bool]] = None) -> Iterator[StepItem]:
-        """This member's share of the step as ``n_items`` items (module doc: the same number
-        on every member; ``spill`` is not offered, the share is merged).  During them a failed
+        """This member's share of the step as ``n_items`` items.  A share larger than that is
+        merged into them or, when ``spill(0)`` (the same answer on every member: the adapter
+        can compute micro-batches itself), run as one micro-batch per item with the surplus
+        left for ``spilled()`` -- each micro-batch then keeps its own seed, as without a failure.
+        Every member runs the same number of passes (module doc).  During them a failed
         collective gives way (``FsdpComms.give_way``)."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
@@ -119,7 +123,18 @@ class LoopShardedExecutor(ShardedExecutor):
         share = self.sampler.local_microbatches(self.worker_id)
         self._n_mb = len(share)
         self.comms.give_way = True
-        for item in step_items(share, n_items):
+        self._spilled = []
+        most = max(len(self.sampler.local_microbatches(w)) for w in self.members)
+        if n_items is not None and most > n_items and spill is not None and spill(0):
+            own = [step_items([mb], 1)[0] for mb in share[:n_items]]
+            items = own + step_items([], n_items - len(own)) if len(own) < n_items else own
+            self._spilled = share[n_items:] + [None] * (most - max(len(share), n_items))
+        else:
+            items = step_items(share, n_items)
+        yield from self._run(items)
+
+    def _run(self, items) -> Iterator[StepItem]:
+        for item in items:
             self.faults.at(self.step, "forward")
             if self.cfg.seed_microbatches and not item.ghost:
                 seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
@@ -129,11 +144,14 @@ class LoopShardedExecutor(ShardedExecutor):
             if self.cfg.log_samples:
                 self._ids.extend(item.indices)
 
+    def spilled(self) -> Iterator[StepItem]:
+        """The surplus ``items`` left, one micro-batch a pass, then the ghosts that bring this
+        member to the passes of the member with the most."""
+        todo, self._spilled = self._spilled, []
+        yield from self._run([step_items([mb], 1)[0] if mb is not None else step_items([], 1)[0] for mb in todo])
+
     def microbatches(self):
         return iter(())  # (a user's loop runs items: module doc)
-
-    def spilled(self):
-        return iter(())
 
     def unspill(self) -> list[int]:
         return []
@@ -143,7 +161,7 @@ class LoopShardedExecutor(ShardedExecutor):
         ``tokens`` (its item count: a token-weighted step); a ghost (``item`` None or empty)
         by zero -- its pass runs FSDP's collectives for the others."""
         self.faults.at(self.step, "backward")
-        if item is None or item.ghost:
+        if item is None or getattr(item, "ghost", False):
             weight = 0.0
         elif tokens is not None:
             weight = float(tokens)
