@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Iterator, Optional
 
 import torch
@@ -277,10 +278,30 @@ class FaultTolerantTrainer(Trainer):
         self._written_by_everyone(lambda: super(FaultTolerantTrainer, self).save_model(output_dir, _internal_call))
 
     def _save_checkpoint(self, model, trial) -> None:
+        """The ``Trainer``'s checkpoint plus the runtime's state (the sampler's cursor and
+        global batch, the engine's), so that ``resume_from_checkpoint`` continues the same
+        sample order on however many workers run then."""
         ft = self._ft
         if ft is None or ft.ctx is None:
             return super()._save_checkpoint(model, trial)
-        self._written_by_everyone(lambda: super(FaultTolerantTrainer, self)._save_checkpoint(model, trial))
+
+        def write() -> None:
+            super(FaultTolerantTrainer, self)._save_checkpoint(model, trial)
+            if self.args.should_save:
+                ft.save_ft_state(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"))
+        self._written_by_everyone(write)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self._ft is not None:
+            self._ft.load_ft_state(resume_from_checkpoint)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The epoch's items the checkpoint holds are handed out again without training
+        (``accelerate_ft``'s ``skip_first_batches``), so the loop's counters line up."""
+        if self._ft is None:
+            return super().get_resumed_dataloader(dataloader, num_batches)
+        return self.accelerator.skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------- logging
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:

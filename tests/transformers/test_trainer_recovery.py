@@ -313,3 +313,26 @@ def test_a_sharded_trainer_survives_a_kill_and_saves_what_from_pretrained_loads(
     mine = dict(zip(ref["names"], ref["params"]))
     assert set(loaded) <= set(mine) and len(loaded) >= len(mine) - 1
     assert all(torch.equal(loaded[n], mine[n]) for n in loaded)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["data-parallel", "fsdp"])
+def test_resume_from_checkpoint_on_fewer_workers_ends_as_the_uninterrupted_run(tmp_path, sharded):
+    """``trainer.train(resume_from_checkpoint=<checkpoint-30>)`` of the causal LM (mid-epoch 2)
+    on 2 workers instead of 4: the checkpoint carries the runtime's sampler cursor and global
+    batch, the Trainer's skipped items are the ones the checkpoint holds, and the resumed steps
+    log the losses and write the checkpoint-32 weights of the uninterrupted run (1e-5)."""
+    from safetensors.torch import load_file
+
+    extra = ("--fsdp",) if sharded else ()
+    full = ScriptJob(SCRIPT, tmp_path / "full", "--model", "lm", *extra)
+    ref = full.run_to_end()[0]
+    ckpt = full.run_dir / "ckpt" / "checkpoint-30"
+    assert (ckpt / "chameleon_ft_state.pt").exists()
+    resumed = ScriptJob(SCRIPT, tmp_path / "resumed", "--model", "lm", *extra, "--resume", str(ckpt), nproc=2)
+    got = resumed.run_to_end()[0]
+    assert got["global_step"] == ref["global_step"] == 32 and got["world_size"] == 2
+    losses = lambda f: {h["step"]: h["loss"] for h in json.loads(f["log_history"]) if "loss" in h}  # noqa: E731
+    assert max(losses(got)) == 32 and close(losses(got)[32], losses(ref)[32])
+    a = load_file(str(resumed.run_dir / "ckpt" / "checkpoint-32" / "model.safetensors"))
+    b = load_file(str(full.run_dir / "ckpt" / "checkpoint-32" / "model.safetensors"))
+    assert max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b) < 1e-5

@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--no-dropout", action="store_true", help="lm: dropout 0 (an update computed elsewhere again)")
     p.add_argument("--fsdp", action="store_true",
                    help="lm: sharded, FSDP2 (fsdp='full_shard', GPT2Block units); saves <out>/model (save_model)")
+    p.add_argument("--resume", default=None, help="trainer.train(resume_from_checkpoint=...)")
     p.add_argument("--step-lr", action="store_true",
                    help="the user's own SGD + StepLR(step_size=5, gamma=0.5) (optimizers=...), not the Trainer's")
     a = p.parse_args()
@@ -153,7 +154,7 @@ def causal_lm(a) -> None:
 
 def finish(a, trainer) -> None:
     args = trainer.args
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=a.resume)
     metrics = trainer.evaluate()
     if getattr(a, "fsdp", False):
         trainer.save_model(os.path.join(a.out, "model"))
