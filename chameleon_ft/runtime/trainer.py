@@ -150,12 +150,8 @@ class ElasticTrainer:
             ctx.faults.at(ctx.step, "forward", time.perf_counter() - t0)
         return ctx.sync_and_step()
 
-    def _loss_of(self, module: torch.nn.Module, indices) -> torch.Tensor:
-        loss = self.loss_fn(module, self.collate_fn([self.dataset[i] for i in indices]))
-        if isinstance(loss, tuple):
-            raise ConfigError("loss_fn returned (sum, count): token-weighted losses are carried out for "
-                              "data parallelism only; return the micro-batch's mean loss for a sharded job")
-        return loss
+    def _loss_of(self, module: torch.nn.Module, indices):
+        return self.loss_fn(module, self.collate_fn([self.dataset[i] for i in indices]))
 
     def _after_step(self) -> None:
         if self.on_step is not None:

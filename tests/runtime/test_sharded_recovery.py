@@ -72,6 +72,20 @@ def test_sharded_matches_one_worker(tmp_path, failure_free):
     assert _max_diff(finals[0], one) < 1e-5 and _max_diff(finals[1], one) < 1e-5
 
 
+def test_a_token_weighted_sharded_step_is_the_global_batchs_item_mean(tmp_path):
+    """``loss_fn`` returning ``(sum, count)`` (items per sample vary): FSDP over 4 workers trains
+    the trajectory of one worker dividing each global batch's sum by its items (the counts ride
+    in the commit's all-reduce)."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "four").mkdir()
+    one, _ = _run(tmp_path / "one", "--sharding", "full", "--token-weighted", nproc=1)
+    four, _ = _run(tmp_path / "four", "--sharding", "full", "--token-weighted")
+    assert all(_max_diff(f, one[0]) < 1e-5 for f in four.values())
+    # the logged loss is the item mean (an undivided sum would be ~100x), the same on both
+    first = [f["loss"][0][1] for f in (one[0], *four.values())]
+    assert 0.05 < first[0] < 3 and max(first) - min(first) < 1e-5, first
+
+
 def _after_kill(finals: dict, events: list[dict], victim: int) -> dict:
     assert sorted(finals) == [w for w in range(4) if w != victim]
     assert {f["step"] for f in finals.values()} == {STEPS}

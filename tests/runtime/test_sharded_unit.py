@@ -123,3 +123,30 @@ def test_the_engine_is_told_how_much_progress_the_extrapolated_restore_brings_ba
     assert ctx._recovered([1, 2], {1: {10}, 2: {5, 10}}) == 0.0  # row 1: one snapshot only
     ctx.recipe = RehabRecipe(extrapolate_snapshots=0)
     assert ctx._recovered([2], {2: {5, 10}}) == 0.0
+
+
+def test_inside_a_users_loop_a_failed_fsdp_collective_gives_way_for_the_rest_of_the_step():
+    """``FsdpComms.give_way``: the first failed collective and every later one of the step run
+    locally (all-gather: zeros; reduce-scatter: this member's slice) and raise nothing, the
+    failure kept for ``optimizer.step()``; without it the failure raises as before."""
+    from chameleon_ft.runtime.errors import CollectiveFailure
+    from chameleon_ft.runtime.executors.sharded.comms import FsdpComms
+
+    calls = []
+
+    class Gm:
+        def collective(self, fn, timeout):
+            calls.append(fn)
+            raise CollectiveFailure("peer gone", kind="peer_error", token="g1", generation=1, suspects=(2,))
+
+    comms = FsdpComms(Gm(), world=2, shards=2, rank=1, timeout_s=1.0)
+    out = torch.ones(4)
+    with pytest.raises(CollectiveFailure):
+        comms.all_gather(out, torch.ones(2))
+    comms.failure, comms.give_way = None, True
+    comms.all_gather(out, torch.ones(2))
+    assert torch.equal(out, torch.zeros(4)) and comms.failure is not None and len(calls) == 2
+    grad = torch.arange(4.0)
+    shard = torch.empty(2)
+    comms.reduce_scatter(shard, grad)  # not even tried: the step already failed
+    assert len(calls) == 2 and torch.equal(shard, torch.tensor([2.0, 3.0]))

@@ -40,6 +40,8 @@ def main():
     p.add_argument("--paths", default=None, help="comma-separated recovery paths allowed")
     p.add_argument("--checkpoint", default=None, help="resume from / write this checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--token-weighted", action="store_true",
+                   help="loss_fn returns (sum, count) over the targets of the samples with x[0] > 0")
     p.add_argument("--step-sleep", type=float, default=0.0, help="emulated compute per step (s)")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -53,6 +55,9 @@ def main():
         if a.step_sleep:
             time.sleep(a.step_sleep)
         x, y = batch
+        if a.token_weighted:  # a varying number of items per sample (a padded batch's tokens)
+            mask = (x[:, :1] > 0).expand_as(y)
+            return ((m(x) - y) ** 2 * mask).sum(), int(mask.sum())
         return torch.nn.functional.mse_loss(m(x), y)
 
     cfg = ElasticConfig(stragglers=False,

@@ -255,8 +255,9 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
     def train_step(self, loss_of: Callable[[torch.nn.Module, tuple], torch.Tensor],
                    ghost_indices: tuple = (0,)) -> bool:
         """One global step: forward/backward of this member's share (``loss_of(module,
-        indices)`` is the mean loss of those samples), then commit.  True when committed;
-        False when a failure interrupted it (the job reconfigured; run it again)."""
+        indices)`` is the mean loss of those samples, or ``(sum, count)`` over their items: a
+        token-weighted step, divided by the global batch's count), then commit.  True when
+        committed; False when a failure interrupted it (the job reconfigured; run it again)."""
         t0 = self.begin_step()
         item = self.share()
         weight = item.weight
@@ -265,11 +266,13 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             seed_generators(hash((self.seed, self.step, item.seed_slot if not item.ghost else -1)) % (2**63))
         try:
             self.faults.at(self.step, "forward")
-            loss = loss_of(self.module, indices)
+            loss, tokens = loss_of(self.module, indices), 0.0
+            if isinstance(loss, tuple):  # (sum over the items, their count)
+                loss, weight, tokens = loss[0], float(not item.ghost), float(loss[1]) * (not item.ghost)
             (loss * weight).backward()
         except Exception as exc:
             return self.interrupted(exc, t0)
-        return self.commit(float(loss.detach()) * weight, t0, len(item.parts), list(item.indices))
+        return self.commit(float(loss.detach()) * weight, t0, len(item.parts), list(item.indices), tokens=tokens)
 
     # The step in two halves, for a framework that runs the forward/backward itself
     # (lightning_ft): ``begin_step``, its passes (any exception through ``interrupted``),
