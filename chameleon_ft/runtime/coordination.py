@@ -78,10 +78,6 @@ def _dead_key(worker_id: int) -> str:
     return f"cft/dead/{worker_id}"
 
 
-def _beat_key(worker_id: int) -> str:
-    return f"cft/beat/{worker_id}"
-
-
 def first_to_record(store: dist.Store, worker_id: int) -> bool:
     """Whether the caller is the first to record the failure of ``worker_id``'s current
     incarnation (``EventLog.deaths``, called by a recovery's source: each death once in the

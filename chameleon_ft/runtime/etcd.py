@@ -287,7 +287,18 @@ class EtcdStore(dist.Store):
         return c
 
     def multi_get(self, keys) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        """The values of ``keys``; keys under one parent (``a/b/1``, ``a/b/2`` ...) in one range
+        request (the liveness judge's every counter), a missing one waited for as ``get``."""
+        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+        parents: dict[str, list[str]] = {}
+        for k in keys:
+            parents.setdefault(k.rpartition("/")[0], []).append(k)
+        got: dict[str, bytes] = {}
+        for parent, ks in parents.items():
+            if len(ks) > 2:
+                found = self.client.range_prefix(self._k(parent + "/"))
+                got.update({k: found[self._k(k)] for k in ks if self._k(k) in found})
+        return [got[k] if k in got else self.get(k) for k in keys]
 
     def multi_set(self, keys, values) -> None:
         for k, v in zip(keys, values):

@@ -93,6 +93,9 @@ class GroupManager(Waits):
         paused: True while the coordinator (or etcd) does not answer (``Membership.paused``):
             no collective starts then -- nothing is committed without a working membership --
             and a wait does not count that time toward its timeout.
+        pause_limit_s: the longest such pause; past it the collective fails with a
+            ``MembershipError`` naming the coordinator, whether or not the membership's own
+            guard thread is alive (None: no limit).
         abort_seen: ``Membership.abort_seen``: a collective's start reads this flag instead of
             asking the store (None, or a None answer: it asks the store).
     """
@@ -101,8 +104,10 @@ class GroupManager(Waits):
                  store_factory: Callable[[], dist.Store], *, op_timeout_s: float = 10.0,
                  connect_timeout_s: float = 5.0, abort_poll_s: float = 0.005,
                  paused: Optional[Callable[[], bool]] = None, nccl=None,
-                 abort_seen: Optional[Callable[[str], Optional[bool]]] = None):
+                 abort_seen: Optional[Callable[[str], Optional[bool]]] = None,
+                 pause_limit_s: Optional[float] = None, coordinator: str = "the coordinator"):
         self.paused = paused or (lambda: False)
+        self.pause_limit_s, self.coordinator = pause_limit_s, coordinator
         self.abort_seen = abort_seen  # Membership.abort_seen: the watcher's flag, no store request
         self.nccl = nccl  # runtime/nccl.py's NcclData: CUDA tensors' all-reduce (None: gloo only)
         self._store = store
@@ -178,6 +183,8 @@ class GroupManager(Waits):
             builder, result, deadline = self._start_build(view)
         self._await_build(builder, result, deadline, "rebuild")
         self._pg, self._data = result["pg"], result.get("data")
+        if "nccl" in result:  # installed here, by this thread, for the view it waited for
+            self.nccl.install(result["nccl"])
         # A store written in Python (etcd's) must outlive the group that may call into it:
         # the C++ side holds no reference to the Python object.
         self._stores = (self._stores + [result["store"]])[-4:]
@@ -230,8 +237,9 @@ class GroupManager(Waits):
                     if data:
                         result["pg"], result["store"] = result["data"], store
                         return
-                if self.nccl is not None and ranks is None:
-                    self.nccl.rebuild(dist.PrefixStore(f"cft/nccl/{view.token}", store), view.rank, view.world_size)
+                if self.nccl is not None and ranks is None:  # built here, installed by the waiter
+                    result["nccl"] = self.nccl.build(dist.PrefixStore(f"cft/nccl/{view.token}", store),
+                                                     view.rank, view.world_size)
                 result["pg"], result["store"] = pg, store
             except Exception as exc:  # gloo raises RuntimeError / DistError subclasses
                 result["error"] = exc
@@ -324,8 +332,10 @@ class GroupManager(Waits):
         """Enqueue ``fn(group) -> Work`` without waiting (a point-to-point send that the
         pipeline executor waits for later); ``wait`` it, or the generation's failure ends it.
         ``check_abort=False`` skips the store look-up (point-to-point ops: their wait checks)."""
+        since = time.monotonic()
         while True:
             while self.paused():  # the membership's guard ends the process if this lasts too long
+                self.pause_over(since)
                 time.sleep(0.05)
             # Someone may already have ended this generation (e.g. a joiner is waiting); checked
             # first, since a watchdog expiry leaves the generation aborted and its group parked.

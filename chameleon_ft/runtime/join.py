@@ -50,6 +50,7 @@ def join_job(env: WorkerEnv, cfg: ElasticConfig, hang_timeout_s: Optional[float]
     gm = GroupManager(membership.store, env.worker_id, membership.connect_store, nccl=nccl,
                       op_timeout_s=timeout, connect_timeout_s=cfg.connect_timeout_s,
                       paused=membership.paused, abort_seen=membership.abort_seen,
+                      pause_limit_s=membership.pause_limit_s(), coordinator=f"the coordinator at {env.store}",
                       # etcd: every abort poll is an HTTP request (the watcher polls too)
                       abort_poll_s=0.02 if is_etcd(env.store) else 0.005)
     membership.on_early_view = gm.prebuild  # the next group's set-up overlaps compute

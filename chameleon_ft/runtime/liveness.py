@@ -1,14 +1,32 @@
-"""Which members of a generation went silent: each worker's abort watcher reads every member's
-liveness counter in the coordinator's store (bumped by the member's own beat thread,
-``Membership._beat_loop``) and reports the ones that stopped moving (``Membership._check_liveness``).
-Only this worker's clock is used: no clock is compared across machines."""
+"""Which members of a generation went silent, judged once per job.
+
+Every worker bumps its liveness counter in the coordinator's store (``LivenessMonitor``, on a
+thread and store client of its own).  The *judge* -- the lowest worker id of the current
+generation -- reads every member's counter in one request (``multi_get``) ten times a second,
+reports the ones that stopped moving, and publishes how long each quiet member has been quiet
+as one key; every other member reads three keys in one request: the judge's counter, its own
+and that record.  So the store serves O(N) requests a second for N workers (each worker a
+constant rate), not N², and a judge that goes silent is reported by everyone.  Only durations
+are compared: the record carries seconds measured on the judge's clock, translated onto the
+reader's own (``last_moved``), never a timestamp across machines."""
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
 import time
 from typing import Callable, Iterable, Optional
 
-__all__ = ["Liveness", "await_the_missing"]
+__all__ = ["Liveness", "LivenessMonitor", "await_the_missing", "LIVENESS_KEY", "beat_key"]
+
+log = logging.getLogger(__name__)
+
+LIVENESS_KEY = "cft/liveness"  # the judge's record: {"token", "quiet": {worker: [count, seconds]}}
+
+
+def beat_key(worker_id: int) -> str:
+    return f"cft/beat/{worker_id}"
 
 
 class Liveness:
@@ -42,6 +60,20 @@ class Liveness:
         (seen: a member reported lost when one etcd member was killed, about 1 run in 4)."""
         if self.timeout_s is not None and seconds > min(0.5, self.timeout_s / 2):
             self.reset()
+
+    def heard(self, quiet: dict[int, tuple[int, float]]) -> None:
+        """The judge's record: each quiet member's counter and how long it has not moved (s),
+        onto this worker's clock (a member it watches itself keeps its own record)."""
+        now = time.monotonic()
+        for w, (count, age) in quiet.items():
+            mine = self._moved.get(w)
+            if mine is None or mine[0] != count:
+                self._moved[w] = (count, now - age)
+
+    def quiet(self, min_s: float) -> dict[int, list]:
+        """The members of the current generation quiet for more than ``min_s``: [count, seconds]."""
+        now = time.monotonic()
+        return {w: [c, round(now - t, 3)] for w, (c, t) in self._seen.items() if now - t > min_s}
 
     def last_moved(self, worker: int) -> Optional[tuple[int, float]]:
         """(counter, when this watcher saw it move to that value) for ``worker``, any generation;
@@ -84,6 +116,81 @@ class Liveness:
                 self._reported.add(w)
                 out.append((w, quiet))
         return out
+
+
+def watched(worker_id: int, members: Iterable[int]) -> list[int]:
+    """The counters ``worker_id`` reads: every member's if it is the judge (the lowest id),
+    else the judge's and its own."""
+    members = sorted(members)
+    return members if worker_id == members[0] else sorted({members[0], worker_id})
+
+
+class LivenessMonitor:
+    """This worker's part of the liveness check (module doc), on its own thread and store
+    client.  ``view()``: the current generation (None before the first); ``report(worker,
+    seconds, token)``: a member found silent; ``answered()``: the store answered (the
+    coordinator-lost guard's clock); ``judge``: whether this worker watches others at all."""
+
+    def __init__(self, worker_id: int, connect: Callable[[], object], *, timeout_s: Optional[float],
+                 grace_s: float, beat_every_s: float, view: Callable[[], object],
+                 report: Callable[[int, float, str], None], answered: Callable[[], None],
+                 judge: bool = True, every_s: float = 0.1) -> None:
+        self.worker_id, self.connect, self.view, self.report, self.answered = worker_id, connect, view, report, answered
+        self.clock = Liveness(worker_id, timeout_s, grace_s=grace_s, every_s=every_s)
+        self.beat_every_s, self.judge = beat_every_s, judge and timeout_s is not None
+        self.requests = 0  # store requests made (the control-plane benchmark reads it)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"cft-liveness-{self.worker_id}")
+        self._thread.start()
+
+    def stop(self, join_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_s)
+
+    def _loop(self) -> None:
+        store, next_beat = None, 0.0
+        tick = min(self.beat_every_s, self.clock.every_s)
+        while not self._stop.wait(tick):
+            try:
+                store = store or self.connect()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.beat_every_s
+                    store.add(beat_key(self.worker_id), 1)
+                    self.requests += 1
+                    self.answered()
+                view = self.view()
+                if self.judge and view is not None and self.clock.due():
+                    self._check(store, view)
+            except Exception as exc:  # unreachable: the coordinator-lost guard decides
+                store = None
+                self.clock.reset()  # counters could not be written either: start afresh
+                log.debug("liveness of worker %d: %s", self.worker_id, exc)
+
+    def _check(self, store, view) -> None:
+        members = watched(self.worker_id, view.members)
+        judge = members == sorted(view.members) and len(members) > 1
+        keys = [beat_key(w) for w in members] + ([] if judge else [LIVENESS_KEY])
+        t0 = time.monotonic()
+        got = store.multi_get(keys)
+        self.requests += 1
+        self.clock.took(time.monotonic() - t0)
+        self.answered()
+        counts = {w: int(v or b"0") for w, v in zip(members, got)}
+        if not judge:
+            record = json.loads(got[-1] or b"{}")
+            if record.get("token") == view.token:
+                self.clock.heard({int(w): (int(c), float(s)) for w, (c, s) in record.get("quiet", {}).items()})
+        for w, silent in self.clock.silent(view.token, counts):
+            self.report(w, silent, view.token)
+        if judge:  # what the others need for await_the_missing: who has been quiet, how long
+            store.set(LIVENESS_KEY, json.dumps({"token": view.token,
+                                                "quiet": self.clock.quiet(2 * self.beat_every_s)}))
+            self.requests += 1
 
 
 def await_the_missing(missing: Iterable[int], timeout_s: float, *, beat: Callable[[int], int],

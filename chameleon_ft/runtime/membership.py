@@ -58,12 +58,12 @@ from chameleon_ft.runtime import _quiet_rust  # noqa: F401,E402  (before torchft
 from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
-    _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer, _beat_key,
+    _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
     stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
-from chameleon_ft.runtime.liveness import Liveness as _Liveness, await_the_missing as _await_the_missing  # noqa: E402
+from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,14 @@ class Membership:
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"cft-heartbeat-{self.worker_id}")
         self._hb_thread.start()
-        self._beat_thread = threading.Thread(target=self._beat_loop, daemon=True,
-                                             name=f"cft-beat-{self.worker_id}")
-        self._beat_thread.start()
+        self.store.add(beat_key(self.worker_id), 0)  # the counters the judge reads exist
+        self.store.compare_set(LIVENESS_KEY, "", "{}")  # before any generation names this worker
+        self._monitor = LivenessMonitor(
+            self.worker_id, lambda: connect_store(self.store_addr, min(1.0, self.connect_timeout_s)),
+            timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
+            beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
+            answered=self._answered, judge=self.watch_aborts)
+        self._monitor.start()
         deadline = time.monotonic() + timeout_s
         view = self._first_generation(min_world_size, deadline)
         while view is None:
@@ -293,7 +298,9 @@ class Membership:
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
         self._stop.set()
-        for t in (self._hb_thread, getattr(self, "_beat_thread", None), self._watch_thread):
+        if getattr(self, "_monitor", None) is not None:
+            self._monitor.stop(2 * self.heartbeat_interval_s + 1.0)
+        for t in (self._hb_thread, self._watch_thread):
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=2 * self.heartbeat_interval_s + 1.0)
 
@@ -310,28 +317,21 @@ class Membership:
         does not ask again for a generation that it agreed on and the main thread has not
         taken yet (a main thread busy for longer than a group set-up gets excluded, as before,
         instead of holding every peer in a loop of failed set-ups)."""
-        try:
-            store = connect_store(self.store_addr, self.connect_timeout_s)
-        except MembershipError:
-            return
-        watched: Optional[str] = None
-        self._liveness = _Liveness(self.worker_id, self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S)
         if self.cut_off_s is not None:
             threading.Thread(target=self._guard_loop, daemon=True, name=f"cft-cut-off-{self.worker_id}").start()
+        store = self._watcher_store()
+        if store is None:
+            return  # closed meanwhile
+        watched: Optional[str] = None
         while not self._stop.is_set():
             view = self._view
             try:
-                if view is not None:
-                    self._check_liveness(store, view)
                 # polled: a blocking store.wait logs a c10d warning at every timeout
-                t0 = time.monotonic()
                 aborted = view is not None and store.check([abort_key(view.token)])
                 self._aborted_token = view.token if aborted else self._aborted_token
                 self._last_ok, self._watching = time.monotonic(), True
-                self._liveness.took(self._last_ok - t0)
             except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
                 aborted = False
-                self._liveness.reset()  # counters could not be written either: start afresh
                 if isinstance(store, EtcdStore) and store.client.answers():
                     self._no_quorum_at = time.monotonic()
             if view is None or view.token == watched or self._early is not None or not aborted:
@@ -352,18 +352,34 @@ class Membership:
             finally:
                 self._agree_lock.release()
 
-    def _check_liveness(self, store, view: MembershipView) -> None:
-        """Report the members whose liveness counter stopped (``heartbeat_timeout_s``)."""
-        lv = self._liveness
-        if lv.timeout_s is None or not lv.due():
-            return
-        t0 = time.monotonic()
-        counts = {w: store.add(_beat_key(w), 0) for w in view.members}  # ours too: see silent()
-        lv.took(time.monotonic() - t0)
-        for w, silent in lv.silent(view.token, counts):
-            self.lost_reports += 1
-            self.report_failure([w], f"timeout: no heartbeat from worker {w} for {silent:.1f} s "
-                                f"(a lost node, a network partition or a stopped process)", token=view.token)
+    def _watcher_store(self):
+        """The abort watcher's own store client, retried for three connect timeouts; past that
+        the worker stops with an error naming the coordinator -- a job without its watcher
+        would run with no abort watch and no early agreement, and nothing would say so."""
+        deadline = time.monotonic() + 3 * self.connect_timeout_s
+        while not self._stop.is_set():
+            try:
+                return connect_store(self.store_addr, self.connect_timeout_s)
+            except MembershipError as exc:
+                if time.monotonic() > deadline:
+                    import sys
+
+                    from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
+                    print(f"chameleon-ft worker {self.worker_id}: its abort watcher cannot reach the coordinator "
+                          f"at {self.store_addr}: {exc}; stopping (without it a failure would go unseen until "
+                          "the collective watchdog)", file=sys.stderr, flush=True)
+                    os._exit(MEMBERSHIP_EXIT_CODE)
+                self._stop.wait(0.2)
+        return None
+
+    def _silent(self, worker: int, silent_s: float, token: str) -> None:
+        """The liveness monitor found ``worker`` silent (``heartbeat_timeout_s``): report it."""
+        self.lost_reports += 1
+        self.report_failure([worker], f"timeout: no heartbeat from worker {worker} for {silent_s:.1f} s "
+                            f"(a lost node, a network partition or a stopped process)", token=token)
+
+    def _answered(self) -> None:
+        self._last_ok = time.monotonic()
 
     def abort_seen(self, token: str) -> Optional[bool]:
         """Whether the watcher saw generation ``token`` ended (a flag at most ``watch_poll_s``
@@ -374,6 +390,14 @@ class Membership:
         """True while the coordinator has not answered for half a second (``GroupManager``
         starts no collective then, so nothing is committed without a working membership)."""
         return self.watch_aborts and time.monotonic() - self._last_ok > 0.5
+
+    def pause_limit_s(self) -> float:
+        """The longest a collective may wait for a paused membership (``GroupManager``): the
+        guard's own limit and a margin, so that a guard thread that died cannot leave it
+        waiting for ever (``--cut-off 0`` included: then etcd's ``quorum_wait_s``)."""
+        if self.cut_off_s and not is_etcd(self.store_addr):
+            return self.cut_off_s + 5.0
+        return max(self.cut_off_s or 0.0, self.quorum_wait_s) + 5.0
 
     def _guard_loop(self) -> None:
         """Stop this worker when the coordinator has not answered any thread of it for
@@ -490,9 +514,10 @@ class Membership:
         """``liveness.await_the_missing`` for the ``missing`` members (left out of ``view``)."""
         if not missing or not self.heartbeat_timeout_s:
             return False
-        lv = getattr(self, "_liveness", None)
+        lv = getattr(self, "_monitor", None)
+        lv = lv.clock if lv is not None else None
         return _await_the_missing(
-            missing, self.heartbeat_timeout_s, beat=lambda w: self.store.add(_beat_key(w), 0),
+            missing, self.heartbeat_timeout_s, beat=lambda w: self.store.add(beat_key(w), 0),
             ended=lambda: self.store.check([abort_key(view.token)]), dead=self._reported_dead,
             last_moved=lv.last_moved if lv is not None else (lambda w: None))
 
@@ -585,16 +610,3 @@ class Membership:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             self._heartbeat_once()
-
-    def _beat_loop(self) -> None:
-        """Bump the liveness counter every watcher reads, on a store client and thread of its own:
-        a slow store must never delay the Lighthouse's heartbeats (or quorums leave it out)."""
-        store = None
-        while not self._stop.wait(self.heartbeat_interval_s):
-            try:
-                store = store or connect_store(self.store_addr, min(1.0, self.connect_timeout_s))
-                store.add(_beat_key(self.worker_id), 1)
-                self._last_ok = time.monotonic()
-            except Exception as exc:  # unreachable: the watcher's cut-off decides
-                store = None
-                log.debug("liveness beat of worker %d failed: %s", self.worker_id, exc)

@@ -67,13 +67,19 @@ class NcclData:
         self.timeout_s = timeout_s
         self.pg: Optional[dist.ProcessGroup] = None
 
-    def rebuild(self, store: dist.Store, rank: int, world: int) -> None:
-        """A fresh communicator for the new generation (the old one is aborted first)."""
-        self.abort()
+    def build(self, store: dist.Store, rank: int, world: int) -> dist.ProcessGroup:
+        """A fresh communicator for a new generation, not installed: a set-up thread builds it,
+        the thread that waited for that generation's set-up installs it (``install``), so a
+        set-up given up never replaces a newer generation's group."""
         opts = dist.ProcessGroupNCCL.Options()
         # Far above our watchdog: ours aborts first, NCCL's never has to.
         opts._timeout = timedelta(seconds=max(600.0, 10 * self.timeout_s))
-        self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+
+    def install(self, pg: dist.ProcessGroup) -> None:
+        """Make ``pg`` the current communicator (the old one is aborted first)."""
+        self.abort()
+        self.pg = pg
 
     def abort(self) -> None:
         """Abort the communicator (a blocked kernel returns), then release the group."""

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
+from chameleon_ft.runtime.errors import MembershipError
+
 __all__ = ["Waits"]
 
 
@@ -111,10 +113,15 @@ class Waits:
         generation, ``abandon()`` the op and raise ``CollectiveFailure``."""
         timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         start = last = time.monotonic()
+        paused_since = None
         while not within(self.abort_poll_s):
             now = time.monotonic()
             if self.paused():
                 start += now - last
+                paused_since = paused_since or last
+                self.pause_over(paused_since, abandon)
+            else:
+                paused_since = None
             last = now
             if now - start > timeout_s:
                 abandon()
@@ -123,6 +130,18 @@ class Waits:
             if record is not None:
                 abandon()
                 raise self._failure("generation aborted by peer", "aborted", record)
+
+    def pause_over(self, since: float, abandon: Optional[Callable[[], None]] = None) -> None:
+        """Raise ``MembershipError`` once the membership has been paused since ``since`` for
+        longer than ``pause_limit_s`` (after ``abandon()``-ing the op waited for): a deadline
+        of its own, not the membership guard thread's."""
+        limit = getattr(self, "pause_limit_s", None)
+        if limit is not None and time.monotonic() - since > limit:
+            if abandon is not None:
+                abandon()
+            raise MembershipError(f"worker {self.worker_id}: {self.coordinator} has not answered for "
+                                  f"{time.monotonic() - since:.1f} s (paused longer than {limit:.1f} s); "
+                                  "stopping without committing anything more")
 
     def wait_p2p(self, works: list, timeout_s: Optional[float] = None) -> None:
         """Wait for point-to-point works, failing fast like ``collective`` (``_await``).

@@ -97,13 +97,6 @@ def test_no_import_circle():
     assert not cycles, cycles[:5]
 
 
-def test_no_module_over_600_lines():
-    roots = [ROOT / p for p in PACKAGES] + [ROOT / "benchmarks", ROOT / "recipes"]
-    big = {str(p.relative_to(ROOT)): n for r in roots for p in r.rglob("*.py")
-           if (n := len(p.read_text().splitlines())) > 600}
-    assert not big, big
-
-
 def test_no_torch_testing_internal_in_package():
     hits = [f"{name}: {t}" for name, path in modules().items()
             for t in _all_imports(path) if t.startswith("torch.testing._internal")]

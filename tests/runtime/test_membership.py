@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from _helpers.proto_harness import PROTO_WORKER, ProtoCluster, recovered, recovery_breakdown  # noqa: E402
+from chameleon_ft.runtime.liveness import Liveness, watched
 from chameleon_ft.runtime.membership import CoordinatorServer, Membership, MembershipError
 
 pytestmark = pytest.mark.timeout(90)
@@ -292,7 +293,7 @@ def test_liveness_judges_nobody_right_after_this_workers_own_outage(monkeypatch)
 
     now = [100.0]
     monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
-    lv = m._Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
+    lv = Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
     counts = {0: 0, 1: 0, 2: 0, 3: 0}
     lv.reset()  # the outage
     for t in range(30):  # 3 s: workers 0-2 beat every 0.1 s, worker 3 is still blocked
@@ -394,7 +395,7 @@ def test_liveness_restarts_its_clocks_after_a_stalled_read(monkeypatch):
     def run(stall_noticed: bool) -> list:
         now = [100.0]
         monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
-        lv = m._Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
+        lv = Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0)
         counts = {0: 0, 1: 0, 2: 0, 3: 0}
         reported = []
         for t in range(10):  # 1 s of beats from everyone
@@ -616,3 +617,120 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
         with pytest.raises(NothingToHeal, match=r"left out of generation \d+ \[0, 1\].*none of them"):
             members[2].next_view(timeout_s=10)
         assert time.monotonic() - t0 >= (0.9 * liveness_s if liveness_s else 0)  # waited for them
+
+
+def test_liveness_is_judged_once_per_job_and_the_judges_record_reaches_every_member(monkeypatch):
+    """The lowest worker id reads every member's counter, the others the judge's and their own
+    (O(N) reads a job, not N²); what the judge saw (a member quiet for some seconds) becomes
+    ``last_moved`` on another member's clock, as durations, so ``await_the_missing`` there does
+    not wait again for a member the judge already watched go quiet."""
+    import chameleon_ft.runtime.liveness as lvmod
+
+    assert watched(3, [5, 3, 9]) == [3, 5, 9]  # 3 is the lowest: the judge
+    assert watched(9, [5, 3, 9]) == [3, 9] and watched(5, [5]) == [5]
+    now = [100.0]
+    monkeypatch.setattr(lvmod.time, "monotonic", lambda: now[0])
+    judge, other = Liveness(0, timeout_s=1.0, grace_s=0.0), Liveness(2, timeout_s=1.0, grace_s=0.0)
+    judge.silent("g", {0: 1, 1: 7, 2: 1})
+    for t in range(1, 9):  # worker 1 stops at count 7; the others go on
+        now[0] = 100.0 + 0.1 * t
+        judge.silent("g", {0: 1 + t, 1: 7, 2: 1 + t})
+    record = judge.quiet(0.2)
+    assert list(record) == [1] and record[1][0] == 7 and abs(record[1][1] - 0.8) < 1e-6
+    now[0] = 250.0  # another machine's clock: only the duration travels
+    other.heard({w: (c, s) for w, (c, s) in record.items()})
+    count, since = other.last_moved(1)
+    assert count == 7 and abs((now[0] - since) - 0.8) < 1e-6
+
+
+def test_a_membership_paused_past_its_limit_fails_the_collective_naming_the_coordinator():
+    """A collective waits while the membership is paused (the coordinator does not answer), but
+    not for ever: past ``pause_limit_s`` it fails with a ``MembershipError`` naming the
+    coordinator, whether or not the membership's guard thread is alive."""
+    from chameleon_ft.runtime.groups import GroupManager
+
+    gm = object.__new__(GroupManager)
+    gm.paused, gm.pause_limit_s, gm.coordinator, gm.worker_id = (lambda: True), 0.3, "the coordinator at 10.0.0.1:29400", 2
+    gm.abort_poll_s, gm.op_timeout_s, gm.abort_record = 0.01, 10.0, (lambda: None)
+    t0 = time.monotonic()
+    with pytest.raises(MembershipError, match="worker 2: the coordinator at 10.0.0.1:29400 has not answered"):
+        gm.start(lambda pg: None)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    # paused while an op is in flight: the watchdog does not count it, the pause limit does
+    abandoned = []
+    with pytest.raises(MembershipError):
+        gm._watch(lambda s: time.sleep(s) or False, 0.1, lambda: abandoned.append(1), "an all-reduce")
+    assert abandoned == [1]
+
+
+_REFUSED_WATCHER = """
+import sys, threading, time
+import chameleon_ft.runtime.membership as m
+from chameleon_ft.runtime.errors import MembershipError
+server = m.CoordinatorServer()
+real = m.connect_store
+def connect(addr, timeout):  # the coordinator refuses the abort watcher's client only
+    if threading.current_thread().name.startswith("cft-abort-watch"):
+        raise MembershipError(f"coordinator store at {addr} unreachable (refused)")
+    return real(addr, timeout)
+m.connect_store = connect
+w = m.Membership(0, server.store_addr, server.lighthouse_addr, connect_timeout_s=0.3)
+w.join(min_world_size=1, timeout_s=10)
+time.sleep(10)
+print("still running without a watcher", flush=True)
+"""
+
+
+def test_an_abort_watcher_that_cannot_reach_the_coordinator_stops_the_worker_saying_so():
+    """A watcher whose store client cannot connect retries, then stops the worker with an
+    error that names the coordinator (it used to return silently: no abort watch, no liveness,
+    no cut-off guard for the rest of the job)."""
+    from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _REFUSED_WATCHER], capture_output=True, text=True, timeout=60)
+    assert p.returncode == MEMBERSHIP_EXIT_CODE, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "abort watcher cannot reach the coordinator at 127.0.0.1:" in p.stderr
+    assert "still running" not in p.stdout and time.monotonic() - t0 < 9
+
+
+def test_a_given_up_group_set_up_never_installs_its_nccl_group():
+    """A set-up thread that the waiter gave up (its deadline passed) may still finish later; it
+    must not replace the newer generation's NCCL group.  The thread only builds the group; the
+    waiting thread installs the one of the view it waited for (a fake communicator here: no GPU)."""
+    import threading
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime.errors import CollectiveFailure
+    from chameleon_ft.runtime.groups import GroupManager
+    from chameleon_ft.runtime.membership import MembershipView
+
+    class FakeNccl:
+        pg = None
+
+        def __init__(self):
+            self.calls, self.slow = 0, threading.Event()
+
+        def build(self, store, rank, world):
+            self.calls += 1
+            name = f"nccl-{self.calls}"
+            if self.calls == 1:
+                self.slow.wait(2.5)  # the first generation's set-up hangs past its deadline
+            return name
+
+        def install(self, pg):
+            self.pg = pg
+
+        def abort(self):
+            self.pg = None
+
+    store = dist.HashStore()
+    nccl = FakeNccl()
+    gm = GroupManager(store, 0, lambda: store, nccl=nccl, connect_timeout_s=0.2)
+    with pytest.raises(CollectiveFailure):
+        gm.rebuild(MembershipView(generation=1, members=(0,), rank=0, world_size=1, token="g1"))
+    gm.rebuild(MembershipView(generation=2, members=(0,), rank=0, world_size=1, token="g2"))
+    assert nccl.pg == "nccl-2"
+    nccl.slow.set()
+    time.sleep(0.3)  # the given-up thread has finished now
+    assert nccl.pg == "nccl-2"

@@ -1,0 +1,291 @@
+"""The control plane at scale: N emulated members that run the real membership code -- join
+through the Lighthouse and the store, the liveness monitor, the abort watcher, the agreement
+on a new generation -- without a model, against the embedded coordinator.
+
+    python benchmarks/control_plane.py --members 16,64,256,1024 --out docs/benchmarks-control-plane.md
+
+Each member is a ``Membership`` on threads of its own, 64 to a host process (``--per-process``);
+a member's "main thread" only takes the next generation when the watcher saw its generation
+end (what a worker's failed collective does).  Measured per N, on this machine:
+
+* store requests per member per second in the steady state (every request a member's store
+  clients make, counted on the client side, over ``--window`` seconds), and in total;
+* the coordinator process's CPU (cores) and resident memory over the same window;
+* a silent member (its threads stopped: what SIGSTOP or a lost node looks like): seconds from
+  the silence to its generation ended (detected) and to a new generation without it agreed;
+* a burst: 10 % of the members silent at once, the same two times.
+
+The figures depend on this machine's 2 cores, which also run the N emulated members: where
+they saturate, the per-member rates and times say so (the harness reports what it achieved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# ---------------------------------------------------------------- the host process (members)
+class _Counting:
+    """A store client that counts its requests (every method call)."""
+
+    def __init__(self, inner, counter: list) -> None:
+        self._inner, self._counter = inner, counter
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._counter[0] += 1
+            return attr(*args, **kwargs)
+        return call
+
+
+def host(args) -> None:
+    """Run members ``args.ids`` (a:b) until told to stop; obey the orchestrator's commands."""
+    import chameleon_ft.runtime.membership as mm
+
+    counter = [0]
+    real_connect = mm.connect_store
+    mm.connect_store = lambda addr, timeout: _Counting(real_connect(addr, timeout), counter)
+    lo, hi = (int(x) for x in args.ids.split(":"))
+    ctl = Path(args.ctl)
+    members: dict[int, mm.Membership] = {}
+    silenced: set[int] = set()
+    stop = threading.Event()
+
+    def run(w: int) -> None:
+        m = mm.Membership(w, args.store, args.lighthouse, heartbeat_timeout_s=1.0, cut_off_s=None)
+        members[w] = m
+        m.join(min_world_size=args.n, timeout_s=600)
+        while not stop.is_set():
+            if w in silenced:
+                return
+            view = m.view()
+            if view is not None and m.abort_seen(view.token):
+                try:
+                    m.next_view(30.0, after=view.token)
+                except Exception:
+                    pass
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(lo, hi)]
+    for t in threads:
+        t.start()
+        time.sleep(0.002)
+    while not all(w in members and members[w].view() is not None for w in range(lo, hi)):
+        time.sleep(0.05)
+    (ctl / f"ready.{lo}").write_text("1")
+    done: set[str] = set()
+    while not (ctl / "stop").exists():
+        for cmd in sorted(ctl.glob("cmd.*")):
+            if cmd.name in done:
+                continue
+            done.add(cmd.name)
+            order = json.loads(cmd.read_text())
+            if order["what"] == "count":
+                (ctl / f"count.{order['id']}.{lo}").write_text(json.dumps({"requests": counter[0], "t": time.time()}))
+            elif order["what"] == "silence":
+                for w in order["workers"]:
+                    if lo <= w < hi:
+                        silenced.add(w)
+                        m = members[w]
+                        m._stop.set()  # the watcher, the Lighthouse heartbeats, the guard
+                        monitor = getattr(m, "_monitor", None)
+                        if monitor is not None:
+                            monitor.stop(0)
+        time.sleep(0.02)
+    stop.set()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- the orchestrator
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+_COORDINATOR = """
+import sys, time
+from chameleon_ft.runtime.coordination import CoordinatorServer
+c = CoordinatorServer(min_replicas=1)
+print(c.store_addr, c.lighthouse_addr, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+class Run:
+    """One N: the coordinator, the host processes, the control directory."""
+
+    def __init__(self, n: int, per_process: int, ctl: Path) -> None:
+        self.n, self.ctl = n, ctl
+        ctl.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR], stdout=subprocess.PIPE, text=True, env=env)
+        self.store, self.lighthouse = self.coord.stdout.readline().split()
+        from chameleon_ft.runtime.coordination import connect_store
+        self.client = connect_store(self.store, 10.0)
+        self.hosts = []
+        for lo in range(0, n, per_process):
+            hi = min(n, lo + per_process)
+            self.hosts.append(subprocess.Popen(
+                [sys.executable, __file__, "--host", "--ids", f"{lo}:{hi}", "--n", str(n), "--store", self.store,
+                 "--lighthouse", self.lighthouse, "--ctl", str(ctl)], env=env,
+                stdout=subprocess.DEVNULL, stderr=open(ctl / f"host.{lo}.log", "w")))
+        self.los = list(range(0, n, per_process))
+        self._cmds = 0
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t0 = time.time()
+        while not all((self.ctl / f"ready.{lo}").exists() for lo in self.los):
+            if time.time() - t0 > timeout_s:
+                raise TimeoutError(f"{self.n} members not joined in {timeout_s} s")
+            if any(h.poll() is not None for h in self.hosts):
+                raise RuntimeError(f"a host process died: {(self.ctl / 'host.0.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        return time.time() - t0
+
+    def command(self, what: str, **kw) -> int:
+        self._cmds += 1
+        path = self.ctl / f"cmd.{self._cmds:04d}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"what": what, "id": self._cmds, **kw}))
+        tmp.rename(path)
+        return self._cmds
+
+    def count(self) -> tuple[int, float]:
+        cid = self.command("count")
+        files = [self.ctl / f"count.{cid}.{lo}" for lo in self.los]
+        while not all(f.exists() for f in files):
+            time.sleep(0.02)
+        got = [json.loads(f.read_text()) for f in files]
+        return sum(g["requests"] for g in got), sum(g["t"] for g in got) / len(got)
+
+    def latest(self) -> dict:
+        from chameleon_ft.runtime.coordination import read_latest
+        return read_latest(self.client) or {}
+
+    def silence_and_time(self, workers: list[int], timeout_s: float = 60.0) -> tuple[Optional[float], Optional[float]]:
+        """Silence ``workers``; seconds to their generation's end and to a new one without them."""
+        from chameleon_ft.runtime.coordination import abort_key
+        before = self.latest()
+        t0 = time.time()
+        self.command("silence", workers=workers)
+        detect = agreed = None
+        gone = set(workers)
+        while time.time() - t0 < timeout_s and agreed is None:
+            if detect is None and self.client.check([abort_key(before["token"])]):
+                detect = time.time() - t0
+            now = self.latest()
+            if now.get("token") != before.get("token") and not gone & set(now.get("members", [])):
+                agreed = time.time() - t0
+            time.sleep(0.01)
+        return detect, agreed
+
+    def close(self) -> None:
+        (self.ctl / "stop").write_text("1")
+        for h in self.hosts:
+            try:
+                h.wait(10)
+            except subprocess.TimeoutExpired:
+                h.kill()
+        self.coord.kill()
+        self.coord.wait()
+
+
+def measure(n: int, per_process: int, window_s: float, ctl: Path) -> dict:
+    run = Run(n, per_process, ctl)
+    try:
+        join_s = run.wait_ready(60 + n * 0.5)
+        time.sleep(2.0)  # settle: every member's threads running
+        r0, t0 = run.count()
+        c0 = _cpu_s(run.coord.pid)
+        time.sleep(window_s)
+        r1, t1 = run.count()
+        c1 = _cpu_s(run.coord.pid)
+        rate = (r1 - r0) / (t1 - t0)
+        out = {"members": n, "join_s": round(join_s, 2), "requests_per_s": round(rate),
+               "requests_per_member_s": round(rate / n, 1), "coordinator_cores": round((c1 - c0) / (t1 - t0), 2),
+               "coordinator_rss_mb": round(_rss_mb(run.coord.pid), 1)}
+        members = sorted(run.latest()["members"])
+        victim = members[len(members) // 2]  # not the judge
+        out["silent_detect_s"], out["silent_agreed_s"] = run.silence_and_time([victim])
+        time.sleep(1.0)
+        members = sorted(run.latest()["members"])
+        burst = members[1::10][:max(1, len(members) // 10)]
+        out["burst"] = len(burst)
+        out["burst_detect_s"], out["burst_agreed_s"] = run.silence_and_time(burst)
+        return out
+    finally:
+        run.close()
+
+
+def table(rows: list[dict], label: str) -> str:
+    head = ("| members | store requests/s | per member/s | coordinator CPU (cores) | coordinator RSS (MB) | "
+            "silent member: detected (s) | new generation (s) | burst of 10 %: detected (s) | new generation (s) |")
+    lines = [f"**{label}**", "", head, "|" + "---|" * 9]
+    f = lambda v: "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['members']} | {r['requests_per_s']} | {r['requests_per_member_s']} | "
+                     f"{r['coordinator_cores']} | {r['coordinator_rss_mb']} | {f(r['silent_detect_s'])} | "
+                     f"{f(r['silent_agreed_s'])} | {f(r['burst_detect_s'])} ({r['burst']}) | {f(r['burst_agreed_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ids", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--lighthouse", help=argparse.SUPPRESS)
+    p.add_argument("--ctl", help=argparse.SUPPRESS)
+    p.add_argument("--members", default="16,64,256")
+    p.add_argument("--per-process", type=int, default=64)
+    p.add_argument("--window", type=float, default=3.0)
+    p.add_argument("--label", default="this tree")
+    p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
+    p.add_argument("--out", default=None, help="write the table to this markdown file (appended)")
+    a = p.parse_args()
+    if a.host:
+        return host(a)
+    import tempfile
+    rows = []
+    for n in [int(x) for x in a.members.split(",")]:
+        with tempfile.TemporaryDirectory() as d:
+            row = measure(n, a.per_process, a.window, Path(d))
+        row["label"] = a.label
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+    text = table(rows, a.label)
+    print(text)
+    if a.out:
+        with open(a.out, "a") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
