@@ -43,7 +43,7 @@ from accelerate_ft.results import drop_rows, map_tensors, tensors_only, trim_row
 from accelerate_ft.setups import fsdp_env_hidden, fsdp_setup, place_on_device, refuse_sharding
 from accelerate_ft.sharded import ShardedModel, gathered
 from accelerate_ft.step_protocol import StepProtocol
-from chameleon_ft.runtime.adapter_kit import adapter_config, refuse_grad_scaler
+from chameleon_ft.runtime.adapter_kit import adapter_config
 from chameleon_ft.runtime.recovery import ElasticConfig
 from chameleon_ft.runtime.relaunch import relaunch_local_rank_zero
 from typing_extensions import override

@@ -67,6 +67,9 @@ from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_ke
 
 log = logging.getLogger(__name__)
 
+_REGISTERED_KEY = "cft/registered"  # how many registrations (a counter)
+_ENOUGH_KEY = "cft/registered/enough"  # set by the registration that made min_world_size
+
 # A worker asking to be admitted again within ADMISSION_BACKOFF_RESET_S of its last admission
 # waits first: ADMISSION_BACKOFF_S, doubling each time, at most ADMISSION_BACKOFF_MAX_S
 # (``Membership._request_admission``).
@@ -180,6 +183,8 @@ class Membership:
         so that the members come to the Lighthouse and admit it.
         """
         self.store.append(_REGISTRY_KEY, f"{self.worker_id},")
+        if self.store.add(_REGISTERED_KEY, 1) == min_world_size:  # the last of the launch: say so once
+            self.store.set(_ENOUGH_KEY, "1")
         # A replacement reusing this id gets a new incarnation, so the launcher's death
         # report about its predecessor does not apply to it.
         self.incarnation = self.store.add(_incarnation_key(self.worker_id), 1)
@@ -235,11 +240,14 @@ class Membership:
             if first is None or first.get("token") != latest.get("token") or self.worker_id not in first["members"]:
                 return None  # the job moved past its first generation, or this worker is not in it
             return self._take_first(first)
-        while len(self._registered()) < min_world_size:
-            if time.monotonic() > deadline:
+        # One blocking wait (the store answers when the last launch worker registered), not a
+        # poll of the growing registry by every worker: O(N) requests for N workers.
+        try:
+            self.store.wait([_ENOUGH_KEY], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except Exception:
+            if len(self._registered()) < min_world_size:
                 raise MembershipError(f"worker {self.worker_id}: only {len(self._registered())} of "
-                                      f"{min_world_size} workers registered in time")
-            time.sleep(0.02)
+                                      f"{min_world_size} workers registered in time") from None
         proposal = {"generation": 0, "members": sorted(self._registered()), "token": f"0.{time.time_ns()}"}
         first = json.loads(self.store.compare_set(_FIRST_KEY, "", json.dumps(proposal)).decode())
         if self.worker_id not in first["members"]:

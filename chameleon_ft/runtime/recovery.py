@@ -326,6 +326,13 @@ class RecoveryCore:
 
     def reset_step(self) -> None:
         """Forget the executor's bookkeeping of a discarded step."""
+
+    def _before_item(self, item) -> None:
+        """Before a step's item runs: the ``forward`` fault hook and, with ``seed_microbatches``,
+        the per-(step, slot) seed of its first micro-batch (the same whichever member runs it)."""
+        self.faults.at(self.step, "forward")
+        if self.cfg.seed_microbatches and not item.ghost:
+            seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
     # ---------------------------------------------------------------- recovery
     def recover(self, failure: CollectiveFailure) -> None:
         """Reconfigure after ``failure`` of a collective outside a step, as after a failed one

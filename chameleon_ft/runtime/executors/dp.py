@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from chameleon_ft.engine.plan import even_split
 from chameleon_ft.runtime.executors.buckets import GradientBuckets
-from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore, seed_generators
+from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore
 from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams, scale_lr
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
@@ -221,9 +221,7 @@ class DataParallelExecutor(RecoveryCore):
         for k, item in enumerate(items):
             if k == final:
                 self._arm()
-            self.faults.at(self.step, "forward")
-            if self.cfg.seed_microbatches and not item.ghost:
-                seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
+            self._before_item(item)
             t0 = time.perf_counter()
             yield item
             self._compute_s += time.perf_counter() - t0

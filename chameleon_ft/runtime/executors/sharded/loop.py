@@ -38,7 +38,6 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from chameleon_ft.runtime.executors.sharded.executor import ShardedExecutor
-from chameleon_ft.runtime.recovery import seed_generators
 from chameleon_ft.runtime.sampler import StepItem, step_items
 
 __all__ = ["LoopShardedExecutor"]
@@ -135,9 +134,7 @@ class LoopShardedExecutor(ShardedExecutor):
 
     def _run(self, items) -> Iterator[StepItem]:
         for item in items:
-            self.faults.at(self.step, "forward")
-            if self.cfg.seed_microbatches and not item.ghost:
-                seed_generators((self.seed * 1_000_003 + self.step) * 65_537 + item.seed_slot)
+            self._before_item(item)
             t0 = time.perf_counter()
             yield item
             self._compute_s += time.perf_counter() - t0
