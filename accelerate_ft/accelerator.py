@@ -553,6 +553,9 @@ def wrap(accelerator: Accelerator, **options: Any) -> Accelerator:
         if other_launcher():
             warnings.warn(not_launched_message(), stacklevel=2)
         return accelerator
+    if fsdp_setup({}) is not None:  # accelerate launch --use_fsdp: the Accelerator dropped its plugin
+        raise ConfigError("wrap() cannot carry FSDP: the Accelerator was built without its plugin on a single "
+                          "process; build FaultTolerantAccelerator(...) instead (it reads the same FSDP2 setup)")
     if accelerator.distributed_type != DistributedType.NO or torch.distributed.is_initialized():
         raise LauncherError(
             f"wrap(): this Accelerator already set up {accelerator.distributed_type} with a fixed-world "

@@ -110,6 +110,12 @@ def test_an_fsdp_plugin_is_read_into_the_sharded_setup_or_refused_by_name(monkey
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert fsdp_setup({}) == FsdpSetup()
     assert fsdp_setup({}) is not None and "ACCELERATE_USE_FSDP" in __import__("os").environ
+    # wrap(Accelerator()) under accelerate launch --use_fsdp: the plugin is already gone; say so
+    import accelerate_ft.accelerator as acc_mod
+    from accelerate_ft import wrap
+    monkeypatch.setattr(acc_mod, "launch_env", lambda: object())
+    with pytest.raises(ConfigError, match="wrap.. cannot carry FSDP.*FaultTolerantAccelerator"):
+        wrap(object())
 
 
 @pytest.mark.parametrize("stage,fsdp2", [("3", "reshard_after_forward=True .FULL_SHARD"),
