@@ -109,15 +109,15 @@ class _FTOptimizer(AcceleratedOptimizer):
         """Sharded (FSDP2): the whole state in torch's format, as gathered for the checkpoint
         being written (``save_state`` gathers it on every member first)."""
         rt = self._ft_rt
-        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
-            return gathered(rt, rt.ctx.whole_state, 0)[1]
+        if rt.sharded_ctx is not None:
+            return gathered(rt, rt.sharded_ctx.whole_state, 0)[1]
         return super().state_dict()
 
     @override
     def load_state_dict(self, state_dict):
-        rt = self._ft_rt
-        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
-            rt.ctx.load_whole({n: p.detach() for n, p in rt.ctx.model.named_parameters()}, state_dict)
+        ctx = self._ft_rt.sharded_ctx
+        if ctx is not None:  # load_state loaded the model object first: both into the rows
+            ctx.load_whole(state_dict)
             return
         super().load_state_dict(state_dict)
 
@@ -339,8 +339,8 @@ class FaultTolerantAccelerator(Accelerator):
         step: every process calls it, as ``get_state_dict``)."""
         if isinstance(model, ShardedModel):
             rt = self._ft
-            if rt.ctx is not None and rt.ctx.module is not None and not rt.in_step:
-                gathered(rt, rt.ctx.refresh_model, 0)
+            if rt.sharded_ctx is not None and not rt.in_step:
+                gathered(rt, rt.sharded_ctx.refresh_model, 0)
             return model._original
         return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
@@ -350,8 +350,8 @@ class FaultTolerantAccelerator(Accelerator):
         if self._ft is not None and self._ft.sharding is not None:
             if isinstance(model, ShardedModel) or model is getattr(self._ft.model, "_original", None):
                 rt = self._ft
-                if rt.ctx is not None and rt.ctx.module is not None:
-                    gathered(rt, rt.ctx.refresh_model, 0)
+                if rt.sharded_ctx is not None:
+                    gathered(rt, rt.sharded_ctx.refresh_model, 0)
                 return getattr(model, "_original", model).state_dict()
         return super().get_state_dict(model, unwrap)
 
@@ -497,8 +497,8 @@ class FaultTolerantAccelerator(Accelerator):
         folder = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
                   if auto else output_dir)
         counted = False  # this member advanced Accelerate's checkpoint iteration already
-        if rt.sharding is not None and rt.ctx is not None and rt.ctx.module is not None:
-            gathered(rt, rt.ctx.whole_state, 0)  # every member: the main one writes it
+        if rt.sharded_ctx is not None:
+            gathered(rt, rt.sharded_ctx.whole_state, 0)  # every member: the main one writes it
         while True:
             if self.is_main_process:
                 if auto and counted:

@@ -40,11 +40,7 @@ class ShardedModel(torch.nn.Module):
 
     def current(self) -> torch.nn.Module:
         """The module a call runs now (module doc)."""
-        rt = self._rt
-        ctx = rt.ctx
-        if ctx is None or ctx.module is None or rt.in_eval:
-            return self._original
-        return ctx.module
+        return self._original if self._rt.in_eval else self._sharded()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.current()(*args, **kwargs)
@@ -60,8 +56,9 @@ class ShardedModel(torch.nn.Module):
         return self
 
     def _sharded(self) -> torch.nn.Module:
-        ctx = self._rt.ctx
-        return ctx.module if ctx is not None and ctx.module is not None else self._original
+        """The current generation's sharded module (before the runtime starts: the user's model)."""
+        ctx = self._rt.sharded_ctx
+        return ctx.module if ctx is not None else self._original
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return self._sharded().parameters(recurse)

@@ -184,6 +184,13 @@ class StepProtocol:
         mine = [w for w in self.view().members if w // lws == self.env.worker_id // lws]
         return bool(mine) and min(mine) == self.env.worker_id
 
+    @property
+    def sharded_ctx(self):
+        """The ``LoopShardedExecutor`` once its sharded model exists (None: not sharded, or not
+        started yet: the user's model object is then all there is)."""
+        ctx = self.ctx
+        return ctx if self.sharding is not None and ctx is not None and ctx.module is not None else None
+
     # ---------------------------------------------------------------- prepared objects
     def add_model(self, model: torch.nn.Module) -> None:
         if not any(p.requires_grad for p in model.parameters()):

@@ -253,8 +253,9 @@ class FaultTolerantTrainer(Trainer):
         evaluates) holds the committed weights -- and with ``optimizer`` the optimizer's whole
         state is gathered for its ``state_dict()`` -- on every member at this same point."""
         ft = self._ft
-        if ft is not None and ft.sharding is not None and ft.ctx is not None and ft.ctx.module is not None:
-            gathered(ft, ft.ctx.whole_state if optimizer else ft.ctx.refresh_model, 0)
+        ctx = ft.sharded_ctx if ft is not None else None
+        if ctx is not None:
+            gathered(ft, ctx.whole_state if optimizer else ctx.refresh_model, 0)
 
     def train(self, *args: Any, **kwargs: Any):
         """``Trainer.train``; sharded, ``self.model`` then holds the trained (or best) weights."""
@@ -264,10 +265,9 @@ class FaultTolerantTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         super()._load_best_model()
-        ft = self._ft
-        if ft is not None and ft.sharding is not None and ft.ctx is not None and ft.ctx.module is not None:
-            # The best weights, loaded into self.model, become the rows' (training is over).
-            ft.ctx.load_whole({n: p.detach() for n, p in self.model.named_parameters()}, None)
+        ctx = self._ft.sharded_ctx if self._ft is not None else None
+        if ctx is not None:  # the best weights, loaded into self.model, become the rows' (training is over)
+            ctx.load_whole(None)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         ft = self._ft

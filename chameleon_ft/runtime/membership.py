@@ -370,13 +370,8 @@ class Membership:
                 return connect_store(self.store_addr, self.connect_timeout_s)
             except MembershipError as exc:
                 if time.monotonic() > deadline:
-                    import sys
-
-                    from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
-                    print(f"chameleon-ft worker {self.worker_id}: its abort watcher cannot reach the coordinator "
-                          f"at {self.store_addr}: {exc}; stopping (without it a failure would go unseen until "
-                          "the collective watchdog)", file=sys.stderr, flush=True)
-                    os._exit(MEMBERSHIP_EXIT_CODE)
+                    self._stop_worker(f"its abort watcher cannot reach the coordinator at {self.store_addr}: {exc}; "
+                                      "stopping (without it a failure would go unseen until the collective watchdog)")
                 self._stop.wait(0.2)
         return None
 
@@ -436,17 +431,20 @@ class Membership:
         a partition (or the coordinator is gone).  It must not go on alone: stop now."""
         if self.cut_off_s is None or unanswered_s < self.cut_off_s or self._stop.is_set():
             return
-        import sys
-
-        from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
-
         why = ("a network partition cut this worker off from etcd's quorum, or etcd lost its quorum "
                "for longer than --quorum-wait" if is_etcd(self.store_addr) else
                "a network partition cut this worker off, or the coordinator's node is gone: the embedded "
                "coordinator is a single point of failure, --rdzv-backend etcd is not")
-        print(f"chameleon-ft worker {self.worker_id}: lost the coordinator at {self.store_addr}: no "
-              f"answer for {unanswered_s:.1f} s ({why}); stopping without committing anything more",
-              file=sys.stderr, flush=True)
+        self._stop_worker(f"lost the coordinator at {self.store_addr}: no answer for {unanswered_s:.1f} s "
+                          f"({why}); stopping without committing anything more")
+
+    def _stop_worker(self, why: str) -> None:
+        """End this worker now, saying ``why``, with the exit code of a lost membership (the
+        launcher tells it from a crash)."""
+        import sys
+
+        from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
+        print(f"chameleon-ft worker {self.worker_id}: {why}", file=sys.stderr, flush=True)
         os._exit(MEMBERSHIP_EXIT_CODE)
 
     # ---------------------------------------------------------------- internals

@@ -327,6 +327,21 @@ class RecoveryCore:
     def reset_step(self) -> None:
         """Forget the executor's bookkeeping of a discarded step."""
 
+    def _token_weight(self, mb, tokens=None):
+        """The factor of a micro-batch's (or item's) mean loss: its sample share, or with
+        ``tokens`` (a number, or a 0-dim tensor: never read here) its token count, counted into
+        the step's (``self._tokens``, the executor's); the reduced total divides the gradients
+        and the loss after the commit: the global batch's token mean, whoever computed which
+        micro-batch, with no collective of its own."""
+        if tokens is None:
+            return mb.weight
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().reshape(()).to(self.dtype)
+        elif tokens <= 0:
+            raise ValueError(f"a token-weighted micro-batch needs a positive item count, got {tokens}")
+        self._tokens = self._tokens + tokens
+        return tokens
+
     def _before_item(self, item) -> None:
         """Before a step's item runs: the ``forward`` fault hook and, with ``seed_microbatches``,
         the per-(step, slot) seed of its first micro-batch (the same whichever member runs it)."""

@@ -49,7 +49,8 @@ class Waits:
     """The waiting half of ``GroupManager`` (a mixin): it uses the manager's ``group()``,
     ``abort_record()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
     ``CollectiveFailure``), ``_park``, ``_pg``, ``op_timeout_s``, ``abort_poll_s``,
-    ``worker_id`` and ``_wait_pool`` (the helper thread, None until first used)."""
+    ``pause_limit_s``, ``coordinator`` (its name in errors), ``worker_id`` and ``_wait_pool``
+    (the helper thread, None until first used)."""
 
     def wait(self, work, timeout_s: Optional[float] = None, abandon: Optional[Callable[[], None]] = None,
              poll: bool = False) -> None:
@@ -135,7 +136,7 @@ class Waits:
         """Raise ``MembershipError`` once the membership has been paused since ``since`` for
         longer than ``pause_limit_s`` (after ``abandon()``-ing the op waited for): a deadline
         of its own, not the membership guard thread's."""
-        limit = getattr(self, "pause_limit_s", None)
+        limit = self.pause_limit_s
         if limit is not None and time.monotonic() - since > limit:
             if abandon is not None:
                 abandon()

@@ -252,21 +252,6 @@ class DataParallelExecutor(RecoveryCore):
         self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
         scaled.backward(**kwargs)
 
-    def _token_weight(self, mb: MicroBatch, tokens=None):
-        """The factor of a micro-batch's mean loss: its sample share, or with ``tokens`` (a
-        number, or a 0-dim tensor: never read here) its token count, counted into the step's;
-        the reduced total divides the gradients and the loss after the commit
-        (``sync_and_step``): the global batch's token mean, whoever computed which micro-batch,
-        with no collective of its own."""
-        if tokens is None:
-            return mb.weight
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().reshape(()).to(self.dtype)
-        elif tokens <= 0:
-            raise ValueError(f"a token-weighted micro-batch needs a positive item count, got {tokens}")
-        self._tokens = self._tokens + tokens
-        return tokens
-
     def _arm(self) -> None:
         """The coming backward is this member's last of the step: its gradients are reduced in
         buckets as they become final; the step header (control collectives on) is posted now."""

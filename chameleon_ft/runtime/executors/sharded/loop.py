@@ -97,11 +97,11 @@ class LoopShardedExecutor(ShardedExecutor):
             self._whole = (self._key(), optim)
         return self.model, self._whole[1]
 
-    def load_whole(self, params: dict, optim: Optional[dict]) -> None:
-        """Load whole parameters (and the optimizer's whole state) into this member's rows; the
-        model object holds them from now on (no collective)."""
-        self.load_full_state(params, optim)
-        self._into_model(params)
+    def load_whole(self, optim: Optional[dict]) -> None:
+        """The weights the caller loaded into the user's model object (a checkpoint, the best
+        model), and the optimizer's whole state (None: none), into this member's rows (no
+        collective)."""
+        self.load_full_state({n: p.detach() for n, p in self.model.named_parameters()}, optim)
         self._refreshed, self._whole = self._key(), None
 
     def _key(self) -> tuple:
@@ -158,17 +158,9 @@ class LoopShardedExecutor(ShardedExecutor):
         ``tokens`` (its item count: a token-weighted step); a ghost (``item`` None or empty)
         by zero -- its pass runs FSDP's collectives for the others."""
         self.faults.at(self.step, "backward")
-        if item is None or getattr(item, "ghost", False):
-            weight = 0.0
-        elif tokens is not None:
-            weight = float(tokens)
-            if weight <= 0:
-                raise ValueError(f"a token-weighted micro-batch needs a positive item count, got {tokens}")
-            self._tokens += weight
-        else:
-            weight = item.weight
-        scaled = loss * weight
-        if weight:
+        ghost = item is None or getattr(item, "ghost", False)
+        scaled = loss * (0.0 if ghost else self._token_weight(item, tokens))
+        if not ghost:
             part = scaled.detach()
             self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
         scaled.backward(**kwargs)
@@ -185,9 +177,9 @@ class LoopShardedExecutor(ShardedExecutor):
         if failure is not None:  # a collective of the forward/backward gave way
             return self.interrupted(failure, t0)
         loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
-        sq = sum(float(p.grad.to_local().double().pow(2).sum()) for p in self.shard_params if p.grad is not None)
+        sq = float(sum(p.grad.to_local().double().pow(2).sum() for p in self.shard_params if p.grad is not None))
         done = self.commit(loss, t0, self._n_mb, list(self._ids), update=self._update_with,
-                           tokens=self._tokens, extra=[sq / self.layout.replicas])
+                           tokens=float(self._tokens), extra=[sq / self.layout.replicas])
         self._loss_sum, self._tokens = None, 0.0
         return done
 
