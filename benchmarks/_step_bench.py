@@ -138,14 +138,25 @@ def run_accelerate(a, ft: bool) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate)
     model, opt, loader = acc.prepare(model, opt, loader)
     stamps: list[float] = []
-    while len(stamps) < a.steps:
-        for batch in loader:
-            acc.backward(loss_of(model, batch))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            stamps.append(time.perf_counter())
-            if len(stamps) >= a.steps:
-                break
+
+    def loop():
+        while len(stamps) < a.steps:
+            for batch in loader:
+                acc.backward(loss_of(model, batch))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                stamps.append(time.perf_counter())
+                if len(stamps) >= a.steps:
+                    break
+
+    if a.profile and acc.is_main_process:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.runcall(loop)
+        prof.dump_stats(a.out + ".prof")
+    else:
+        loop()
     if acc.is_main_process:
         write(a.out, stamps)
     acc.wait_for_everyone()
@@ -161,7 +172,7 @@ if __name__ == "__main__":
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_cap_mb (default: DDP's 25)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
-    ap.add_argument("--profile", action="store_true", help="cProfile worker 0 (ft) into OUT.prof")
+    ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (ft, acc, acc-ft) into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.system.startswith("acc"):

@@ -139,6 +139,8 @@ class GroupManager(Waits):
         # Gradient buckets on a gloo group of their own (``data_group``): set where control
         # collectives share the generation, so that a bucket can never meet one of them.
         self.separate_data = False
+        # The token of the generation whose step header last agreed everywhere (``step_aligned``).
+        self._aligned_token: Optional[str] = None
         self._data: Optional[dist.ProcessGroup] = None
         self._data_work = None  # the newest bucket op started (see start_reduce)
         self._sum_opts = dist.AllreduceOptions()  # a bucket's (made once: start_reduce is per bucket)
@@ -374,6 +376,19 @@ class GroupManager(Waits):
         """
         return self.settle_header(self.post_header(kind, tensor, label=label, arg=arg), timeout_s)
 
+    def step_aligned(self) -> bool:
+        """Whether a data-parallel step of this generation may skip its ``step`` header: its
+        buckets travel on a group of their own (``separate_data``) and a step header of this
+        generation already agreed on every member.  Members diverge (one in a control
+        collective, another in its step) only where a failure realigned them, and a failure ends
+        the generation; so once a step of the generation met every member in its step, the
+        members run the same program and their control collectives pair with each other.  Every
+        member decides alike (the agreed rows, the generation's token).  Not where the step
+        shares the control group: a stray control call meeting it there would abort the
+        process in gloo's size check rather than wait for the watchdog."""
+        return (self.separate_data and self._view is not None
+                and self._aligned_token == self._view.token)
+
     def post_header(self, kind: str, tensor: Optional[torch.Tensor] = None, *, label: str = "",
                     arg: int = 0) -> tuple:
         """Start the header exchange of ``checked`` without waiting (a data-parallel step posts
@@ -413,7 +428,12 @@ class GroupManager(Waits):
             if not differ:
                 if runtime:
                     self.realigning = None
+                if kind == "step" and self._view is not None:
+                    self._aligned_token = self._view.token
                 return rows
+            # Members differ: every one of them saw these rows, so each drops the generation's
+            # alignment alike and the next step posts its header again (``step_aligned``).
+            self._aligned_token = None
             call = describe_header(mine)
             peers = tuple((i, members[i], describe_header(rows[i])) for i in differ)
             met = "; ".join(f"rank {i} (worker {w}) in {c}" for i, w, c in peers)

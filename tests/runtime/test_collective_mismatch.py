@@ -73,14 +73,33 @@ def test_mismatched_control_collectives_go_local_and_training_goes_on(tmp_path, 
         assert seen[w]["gather_live"] == [[0.0], [1.0], [2.0], [3.0]]
 
 
-def test_stray_barrier_during_the_step_all_reduce(tmp_path, reference):
-    job, finals = _run(tmp_path, "--stray-barrier", "3")
+def test_stray_barrier_during_the_generations_first_step(tmp_path, reference):
+    """The first step of a generation posts its header: the stray call gives way at once."""
+    job, finals = _run(tmp_path, "--stray-barrier", "0")
     _check(job, finals, reference)
     out = job.output()
     print(out[-3000:])
     assert "mismatch_worker: barrier on rank 1 (worker 1) met rank 0 (worker 0) in the training step's gradient all-reduce" in out
     assert "headers are exchanged again" in out  # the step side waited for it
     assert finals[1]["seen"]["stray_barrier_realigning"] is True
-    # step 3 committed once, on its first attempt (no redo)
-    steps = [e for e in job.events() if e["event"] == "step" and e["step"] == 3]
+    # step 0 committed once, on its first attempt (no redo)
+    steps = [e for e in job.events() if e["event"] == "step" and e["step"] == 0]
     assert len(steps) == 4
+
+
+def test_stray_barrier_once_the_generation_is_aligned(tmp_path, reference):
+    """Once a step of the generation agreed, steps post no header (``GroupManager.step_aligned``):
+    a stray call inside a later step (a rank-dependent barrier, which deadlocks plain DDP) is
+    met by the watchdog instead -- the step is redone in a new generation of the same members,
+    and the run ends as the one without the stray call."""
+    job, finals = _run(tmp_path, "--stray-barrier", "3")
+    assert sorted(finals) == [0, 1, 2, 3]
+    evs = job.events()
+    recoveries = [e for e in evs if e["event"] == "recovery"]
+    assert recoveries and all(e["kind"] == "timeout" for e in recoveries), recoveries
+    assert all(e["members"] == [0, 1, 2, 3] for e in evs if e["event"] == "membership"), "a member was evicted"
+    assert_exactly_once(evs, dataset=DATASET, steps_per_epoch=STEPS_PER_EPOCH, epochs=1,
+                        global_batch=GLOBAL_BATCH)
+    got = assert_replicas_equal(finals, same=("step", "members"))
+    assert got["step"] == STEPS_PER_EPOCH
+    assert rel_diff(got, reference) < 1e-6

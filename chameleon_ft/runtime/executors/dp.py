@@ -294,9 +294,10 @@ class DataParallelExecutor(RecoveryCore):
             nonlocal host_tail
             # Posted here, after everything the member's loop ran in this step (a control
             # collective inside it pairs with its peers' before it), and settled after the
-            # buckets: it travels while the last bucket does.
+            # buckets: it travels while the last bucket does.  Only until a step of the
+            # generation agreed (``GroupManager.step_aligned``).
             posted = (self.gm.post_header("step", label="buckets", arg=len(buckets))
-                      if self.step_header is not None else None)
+                      if self.step_header is not None and not self.gm.step_aligned() else None)
             try:
                 buckets.launch_rest()
             finally:
