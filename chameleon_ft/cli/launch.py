@@ -93,6 +93,7 @@ class Launcher:
             raise LaunchError("more than one node needs --rdzv-endpoint host:port")
         if args.rdzv_backend == "etcd" and not args.rdzv_endpoint:
             raise LaunchError("--rdzv-backend etcd needs --rdzv-endpoint host:2379[,host:2379...]")
+        self._etcd_security(args)
         if not args.rdzv_id or "/" in args.rdzv_id:
             raise LaunchError(f"--rdzv-id {args.rdzv_id!r}: a name without '/'")
         if args.mttf is not None and not args.mttf > 0:
@@ -145,6 +146,25 @@ class Launcher:
         self.warm: Optional[WarmSpawner] = None
         self.gloo_ifname: Optional[str] = None
         self._latest_gen = -1  # the newest generation the launcher read
+
+    @staticmethod
+    def _etcd_security(args: argparse.Namespace) -> None:
+        """Export ``--etcd-cacert/-cert/-key`` (absolute paths) for this launcher's etcd client
+        and its workers, and check them with the user variables (``EtcdSecurity``)."""
+        flags = {E.ETCD_CACERT: args.etcd_cacert, E.ETCD_CERT: args.etcd_cert, E.ETCD_KEY: args.etcd_key}
+        given = [k for k, v in flags.items() if v]
+        if given and args.rdzv_backend != "etcd":
+            raise LaunchError("--etcd-cacert, --etcd-cert and --etcd-key go with --rdzv-backend etcd")
+        for k in given:
+            os.environ[k] = os.path.abspath(flags[k])
+        if args.rdzv_backend == "etcd":
+            from chameleon_ft.runtime.errors import ConfigError
+            from chameleon_ft.runtime.etcd import EtcdSecurity
+
+            try:
+                EtcdSecurity.from_env()
+            except ConfigError as exc:
+                raise LaunchError(str(exc)) from None
 
     # ---------------------------------------------------------------- coordinator
     def connect(self) -> tuple[str, str]:

@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--rdzv-endpoint host:2379[,host:2379...] (no node is special)")
     p.add_argument("--rdzv-id", "--rdzv_id", default="default",
                    help="the job's name in etcd (its key space): one per job (default 'default')")
+    p.add_argument("--etcd-cacert", default=None, metavar="FILE",
+                   help="etcd backend over TLS: the CA that signed the etcd members' certificates "
+                        "(etcdctl's --cacert); user and password for etcd's authentication from "
+                        "$CHAMELEON_FT_ETCD_USER / $CHAMELEON_FT_ETCD_PASSWORD (docs/security.md)")
+    p.add_argument("--etcd-cert", default=None, metavar="FILE",
+                   help="the client certificate for etcd's --client-cert-auth (without a Common Name: "
+                        "etcd's JSON gateway refuses one that has it)")
+    p.add_argument("--etcd-key", default=None, metavar="FILE", help="the client certificate's private key")
     p.add_argument("--job-token", default=None, metavar="TOKEN",
                    help="a secret every node of the job shares (default: $CHAMELEON_FT_JOB_TOKEN; a "
                         "one-node job makes one up): a launcher or worker with another token is refused "

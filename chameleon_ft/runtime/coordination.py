@@ -22,8 +22,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
-from chameleon_ft.runtime.errors import MembershipError
-from chameleon_ft.runtime.etcd import EtcdStore, is_etcd, parse_etcd
+from chameleon_ft.runtime.errors import ConfigError, MembershipError
+from chameleon_ft.runtime.etcd import EtcdRefused, EtcdStore, is_etcd, parse_etcd
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
@@ -269,14 +269,17 @@ def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
     digest = job_digest()
     if is_etcd(store_addr):
         endpoints, prefix = parse_etcd(store_addr)
-        raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
-                        request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
-        if not raw.client.healthy():
-            raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
-                                  f"{raw.client.timeout_s:.1f} s with a quorum")
-        _checked(raw, digest, f"etcd at {', '.join(endpoints)} (job {prefix})")
+        try:
+            raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
+                            request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
+            if not raw.client.healthy():
+                raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
+                                      f"{raw.client.timeout_s:.1f} s with a quorum")
+            _checked(raw, digest, f"etcd at {', '.join(endpoints)} (job {prefix})")
+        except (EtcdRefused, ConfigError) as exc:  # no retry mends these: the launcher stops
+            raise MembershipError(f"refused by etcd at {', '.join(endpoints)}: {exc}") from None
         return EtcdStore(endpoints, f"{prefix}{digest}/", timeout=raw.timeout,
-                         request_timeout_s=raw.client.timeout_s)
+                         request_timeout_s=raw.client.timeout_s, security=raw.client.security)
     host, port = _parse_hostport(store_addr)
     try:
         raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,

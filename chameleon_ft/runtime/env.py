@@ -33,6 +33,11 @@ BEAT_TIMEOUT = "CHAMELEON_FT_HEARTBEAT_TIMEOUT"  # a member silent this long is 
 CUT_OFF = "CHAMELEON_FT_CUT_OFF"            # no answer from the coordinator this long: stop (s; 0: off)
 QUORUM_WAIT = "CHAMELEON_FT_QUORUM_WAIT"    # etcd without a quorum: paused this long at most (s)
 JOB_TOKEN = "CHAMELEON_FT_JOB_TOKEN"        # the job's shared secret (runtime/coordination.py)
+ETCD_CACERT = "CHAMELEON_FT_ETCD_CACERT"    # etcd over TLS: the CA that signed its members' certificates
+ETCD_CERT = "CHAMELEON_FT_ETCD_CERT"        # ... this client's certificate (etcd --client-cert-auth)
+ETCD_KEY = "CHAMELEON_FT_ETCD_KEY"          # ... and its private key
+ETCD_USER = "CHAMELEON_FT_ETCD_USER"        # etcd's user/role authentication: the user ...
+ETCD_PASSWORD = "CHAMELEON_FT_ETCD_PASSWORD"  # ... and its password (never on a command line)
 PRELOAD_S = "CHAMELEON_FT_PRELOAD_S"        # warm start: seconds the template spent importing
                                             # what this worker inherited (cli/warmstart.py)
 

@@ -25,11 +25,22 @@ agreement itself.  Two pieces:
   one, and every asker reads that one.  An asker left out of ``decided/<r>`` asks in round
   ``r + 1``.
 
+Security (``EtcdSecurity``, read from the environment that ``chameleon-ft run`` passes to its
+workers): with ``--etcd-cacert`` (and ``--etcd-cert`` / ``--etcd-key`` for etcd's
+``--client-cert-auth``) every request goes over TLS, the members' certificates checked against
+that CA; with ``CHAMELEON_FT_ETCD_USER`` / ``CHAMELEON_FT_ETCD_PASSWORD`` the client
+authenticates (``/v3/auth/authenticate``) and sends etcd's token with every request, fetching a
+new one when etcd says it expired.  A refusal -- a certificate the members reject, a wrong
+password, a role without read-write on the job's keys -- raises ``EtcdRefused`` at once, naming
+what to fix, instead of being retried as an unreachable member.  etcd's JSON gateway refuses a
+client certificate that carries a Common Name (etcd would take it for the user): issue the
+workers' certificate without one.
+
 Limits, honestly: every request is an HTTP round trip to one member (a few ms on a LAN), so
 group set-up and the abort polls cost more than over the embedded TCPStore; keys are not
 garbage-collected while the job runs (a few per generation); use one ``--rdzv-id`` per job
-(a key space of its own).  The gateway is plain HTTP: run etcd with TLS and authentication on
-a real cluster (docs/security.md).
+(a key space of its own).  Without the settings above the gateway is plain HTTP with no
+credentials: keep such an etcd on a network only the job reaches (docs/security.md).
 """
 
 from __future__ import annotations
@@ -37,21 +48,80 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import ssl
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdClient", "EtcdStore", "EtcdQuorum", "is_etcd", "parse_etcd"]
+from chameleon_ft.runtime import env as E
+from chameleon_ft.runtime.errors import ConfigError
+
+__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdRefused", "EtcdSecurity", "EtcdClient", "EtcdStore", "EtcdQuorum",
+           "is_etcd", "parse_etcd"]
 
 ETCD_SCHEME = "etcd://"
 
 
 class EtcdError(dist.DistStoreError):
     """No etcd member answered (a request timed out or every endpoint refused)."""
+
+
+class EtcdRefused(EtcdError):
+    """etcd answered and said no (its TLS handshake, the credentials, the role's permissions):
+    asking another member, or again, will not help."""
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How this process reaches etcd: TLS (``cacert``; ``cert`` and ``key`` for a client
+    certificate) and etcd's user/role authentication (``user``, ``password``).  All None: plain
+    HTTP without credentials."""
+
+    cacert: Optional[str] = None
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    user: Optional[str] = None
+    password: Optional[str] = None
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "EtcdSecurity":
+        """The settings ``chameleon-ft run`` exported (``--etcd-cacert/-cert/-key``, the user
+        and password variables), checked (``ConfigError`` naming the flag)."""
+        env = os.environ if environ is None else environ
+        sec = cls(*(env.get(k) or None for k in (E.ETCD_CACERT, E.ETCD_CERT, E.ETCD_KEY, E.ETCD_USER,
+                                                  E.ETCD_PASSWORD)))
+        sec.check()
+        return sec
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cacert or self.cert)
+
+    def check(self) -> None:
+        for path, flag in ((self.cacert, "--etcd-cacert"), (self.cert, "--etcd-cert"), (self.key, "--etcd-key")):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path!r}: no such file")
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("--etcd-cert and --etcd-key go together (the client certificate and its key)")
+        if bool(self.user) != bool(self.password):
+            raise ConfigError(f"${E.ETCD_USER} and ${E.ETCD_PASSWORD} go together (etcd's user authentication)")
+
+    def context(self) -> Optional[ssl.SSLContext]:
+        """The TLS context (the members checked against ``cacert``, or the system's CAs), or None."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.cacert)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
 
 
 def is_etcd(addr: str) -> bool:
@@ -89,35 +159,98 @@ def _prefix_end(key: bytes) -> bytes:
 
 class EtcdClient:
     """Requests to etcd's JSON gateway; a connection per thread, the next endpoint when one
-    does not answer."""
+    does not answer; TLS and etcd's token as ``security`` says (default: ``from_env``)."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0):
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0, security: Optional[EtcdSecurity] = None):
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self.security = EtcdSecurity.from_env() if security is None else security
+        self._ssl = self.security.context()
         self._local = threading.local()
         self._next = 0
+        self._token: Optional[str] = None  # etcd's auth token (shared by the threads)
+        self._token_lock = threading.Lock()
 
     def call(self, path: str, body: dict) -> dict:
+        if self.security.user and self._token is None:
+            self._authenticate()
         data = json.dumps(body)
+        try:
+            return self._post(path, data, auth=True)
+        except _TokenExpired:  # simple tokens expire after etcd's --auth-token-ttl of idleness
+            self._authenticate()
+            return self._post(path, data, auth=True)
+
+    def _authenticate(self) -> None:
+        with self._token_lock:
+            self._token = None
+            body = json.dumps({"name": self.security.user, "password": self.security.password})
+            self._token = self._post("/v3/auth/authenticate", body, auth=False)["token"]
+
+    def _post(self, path: str, data: str, auth: bool) -> dict:
         last: Optional[Exception] = None
+        tls_failures = 0  # members that took the connection and failed its TLS handshake
         for _ in range(len(self.endpoints)):
             conn = self._conn()
+            headers = {"Content-Type": "application/json"}
+            if auth and self._token:
+                headers["Authorization"] = self._token
             try:
-                conn.request("POST", path, data, {"Content-Type": "application/json"})
+                conn.request("POST", path, data, headers)
                 resp = conn.getresponse()
                 raw = resp.read()
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
+                tls_failures += isinstance(exc, ssl.SSLError)
                 self._drop()
                 continue
-            out = json.loads(raw or b"{}")
+            try:
+                out = json.loads(raw or b"{}")
+            except ValueError:
+                out = {"error": raw[:300].decode(errors="replace").strip()}
             if resp.status != 200 or "error" in out:
                 msg = out.get("error") or out.get("message") or raw[:200]
+                self._refused(resp.status, str(msg), path)
                 last = EtcdError(f"etcd {self._endpoint()}: {path}: {msg}")
                 self._drop()  # no leader, or a member going down: try another
                 continue
             return out.get("result", out)
-        raise EtcdError(f"no etcd member answered ({', '.join(self.endpoints)}): {last}")
+        # Every member refused the handshake (our certificate, or theirs, rejected: a member
+        # going down refuses the connection instead).
+        if tls_failures == len(self.endpoints):
+            raise EtcdRefused(f"etcd ({', '.join(self.endpoints)}) refused the TLS handshake: {last} (check "
+                              "--etcd-cacert, --etcd-cert and --etcd-key)")
+        hint = ""
+        if not self.security.tls and isinstance(last, (http.client.RemoteDisconnected, ConnectionResetError)):
+            hint = " (an etcd that speaks TLS only? pass --etcd-cacert)"
+        raise EtcdError(f"no etcd member answered ({', '.join(self.endpoints)}): {last}{hint}")
+
+    def _refused(self, status: int, msg: str, path: str) -> None:
+        """Raise for the answers no other member would change (``EtcdRefused``), or
+        ``_TokenExpired``; return for the others (no leader, a member going down)."""
+        low = msg.lower()
+        if "invalid auth token" in low or (status == 401 and self.security.user):
+            if path != "/v3/auth/authenticate":
+                raise _TokenExpired(msg)
+        if "authentication failed" in low:
+            raise EtcdRefused(f"etcd refused user {self.security.user!r}: {msg} (${E.ETCD_USER} / ${E.ETCD_PASSWORD})")
+        if "permission denied" in low or status == 403:
+            who = (f"user {self.security.user!r}: its role needs read-write on the job's keys (etcdctl role "
+                   "grant-permission ROLE --prefix=true readwrite /cft/)") if self.security.user else (
+                   f"no user: etcd has authentication on (set ${E.ETCD_USER} and ${E.ETCD_PASSWORD})")
+            raise EtcdRefused(f"etcd: {path}: permission denied for {who}")
+        if "user name is empty" in low or "user name not found" in low:
+            raise EtcdRefused(f"etcd: {path}: {msg} (etcd has authentication on: set ${E.ETCD_USER} and "
+                              f"${E.ETCD_PASSWORD})")
+        if "commonname" in low:
+            raise EtcdRefused(f"etcd: {msg.strip()} -- its JSON gateway refuses a client certificate with a Common "
+                              "Name: issue --etcd-cert without one (e.g. subject /O=chameleon-ft)")
+
+    def _open(self, endpoint: str, timeout_s: float) -> http.client.HTTPConnection:
+        host, _, port = endpoint.rpartition(":")
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout_s, context=self._ssl)
+        return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
 
     def _endpoint(self) -> str:
         return self.endpoints[getattr(self._local, "i", 0) % len(self.endpoints)]
@@ -127,8 +260,7 @@ class EtcdClient:
         if c is None:
             self._local.i = self._next
             self._next += 1
-            host, _, port = self._endpoint().rpartition(":")
-            c = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout_s)
+            c = self._open(self._endpoint(), self.timeout_s)
             self._local.conn = c
         return c
 
@@ -178,9 +310,8 @@ class EtcdClient:
         """Whether some member answers at all (its status needs no quorum): etcd is there but
         may have lost its quorum -- as against a partition, where nothing answers."""
         for ep in self.endpoints:
-            host, _, port = ep.rpartition(":")
             try:
-                c = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=0.5)
+                c = self._open(ep, 0.5)
                 c.request("POST", "/v3/maintenance/status", "{}", {"Content-Type": "application/json"})
                 ok = c.getresponse().status == 200
                 c.close()
@@ -195,17 +326,23 @@ class EtcdClient:
         try:
             self.call("/v3/kv/range", {"key": _b64(b"/cft/health")})
             return True
+        except EtcdRefused:
+            raise
         except EtcdError:
             return False
+
+
+class _TokenExpired(Exception):
+    """etcd no longer knows the client's token: authenticate again."""
 
 
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` in etcd under ``prefix`` (module docstring)."""
 
     def __init__(self, endpoints: Sequence[str], prefix: str, timeout: timedelta = timedelta(seconds=30),
-                 request_timeout_s: float = 2.0):
+                 request_timeout_s: float = 2.0, security: Optional[EtcdSecurity] = None):
         super().__init__()  # the pybind trampoline
-        self.client = EtcdClient(endpoints, min(request_timeout_s, timeout.total_seconds()))
+        self.client = EtcdClient(endpoints, min(request_timeout_s, timeout.total_seconds()), security)
         self.prefix = prefix.encode()
         self._timeout = timeout
         self.poll_s = 0.005
@@ -282,7 +419,8 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> "EtcdStore":
         """An independent client of the same key space (gloo clones its store)."""
-        c = EtcdStore(self.client.endpoints, self.prefix.decode(), self._timeout, self.client.timeout_s)
+        c = EtcdStore(self.client.endpoints, self.prefix.decode(), self._timeout, self.client.timeout_s,
+                      self.client.security)
         c.poll_s = self.poll_s
         return c
 

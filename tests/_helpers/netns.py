@@ -118,33 +118,55 @@ class Net:
         return t
 
     # ------------------------------------------------------------ etcd
-    def etcd_up(self, data_root: str, nodes: Optional[Sequence[int]] = None) -> list[str]:
+    def etcd_up(self, data_root: str, nodes: Optional[Sequence[int]] = None, tls: bool = False) -> list[str]:
         """One etcd member per node (Debian's ``etcd``), clients on ``<addr>:2379``, peers on
         ``:2380``, a quick election (50 ms heartbeats, 500 ms election timeout); returns the
-        client endpoints once the cluster has a leader."""
+        client endpoints once the cluster has a leader.  ``tls``: clients over TLS with client
+        certificates and etcd's authentication on (``_helpers/etcd_tls.py``; the certificates in
+        ``self.etcd_certs``)."""
+        from _helpers import etcd_tls
+
         nodes = list(range(self.n)) if nodes is None else list(nodes)
         self.etcd_nodes, self.etcd_root, self.etcd_procs = nodes, data_root, {}
         os.makedirs(data_root, exist_ok=True)
+        self.etcd_certs = (etcd_tls.make_certs(os.path.join(data_root, "certs"), [self.addr(i) for i in nodes])
+                           if tls else None)
         for i in nodes:
             self.etcd_start(i, new=True)
         eps = [f"{self.addr(i)}:2379" for i in nodes]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            r = subprocess.run(self.wrap(nodes[0]) + ["etcdctl", "--endpoints", ",".join(eps), "endpoint", "health"],
-                               capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"))
+            r = self.etcdctl("endpoint", "health", endpoints=eps)
             if r.returncode == 0:
+                if tls:
+                    etcd_tls.enable_auth(lambda *a: self.etcdctl(*a, endpoints=eps))
                 return eps
             time.sleep(0.2)
         raise RuntimeError(f"etcd did not come up: {r.stdout} {r.stderr}")
 
+    def etcdctl(self, *args: str, endpoints: Sequence[str]) -> subprocess.CompletedProcess:
+        """``etcdctl`` from the first etcd node (as etcd's root user when the cluster speaks TLS)."""
+        from _helpers import etcd_tls
+
+        scheme = "https" if self.etcd_certs else "http"
+        flags = etcd_tls.etcdctl_flags(self.etcd_certs) if self.etcd_certs else []
+        return subprocess.run(self.wrap(self.etcd_nodes[0]) + [
+            "etcdctl", "--endpoints", ",".join(f"{scheme}://{e}" for e in endpoints), *flags, *args],
+            capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"))
+
     def etcd_start(self, i: int, new: bool = False) -> None:
+        from _helpers import etcd_tls
+
         peers = ",".join(f"e{j}=http://{self.addr(j)}:2380" for j in self.etcd_nodes)
         a = self.addr(i)
+        client = "https" if self.etcd_certs else "http"
         cmd = ["etcd", "--name", f"e{i}", "--data-dir", os.path.join(self.etcd_root, f"e{i}"),
-               "--listen-client-urls", f"http://{a}:2379", "--advertise-client-urls", f"http://{a}:2379",
+               "--listen-client-urls", f"{client}://{a}:2379", "--advertise-client-urls", f"{client}://{a}:2379",
                "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
                "--initial-cluster", peers, "--initial-cluster-state", "new" if new else "existing",
                "--heartbeat-interval", "50", "--election-timeout", "500"]
+        if self.etcd_certs:
+            cmd += etcd_tls.server_flags(self.etcd_certs)
         log = open(os.path.join(self.etcd_root, f"e{i}.log"), "ab")
         self.etcd_procs[i] = self.run(i, cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()

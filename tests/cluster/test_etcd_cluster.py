@@ -4,12 +4,15 @@ n0:2379,n1:2379,n2:2379``; Debian's ``etcd``), three nodes as network namespaces
 (``_helpers/netns.py``) with 2 workers each.  Node 0 -- its launcher, its workers, its etcd
 member -- is lost and the job trains on; one etcd member is lost and nothing happens; the
 cluster loses its quorum and the job pauses (nothing committed), then goes on when the quorum
-is back.  Needs root, iproute2 and etcd; skipped with the reason otherwise."""
+is back.  The node-0 test runs etcd as docs/security.md advises (TLS with client certificates,
+etcd's user/role authentication: ``_helpers/etcd_tls.py``) and shows first that a client without
+the certificate, or without the role, is refused.  Needs root, iproute2, etcd and openssl;
+skipped with the reason otherwise."""
 
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,36 +21,77 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "_workers"))
 from elastic_job import Job, assert_exactly_once, assert_replicas_equal, max_relative_diff, reference  # noqa: E402
-from _helpers import netns  # noqa: E402
+from _helpers import etcd_tls, netns  # noqa: E402
 from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    why = netns.available() or (None if shutil.which("etcd") else "needs etcd (apt-get install etcd-server)")
+def _cluster(tmp_path, tls: bool):
+    why = netns.available() or etcd_tls.available()
     if why:
         pytest.skip(why)
     with netns.Net(3) as net:
-        eps = net.etcd_up(str(tmp_path / "etcd"))
+        eps = net.etcd_up(str(tmp_path / "etcd"), tls=tls)
         yield net, eps
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    yield from _cluster(tmp_path, tls=False)
+
+
+@pytest.fixture
+def secured_cluster(tmp_path):
+    yield from _cluster(tmp_path, tls=True)
+
+
+def _tls_flags(net) -> list[str]:
+    c = net.etcd_certs
+    return ["--etcd-cacert", c["ca"], "--etcd-cert", c["client_cert"], "--etcd-key", c["client_key"]] if c else []
 
 
 def _start(job: Job, net, eps, nodes=(0, 1, 2)) -> None:
     for i in nodes:
-        job.start(extra=["--nnodes", "3", "--node-rank", str(i), "--rdzv-backend", "etcd",
+        job.start(extra=["--nnodes", "3", "--node-rank", str(i), "--rdzv-backend", "etcd", *_tls_flags(net),
                          "--rdzv-endpoint", ",".join(eps), "--rdzv-id", f"job{os.getpid()}"], wrap=net.wrap(i))
+
+
+_PROBE = """
+import sys
+from chameleon_ft.runtime.etcd import EtcdRefused, EtcdSecurity, EtcdStore
+eps, ca, cert, key, user, password = sys.argv[1].split(","), *[a or None for a in sys.argv[2:]]
+try:
+    EtcdStore(eps, "/cft/probe/", security=EtcdSecurity(ca, cert, key, user, password)).set("k", "v")
+    print("ACCEPTED")
+except EtcdRefused as exc:
+    print("REFUSED", exc)
+"""
+
+
+def _probe(net, eps, node: int, cert: bool, user: str, password: str) -> str:
+    """A client of the cluster from ``node``: what etcd said to it."""
+    c = net.etcd_certs
+    args = [",".join(eps), c["ca"], c["client_cert"] if cert else "", c["client_key"] if cert else "", user, password]
+    p = net.run(node, [sys.executable, "-c", _PROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return p.communicate(timeout=60)[0].strip()
 
 
 def _events(evs, kind):
     return [e for e in evs if e["event"] == kind]
 
 
-def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(cluster, tmp_path, tmp_path_factory):
-    net, eps = cluster
+def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_cluster, tmp_path, tmp_path_factory):
+    net, eps = secured_cluster
+    # Who may use the cluster: the job's certificate and role, nobody else.
+    assert _probe(net, eps, 1, True, etcd_tls.JOB_USER, etcd_tls.JOB_PASSWORD) == "ACCEPTED"
+    said = _probe(net, eps, 1, False, etcd_tls.JOB_USER, etcd_tls.JOB_PASSWORD)
+    assert said.startswith("REFUSED") and "TLS handshake" in said, said
+    said = _probe(net, eps, 1, True, etcd_tls.NO_ROLE_USER, etcd_tls.NO_ROLE_PASSWORD)
+    assert said.startswith("REFUSED") and "permission denied" in said, said
     (tmp_path / "run").mkdir()
-    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10,
+              env={"CHAMELEON_FT_ETCD_USER": etcd_tls.JOB_USER, "CHAMELEON_FT_ETCD_PASSWORD": etcd_tls.JOB_PASSWORD})
     try:
         _start(job, net, eps)
         job.wait_step(5, 180)
