@@ -6,7 +6,9 @@ over a real (namespace) network, with the embedded coordinator and with etcd.
 Three nodes as Linux network namespaces on a bridge (``tests/_helpers/netns.py``; root and
 iproute2; etcd for the etcd rows), one ``chameleon-ft run --nnodes 3`` per namespace with 2
 workers (``tests/runtime/_workers/mlp_worker.py``, ``ElasticTrainer``, data parallel, 6 epochs
-of 8 steps, 20 ms of emulated compute per micro-batch).  At step 5, from outside:
+of 8 steps, 20 ms of emulated compute per micro-batch; the ``/accelerate`` cases run
+``tests/accelerate/_workers/acc_train.py``, an Accelerate loop with ``FaultTolerantAccelerator``,
+gradient accumulation 2, an evaluation per epoch, from step 8).  At step 5, from outside:
 
 * **worker**: one worker of node 1 SIGKILLed (by PID);
 * **node**: every process of node 1 SIGKILLed (its launcher and workers; with etcd, node 0
@@ -37,12 +39,21 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "runtime" /
 
 from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 from elastic_job import Job  # noqa: E402
+from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
 from _helpers import netns  # noqa: E402
 
 PORT = 29531
+ACC_SCRIPT = ROOT / "tests" / "accelerate" / "_workers" / "acc_train.py"
 
 
-def one(kind: str, backend: str, work: Path) -> dict:
+def _job(adapter: str, run: Path):
+    if adapter == "accelerate":  # an Accelerate loop (FaultTolerantAccelerator), the same workers
+        return LocalJob(run, ACC_SCRIPT, ["--out", str(run), "--epochs", "12", "--mb-sleep", "0.02"], nproc=2,
+                        hang_timeout=10)
+    return Job(run, nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+
+
+def one(kind: str, backend: str, work: Path, adapter: str = "elastic") -> dict:
     with netns.Net(3) as net:
         flags = ["--nnodes", "3"]
         if backend == "etcd":
@@ -51,11 +62,11 @@ def one(kind: str, backend: str, work: Path) -> dict:
         else:
             flags += ["--rdzv-endpoint", f"{net.addr(0)}:{PORT}"]
         (work / "run").mkdir(parents=True)
-        job = Job(work / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+        job = _job(adapter, work / "run")
         try:
             for i in range(3):
                 job.start(extra=[*flags, "--node-rank", str(i)], wrap=net.wrap(i))
-            job.wait_step(5, 180)
+            job.wait_step(5 if adapter == "elastic" else 8, 180)
             out = {}
             victim = 0 if backend == "etcd" else 1
             if kind == "worker":
@@ -84,7 +95,9 @@ def one(kind: str, backend: str, work: Path) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cases", default="worker/c10d,node/c10d,partition/c10d,node/etcd")
+    p.add_argument("--cases", default="worker/c10d,node/c10d,partition/c10d,node/etcd,node/c10d/accelerate,"
+                                      "partition/c10d/accelerate,node/etcd/accelerate",
+                   help="KIND/BACKEND[/accelerate] (default: ElasticTrainer)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -94,11 +107,11 @@ def main(argv=None) -> dict:
     res: dict = {"command": "python benchmarks/cluster_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
     for case in a.cases.split(","):
-        kind, backend = case.split("/")
+        kind, backend, *adapter = case.split("/")
         runs = []
         for r in range(a.repeats):
             with tempfile.TemporaryDirectory(prefix="cft-cluster-") as tmp:
-                runs.append(one(kind, backend, Path(tmp)))
+                runs.append(one(kind, backend, Path(tmp), *adapter))
             print(case, r, json.dumps(runs[-1]), flush=True)
         res["cases"][case] = runs
     if a.json:
@@ -115,6 +128,7 @@ def markdown(res: dict) -> str:
              "node/c10d": "node 1 killed: launcher + workers (embedded coordinator)",
              "partition/c10d": "node 2's link down (embedded coordinator)",
              "node/etcd": "node 0 killed with its etcd member (etcd backend)"}
+    names.update({f"{k}/accelerate": f"{v}, Accelerate" for k, v in list(names.items())})
     lines = ["# Recovery across nodes (network namespaces)", "",
              f"`{res['command']}` ({res['date']}; 3 namespace nodes x 2 workers on one 2-core machine; "
              "method in `benchmarks/cluster_bench.py`).  MTTR: fault -> the survivors' first step.", "",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
 from chameleon_ft.runtime.errors import ConfigError, MembershipError
 from chameleon_ft.runtime.etcd import EtcdRefused, EtcdStore, is_etcd, parse_etcd
+from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceServer
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,25 @@ class CoordinatorServer:
         lh_port = int(self._lighthouse.address().rsplit(":", 1)[1])
         self.store_addr = f"{host}:{self._raw.port}"
         self.lighthouse_addr = f"http://{host}:{lh_port}"
+        # Each worker's one idle connection: its end without a goodbye reports it dead at once,
+        # also when its launcher went with it (runtime/presence.py).  Its own store client.
+        self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
+                                                        timeout=timedelta(seconds=5)), digest)
+        self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
+                                        self._connection_ended)
+        self.store.set(PRESENCE_KEY, self._presence.address)
+
+    def _connection_ended(self, worker: int, incarnation: int) -> None:
+        """A registered worker's connection ended without a goodbye: its process is gone.
+        Reported as its launcher would (``report_dead``), unless a replacement took the id or
+        the launcher already did."""
+        store = self._presence_store
+        if store.add(_incarnation_key(worker), 0) != incarnation:
+            return
+        if store.check([_dead_key(worker)]) and int(store.get(_dead_key(worker)).decode()) >= incarnation:
+            return
+        log.info("worker %d's connection to the coordinator ended: reported dead", worker)
+        report_dead(store, worker, "its connection to the coordinator ended (the process is gone)")
 
     def latest_view(self) -> Optional[dict]:
         """The newest generation published by its members: generation, members, token."""
@@ -157,6 +177,7 @@ class CoordinatorServer:
         report_dead(self.store, worker_id, reason)
 
     def shutdown(self) -> None:
+        self._presence.close()
         self._lighthouse.shutdown()
 
 

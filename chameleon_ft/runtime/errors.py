@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from chameleon_ft.runtime import env as E
+from chameleon_ft.runtime.presence import goodbye
 
 __all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
@@ -152,6 +153,7 @@ def exit_worker(exc: BaseException, code: int, hint: str = "") -> None:
             print(f"chameleon-ft worker {_wid()}: {hint}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    goodbye()  # an outcome, not a death (runtime/presence.py)
     os._exit(code)
 
 
@@ -176,6 +178,7 @@ def user_error(exc: BaseException) -> None:
         print(text, file=sys.stderr, end="", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    goodbye()  # an outcome, not a death (runtime/presence.py)
     os._exit(code)
 
 

@@ -60,9 +60,10 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
-    stand_in_for_the_dead, stop_job)
+    TOKEN_ENV, stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
+from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceClient  # noqa: E402
 from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class Membership:
         # A replacement reusing this id gets a new incarnation, so the launcher's death
         # report about its predecessor does not apply to it.
         self.incarnation = self.store.add(_incarnation_key(self.worker_id), 1)
+        self._register_presence()
         self._heartbeat_once(raise_errors=True)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"cft-heartbeat-{self.worker_id}")
@@ -303,8 +305,28 @@ class Membership:
             self._early = None
             return self._agree(time.monotonic() + timeout_s, previous_token=current)
 
+    def _register_presence(self) -> None:
+        """Open this worker's connection to the embedded coordinator (``runtime/presence.py``),
+        whose end without a goodbye reports it dead at once -- also when its launcher is lost
+        with it.  Without it (an etcd job, a coordinator that refused) heartbeats find the loss."""
+        self._presence: Optional[PresenceClient] = None
+        if is_etcd(self.store_addr) or not self.store.check([PRESENCE_KEY]):
+            return
+        client = PresenceClient()
+        try:
+            client.connect(self.store.get(PRESENCE_KEY).decode(), os.environ.get(TOKEN_ENV, ""), self.worker_id,
+                           self.incarnation, timeout_s=self.connect_timeout_s)
+        except (OSError, ValueError) as exc:
+            client.close()
+            log.warning("worker %d: no presence connection to the coordinator (%s): if its node is lost "
+                        "with its launcher, the loss is found by the heartbeat timeout", self.worker_id, exc)
+            return
+        self._presence = client
+
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
+        if getattr(self, "_presence", None) is not None:
+            self._presence.close()  # a goodbye: this is no death
         self._stop.set()
         if getattr(self, "_monitor", None) is not None:
             self._monitor.stop(2 * self.heartbeat_interval_s + 1.0)

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import default_collate
 
+from chameleon_ft.runtime.presence import goodbye
 from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker, user_error
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.recovery import StepEnd
@@ -174,6 +175,7 @@ def elastic_main(fn: Callable[[], object]) -> None:
     except SystemExit as exc:  # the script chose its exit status (argparse's 2, sys.exit(n))
         sys.stdout.flush()
         sys.stderr.flush()
+        goodbye()  # the script ended: not a death (runtime/presence.py)
         os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except BaseException as exc:
         code = exit_code_for(exc)
@@ -182,4 +184,5 @@ def elastic_main(fn: Callable[[], object]) -> None:
         exit_worker(exc, code)
     sys.stdout.flush()
     sys.stderr.flush()
+    goodbye()
     os._exit(0)

@@ -1,0 +1,230 @@
+"""A worker's death told by its own kernel: one idle TCP connection per worker to the coordinator.
+
+Why: a lost worker is known dead at once only when its launcher sees it exit
+(``coordination.report_dead``).  When the launcher goes with it -- a whole node's processes
+killed, a container evicted, the OOM killer taking the launcher -- nobody reported it, and the
+survivors' membership waited the heartbeat timeout before acting on a quorum without it
+(``liveness.await_the_missing``: a live member merely not scheduled must not be taken for lost).
+A process that exits has its sockets closed by its kernel, whatever killed it; a process that is
+alive but stalled keeps them.  So each worker keeps one connection to the coordinator process
+open (``PresenceClient``) and the coordinator (``PresenceServer``, a thread of the embedded
+coordinator) reports the worker dead the moment that connection ends without a goodbye -- the
+same report the launcher makes, with the same incarnation rule, so a replacement that reuses the
+id is not affected.
+
+Who may register: the server sends a random nonce; the client answers with its worker id, its
+incarnation and ``HMAC-SHA256(job token, nonce | worker | incarnation)``.  The token itself is
+never sent and never stored, so a process that can read the store (or replay an earlier
+exchange) cannot register a worker and then close the connection to have it declared dead.
+
+Limits: the embedded coordinator only (an etcd job has no coordinator process: node loss there
+is found by the heartbeat timeout); a machine that vanishes without its kernel closing the
+sockets (power loss, a partition) sends nothing -- heartbeats find it; the connection is closed
+in forked children (DataLoader workers), so it ends when the worker itself does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import selectors
+import socket
+import threading
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PresenceServer", "PresenceClient", "PRESENCE_KEY", "goodbye", "proof"]
+
+PRESENCE_KEY = "cft/presence"  # host:port of the coordinator's presence socket (in the job's store)
+_BYE = b"bye\n"
+_MAX_LINE = 512
+
+
+def proof(token: str, nonce: bytes, worker: int, incarnation: int) -> str:
+    """What a worker answers to the nonce: it holds the job token (module doc)."""
+    msg = nonce + f"|{int(worker)}|{int(incarnation)}".encode()
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+class PresenceServer:
+    """Accepts the workers' connections on ``host`` (a random port: ``address``) and calls
+    ``died(worker, incarnation)`` when a registered connection ends without a goodbye.  One
+    thread; nothing is read from a registered connection but its end (or its goodbye)."""
+
+    def __init__(self, host: str, token: str, died: Callable[[int, int], None]):
+        self._token, self._died = token, died
+        self._sel = selectors.DefaultSelector()
+        self._listen = socket.create_server((host, 0), backlog=1024)
+        self._listen.setblocking(False)
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self.address = f"{host}:{self._listen.getsockname()[1]}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._stop = False
+        self.registered: dict[int, int] = {}  # worker -> incarnation, for the live connections
+        self._thread = threading.Thread(target=self._loop, name="cft-presence", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake_w.send(b"x")
+        self._thread.join(timeout=2)
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()
+        self._sel.close()
+        self._wake_w.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(timeout=1.0):
+                if key.data == "wake":
+                    return
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._readable(key.fileobj, key.data)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listen.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        nonce = secrets.token_bytes(16)
+        try:
+            conn.send(nonce.hex().encode() + b"\n")
+        except OSError:
+            conn.close()
+            return
+        self._sel.register(conn, selectors.EVENT_READ, {"nonce": nonce, "buf": b"", "who": None})
+
+    def _readable(self, conn: socket.socket, state: dict) -> None:
+        try:
+            data = conn.recv(_MAX_LINE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if state["who"] is not None:  # registered: only a goodbye or the end
+            if data and _BYE.strip() not in (state["buf"] + data):
+                state["buf"] = (state["buf"] + data)[-8:]
+                return
+            self._drop(conn)
+            worker, incarnation = state["who"]
+            if self.registered.get(worker) == incarnation:
+                del self.registered[worker]
+            if not data:  # the connection ended without a goodbye: the process is gone
+                try:
+                    self._died(worker, incarnation)
+                except Exception as exc:  # (the store going down with the job)
+                    log.warning("presence: could not report worker %d dead: %s", worker, exc)
+            return
+        if not data:
+            self._drop(conn)
+            return
+        state["buf"] += data
+        if b"\n" not in state["buf"]:
+            if len(state["buf"]) > _MAX_LINE:
+                self._drop(conn)
+            return
+        line = state["buf"].split(b"\n", 1)[0]
+        state["buf"] = b""
+        try:
+            msg = json.loads(line)
+            worker, incarnation = int(msg["worker"]), int(msg["incarnation"])
+            ok = hmac.compare_digest(str(msg["proof"]), proof(self._token, state["nonce"], worker, incarnation))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            log.warning("presence: a connection that does not hold the job token was refused")
+            self._drop(conn)
+            return
+        state["who"] = (worker, incarnation)
+        self.registered[worker] = incarnation
+        try:
+            conn.send(b"ok\n")
+        except OSError:
+            pass
+
+    def _drop(self, conn: socket.socket) -> None:
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+
+_CLIENTS: "list[PresenceClient]" = []
+
+
+def goodbye() -> None:
+    """Say goodbye on every connection of this process: it ends normally (at exit, and before
+    an ``os._exit`` that means no failure), so the coordinator takes no death from it."""
+    for c in list(_CLIENTS):
+        c.close()
+
+
+def _forget_all() -> None:
+    for c in _CLIENTS:
+        c._forget()
+
+
+os.register_at_fork(after_in_child=_forget_all)
+
+
+class PresenceClient:
+    """A worker's connection to the coordinator's ``PresenceServer`` (module doc): ``connect``
+    registers it, ``close`` says goodbye (a normal end is not a death; ``goodbye`` closes every
+    one, also at interpreter exit).  Forked children close their copy at once."""
+
+    def __init__(self) -> None:
+        self._sock: Optional[socket.socket] = None
+        if not _CLIENTS:
+            atexit.register(goodbye)
+        _CLIENTS.append(self)
+
+    def connect(self, address: str, token: str, worker: int, incarnation: int, timeout_s: float = 2.0) -> None:
+        """Register; raises OSError or ValueError when the coordinator refuses or does not answer."""
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        try:
+            f = sock.makefile("rb")
+            nonce = bytes.fromhex(f.readline(100).decode().strip())
+            sock.sendall(json.dumps({"worker": int(worker), "incarnation": int(incarnation),
+                                     "proof": proof(token, nonce, worker, incarnation)}).encode() + b"\n")
+            if f.readline(10).strip() != b"ok":
+                raise ValueError("the coordinator refused this worker's presence (another job token?)")
+            f.close()
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        self._sock = sock
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if self in _CLIENTS:
+            _CLIENTS.remove(self)
+        if sock is None:
+            return
+        try:
+            sock.sendall(_BYE)
+        except OSError:
+            pass
+        sock.close()
+
+    def _forget(self) -> None:
+        """In a forked child: close our copy, so that the connection ends with the worker."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                os.close(sock.detach())
+            except OSError:
+                pass
