@@ -340,6 +340,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         ctx.plan_run(trainer.max_steps if (trainer.max_steps or -1) >= 0 else None,
                      trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None)
         self.ctx = ctx
+        ctx.takes_sigterm = False  # Lightning's own SIGTERM handling stops its loop (docs/lightning.md)
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)
 

@@ -19,8 +19,12 @@ What a launcher does while the job runs:
 * a worker left out of the agreed generation for longer than ``--hang-timeout`` + 2 s (it
   hangs, e.g. SIGSTOP) is killed, which also frees its slot for a replacement;
 * once any worker finished successfully, the others get ``--hang-timeout`` + 5 s to finish;
-* Ctrl-C / SIGTERM: forwarded to every worker's process group at once; those still running
-  3 s later are killed, and the launcher exits 128 + the signal.
+* SIGTERM (a preemption's notice): forwarded to every worker's process group at once; each
+  leaves the job at the end of its current step, announced to its peers, which carry on without
+  redoing a step (``runtime/preemption.py``); those still running ``--term-grace`` seconds later
+  are ended as below.  A worker that gets SIGTERM itself leaves the same way (exit 143: no
+  failure is reported, no replacement started).  Ctrl-C: forwarded as SIGTERM; those still
+  running 3 s later are killed.  The launcher then exits 128 + the signal.
 
 Exit status: 0 when survivors finished; 75 when the engine chose checkpoint-restart and
 ``--max-restarts`` is spent (rerun the command; the script resumes from its checkpoint); 70 when
@@ -57,6 +61,7 @@ from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors, read_user_errors
 from chameleon_ft.runtime.faults import parse_faults
+from chameleon_ft.runtime.preemption import PREEMPTED_EXIT_CODE
 
 
 # torch and torchft (the coordinator's TCPStore and Lighthouse) are imported where the
@@ -98,6 +103,8 @@ class Launcher:
             raise LaunchError(f"--rdzv-id {args.rdzv_id!r}: a name without '/'")
         if args.mttf is not None and not args.mttf > 0:
             raise LaunchError(f"--mttf must be a positive number of seconds, got {args.mttf}")
+        if args.term_grace < 0:
+            raise LaunchError(f"--term-grace must be >= 0 seconds, got {args.term_grace}")
         if args.max_replacements < 0 or args.hang_timeout <= 0:
             raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
         if args.heartbeat_timeout < 0 or args.cut_off < 0:
@@ -143,6 +150,7 @@ class Launcher:
         self.children: dict[int, _Child] = {}
         self.replacements_left = args.max_replacements
         self.stop_signal: Optional[int] = None
+        self._stop_at: Optional[float] = None  # when the main loop saw the stop signal
         self.warm: Optional[WarmSpawner] = None
         self.gloo_ifname: Optional[str] = None
         self._latest_gen = -1  # the newest generation the launcher read
@@ -303,7 +311,7 @@ class Launcher:
         exits: list[tuple[int, int]] = []
         next_view_check = 0.0
         while True:
-            if self.stop_signal is not None:
+            if self.stop_signal is not None and self._grace_over():
                 self.terminate_all()
                 log.run_end(status="interrupted", signal=self.stop_signal)
                 return 128 + self.stop_signal
@@ -316,6 +324,9 @@ class Launcher:
                 exits.append((c.wid, rc))
                 if rc == 0:
                     finished_at = finished_at or time.monotonic()
+                    continue
+                if rc == PREEMPTED_EXIT_CODE:  # it left at a step boundary, announced: no failure
+                    _say(f"worker {c.wid} (pid {c.proc.pid}) left the job on SIGTERM (announced to its peers)")
                     continue
                 if rc == CONFIG_EXIT_CODE:
                     return self._config_error(log)
@@ -332,6 +343,10 @@ class Launcher:
                     self.spawn(c.local_rank, c.incarnation + 1)
             running = [c for c in self.children.values() if c.rc is None]
             if not running:
+                if self.stop_signal is not None:  # every worker left within the grace
+                    log.run_end(status="interrupted", signal=self.stop_signal, exits=[[w, rc] for w, rc in exits])
+                    log.close()
+                    return 128 + self.stop_signal
                 break
             now = time.monotonic()
             if now >= next_view_check:
@@ -370,10 +385,21 @@ class Launcher:
         log.close()
         return 2
 
+    def _grace_over(self) -> bool:
+        """After a SIGTERM the workers get ``--term-grace`` seconds to leave at a step boundary
+        (runtime/preemption.py) before they are ended; after a SIGINT, none."""
+        if self.stop_signal != signal.SIGTERM:
+            return True
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+        return time.monotonic() - self._stop_at > self.args.term_grace
+
     def _status(self, exits: list[tuple[int, int]]) -> int:
         codes = [rc for _, rc in exits]
         if 0 in codes:
             return 0
+        if codes and all(rc == PREEMPTED_EXIT_CODE for rc in codes):
+            return PREEMPTED_EXIT_CODE  # every worker of this node left on SIGTERM
         if E.RESTART_EXIT_CODE in codes:
             _say("the engine chose checkpoint-restart: rerun the same command to resume "
                  "from the script's checkpoint")

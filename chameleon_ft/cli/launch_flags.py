@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(single node only; default 0: exit 75 and leave it to the caller)")
     p.add_argument("--max-replacements", type=int, default=0,
                    help="replacement workers this launcher may start (default 0)")
+    p.add_argument("--term-grace", type=float, default=30.0,
+                   help="after a SIGTERM (a preemption notice: spot, Kubernetes, SLURM), how long the "
+                        "workers get to leave at a step boundary before they are killed (seconds, "
+                        "default 30, as SLURM's KillWait and Kubernetes' grace period)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
                    help="watchdog on every collective, seconds (default 10)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0,

@@ -33,8 +33,9 @@ from typing import Optional
 
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.presence import goodbye
+from chameleon_ft.runtime.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "RestartRequested",
+__all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "Preempted", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
            "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
@@ -107,6 +108,12 @@ class LeftBehind(RuntimeError):
     It leaves the job as a lost worker (exit 1); its peers carry on."""
 
 
+class Preempted(RuntimeError):
+    """This worker was told to leave (SIGTERM: ``runtime/preemption.py``) and left the job at a
+    step boundary, announced in that step's commit; its peers carry on without redoing a step.
+    Exit ``PREEMPTED_EXIT_CODE`` (143)."""
+
+
 class RestartRequested(RuntimeError):
     """The engine chose checkpoint-restart (or nothing in place was feasible).  ``decision``
     is the ``Decision`` (or its JSON, on members that received it from a peer)."""
@@ -127,6 +134,8 @@ def exit_code_for(exc: BaseException) -> Optional[int]:
         return E.RESTART_EXIT_CODE
     if isinstance(exc, MembershipError):
         return E.MEMBERSHIP_EXIT_CODE
+    if isinstance(exc, Preempted):
+        return PREEMPTED_EXIT_CODE
     if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError, LeftBehind)):
         return 1
     return None

@@ -61,7 +61,7 @@ __all__ = [
 EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
                "calibration", "prediction", "shard_recovery", "snapshot", "heal_check", "roll_forward",
                "run_end")
-FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss")
+FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss", "preemption")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 
 
@@ -129,7 +129,7 @@ class EventLog:
         failure ``info`` and Decisions give."""
         dead = [w for w in dead if claim(w)] if info is not None else []
         if dead:
-            kind = "hang" if info.get("hang") else (
+            kind = "hang" if info.get("hang") else "preemption" if info.get("kind") == "leave" else (
                 "node_loss" if any(d["event"]["kind"] == "node_loss" for d in decisions) else "fail_stop")
             self.failure(dead, kind, detected_by=f"worker {worker_id}", step=step,
                          collective=info.get("kind"), reason=info.get("reason"))

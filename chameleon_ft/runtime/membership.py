@@ -323,6 +323,13 @@ class Membership:
             return
         self._presence = client
 
+    def leave(self) -> None:
+        """Leave the job, announced (``runtime/preemption.py``): mark this incarnation gone, so
+        that peers acting on a quorum without it need not wait for its silence, then ``close``.
+        Its generation is ended by its peers, who read the announcement in the same commit."""
+        self.store.set(_dead_key(self.worker_id), str(self.incarnation))
+        self.close()
+
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
         if getattr(self, "_presence", None) is not None:

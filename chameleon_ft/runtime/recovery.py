@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.coordination import first_to_record
-from chameleon_ft.runtime.errors import ConfigError, LeftBehind, NothingToHeal, RestartRequested, WorldTooSmall
+from chameleon_ft.runtime.errors import (ConfigError, LeftBehind, NothingToHeal, Preempted, RestartRequested,
+                                         WorldTooSmall)
+from chameleon_ft.runtime.preemption import PreemptionNotice
 from chameleon_ft.runtime.env import LOG_SAMPLES, WorkerEnv, startup_s
 from chameleon_ft.runtime.eventlog import EventLog, RecoveryTimer
 from chameleon_ft.runtime.faults import FaultInjector
@@ -53,7 +55,7 @@ from chameleon_ft.runtime import codec as run_state
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
 
-_TAIL = 4  # per-member timings appended to the gradient buffer
+_TAIL = 5  # per member in the commit's tail: four timings and the leave notice (_tail_row)
 _PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
 _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
 _JOIN_S = 2.0  # a replacement's admission into a running job: the next view and a heal (prior)
@@ -76,6 +78,9 @@ class RecoveryCore:
     # adapter's metric gather) give way, at one more collective per step.  None: no header, for
     # executors whose members run only the same collectives in the same order between two syncs.
     step_header: Optional[str] = "step"
+    # SIGTERM leaves at the next step boundary (runtime/preemption.py); False where the framework
+    # handles SIGTERM itself (Lightning stops its loop).
+    takes_sigterm: bool = True
     # Gradients reduced in buckets on ``GroupManager.data_group`` (data parallel): with a step
     # header, that is a group of its own, so no control collective can meet a bucket.
     reduces_in_buckets = False
@@ -148,6 +153,9 @@ class RecoveryCore:
         self._compute_s, self._n_mb, self._ids = 0.0, 0, []
         self._prev_comm, self._prev_step = 0.0, 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
+        self.notice = PreemptionNotice(self.worker_id)  # SIGTERM: leave after the step (start)
+        self.notice_reason = "SIGTERM"
+        self._leavers: tuple[int, ...] = ()
         self._is_source = False
         # What this member does outside a step (an adapter's tag, 0: nothing in particular),
         # shared by every reconfiguration's agreement (``recover_off_step``).
@@ -185,6 +193,8 @@ class RecoveryCore:
         ``joined``: the result of an earlier ``join_job`` (adapters whose framework needs
         collectives before the training state exists join early and hand it over here)."""
         timer = RecoveryTimer()
+        if self.takes_sigterm:
+            self.notice.install()
         if joined is None:
             joined = join_job(self.env, self.cfg, self.hang_timeout_s)
         self.membership, self.gm = joined.membership, joined.gm
@@ -208,6 +218,7 @@ class RecoveryCore:
         return self.view
 
     def close(self, **fields) -> None:
+        self.notice.uninstall()
         if self.log:
             self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), **fields)
         for part in (self.membership, self.gm):
@@ -233,15 +244,18 @@ class RecoveryCore:
         return buf[:at], self._read_tail(buf[at:])[1], comm
 
     def _tail_row(self, compute_s: float) -> list[float]:
-        """This member's timings: compute s, micro-batches, the previous reduction's and step's s."""
-        return [compute_s, self._n_mb, self._prev_comm, self._prev_step]
+        """This member's timings -- compute s, micro-batches, the previous reduction's and
+        step's s -- and 1 when it leaves after this step (``runtime/preemption.py``)."""
+        return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0]
 
     def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
-        """The reduced tail's first ``lead`` numbers, and every member's ``_tail_row`` by worker
-        id after them: the step's one host read, after its commit point."""
+        """The reduced tail's first ``lead`` numbers, and every member's timings by worker id
+        after them (the step's one host read, after its commit point); the members that
+        announced their leave in it go to ``_leavers``."""
         words = tail.tolist()
-        return words[:lead], {w: tuple(words[lead + i * _TAIL:lead + (i + 1) * _TAIL])
-                              for i, w in enumerate(self.view.members)}
+        rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
+        self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
+        return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
         """Run the step's reduction (the commit point; ``logged``: it writes ``_log_attempt``
@@ -275,6 +289,24 @@ class RecoveryCore:
         self._prev_comm = comm
         self._prev_step = time.perf_counter() - self._step_start
         self._step_start = None
+        if self._leavers:
+            self._announced_leave(self._leavers)
+
+    def _announced_leave(self, leavers: tuple[int, ...]) -> None:
+        """Members announced in the commit just made that they leave (SIGTERM): the leavers
+        mark themselves gone and raise ``Preempted``; the others reconfigure now, between two
+        steps -- every member read the same tail, so all act alike and nothing is redone."""
+        self._leavers = ()
+        if self.worker_id in leavers:
+            self._store_op(lambda: self.membership.leave())
+            if self.log:
+                self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), left="preempted")
+            raise Preempted(f"worker {self.worker_id} left the job after step {self.step} "
+                            f"({self.notice.reason}: preempted); its peers carry on")
+        failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave ({self.notice_reason})",
+                                    kind="leave", token=self.view.token, generation=self.view.generation,
+                                    suspects=leavers, reporter=self.worker_id)
+        self._recover(failure, time.perf_counter())
 
     def _commit(self) -> None:  # the sampler's cursor moves only here
         self.sampler.commit()

@@ -283,3 +283,25 @@ def test_an_fsdp2_plugin_trains_as_data_parallel_and_survives_a_kill(tmp_path, r
     # Rehabilitated rows restart from their stale snapshot: near the trajectory, not on it (on this
     # toy the weights end ~0.35 apart), and the training goes on learning as the reference did.
     assert abs(got["val_acc"][-1] - reference["val_acc"][-1]) <= 0.1
+
+
+def test_a_sigterm_leaves_at_a_step_boundary_announced(tmp_path, reference):
+    """Worker 2 gets SIGTERM (a preemption notice) from outside mid-epoch: it leaves inside the
+    user's ``optimizer.step()`` after that step's commit (exit 143), its peers reconfigure after
+    the same commit and redo nothing, and the run ends as the failure-free one
+    (``runtime/preemption.py``)."""
+    job = AccJob(tmp_path, "--mb-sleep", "0.01")
+    try:
+        job.start()
+        job.wait_step(5)
+        job.kill(2, signal.SIGTERM)
+        assert job.wait(120) == [0], job.output()[-4000:]
+        finals, evs = job.final(), job.events()
+    finally:
+        job.cleanup()
+    check(job, finals, [0, 1, 3], reference)
+    assert [(f["workers"], f["kind"]) for f in evs if f["event"] == "failure"] == [([2], "preemption")]
+    ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
+    assert ends[2].get("left") == "preempted"
+    assert all(ends[w].get("redone_steps") == 0 for w in (0, 1, 3)), ends
+    assert "worker 2 (pid" in job.output() and "left the job on SIGTERM" in job.output()

@@ -54,8 +54,10 @@ def _events(evs, kind):
 def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_path, tmp_path_factory):
     """Node 1 (its launcher and both workers) is killed at step 5: the four survivors recover
     in place and end on the failure-free trajectory; gloo found its interface by itself (the
-    hostname resolves to loopback in a namespace).  At step 25 node 2's launcher gets SIGTERM:
-    it forwards it, its workers end, it exits 143 within seconds; node 0 trains on alone."""
+    hostname resolves to loopback in a namespace).  At step 25 node 2's launcher gets SIGTERM (a
+    preemption notice): it forwards it, its workers leave at a step boundary, announced
+    (``runtime/preemption.py``: a ``preemption`` record, no step redone), it exits 143 within
+    seconds; node 0 trains on alone."""
     job = Job(tmp_path, nproc=2, epochs=EPOCHS, mb_sleep=0.02, hang_timeout=10)
     try:
         _start(job, net)
@@ -74,6 +76,10 @@ def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_pa
     assert ended < 6.0, ended
     lost = [e for e in _events(evs, "failure") if sorted(e["workers"]) == [2, 3]]
     assert lost and lost[0]["kind"] == "node_loss", _events(evs, "failure")
+    left = [e for e in _events(evs, "failure") if e["kind"] == "preemption"]
+    assert sorted(w for e in left for w in e["workers"]) == [4, 5], _events(evs, "failure")
+    attempts = [(e["worker"], e["step"]) for e in _events(evs, "step") if e["step"] >= 20]
+    assert len(attempts) == len(set(attempts)), "a step was redone after the SIGTERM"
     mttr = resumed_after(evs, t_kill)
     print(f"node loss over the namespace network: first step {mttr:.3f} s after the kill")
     assert sorted(finals) == [0, 1]
