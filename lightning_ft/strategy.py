@@ -374,8 +374,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         if self._mb is not None:
             # The micro-batch's share of the global batch: summed over members, the gradient
             # is the global-batch mean whoever computed which micro-batch.
-            self.ctx.faults.at(self.ctx.step, "backward")
-            closure_loss = closure_loss * self._mb.weight
+            closure_loss = self.ctx.weigh(closure_loss, self._mb)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

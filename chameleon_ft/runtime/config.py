@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from chameleon_ft.runtime.errors import ConfigError
+
 __all__ = ["ElasticConfig"]
 
 
@@ -61,6 +63,11 @@ class ElasticConfig:
         ``training_step``, so a member with none would skip the epoch-end metric sync).  The
         engine applies it (``planner.at_least_one_each``) to the allocation and the plan it
         keeps, so its estimates and the next Decision start from what runs.
+    nonfinite: what a step does when a member's loss is NaN or infinite (its flag rides in the
+        commit's tail, so every member decides alike): ``"skip"`` (default) -- the update is
+        applied nowhere, the global batch counts as consumed -- or ``"stop"`` (``Diverged``, exit
+        1, on every member); ``nonfinite_limit`` such steps in a row stop the job under
+        ``"skip"`` too.  Data parallel (``runtime/executors/dp.py``) only.
     """
 
     hang_timeout_s: Optional[float] = None
@@ -87,3 +94,11 @@ class ElasticConfig:
     device_memory_bytes: Optional[float] = None
     one_microbatch_each: bool = False
     bucket_cap_mb: float = 25.0
+    nonfinite: str = "skip"
+    nonfinite_limit: int = 3
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in ("skip", "stop"):
+            raise ConfigError(f"ElasticConfig.nonfinite={self.nonfinite!r}: 'skip' or 'stop'")
+        if self.nonfinite_limit < 1:
+            raise ConfigError(f"ElasticConfig.nonfinite_limit={self.nonfinite_limit}: at least 1")

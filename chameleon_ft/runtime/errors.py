@@ -35,7 +35,7 @@ from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.presence import goodbye
 from chameleon_ft.runtime.preemption import PREEMPTED_EXIT_CODE
 
-__all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "Preempted", "RestartRequested",
+__all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "Diverged", "Preempted", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
            "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
@@ -108,6 +108,12 @@ class LeftBehind(RuntimeError):
     It leaves the job as a lost worker (exit 1); its peers carry on."""
 
 
+class Diverged(RuntimeError):
+    """Steps whose loss was NaN or infinite on some member: with ``ElasticConfig.nonfinite =
+    "stop"`` the first one, under ``"skip"`` ``nonfinite_limit`` in a row.  Every member raises
+    it at the same step (the flags ride in the commit); exit 1."""
+
+
 class Preempted(RuntimeError):
     """This worker was told to leave (SIGTERM: ``runtime/preemption.py``) and left the job at a
     step boundary, announced in that step's commit; its peers carry on without redoing a step.
@@ -136,7 +142,7 @@ def exit_code_for(exc: BaseException) -> Optional[int]:
         return E.MEMBERSHIP_EXIT_CODE
     if isinstance(exc, Preempted):
         return PREEMPTED_EXIT_CODE
-    if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError, LeftBehind)):
+    if isinstance(exc, (E.EnvError, WorldTooSmall, CheckpointError, LeftBehind, Diverged)):
         return 1
     return None
 

@@ -9,8 +9,10 @@ snapshot this worker sends to its buddy is damaged in flight, after its checksum
 ``restore``: the parameters a rehabilitation restores into this worker's row are negated and
 doubled -- a heal that cannot close) or ``drop`` (phase ``commit``: the step's commit
 all-reduce, completed everywhere, is reported failed on this worker -- gloo's partial completion,
-after which the others have committed the step and this member must roll forward), aimed at ranks or at every local rank of a node, at a global
-step and a step phase.
+after which the others have committed the step and this member must roll forward) or ``nan``
+(phase ``backward``: this worker's loss becomes NaN, at ``step=`` or at every step of a
+``from=``/``to=`` range -- one bad batch, or a diverged run), aimed at ranks or at every local
+rank of a node, at a global step and a step phase.
 
 Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` variable::
 
@@ -63,8 +65,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt", "drop")
+ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt", "drop", "nan")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
+_RANGED = _PADDING + ("nan",)  # actions that take from=/to= and fire at every matching phase
 PHASES = ("step_start", "forward", "backward", "allreduce", "commit", "optimizer", "migrate", "snapshot", "restore",
           "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
@@ -116,8 +119,10 @@ class FaultSpec:
         else:
             if self.factor is not None:
                 raise ValueError("factor= applies to jitter and slow faults only")
-            if self.from_step is not None or self.to_step is not None:
-                raise ValueError("from=/to= apply to jitter and slow faults only; use step=")
+            if self.action not in _RANGED and (self.from_step is not None or self.to_step is not None):
+                raise ValueError("from=/to= apply to jitter, slow and nan faults only; use step=")
+            if self.step is not None and (self.from_step is not None or self.to_step is not None):
+                raise ValueError(f"{self.action} takes step= or a from=/to= range, not both")
         if self.action == "jitter":
             object.__setattr__(self, "prob", 0.1 if self.prob is None else float(self.prob))
             if not 0 < self.prob <= 1:
@@ -280,7 +285,7 @@ class FaultInjector:
         for i, spec in enumerate(self.specs):
             if spec.action not in actions or not spec.matches(step, phase):
                 continue
-            if i in self._fired and (spec.once or spec.action not in _PADDING):
+            if i in self._fired and (spec.once or spec.action not in _RANGED):
                 continue
             self._fired.add(i)
             yield spec

@@ -55,7 +55,7 @@ from chameleon_ft.runtime import codec as run_state
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
 
-_TAIL = 5  # per member in the commit's tail: four timings and the leave notice (_tail_row)
+_TAIL = 6  # per member in the commit's tail: four timings, the leave notice, a non-finite loss (_tail_row)
 _PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
 _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
 _JOIN_S = 2.0  # a replacement's admission into a running job: the next view and a heal (prior)
@@ -156,6 +156,8 @@ class RecoveryCore:
         self.notice = PreemptionNotice(self.worker_id)  # SIGTERM: leave after the step (start)
         self.notice_reason = "SIGTERM"
         self._leavers: tuple[int, ...] = ()
+        self._nonfinite: tuple[int, ...] = ()  # members whose loss of the step was not finite
+        self._nonfinite_run = 0  # such steps in a row
         self._is_source = False
         # What this member does outside a step (an adapter's tag, 0: nothing in particular),
         # shared by every reconfiguration's agreement (``recover_off_step``).
@@ -246,15 +248,19 @@ class RecoveryCore:
     def _tail_row(self, compute_s: float) -> list[float]:
         """This member's timings -- compute s, micro-batches, the previous reduction's and
         step's s -- and 1 when it leaves after this step (``runtime/preemption.py``)."""
-        return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0]
+        # The sixth, a non-finite loss, is written on the tensor side by an executor that checks
+        # it (``DataParallelExecutor.sync_and_step``: no host read).
+        return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0, 0.0]
 
     def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
         """The reduced tail's first ``lead`` numbers, and every member's timings by worker id
         after them (the step's one host read, after its commit point); the members that
-        announced their leave in it go to ``_leavers``."""
+        announced their leave in it go to ``_leavers``, those whose loss was not finite to
+        ``_nonfinite``."""
         words = tail.tolist()
         rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
         self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
+        self._nonfinite = tuple(w for w, row in rows.items() if row[5] != 0)  # (a NaN flag: a NaN sum)
         return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
@@ -358,6 +364,12 @@ class RecoveryCore:
 
     def reset_step(self) -> None:
         """Forget the executor's bookkeeping of a discarded step."""
+
+    def weigh(self, loss: torch.Tensor, mb, tokens=None) -> torch.Tensor:
+        """``loss`` weighted for the step, for an adapter that runs the backward itself
+        (Lightning's precision plugin): the ``backward`` fault hook and ``_token_weight``."""
+        self.faults.at(self.step, "backward")
+        return loss * self._token_weight(mb, tokens)
 
     def _token_weight(self, mb, tokens=None):
         """The factor of a micro-batch's (or item's) mean loss: its sample share, or with

@@ -58,3 +58,25 @@ def test_bounded_trials_stay_on_the_failure_free_trajectory(tmp_path):
     print("exit hangs:", [(r["trial"], r["framework"]) for r in hangs])
     assert all(r["framework"] == "lightning" for r in hangs), hangs
     assert sum(r["fired"] for r in records) >= N - 2, "most drawn kills must actually fire"
+
+
+CHAOS_SEED = int(os.environ.get("CHAOS_SEED", "68"))
+
+
+@pytest.mark.timeout(600)
+def test_a_bounded_chaos_set_keeps_each_fault_kinds_promise(tmp_path):
+    """The CI share of the chaos trials (``--kinds``): one trial per fault kind beyond the plain
+    kill -- SIGTERM to rank 0 (an announced leave, nothing redone), SIGSTOP (a hang found by the
+    heartbeats), two SIGKILLs one step apart (rank 0 among them), a NaN loss (skipped
+    everywhere) -- on ``ElasticTrainer`` and Accelerate, seeded (``CHAOS_SEED``).  Each must
+    finish with every sample once, equal replicas, no process left, and -- all but the NaN
+    trial -- the failure-free twin's weights within 1e-5."""
+    kinds = ("term", "stop", "kill2", "nan")
+    records = trials.run_trials(4, ["elastic", "accelerate"], CHAOS_SEED, tmp_path, setups_per_framework=1,
+                                kinds=kinds)
+    print(json.dumps(trials.summarise_kinds(records), indent=1))
+    assert {r["kind"] for r in records} == set(kinds)
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, f"seed {CHAOS_SEED}: " + "\n".join(
+        f"trial {r['trial']} ({r['framework']}, {r['kind']} w{r['victim']}@{r['kill_step']}): {r['problems']}" for r in bad)
+    assert all(r["fired"] for r in records)

@@ -53,6 +53,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
                                rel_diff)
+import torch  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPTS = {
@@ -70,6 +71,16 @@ STRAGGLER_P = 0.25
 # draw leaves Lightning without stragglers unless --lightning-stragglers (docs/reliability.md).
 LIGHTNING_STRAGGLERS = False
 PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_boundary")
+# Fault kinds (``--kinds``): what the victim meets at the drawn step, and what the trial expects.
+#   kill   SIGKILL (outside, or the injector's at a phase): lost; the survivors end on the twin
+#   term   SIGTERM from outside: leaves at a step boundary, announced (a ``preemption`` record,
+#          no step redone; Lightning handles SIGTERM itself: lost as after a kill); on the twin
+#   stop   SIGSTOP from outside: a hang, found by the heartbeats, the process killed by its
+#          launcher; the survivors end on the twin
+#   kill2  SIGKILL of the victim, then of a second worker one step later; on the twin
+#   nan    the victim's loss NaN in the drawn step: skipped everywhere (a ``nonfinite`` record),
+#          every worker finishes, replicas equal and finite; off the twin by one global batch
+KINDS = ("kill", "term", "stop", "kill2", "nan")
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,8 @@ class Trial:
     force: Optional[str]
     delay_s: float
     straggler: Optional[int] = None  # a worker 4x slow from the first step
+    kind: str = "kill"  # KINDS
+    second: Optional[int] = None  # kill2: the worker killed one step after the victim
 
     def launch_args(self) -> list[str]:
         faults = [f"slow:rank={self.straggler}:factor=4"] if self.straggler is not None else []
@@ -121,11 +134,22 @@ class Trial:
 
     def worker_args(self) -> list[str]:
         extra = ["--force-alloc", self.force] if self.force else []
-        # emulated compute, so that the straggler's slowness is measurable (math unchanged)
-        return extra + (["--mb-sleep", "0.01"] if self.straggler is not None else [])
+        # emulated compute (math unchanged), so that the straggler's slowness is measurable and a
+        # signal sent from outside at a step lands before the job's 1-2 ms steps ran to the end
+        slow = self.straggler is not None or self.kind in ("term", "stop", "kill2")
+        return extra + (["--mb-sleep", "0.01"] if slow else [])
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        """The workers the trial ends without."""
+        if self.kind == "nan":
+            return ()
+        return (self.victim,) if self.second is None else (self.victim, self.second)
 
     def fault(self) -> Optional[tuple[str, int, str]]:
-        """(spec, step, phase) of an injected kill, or None for an outside SIGKILL."""
+        """(spec, step, phase) of an injected fault, or None for an outside signal."""
+        if self.kind == "nan":
+            return f"nan:rank={self.victim}:step={self.step}:phase=backward", self.step, "backward"
         if self.phase == "outside":
             return None
         step, phase = self.step, self.phase
@@ -147,7 +171,27 @@ def draw_setup(rng: random.Random, framework: str) -> Setup:
                  rng.randint(2, 5))
 
 
-def draw(rng: random.Random, index: int, setup: Setup) -> Trial:
+def draw(rng: random.Random, index: int, setup: Setup, kinds=("kill",)) -> Trial:
+    """One trial on ``setup``; with several ``kinds`` the fault kind is drawn last (a draw of
+    kills only is the one it always was)."""
+    trial = _draw_kill(rng, index, setup)
+    if tuple(kinds) == ("kill",):
+        return trial
+    kind = rng.choice(list(kinds))
+    total = EPOCHS * setup.steps_per_epoch
+    changes: dict = {"kind": kind}
+    if kind in ("term", "stop", "kill2"):
+        changes["phase"] = "outside"  # a signal from outside, as a cluster manager sends it
+    if kind == "kill2":
+        changes["second"] = rng.choice([w for w in range(WORKERS) if w != trial.victim])
+        changes["step"] = min(trial.step, total - 3)
+    if kind in ("stop", "nan", "kill2"):
+        changes["straggler"] = None
+    from dataclasses import replace
+    return replace(trial, **changes)
+
+
+def _draw_kill(rng: random.Random, index: int, setup: Setup) -> Trial:
     total = EPOCHS * setup.steps_per_epoch
     kinds = [None, "uneven", "zero"] if setup.framework != "lightning" else [None, "uneven"]
     kind = rng.choice(kinds)
@@ -193,8 +237,9 @@ def _step_key(framework: str) -> str:
 def run_trial(trial: Trial, root: Path) -> dict:
     """Run ``trial`` and its twin; a JSON-able record of what was checked."""
     setup = trial.setup
-    rec = {"trial": trial.index, **asdict(setup), "victim": trial.victim, "kill_step": trial.step,
-           "phase": trial.phase, "force": trial.force, "straggler": trial.straggler, "ok": False, "problems": []}
+    rec = {"trial": trial.index, **asdict(setup), "kind": trial.kind, "victim": trial.victim,
+           "second": trial.second, "kill_step": trial.step, "phase": trial.phase, "force": trial.force,
+           "straggler": trial.straggler, "ok": False, "problems": []}
     t0 = time.monotonic()
     try:
         ref = twin(setup, root)
@@ -205,20 +250,35 @@ def run_trial(trial: Trial, root: Path) -> dict:
             if fault is None:
                 job.wait_step(trial.step, timeout=120)
                 time.sleep(trial.delay_s)
-                job.kill(trial.victim)
+                job.kill(trial.victim, _SIGNALS[trial.kind])
+                if trial.second is not None:
+                    job.wait_step(trial.step + 1, timeout=120)
+                    job.kill(trial.second)
             try:
                 codes = job.wait(180)
             except subprocess.TimeoutExpired:
                 codes = None
+            pids = list(job.worker_pids().values())
+            rec["leftover"] = [pid for pid in pids if _alive(pid)]
         finally:
             job.cleanup()
         finals, evs = job.final(), job.events()
-        rec["fired"] = trial.victim not in finals
+        lost = set(trial.lost)
+        if trial.kind == "nan":
+            rec["fired"] = any(trial.victim in e.get("workers", ()) for e in evs if e["event"] == "nonfinite")
+        else:
+            rec["fired"] = trial.victim not in finals
         rec["exit"] = codes
         decisions = [e["decision"]["chosen"] for e in evs if e["event"] == "decision"]
         rec["decisions"] = decisions
+        recoveries = [e for e in evs if e["event"] == "recovery"]
+        if recoveries:
+            rec["mttr_s"] = recoveries[0]["mttr"]["total"]
         problems = rec["problems"]
-        survivors = sorted(set(range(WORKERS)) - ({trial.victim} if rec["fired"] else set()))
+        if rec["leftover"]:
+            problems.append(f"worker processes left running after the job: {rec['leftover']}")
+        problems += _kind_problems(trial, evs, rec["fired"])
+        survivors = sorted(set(range(WORKERS)) - ({w for w in lost if w not in finals}))
         # Workers that all wrote their final state but did not exit are a teardown hang, not a
         # fidelity failure: recorded apart (``exit_hang``) and checked like any finished run.
         rec["exit_hang"] = codes is None and sorted(finals) == survivors and len(finals) >= WORKERS - 1
@@ -237,7 +297,10 @@ def run_trial(trial: Trial, root: Path) -> dict:
         if finals:
             got = finals[min(finals)]
             rec["rel_diff"] = rel_diff(got, ref)
-            if not rec["rel_diff"] < TOLERANCE:
+            if trial.kind == "nan" and rec["fired"]:  # one global batch skipped: off the twin, finite
+                if not all(bool(torch.isfinite(p).all()) for p in got["params"]):
+                    problems.append("non-finite weights after a skipped NaN step")
+            elif not rec["rel_diff"] < TOLERANCE:
                 problems.append(f"weights {rec['rel_diff']:.3g} from the twin (tolerance {TOLERANCE})")
             key = _step_key(setup.framework)
             if got[key] != ref[key]:
@@ -252,9 +315,56 @@ def run_trial(trial: Trial, root: Path) -> dict:
     return rec
 
 
+_SIGNALS = {"kill": signal.SIGKILL, "kill2": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
+            "nan": None}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kind_problems(trial: Trial, evs: list[dict], fired: bool) -> list[str]:
+    """What the fault kind itself promises (module doc, ``KINDS``), beyond the common checks."""
+    failures = [e for e in evs if e["event"] == "failure"]
+    out = []
+    if trial.kind == "term" and trial.setup.framework != "lightning" and fired:
+        kinds = [(e["workers"], e["kind"]) for e in failures]
+        if kinds != [([trial.victim], "preemption")]:
+            out.append(f"a SIGTERM not announced as a leave: failure records {kinds}")
+        attempts = [(e.get("worker"), e["step"]) for e in evs if e["event"] == "step"]
+        if len(attempts) != len(set(attempts)):
+            out.append("a step was redone after a SIGTERM")
+    if trial.kind == "nan":
+        if failures:
+            out.append(f"a NaN step made failures: {[(e['workers'], e['kind']) for e in failures]}")
+        bad = [e for e in evs if e["event"] == "nonfinite" and e.get("worker") == trial.victim]
+        if fired and not all(e.get("action") == "skip" for e in bad):
+            out.append(f"a single NaN step did not skip: {bad}")
+    return out
+
+
 def _idle_steps(evs: list[dict]) -> int:
     """Committed-step records in which a member computed no micro-batch (ghost/idle)."""
     return sum(1 for e in evs if e["event"] == "step" and not e.get("ids"))
+
+
+def summarise_kinds(records: list[dict]) -> dict:
+    """By fault kind: trials, passed, fired, median and max MTTR (the first recovery's total)."""
+    out = {}
+    for kind in KINDS:
+        rs = [r for r in records if r.get("kind", "kill") == kind]
+        if not rs:
+            continue
+        mttr = [r["mttr_s"] for r in rs if "mttr_s" in r]
+        out[kind] = {"trials": len(rs), "passed": sum(r["ok"] for r in rs), "fired": sum(bool(r.get("fired")) for r in rs),
+                     "frameworks": sorted({r["framework"] for r in rs}),
+                     "median_mttr_s": statistics.median(mttr) if mttr else None, "max_mttr_s": max(mttr) if mttr else None,
+                     "failed": [r["trial"] for r in rs if not r["ok"]]}
+    return out
 
 
 def summarise(records: list[dict]) -> dict:
@@ -273,16 +383,17 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
-def run_trials(n: int, frameworks, seed: int, root: Path, log=None, setups_per_framework: int = 3) -> list[dict]:
+def run_trials(n: int, frameworks, seed: int, root: Path, log=None, setups_per_framework: int = 3,
+               kinds=("kill",)) -> list[dict]:
     """``n`` trials, frameworks in turn; each framework's set-ups come from a pool of
     ``setups_per_framework`` (so failure-free twins are shared) and every trial draws its own
-    failure and forced allocation."""
+    failure (of ``kinds``) and forced allocation."""
     rng = random.Random(seed)
     pools = {fw: [draw_setup(rng, fw) for _ in range(setups_per_framework)] for fw in frameworks}
     records = []
     for i in range(n):
         fw = frameworks[i % len(frameworks)]
-        rec = run_trial(draw(rng, i, rng.choice(pools[fw])), root)
+        rec = run_trial(draw(rng, i, rng.choice(pools[fw]), kinds), root)
         records.append(rec)
         if log is not None:
             log(rec)
@@ -301,7 +412,14 @@ def main(argv=None) -> int:
                    help="also draw stragglers for Lightning (a known hang, docs/reliability.md)")
     p.add_argument("--setups", type=int, default=3, help="set-ups per framework (twins are shared)")
     p.add_argument("--out", default=None, help="keep run directories and trials.jsonl here")
+    p.add_argument("--kinds", default="kill", help=f"fault kinds to draw from, of {','.join(KINDS)} (default kill)")
+    p.add_argument("--markdown", default=None,
+                   help="write the summary by fault kind and framework into this file's generated block "
+                        "(docs/reliability.md)")
     a = p.parse_args(argv)
+    kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        p.error(f"--kinds: choose among {list(KINDS)}")
     global LIGHTNING_STRAGGLERS
     LIGHTNING_STRAGGLERS = a.lightning_stragglers
     frameworks = [f.strip() for f in a.frameworks.split(",") if f.strip()]
@@ -318,20 +436,60 @@ def main(argv=None) -> int:
         jsonl.flush()
         status = "ok  " if rec["ok"] else "FAIL"
         print(f"{status} #{rec['trial']:3d} {rec['framework']:10s} {rec['optimizer']:5s} mb={rec['micro_batch']} "
-              f"ga={rec['accum']} n={rec['dataset']} kill w{rec['victim']}@{rec['kill_step']}:{rec['phase']} "
+              f"ga={rec['accum']} n={rec['dataset']} {rec['kind']} w{rec['victim']}@{rec['kill_step']}:{rec['phase']} "
               f"force={rec['force']} slow={rec['straggler']} fired={rec.get('fired')} rel={rec.get('rel_diff', float('nan')):.2e} "
               f"{rec['seconds']}s {'EXIT-HANG ' if rec.get('exit_hang') else ''}{'; '.join(p[:300] for p in rec['problems'])}", flush=True)
 
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
-        records = run_trials(a.trials, frameworks, a.seed, root, log, a.setups)
+        records = run_trials(a.trials, frameworks, a.seed, root, log, a.setups, kinds)
     finally:
         jsonl.close()
-    summary = summarise(records)
+    summary = {"by_framework": summarise(records), "by_kind": summarise_kinds(records)}
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
+    if a.markdown:
+        command = "python -m tests.fidelity.trials " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_markdown(Path(a.markdown), records, command, started)
     if not a.out:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(r["ok"] and not r.get("exit_hang") for r in records) else 1
+
+
+BEGIN, END = "<!-- chaos summary: generated by tests/fidelity/trials.py --markdown -->", "<!-- end of chaos summary -->"
+
+
+def markdown(records: list[dict], command: str, started: str) -> str:
+    """The summary by fault kind and by framework, as the generated block of docs/reliability.md."""
+    kinds, fws = summarise_kinds(records), summarise(records)
+    fmt = lambda x: "-" if x is None else f"{x:.3f} s"  # noqa: E731
+    lines = [BEGIN, f"`{command}` ({started}; {len(records)} trials, "
+             f"{sum(r['ok'] for r in records)} passed).", "",
+             "| fault kind | trials | passed | fired | frameworks | MTTR median | MTTR max | failed trials |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+    for kind, k in kinds.items():
+        lines.append(f"| {kind} | {k['trials']} | {k['passed']} | {k['fired']} | {', '.join(k['frameworks'])} | "
+                     f"{fmt(k['median_mttr_s'])} | {fmt(k['max_mttr_s'])} | {k['failed'] or '-'} |")
+    lines += ["", "| framework | trials | passed | max rel. diff (on-twin kinds) | exit hangs | failed trials |",
+              "| --- | ---: | ---: | ---: | --- | --- |"]
+    for fw, f in fws.items():
+        on_twin = [r["rel_diff"] for r in records if r["framework"] == fw and "rel_diff" in r
+                   and not (r.get("kind") == "nan" and r.get("fired"))]
+        lines.append(f"| {fw} | {f['trials']} | {f['passed']} | {max(on_twin):.1e} | {f['exit_hangs'] or '-'} | "
+                     f"{f['failed'] or '-'} |" if on_twin else f"| {fw} | {f['trials']} | {f['passed']} | - | - | "
+                     f"{f['failed'] or '-'} |")
+    return "\n".join(lines + ["", END])
+
+
+def write_markdown(path: Path, records: list[dict], command: str, started: str) -> None:
+    """Replace the generated block of ``path`` (or append one)."""
+    text = path.read_text() if path.exists() else ""
+    block = markdown(records, command, started)
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

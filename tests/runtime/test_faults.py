@@ -78,7 +78,7 @@ def test_env_var():
         ("slow:rank=1:from=5:to=2", "empty step range"),
         ("slow:rank=1:step=2:from=1", "not both"),
         ("kill:rank=1:factor=2", "slow faults only"),
-        ("kill:rank=1:from=2", "slow faults only"),
+        ("kill:rank=1:from=2", "slow and nan faults only"),
         ("kill:rank=1:code=3", "exit faults only"),
         ("exit:rank=1:code=0", "exit code"),
         ("kill:rank=x", "bad number"),

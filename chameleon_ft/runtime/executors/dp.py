@@ -26,6 +26,7 @@ Limits, honestly: the model is a replica per worker (no sharding).
 from __future__ import annotations
 
 
+import logging
 import time
 from typing import Callable, Iterator, Optional
 
@@ -33,10 +34,13 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.engine.plan import even_split
+from chameleon_ft.runtime.errors import Diverged
 from chameleon_ft.runtime.executors.buckets import GradientBuckets
 from chameleon_ft.runtime.recovery import _TAIL, RecoveryCore
 from chameleon_ft.runtime.hyperparams import group_hyperparams, restore_group_hyperparams, scale_lr
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DataParallelExecutor"]
 
@@ -246,11 +250,17 @@ class DataParallelExecutor(RecoveryCore):
         number (``_token_weight``).  A step's micro-batches are weighted one way or the other.
         The weighted loss is added to the step's (a device op: nothing is read); ``kwargs`` go
         to ``Tensor.backward``."""
-        self.faults.at(self.step, "backward")
-        scaled = loss * self._token_weight(mb, tokens)
+        self.weigh(loss, mb, tokens).backward(**kwargs)
+
+    def weigh(self, loss: torch.Tensor, mb: MicroBatch, tokens=None) -> torch.Tensor:
+        """``RecoveryCore.weigh``, the ``nan`` fault, and the weighted loss added to the step's
+        (what the commit's non-finite check reads)."""
+        if self.faults and self.faults.fires(self.step, "backward", "nan"):
+            loss = loss * float("nan")  # (test fault: one bad batch)
+        scaled = super().weigh(loss, mb, tokens)
         part = scaled.detach()
         self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
-        scaled.backward(**kwargs)
+        return scaled
 
     def _arm(self) -> None:
         """The coming backward is this member's last of the step: its gradients are reduced in
@@ -288,6 +298,8 @@ class DataParallelExecutor(RecoveryCore):
         tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
         torch.cat([loss.reshape(1).to(self.dtype), tokens.reshape(1).to(tail.device, self.dtype),
                    torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
+        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by tensor ops: nothing read
+            tail[2 + _TAIL * r + 5].copy_((~torch.isfinite(loss)).to(self.dtype).reshape(()))
         host_tail = None
 
         def reduce() -> None:
@@ -322,6 +334,9 @@ class DataParallelExecutor(RecoveryCore):
         else:  # on a device: no read; a sample-weighted step divides by 1
             timing_rows = self._read_tail(host_tail)[1]
             denom = tail[1:2].clamp(min=1).clone()
+        if self._nonfinite:
+            return self._skip_nonfinite(timing_rows, comm)
+        self._nonfinite_run = 0
         self._tokens = 0.0
         self._last_loss = tail[0].clone() if denom is None else tail[0] / denom  # read when someone looks
         if denom is not None:
@@ -333,6 +348,36 @@ class DataParallelExecutor(RecoveryCore):
             self.scheduler.step()
         self._groups_at_commit = group_hyperparams([self.optimizer])
         self.optimizer.zero_grad(set_to_none=True)
+        self._done_slots = []
+        self._finish_step(timing_rows, comm)
+        return True
+
+    def _skip_nonfinite(self, timing_rows: dict, comm: float) -> bool:
+        """Some member's loss was not finite (``_nonfinite``, read from the commit's tail: every
+        member knows the same): nothing of the step is applied anywhere; the global batch counts
+        as consumed.  The members whose loss it was record their micro-batches; the policy
+        (``ElasticConfig.nonfinite``) stops the job, alike everywhere, at once or after
+        ``nonfinite_limit`` such steps in a row."""
+        bad, self._nonfinite = self._nonfinite, ()
+        self._nonfinite_run += 1
+        cfg = self.cfg
+        stop = cfg.nonfinite == "stop" or self._nonfinite_run >= cfg.nonfinite_limit
+        if self.log and (self.worker_id in bad or self.rank == 0):
+            mine = {"microbatches": list(self._done_slots), **({"samples": list(self._ids)} if cfg.log_samples else {})}
+            self.log.write("nonfinite", step=self.step, workers=list(bad), in_a_row=self._nonfinite_run,
+                           action="stop" if stop else "skip", **(mine if self.worker_id in bad else {}))
+        self._loss_sum, self._tokens, self._last_loss = None, 0.0, float("nan")  # (what the step saw)
+        self.buckets.assign_grads()
+        self.optimizer.zero_grad(set_to_none=True)
+        what = (f"step {self.step}: the loss of worker(s) {list(bad)} was not finite (NaN or inf)"
+                + (f", {self._nonfinite_run} steps in a row" if self._nonfinite_run > 1 else ""))
+        if stop:
+            raise Diverged(f"{what}; nothing of it was applied; the job stops (ElasticConfig.nonfinite="
+                           f"{cfg.nonfinite!r}, nonfinite_limit={cfg.nonfinite_limit})")
+        if self.rank == 0 or self.worker_id in bad:
+            log.warning("%s: the step is skipped on every member (its update applied nowhere)", what)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self._done_slots = []
         self._finish_step(timing_rows, comm)
         return True
