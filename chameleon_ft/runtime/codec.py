@@ -24,13 +24,17 @@ floats exactly (NaN/inf included, as Python's non-standard JSON tokens).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import zlib
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.errors import CheckpointError  # defined with the other outcomes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["encode", "decode", "broadcast_tree", "save_checkpoint", "load_checkpoint",
            "CheckpointError", "CHECKPOINT_FORMAT"]
@@ -169,15 +173,57 @@ def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: in
     return decode(meta["tree"], _unpack(body, meta["specs"]))
 
 
-def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
-    """Write ``tree`` atomically (temporary file, then rename)."""
-    skeleton, tensors = encode(tree)
-    tensors = [t.detach().cpu() for t in tensors]  # a checkpoint loads on any device
+def atomic_save(obj: Any, path: str | os.PathLike, keep_previous: bool = False) -> None:
+    """``torch.save(obj)`` to ``path`` so that no interruption -- a kill, a crash, a full disk
+    -- leaves a file there that is not a whole one: written to a temporary file, flushed to the
+    disk (``fsync``), then renamed over ``path`` and the rename itself made durable (the
+    folder's ``fsync``).  ``keep_previous``: the file it replaces is kept as ``<path>.prev``
+    (``previous_of``), so that a checkpoint found damaged later has one to fall back on."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"format": CHECKPOINT_FORMAT, "meta": json.dumps(skeleton),
-                "tensors": tensors}, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if keep_previous and os.path.exists(path):
+            os.replace(path, previous_of(path))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # a file system without directory fsync: the rename is still atomic
+        pass
+
+
+def previous_of(path: str | os.PathLike) -> str:
+    """Where ``save_checkpoint`` keeps the checkpoint it replaced."""
+    return f"{os.fspath(path)}.prev"
+
+
+def _checksum(meta: str, tensors: list) -> int:
+    """CRC-32 of the skeleton and every tensor's bytes (any dtype: read as bytes)."""
+    crc = zlib.crc32(meta.encode())
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
+    """Write ``tree`` with its checksum (``atomic_save``), keeping the checkpoint it replaces as
+    ``previous_of(path)``."""
+    skeleton, tensors = encode(tree)
+    tensors = [t.detach().cpu() for t in tensors]  # a checkpoint loads on any device
+    meta = json.dumps(skeleton)
+    atomic_save({"format": CHECKPOINT_FORMAT, "meta": meta, "tensors": tensors, "crc32": _checksum(meta, tensors)},
+                path, keep_previous=True)
 
 
 def model_file(path: str | os.PathLike) -> str:
@@ -189,16 +235,30 @@ def model_file(path: str | os.PathLike) -> str:
 
 
 def save_model(path: str | os.PathLike, state_dict: dict) -> None:
-    """Write a plain ``state_dict`` (name -> tensor) atomically (temporary file, then rename)."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({k: v.detach().clone() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
+    """Write a plain ``state_dict`` (name -> tensor) atomically (``atomic_save``)."""
+    atomic_save({k: v.detach().clone() for k, v in state_dict.items()}, path)
 
 
-def load_checkpoint(path: str | os.PathLike) -> Any:
-    """Read a tree written by ``save_checkpoint``; ``CheckpointError`` if it is not one."""
-    path = os.fspath(path)
+def load_checkpoint(path: str | os.PathLike, fallback: bool = True) -> Any:
+    """Read a tree written by ``save_checkpoint``; ``CheckpointError`` if it is not one.  A
+    damaged checkpoint (unreadable, or its checksum does not match) is refused, saying why,
+    and with ``fallback`` the one it replaced (``previous_of``) is read instead, with a
+    warning naming both."""
+    try:
+        return _load_checkpoint(os.fspath(path))
+    except CheckpointError as exc:
+        prev = previous_of(path)
+        if not fallback or "does not exist" in str(exc) or not os.path.exists(prev):
+            raise
+        try:
+            tree = _load_checkpoint(prev)
+        except CheckpointError as again:
+            raise CheckpointError(f"{exc}; the previous one is damaged too: {again}") from exc
+        log.warning("%s: reading the previous checkpoint %s instead", exc, prev)
+        return tree
+
+
+def _load_checkpoint(path: str) -> Any:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -207,6 +267,8 @@ def load_checkpoint(path: str | os.PathLike) -> Any:
         raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint: {exc}") from exc
     if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a {CHECKPOINT_FORMAT} file")
+    if "crc32" in raw and _checksum(raw.get("meta", ""), list(raw.get("tensors", []))) != raw["crc32"]:
+        raise CheckpointError(f"checkpoint {path} is damaged: its checksum does not match its contents")
     try:
         return decode(json.loads(raw["meta"]), list(raw["tensors"]))
     except (KeyError, ValueError, IndexError, TypeError) as exc:

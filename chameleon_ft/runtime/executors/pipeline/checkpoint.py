@@ -52,9 +52,7 @@ def write_block(folder: str, b: int, state: dict) -> int:
     """Write block ``b``'s state (tensors moved to the CPU) atomically; its digest."""
     os.makedirs(folder, exist_ok=True)
     file = os.path.join(folder, f"{b}.pt")
-    tmp = f"{file}.tmp.{os.getpid()}"
-    torch.save(_cpu(state), tmp)
-    os.replace(tmp, file)
+    run_state.atomic_save(_cpu(state), file)
     return _digest(file)
 
 
