@@ -61,7 +61,7 @@ from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors, read_user_errors
 from chameleon_ft.runtime.faults import parse_faults
-from chameleon_ft.runtime.preemption import PREEMPTED_EXIT_CODE
+from chameleon_ft.runtime.preemption import PREEMPT_SIGNALS_ENV, PREEMPTED_EXIT_CODE, notice_signals
 
 
 # torch and torchft (the coordinator's TCPStore and Lighthouse) are imported where the
@@ -105,6 +105,12 @@ class Launcher:
             raise LaunchError(f"--mttf must be a positive number of seconds, got {args.mttf}")
         if args.term_grace < 0:
             raise LaunchError(f"--term-grace must be >= 0 seconds, got {args.term_grace}")
+        try:
+            self.notice_signals = notice_signals(args.preempt_signal)
+        except ValueError as exc:
+            raise LaunchError(f"--preempt-signal: {exc}") from None
+        if args.preempt_signal:
+            os.environ[PREEMPT_SIGNALS_ENV] = args.preempt_signal  # the workers take them too
         if args.max_replacements < 0 or args.hang_timeout <= 0:
             raise LaunchError("--max-replacements must be >= 0 and --hang-timeout > 0")
         if args.heartbeat_timeout < 0 or args.cut_off < 0:
@@ -314,7 +320,7 @@ class Launcher:
             if self.stop_signal is not None and self._grace_over():
                 self.terminate_all()
                 log.run_end(status="interrupted", signal=self.stop_signal)
-                return 128 + self.stop_signal
+                return self._stop_status()
             running = [c for c in self.children.values() if c.rc is None]
             for c in running:
                 rc = c.proc.poll()
@@ -346,7 +352,7 @@ class Launcher:
                 if self.stop_signal is not None:  # every worker left within the grace
                     log.run_end(status="interrupted", signal=self.stop_signal, exits=[[w, rc] for w, rc in exits])
                     log.close()
-                    return 128 + self.stop_signal
+                    return self._stop_status()
                 break
             now = time.monotonic()
             if now >= next_view_check:
@@ -385,10 +391,14 @@ class Launcher:
         log.close()
         return 2
 
+    def _stop_status(self) -> int:
+        """128 + the signal; a preemption notice (SIGTERM, ``--preempt-signal``): 143."""
+        return PREEMPTED_EXIT_CODE if self.stop_signal in self.notice_signals else 128 + self.stop_signal
+
     def _grace_over(self) -> bool:
         """After a SIGTERM the workers get ``--term-grace`` seconds to leave at a step boundary
         (runtime/preemption.py) before they are ended; after a SIGINT, none."""
-        if self.stop_signal != signal.SIGTERM:
+        if self.stop_signal not in self.notice_signals:
             return True
         if self._stop_at is None:
             self._stop_at = time.monotonic()
@@ -556,7 +566,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         launcher.stop_signal = signum
         launcher.forward(signal.SIGTERM)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, *launcher.notice_signals):
         previous[sig] = signal.signal(sig, on_signal)
     restarts_left = args.max_restarts
     try:

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(single node only; default 0: exit 75 and leave it to the caller)")
     p.add_argument("--max-replacements", type=int, default=0,
                    help="replacement workers this launcher may start (default 0)")
+    p.add_argument("--preempt-signal", default="", metavar="SIG[,SIG]",
+                   help="more signals that announce a preemption, as SIGTERM does (e.g. USR1 for "
+                        "SLURM's --signal=USR1@90): forwarded to the workers, which leave at a step "
+                        "boundary")
     p.add_argument("--term-grace", type=float, default=30.0,
                    help="after a SIGTERM (a preemption notice: spot, Kubernetes, SLURM), how long the "
                         "workers get to leave at a step boundary before they are killed (seconds, "

@@ -312,9 +312,12 @@ class Membership:
         self._presence: Optional[PresenceClient] = None
         if is_etcd(self.store_addr) or not self.store.check([PRESENCE_KEY]):
             return
+        host, _, port = self.store.get(PRESENCE_KEY).decode().rpartition(":")
+        if host.strip("[]") in ("", "0.0.0.0", "::"):  # a wildcard bind: where this worker reached the store
+            host = self.store_addr.rpartition(":")[0]
         client = PresenceClient()
         try:
-            client.connect(self.store.get(PRESENCE_KEY).decode(), os.environ.get(TOKEN_ENV, ""), self.worker_id,
+            client.connect(f"{host}:{port}", os.environ.get(TOKEN_ENV, ""), self.worker_id,
                            self.incarnation, timeout_s=self.connect_timeout_s)
         except (OSError, ValueError) as exc:
             client.close()

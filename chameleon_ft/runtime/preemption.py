@@ -12,6 +12,10 @@ process ended by SIGTERM); the others reconfigure right after that commit: nothi
 ``chameleon-ft run`` forwards a SIGTERM it gets to its workers and waits ``--term-grace``
 seconds for them to leave before it kills them (a worker that cannot reach a step boundary in
 time -- a long evaluation, a stuck collective -- is then lost as after a kill).
+``--preempt-signal USR1`` (SLURM's ``--signal=USR1@90``: a notice some time before the end)
+makes that signal a notice too, for the launcher and its workers.  A preempted node's launcher
+exits 143; with SLURM's ``--requeue`` the requeued job starts a new job that resumes from the
+script's checkpoint (the survivors' job on other nodes is not affected).
 
 Limits: the notice is read at a step's commit; one that arrives during the commit's all-reduce
 is announced at the next step.  Handled in the main thread only (where Python runs signal
@@ -26,39 +30,63 @@ import signal
 import threading
 from typing import Optional
 
-__all__ = ["PreemptionNotice", "PREEMPTED_EXIT_CODE"]
+__all__ = ["PreemptionNotice", "PREEMPTED_EXIT_CODE", "PREEMPT_SIGNALS_ENV", "notice_signals"]
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a process ended by SIGTERM reports
 
 
+PREEMPT_SIGNALS_ENV = "CHAMELEON_FT_PREEMPT_SIGNALS"  # more notice signals (``--preempt-signal``)
+
+
+def notice_signals(names: Optional[str] = None) -> tuple[signal.Signals, ...]:
+    """SIGTERM and the signals named in ``names`` (default: the environment's
+    ``CHAMELEON_FT_PREEMPT_SIGNALS``, e.g. ``USR1`` for SLURM's ``--signal=USR1@90``); ValueError
+    for a name that is not a signal."""
+    names = os.environ.get(PREEMPT_SIGNALS_ENV, "") if names is None else names
+    out = [signal.SIGTERM]
+    for name in (n.strip().upper() for n in names.split(",") if n.strip()):
+        try:
+            sig = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        except KeyError:
+            raise ValueError(f"{name!r} is not a signal name (e.g. USR1, TERM)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT):
+            raise ValueError(f"{sig.name} cannot be a preemption notice")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
 class PreemptionNotice:
-    """Notes a SIGTERM (``reason``) for the next commit to announce."""
+    """Notes a SIGTERM (or another ``notice_signals`` signal) as ``reason`` for the next commit
+    to announce."""
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self.reason: Optional[str] = None
-        self._previous = None
+        self._previous: dict = {}
         self.installed = False
 
     def install(self) -> bool:
-        """Take SIGTERM (main thread only; returns whether it did)."""
+        """Take the notice signals (main thread only; returns whether it did)."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        self._previous = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_term)
+        for sig in notice_signals():
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_notice)
         self.installed = True
         return True
 
     def uninstall(self) -> None:
         if self.installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
             self.installed = False
 
-    def _on_term(self, signum, frame) -> None:
+    def _on_notice(self, signum, frame) -> None:
         if self.reason is None:
-            self.reason = "SIGTERM"
-            os.write(2, f"chameleon-ft worker {self.worker_id}: SIGTERM: leaving the job at the end of the "
+            self.reason = signal.Signals(signum).name
+            os.write(2, f"chameleon-ft worker {self.worker_id}: {self.reason}: leaving the job at the end of the "
                         "current step\n".encode())
-        previous = self._previous
+        previous = self._previous.get(signum)
         if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
             previous(signum, frame)

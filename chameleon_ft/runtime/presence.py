@@ -60,7 +60,8 @@ class PresenceServer:
     def __init__(self, host: str, token: str, died: Callable[[int, int], None]):
         self._token, self._died = token, died
         self._sel = selectors.DefaultSelector()
-        self._listen = socket.create_server((host, 0), backlog=1024)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listen = socket.create_server((host.strip("[]"), 0), family=family, backlog=1024)
         self._listen.setblocking(False)
         self._sel.register(self._listen, selectors.EVENT_READ, None)
         self.address = f"{host}:{self._listen.getsockname()[1]}"

@@ -154,6 +154,7 @@ def test_bad_launcher_input(tmp_path):
         "etcd": ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
                  "--rdzv-timeout", "1", "--run-dir", str(tmp_path / "y"), worker, "--out", str(tmp_path)],
         "script": ["no_such_script.py"],
+        "notice": ["--preempt-signal", "KILL", worker],
         # A fault aimed at a rank or node the job does not have would never fire.
         "rank": ["--nproc-per-node", "2", "--faults", "kill:rank=9:step=3", worker],
         "node": ["--nproc-per-node", "2", "--faults", "hang:node=1:step=3", worker],
@@ -180,6 +181,8 @@ def test_bad_launcher_input(tmp_path):
     assert code == 1 and "cannot reach etcd" in err and "nothing accepted a connection" in err, err
     code, err = res["script"]
     assert code == 2 and "not found" in err
+    code, err = res["notice"]
+    assert code == 2 and "--preempt-signal: SIGKILL cannot be a preemption notice" in err, err
     code, err = res["rank"]
     assert code == 2 and "rank=9 does not exist (ranks 0..1 with 2 workers)" in err, err
     code, err = res["node"]
