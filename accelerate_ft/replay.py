@@ -113,10 +113,13 @@ class LossReplay:
     def spill(self, i: int, n_items: int) -> bool:
         """Whether item ``i`` of ``n_items`` should be one micro-batch, the surplus left for
         ``loss()`` inside the step: yes with a recipe; before the first backward (recipe not
-        known yet), yes for the first item of several (it teaches the recipe), no otherwise."""
+        known yet), yes for the first item (it teaches the recipe: merged, a surplus micro-batch
+        would run with the first one's seed and random layers would differ from where the
+        loop runs it; when no recipe is learnt, the step hands the surplus back and runs it
+        as one more loop item, said once), no otherwise."""
         if self.recipe is not None:
             return True
-        return not self.seen and i == 0 and n_items > 1
+        return not self.seen and i == 0
 
     def on_forward(self, args: tuple, kwargs: dict, output: Any, batch: Any) -> None:
         """A forward call of the trained model during an item whose batch is ``batch``."""
