@@ -1,17 +1,22 @@
-"""``fit``: run ``trainer.fit(max_steps=steps)``, under cProfile into ``OUT.prof`` on worker 0 when
-asked (the benchmark workers' ``--profile``)."""
+"""``run``: a benchmark worker's loop, under cProfile into ``OUT.prof`` when asked (the benchmark
+workers' ``--profile``); ``fit``: ``trainer.fit(max_steps=steps)`` so, on worker 0."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 
-def fit(trainer, steps: int, out: str, profile: bool) -> None:
-    if profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0":
+def run(fn: Callable[[], object], out: str, profile: bool) -> None:
+    if profile:
         import cProfile
 
         prof = cProfile.Profile()
-        prof.runcall(trainer.fit, max_steps=steps)
+        prof.runcall(fn)
         prof.dump_stats(out + ".prof")
     else:
-        trainer.fit(max_steps=steps)
+        fn()
+
+
+def fit(trainer, steps: int, out: str, profile: bool) -> None:
+    run(lambda: trainer.fit(max_steps=steps), out, profile and os.environ.get("CHAMELEON_FT_WORKER_ID") == "0")

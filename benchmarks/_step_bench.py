@@ -149,14 +149,9 @@ def run_accelerate(a, ft: bool) -> None:
                 if len(stamps) >= a.steps:
                     break
 
-    if a.profile and acc.is_main_process:
-        import cProfile
+    from _profiled import run
 
-        prof = cProfile.Profile()
-        prof.runcall(loop)
-        prof.dump_stats(a.out + ".prof")
-    else:
-        loop()
+    run(loop, a.out, a.profile and acc.is_main_process)
     if acc.is_main_process:
         write(a.out, stamps)
     acc.wait_for_everyone()

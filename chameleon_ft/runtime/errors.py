@@ -37,7 +37,7 @@ from chameleon_ft.runtime.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["ConfigError", "LauncherError", "MembershipError", "CollectiveFailure", "CollectiveMismatch", "CheckpointError", "Diverged", "Preempted", "RestartRequested",
            "WorldTooSmall", "NothingToHeal", "LeftBehind", "CONFIG_EXIT_CODE", "exit_code_for", "exit_worker",
-           "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
+           "end_process", "install_excepthook", "read_config_errors", "user_error", "read_user_errors"]
 
 CONFIG_EXIT_CODE = 78  # sysexits' EX_CONFIG
 _ERROR_DIR = "worker-errors"
@@ -166,9 +166,16 @@ def exit_worker(exc: BaseException, code: int, hint: str = "") -> None:
         print(f"chameleon-ft worker {_wid()}: {msg}", file=sys.stderr, flush=True)
         if hint:
             print(f"chameleon-ft worker {_wid()}: {hint}", file=sys.stderr, flush=True)
+    end_process(code)
+
+
+def end_process(code: int) -> None:
+    """Leave with ``code`` now (``os._exit``: a gloo op abandoned by a failure may still hold a
+    thread until its timeout), the output flushed and the coordinator told goodbye: an outcome,
+    not a death (``runtime/presence.py``)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    goodbye()  # an outcome, not a death (runtime/presence.py)
+    goodbye()
     os._exit(code)
 
 
@@ -191,10 +198,7 @@ def user_error(exc: BaseException) -> None:
         code = 1
     if code == 1:
         print(text, file=sys.stderr, end="", flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    goodbye()  # an outcome, not a death (runtime/presence.py)
-    os._exit(code)
+    end_process(code)
 
 
 def read_user_errors(run_dir: str) -> dict[int, str]:

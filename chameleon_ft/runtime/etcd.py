@@ -46,6 +46,7 @@ credentials: keep such an etcd on a network only the job reaches (docs/security.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import json
 import os
@@ -112,8 +113,11 @@ class EtcdSecurity:
         if bool(self.user) != bool(self.password):
             raise ConfigError(f"${E.ETCD_USER} and ${E.ETCD_PASSWORD} go together (etcd's user authentication)")
 
+    @functools.cached_property
     def context(self) -> Optional[ssl.SSLContext]:
-        """The TLS context (the members checked against ``cacert``, or the system's CAs), or None."""
+        """The TLS context (the members checked against ``cacert``, or the system's CAs), or None;
+        made once and shared by the clients of these settings (a store's clones: one per group
+        set-up)."""
         if not self.tls:
             return None
         ctx = ssl.create_default_context(cafile=self.cacert)
@@ -165,7 +169,7 @@ class EtcdClient:
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self.security = EtcdSecurity.from_env() if security is None else security
-        self._ssl = self.security.context()
+        self._ssl = self.security.context
         self._local = threading.local()
         self._next = 0
         self._token: Optional[str] = None  # etcd's auth token (shared by the threads)

@@ -67,13 +67,11 @@ class PresenceServer:
         self.address = f"{host}:{self._listen.getsockname()[1]}"
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._stop = False
         self.registered: dict[int, int] = {}  # worker -> incarnation, for the live connections
         self._thread = threading.Thread(target=self._loop, name="cft-presence", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        self._stop = True
         self._wake_w.send(b"x")
         self._thread.join(timeout=2)
         for key in list(self._sel.get_map().values()):
@@ -83,8 +81,8 @@ class PresenceServer:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        while not self._stop:
-            for key, _ in self._sel.select(timeout=1.0):
+        while True:
+            for key, _ in self._sel.select():
                 if key.data == "wake":
                     return
                 if key.data is None:

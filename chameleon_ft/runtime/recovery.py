@@ -154,7 +154,6 @@ class RecoveryCore:
         self._prev_comm, self._prev_step = 0.0, 0.0
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
         self.notice = PreemptionNotice(self.worker_id)  # SIGTERM: leave after the step (start)
-        self.notice_reason = "SIGTERM"
         self._leavers: tuple[int, ...] = ()
         self._nonfinite: tuple[int, ...] = ()  # members whose loss of the step was not finite
         self._nonfinite_run = 0  # such steps in a row
@@ -260,7 +259,7 @@ class RecoveryCore:
         words = tail.tolist()
         rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
         self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
-        self._nonfinite = tuple(w for w, row in rows.items() if row[5] != 0)  # (a NaN flag: a NaN sum)
+        self._nonfinite = tuple(w for w, row in rows.items() if row[5] > 0)
         return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
@@ -309,7 +308,7 @@ class RecoveryCore:
                 self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), left="preempted")
             raise Preempted(f"worker {self.worker_id} left the job after step {self.step} "
                             f"({self.notice.reason}: preempted); its peers carry on")
-        failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave ({self.notice_reason})",
+        failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave (a preemption notice)",
                                     kind="leave", token=self.view.token, generation=self.view.generation,
                                     suspects=leavers, reporter=self.worker_id)
         self._recover(failure, time.perf_counter())

@@ -34,15 +34,13 @@ workers can be built on ``ElasticBatchSampler`` instead of this loop (see sample
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Callable, Optional
 
 import torch
 from torch.utils.data import default_collate
 
-from chameleon_ft.runtime.presence import goodbye
-from chameleon_ft.runtime.errors import ConfigError, exit_code_for, exit_worker, user_error
+from chameleon_ft.runtime.errors import ConfigError, end_process, exit_code_for, exit_worker, user_error
 from chameleon_ft.runtime.config import ElasticConfig
 from chameleon_ft.runtime.recovery import StepEnd
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
@@ -173,16 +171,10 @@ def elastic_main(fn: Callable[[], object]) -> None:
     try:
         fn()
     except SystemExit as exc:  # the script chose its exit status (argparse's 2, sys.exit(n))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        goodbye()  # the script ended: not a death (runtime/presence.py)
-        os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        end_process(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
     except BaseException as exc:
         code = exit_code_for(exc)
         if code is None:  # a bug in the script: the job stops, its traceback said once
             user_error(exc)
         exit_worker(exc, code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    goodbye()
-    os._exit(0)
+    end_process(0)

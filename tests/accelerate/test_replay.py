@@ -85,8 +85,7 @@ def test_recipe_learnt_only_when_the_loss_is_the_models_own(call, loss_of, ready
 def test_spill_before_and_after_the_first_backward():
     rp = LossReplay()
     # The first item teaches it, also when it is the only one (merged, a surplus micro-batch
-    # would run with the first one's seed: dropout off the failure-free run -- found by the
-    # chaos trials, accelerate with a member given no micro-batch from the first step).
+    # would run with the first one's seed: random layers off the failure-free run).
     assert rp.spill(0, 2) and not rp.spill(1, 2) and rp.spill(0, 1)
     rp.seen = True
     assert not rp.spill(0, 2)

@@ -334,16 +334,17 @@ class DataParallelExecutor(RecoveryCore):
         else:  # on a device: no read; a sample-weighted step divides by 1
             timing_rows = self._read_tail(host_tail)[1]
             denom = tail[1:2].clamp(min=1).clone()
-        if self._nonfinite:
-            return self._skip_nonfinite(timing_rows, comm)
-        self._nonfinite_run = 0
         self._tokens = 0.0
-        self._last_loss = tail[0].clone() if denom is None else tail[0] / denom  # read when someone looks
-        if denom is not None:
-            buckets.divide(denom)
-        buckets.assign_grads()
-        self.faults.at(self.step, "optimizer")
-        self.optimizer.step()
+        if self._nonfinite:  # nothing of the step is applied; the batch counts as consumed
+            self._skip_nonfinite()
+        else:
+            self._nonfinite_run = 0
+            self._last_loss = tail[0].clone() if denom is None else tail[0] / denom  # read when someone looks
+            if denom is not None:
+                buckets.divide(denom)
+            buckets.assign_grads()
+            self.faults.at(self.step, "optimizer")
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self._groups_at_commit = group_hyperparams([self.optimizer])
@@ -352,12 +353,12 @@ class DataParallelExecutor(RecoveryCore):
         self._finish_step(timing_rows, comm)
         return True
 
-    def _skip_nonfinite(self, timing_rows: dict, comm: float) -> bool:
+    def _skip_nonfinite(self) -> None:
         """Some member's loss was not finite (``_nonfinite``, read from the commit's tail: every
-        member knows the same): nothing of the step is applied anywhere; the global batch counts
-        as consumed.  The members whose loss it was record their micro-batches; the policy
-        (``ElasticConfig.nonfinite``) stops the job, alike everywhere, at once or after
-        ``nonfinite_limit`` such steps in a row."""
+        member knows the same): the step's update is applied nowhere (the caller ends the step
+        without ``optimizer.step()``).  The members whose loss it was record their micro-batches;
+        the policy (``ElasticConfig.nonfinite``) stops the job, alike everywhere, at once or
+        after ``nonfinite_limit`` such steps in a row (``Diverged``)."""
         bad, self._nonfinite = self._nonfinite, ()
         self._nonfinite_run += 1
         cfg = self.cfg
@@ -366,9 +367,7 @@ class DataParallelExecutor(RecoveryCore):
             mine = {"microbatches": list(self._done_slots), **({"samples": list(self._ids)} if cfg.log_samples else {})}
             self.log.write("nonfinite", step=self.step, workers=list(bad), in_a_row=self._nonfinite_run,
                            action="stop" if stop else "skip", **(mine if self.worker_id in bad else {}))
-        self._loss_sum, self._tokens, self._last_loss = None, 0.0, float("nan")  # (what the step saw)
-        self.buckets.assign_grads()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._last_loss = float("nan")  # (what the step saw)
         what = (f"step {self.step}: the loss of worker(s) {list(bad)} was not finite (NaN or inf)"
                 + (f", {self._nonfinite_run} steps in a row" if self._nonfinite_run > 1 else ""))
         if stop:
@@ -376,11 +375,6 @@ class DataParallelExecutor(RecoveryCore):
                            f"{cfg.nonfinite!r}, nonfinite_limit={cfg.nonfinite_limit})")
         if self.rank == 0 or self.worker_id in bad:
             log.warning("%s: the step is skipped on every member (its update applied nowhere)", what)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self._done_slots = []
-        self._finish_step(timing_rows, comm)
-        return True
 
     def _salvage(self, top: int, n: int, r: int) -> None:
         """Redo an interrupted step without recomputing what survivors already computed.
