@@ -173,6 +173,7 @@ class FaultTolerantAccelerator(Accelerator):
                  require_launcher: bool = False, **kwargs: Any) -> None:
         cfg = _config(allowed_policies, hang_timeout_s, stragglers, allow_batch_change)
         self._ft: Optional[StepProtocol] = None
+        self._ft_trigger_taken: Optional[int] = None  # the agreed trigger check_trigger answered
         env = launch_env()
         if env is None:
             if other_launcher():  # accelerate launch / torchrun: its local rank 0 becomes our launcher
@@ -428,6 +429,28 @@ class FaultTolerantAccelerator(Accelerator):
         return self._in_eval(lambda: map_tensors(lambda t: self._ft.coll.allreduce(t, reduction) * scale if scale != 1.0
                                           else self._ft.coll.allreduce(t, reduction), tensor),
                              lambda: tensor)
+
+    @override
+    def check_trigger(self):
+        """Whether any member called ``set_trigger()`` (the trigger is then reset), the same
+        on every member: while collectives return local values (after a failure outside a
+        step) the check is deferred -- False now, this member's trigger rides the next step's
+        commit, and the first check after that commit is True everywhere when any member's was
+        set (``runtime/steering.py``)."""
+        rt = self._ft
+        ctx = rt.ctx if rt is not None else None
+        if ctx is None:
+            return super().check_trigger()
+        steering = ctx.steering
+        if steering.stop_at is not None and steering.stop_at != self._ft_trigger_taken:
+            self._ft_trigger_taken = steering.stop_at  # an agreed trigger, answered once
+            self.flag_tensor = None
+            return True
+        mine = self.flag_tensor is not None and bool(self.flag_tensor.item())
+        fired = rt.coll.decide(mine, any_=True, stop=True, reduce=lambda t: self.reduce(t, "sum"))
+        if fired or rt.coll.stays_local:
+            self.flag_tensor = None  # answered, or its vote rides the next commit
+        return fired
 
     @override
     def wait_for_everyone(self):

@@ -51,6 +51,7 @@ import copy
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -59,6 +60,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer import call
@@ -385,9 +387,35 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         model = model or self.lightning_module
         self._in_step = True
         try:
-            return self._run_step(ctx, optimizer, closure, model, kwargs)
+            result = self._run_step(ctx, optimizer, closure, model, kwargs)
         finally:
             self._in_step = False
+        if ctx.steering.stop_at is not None or ctx.steering.adopt:
+            self._steer(model.trainer)
+        return result
+
+    def _steer(self, trainer) -> None:
+        """Loop-steering decisions held while collectives returned local values, agreed on
+        the commit just made (``runtime/steering.py``): a stop ends the loop after this step on
+        every member; a save/best decision made locally anywhere makes every member take rank
+        0's ``ModelCheckpoint``/``EarlyStopping`` bookkeeping (rank 0 wrote the files)."""
+        steering = self.ctx.steering
+        if steering.stops_now(self.ctx.step):
+            trainer.should_stop = True
+            for cb in trainer.early_stopping_callbacks:
+                cb.stopped_epoch = trainer.current_epoch
+        if not steering.adopt:
+            return
+        steering.adopt = False
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, (ModelCheckpoint, EarlyStopping))]
+        if not callbacks or self.world_size <= 1:
+            return
+        got = self.broadcast({str(i): cb.state_dict() for i, cb in enumerate(callbacks)}, 0)
+        if self._coll.stays_local:  # not agreed now: held again, for the next commit
+            steering.decided_locally()
+            return
+        for i, cb in enumerate(callbacks):
+            cb.load_state_dict(got[str(i)])
 
     def _run_step(self, ctx, optimizer, closure, model, kwargs: dict) -> Any:
         trainer = model.trainer
@@ -545,6 +573,18 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return self._collective(lambda: self._coll.allreduce(tensor, reduce_op or "mean"), lambda: tensor)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's decisions that steer the loop, the same on every member: reduced now
+        over live collectives; while they return local values an ``EarlyStopping`` stop is
+        deferred to the next commit, and other decisions (``ModelCheckpoint``'s) keep their local
+        value until rank 0's bookkeeping is adopted after that commit (``_steer``)."""
+        if self.ctx is None or self._gm() is None or self.world_size <= 1:
+            return bool(decision)
+        stop = isinstance(sys._getframe(1).f_locals.get("self"), EarlyStopping)  # its caller
+        return self._coll.decide(decision, any_=not all, stop=stop,
+                                 reduce=lambda t: self.reduce(t, reduce_op="sum"))
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False):

@@ -400,6 +400,29 @@ class LiveCollectives:
         # The header exchange is an all-gather over every member: a barrier by itself.
         self.run("barrier", lambda gm: gm.checked("barrier", timeout_s=self.timeout_fn()), lambda: None)
 
+    def decide(self, decision: bool, any_: bool, stop: bool = False,
+               reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> bool:
+        """A boolean decision that steers the loop, the same on every member (``any_``: true
+        when one member's is; else when all are).  Over live collectives it is reduced now.
+        When they return local values (or fail in this very reduction), a ``stop`` is deferred
+        -- False now, the vote rides the next commit (``runtime/steering.py``) -- and any other
+        decision keeps its local value, flagged so that the adapter adopts rank 0's bookkeeping
+        after the next commit.  ``reduce``: the adapter's sum over members (default ``allreduce``)."""
+        ctx = self.ctx_fn() if self.ctx_fn is not None else None
+        if ctx is None or self.world_size <= 1:
+            return bool(decision)
+        if not self.stays_local:
+            total = float((reduce or (lambda t: self.allreduce(t, "sum")))(torch.tensor(float(bool(decision)))))
+            if not self.stays_local:
+                return total >= 1 if any_ else total >= self.world_size
+        if stop:
+            ctx.steering.defer_stop(decision)
+            self._warn_local("a stop decision", reason="deferred: it is agreed on the next commit, "
+                             "the same on every member")
+            return False
+        ctx.steering.decided_locally()
+        return bool(decision)
+
     def gather_objects(self, obj: Any) -> list:
         """Every member's JSON-able ``obj`` in rank order."""
         try:

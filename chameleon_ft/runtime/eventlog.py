@@ -60,7 +60,7 @@ __all__ = [
 
 EVENT_TYPES = ("run_start", "membership", "failure", "decision", "recovery", "step", "migration",
                "calibration", "prediction", "shard_recovery", "snapshot", "heal_check", "roll_forward",
-               "nonfinite", "run_end")
+               "nonfinite", "steering", "run_end")
 FAILURE_KINDS = ("fail_stop", "hang", "straggler", "node_loss", "preemption")
 MTTR_PHASES = ("detect", "membership", "rebuild", "state_transfer", "first_step")
 

@@ -50,12 +50,13 @@ from chameleon_ft.runtime.membership import Membership, MembershipError, Members
 from chameleon_ft.runtime.engine_bridge import EngineBridge, layer_params
 from chameleon_ft.runtime.predictions import PredictionTracker
 from chameleon_ft.runtime.sampler import ElasticSampler, seed_generators
+from chameleon_ft.runtime.steering import Steering
 from chameleon_ft.runtime import codec as run_state
 
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
 
-_TAIL = 6  # per member in the commit's tail: four timings, the leave notice, a non-finite loss (_tail_row)
+_TAIL = 7  # per member in the commit's tail: four timings, the leave notice, a non-finite loss, steering (_tail_row)
 _PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
 _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
 _JOIN_S = 2.0  # a replacement's admission into a running job: the next view and a heal (prior)
@@ -157,6 +158,8 @@ class RecoveryCore:
         self._leavers: tuple[int, ...] = ()
         self._nonfinite: tuple[int, ...] = ()  # members whose loss of the step was not finite
         self._nonfinite_run = 0  # such steps in a row
+        self.steering = Steering()  # stop/save decisions an adapter could not agree at once
+        self._steer_words: dict = {}  # every member's steering word of the last commit
         self._is_source = False
         # What this member does outside a step (an adapter's tag, 0: nothing in particular),
         # shared by every reconfiguration's agreement (``recover_off_step``).
@@ -246,20 +249,23 @@ class RecoveryCore:
 
     def _tail_row(self, compute_s: float) -> list[float]:
         """This member's timings -- compute s, micro-batches, the previous reduction's and
-        step's s -- and 1 when it leaves after this step (``runtime/preemption.py``)."""
+        step's s -- 1 when it leaves after this step (``runtime/preemption.py``), and its held
+        loop-steering decisions (``runtime/steering.py``)."""
         # The sixth, a non-finite loss, is written on the tensor side by an executor that checks
         # it (``DataParallelExecutor.sync_and_step``: no host read).
-        return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0, 0.0]
+        return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0, 0.0,
+                self.steering.word()]
 
     def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
         """The reduced tail's first ``lead`` numbers, and every member's timings by worker id
         after them (the step's one host read, after its commit point); the members that
         announced their leave in it go to ``_leavers``, those whose loss was not finite to
-        ``_nonfinite``."""
+        ``_nonfinite``, the steering words to ``_steer_words``."""
         words = tail.tolist()
         rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
         self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
         self._nonfinite = tuple(w for w, row in rows.items() if row[5] > 0)
+        self._steer_words = {w: row[6] for w, row in rows.items() if row[6] > 0}
         return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
@@ -290,12 +296,23 @@ class RecoveryCore:
 
     def _finish_step(self, timings: dict, comm: float) -> None:  # the update was applied
         self._commit()
+        if self._steer_words:
+            self._agree_steering()
         self._after_commit(timings)
         self._prev_comm = comm
         self._prev_step = time.perf_counter() - self._step_start
         self._step_start = None
         if self._leavers:
             self._announced_leave(self._leavers)
+
+    def _agree_steering(self) -> None:
+        """Some member held a loop-steering decision; the commit just made told every member
+        the same (``runtime/steering.py``)."""
+        words, self._steer_words = self._steer_words, {}
+        self.steering.agree(words, self.step)
+        if self.log and self.rank == 0:
+            self.log.write("steering", step=self.step, held_by=sorted(words), stop_voters=list(self.steering.voters),
+                           stop=bool(self.steering.voters))
 
     def _announced_leave(self, leavers: tuple[int, ...]) -> None:
         """Members announced in the commit just made that they leave (SIGTERM): the leavers
@@ -629,7 +646,7 @@ class RecoveryCore:
         sampler, RNG (what a rollback to a snapshot restores too)."""
         return {"step": self.step, "last_checkpoint_step": self.last_checkpoint_step, "lr_scale": self.lr_scale,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "sampler": self.sampler.state_dict(),
+                "sampler": self.sampler.state_dict(), "steering": self.steering.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def _load_run(self, s: dict) -> None:
@@ -641,6 +658,7 @@ class RecoveryCore:
         self.step = int(s["step"])
         self.last_checkpoint_step = int(s["last_checkpoint_step"])
         self.lr_scale = float(s.get("lr_scale", 1.0))
+        self.steering.load_state_dict(s.get("steering"))
 
     def plan_run(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> None:
         """``planned_steps`` from where the run will stop: ``max_steps`` committed steps or

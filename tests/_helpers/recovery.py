@@ -49,6 +49,25 @@ class ScriptJob(LocalJob):
         finally:
             self.cleanup()
 
+    def kill_on_marker(self, victim: int, marker: str, delay: tuple[float, float] = (0.0, 0.0),
+                       timeout: float = 120.0) -> dict[int, dict]:
+        """Start the job, SIGKILL ``victim`` from outside once a worker wrote
+        ``<run dir>/markers/<marker>`` (after a random delay in ``delay``), wait for the
+        survivors to end cleanly; their final states."""
+        path = self.run_dir / "markers" / marker
+        try:
+            self.start()
+            deadline = time.monotonic() + timeout
+            while not path.exists():
+                assert time.monotonic() < deadline and self.running(), self.output()[-4000:]
+                time.sleep(0.01)
+            time.sleep(random.uniform(*delay))
+            self.kill(victim)
+            assert self.wait(120) == [0], self.output()[-4000:]
+            return self.final()
+        finally:
+            self.cleanup()
+
 
 class UserLaunchedJob(ScriptJob):
     """The job started the way a framework's user starts it, not by ``chameleon-ft run``:

@@ -305,3 +305,19 @@ def test_a_sigterm_leaves_at_a_step_boundary_announced(tmp_path, reference):
     assert ends[2].get("left") == "preempted"
     assert all(ends[w].get("redone_steps") == 0 for w in (0, 1, 3)), ends
     assert "worker 2 (pid" in job.output() and "left the job on SIGTERM" in job.output()
+
+
+def test_a_trigger_checked_apart_after_a_kill_stops_everyone_after_the_next_commit(tmp_path):
+    """Worker 1 calls ``set_trigger()`` after step 3; worker 2 is SIGKILLed while every worker
+    sleeps before its ``check_trigger()``, so the survivors meet the failure in that check's
+    reduction and hold only their own trigger: worker 1 alone would leave the loop.  The check is
+    deferred to the next commit (``runtime/steering.py``): every survivor trains step 4 and stops
+    after it, at the same step, with equal replicas (without a failure all stop after step 3)."""
+    job = AccJob(tmp_path, "--trigger-at", "3", "--window-sleep", "1.0")
+    finals = job.kill_on_marker(2, "window_w2", delay=(0.0, 0.3))
+    assert sorted(finals) == [0, 1, 3]
+    got = assert_replicas_equal(finals, same=("step", "completed", "lr", "eval_ids", "val_acc"))
+    assert got["step"] == got["completed"] == 4
+    assert got["eval_ids"] == [list(range(EVAL))]  # the loop's one evaluation, over the survivors
+    steering = [(e["step"], e["stop_voters"]) for e in job.events() if e["event"] == "steering"]
+    assert steering == [(4, [1])], steering

@@ -74,24 +74,6 @@ class LitJob(ScriptJob):
     def run_to_end(self, timeout: float = 180.0) -> dict[int, dict]:
         return super().run_to_end(timeout)
 
-    def kill_on_marker(self, victim: int, marker: str, delay: tuple[float, float] = (0.0, 0.0),
-                       timeout: float = 120.0) -> dict[int, dict]:
-        """Start the job, SIGKILL ``victim`` from outside once it wrote ``markers/<marker>``
-        (after a random delay in ``delay``), wait for the survivors to end cleanly."""
-        path = self.run_dir / "markers" / marker
-        try:
-            self.start()
-            deadline = time.monotonic() + timeout
-            while not path.exists():
-                assert time.monotonic() < deadline and self.running(), self.output()[-4000:]
-                time.sleep(0.01)
-            time.sleep(random.uniform(*delay))
-            self.kill(victim)
-            assert self.wait(120) == [0], self.output()[-4000:]
-            return self.final()
-        finally:
-            self.cleanup()
-
 
 def exactly_once(events: list[dict], first_step: int = 0) -> None:
     assert_exactly_once(events, dataset=DATASET, steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS,
@@ -462,6 +444,32 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
     assert "recovered at once" in job.output()
     assert sorted(p.name for p in (job.run_dir / "ckpt").glob("*.ckpt")) == [
         f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", f"epoch=1-step={EPOCHS * STEPS_PER_EPOCH}.ckpt"]
+
+
+def test_a_stop_and_a_best_decided_apart_after_a_kill_are_agreed_on_the_next_commit(tmp_path):
+    """Worker 2 is SIGKILLed while ``on_train_epoch_end`` sleeps in epoch 0; the survivors
+    meet the failure in the metric sync that follows, so ``stop_signal`` and ``score`` are
+    each worker's own: ``EarlyStopping`` would stop worker 1 alone and ``ModelCheckpoint``'s
+    best would differ by worker.  The stop is deferred to the next commit (epoch 1's first
+    step): every survivor stops after it, at the same step with equal replicas, and every one
+    takes rank 0's checkpoint bookkeeping (best ``score`` 0.0) after it, so that at the stop
+    (epoch 1's end, live again: the survivors' mean 4/3) every one saves the new best -- worker
+    3, left with its own 3.0, would have refused it for all -- and ends naming the one file
+    rank 0 wrote.  (Without a failure every worker stops after epoch 0: ``stop_signal`` is
+    reduced with max.)"""
+    job = LitJob(tmp_path, "--steer", "--epoch-end-sleep", "1.0", "--val-size", "64")
+    finals = job.kill_on_marker(2, "epochend_w2_e0", delay=(0.0, 0.3))
+    assert sorted(finals) == [0, 1, 3]
+    ref = assert_replicas_equal(finals, same=("global_step", "epoch", "checkpoints", "stopped_epoch"))
+    assert ref["global_step"] == STEPS_PER_EPOCH + 1, ref["global_step"]
+    steering = [e for e in job.events() if e["event"] == "steering"]
+    assert [(e["step"], e["stop_voters"]) for e in steering] == [(STEPS_PER_EPOCH + 1, [1])], steering
+    assert steering[0]["held_by"] == [0, 1, 3]
+    best = ref["checkpoints"][1]
+    assert best["best_model_score"] == pytest.approx(4 / 3), best
+    assert [p.name for p in (tmp_path / "best").iterdir()] == [f"best-epoch=1-step={STEPS_PER_EPOCH + 1}.ckpt"]
+    assert Path(best["best_model_path"]).name == f"best-epoch=1-step={STEPS_PER_EPOCH + 1}.ckpt"
+    assert ref["stopped_epoch"] == [1]
 
 
 @pytest.mark.parametrize("how,victim", [

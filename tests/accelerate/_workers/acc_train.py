@@ -6,7 +6,10 @@ The loop is the plain one from Accelerate's examples (accumulate, backward, clip
 scheduler step, zero_grad, ``if accelerator.sync_gradients`` step counting, gather_for_metrics
 evaluation each epoch, a tracker, save_state).  At the end each worker writes
 ``<out>/final_<worker id>.pt`` (parameters, momentum, counters, LR, the evaluation sample ids
-gathered in each epoch, accuracy) for the tests to compare.
+gathered in each epoch, accuracy) for the tests to compare.  ``--trigger-at K``: after step K
+worker 1 calls ``set_trigger()``, every worker writes ``<out>/markers/window_w<id>`` and sleeps
+``--window-sleep`` s, and the loop ends at the first step after which ``check_trigger()`` (asked
+after every step) is True (Accelerate's early-stopping idiom).
 """
 
 import argparse
@@ -66,6 +69,8 @@ def main():
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2: FullyShardedDataParallelPlugin(fsdp_version=2), every Linear a unit")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
+    p.add_argument("--trigger-at", type=int, default=None, help="worker 1 sets the trigger after this step")
+    p.add_argument("--window-sleep", type=float, default=0.0, help="sleep after the trigger step (doc)")
     a = p.parse_args()
     torch.set_num_threads(1)
     force_allocations(a.force_alloc)
@@ -93,7 +98,8 @@ def main():
     model, opt, train, val, sched = acc.prepare(model, opt, train, val, sched)
     if a.resume:
         acc.load_state(a.resume)
-    completed, eval_ids, accs = 0, [], []
+    completed, eval_ids, accs, stopped = 0, [], [], False
+    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", acc.process_index))
     t0 = time.perf_counter()
     for epoch in range(a.epochs):
         if acc.ft_context is not None and acc.ft_context.epoch > epoch:
@@ -118,6 +124,16 @@ def main():
                 acc.log({"train_loss": loss.item()}, step=acc.ft_context.step)
                 if a.save_at is not None and acc.ft_context.step == a.save_at:
                     acc.save_state(os.path.join(a.out, "ckpt"))
+                if a.trigger_at is not None:
+                    if acc.ft_context.step == a.trigger_at:
+                        if wid == 1:
+                            acc.set_trigger()
+                        os.makedirs(os.path.join(a.out, "markers"), exist_ok=True)
+                        open(os.path.join(a.out, "markers", f"window_w{wid}"), "w").close()
+                        time.sleep(a.window_sleep)
+                    if acc.check_trigger():
+                        stopped = True
+                        break
         model.eval()
         ids, correct = [], 0
         for batch in val:
@@ -129,10 +145,11 @@ def main():
         eval_ids.append(ids)
         accs.append(correct / len(ids))
         acc.log({"val_acc": accs[-1]}, step=acc.ft_context.step)
+        if stopped:
+            break
     fit_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     ctx = acc.ft_context
-    wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", acc.process_index))
     whole = acc.get_state_dict(model) if a.fsdp else None  # sharded: the whole weights (every worker)
     torch.save({"params": [q.detach().clone() for q in model.parameters()] if whole is None
                 else [t.clone() for n, t in whole.items()],

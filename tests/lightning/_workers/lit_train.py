@@ -18,6 +18,10 @@ validation samples).  ``--epoch-end-sleep`` sleeps in ``on_train_epoch_end`` aft
 ``ModelCheckpoint`` save there too (after that sleep), so that a test can kill a worker in the
 window between an epoch's last training step and the next epoch's first.
 ``--save-every-n-steps K`` adds a mid-epoch ``ModelCheckpoint`` (``step<K>-*.ckpt``).
+``--steer`` adds an ``EarlyStopping`` and a best-only ``ModelCheckpoint`` (``best/``) on
+metrics logged in ``on_train_epoch_end`` (after that sleep) whose values differ by worker:
+``stop_signal`` (max over members: worker 1's is 1 in epoch 0) and ``score`` (the mean worker
+id); the final file then holds each worker's bookkeeping of both callbacks.
 ``--validate`` runs ``trainer.validate()`` after the fit.  ``--sync-train-loss`` logs
 ``train_loss`` with ``sync_dist=True`` (a collective per micro-batch).
 ``--plain`` runs the same script with strategy="ddp" and no callback (for the overhead
@@ -36,7 +40,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 
@@ -60,7 +64,7 @@ class WithIds(Dataset):
 
 class Classifier(pl.LightningModule):
     def __init__(self, mb_sleep=0.0, lr=0.05, val_sleep=0.0, markers=None, sync_train_loss=False,
-                 optimizer="sgd", lr_step=5, epoch_end_sleep=0.0):
+                 optimizer="sgd", lr_step=5, epoch_end_sleep=0.0, steer=False):
         super().__init__()
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
@@ -101,6 +105,10 @@ class Classifier(pl.LightningModule):
         if self.hparams.epoch_end_sleep:  # for tests that kill a worker between two epochs
             self._marker("epochend")
             time.sleep(self.hparams.epoch_end_sleep)
+        if self.hparams.steer:  # decisions whose local values differ by worker (--steer)
+            wid = int(os.environ.get("CHAMELEON_FT_WORKER_ID", self.global_rank))
+            self.log("stop_signal", float(wid == 1 and self.current_epoch == 0), sync_dist=True, reduce_fx="max")
+            self.log("score", float(wid), sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -166,6 +174,7 @@ def main():
                    help="ModelCheckpoint saves in on_train_epoch_end (not after validation)")
     p.add_argument("--save-every-n-steps", type=int, default=0, help="also a mid-epoch checkpoint")
     p.add_argument("--validate", action="store_true", help="trainer.validate() after the fit")
+    p.add_argument("--steer", action="store_true", help="EarlyStopping and a best ModelCheckpoint (doc)")
     p.add_argument("--sync-train-loss", action="store_true", help="log train_loss with sync_dist=True")
     # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -180,7 +189,7 @@ def main():
     os.makedirs(markers, exist_ok=True)
     model = Classifier(mb_sleep=a.mb_sleep, val_sleep=a.val_sleep, markers=markers,
                        sync_train_loss=a.sync_train_loss, optimizer=a.optimizer, lr_step=a.lr_step,
-                       epoch_end_sleep=a.epoch_end_sleep)
+                       epoch_end_sleep=a.epoch_end_sleep, steer=a.steer)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
                                  filename="{epoch}-{step}",
                                  save_on_train_epoch_end=a.ckpt_on_train_epoch_end or None)]
@@ -188,6 +197,11 @@ def main():
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(a.out, "ckpt"), save_top_k=-1,
                                          filename="step{step}-{epoch}", auto_insert_metric_name=False,
                                          every_n_train_steps=a.save_every_n_steps))
+    if a.steer:
+        callbacks += [EarlyStopping(monitor="stop_signal", mode="max", stopping_threshold=0.5, patience=1000,
+                                    check_on_train_epoch_end=True),
+                      ModelCheckpoint(dirpath=os.path.join(a.out, "best"), monitor="score", mode="max",
+                                      save_top_k=1, filename="best-{epoch}-{step}", save_on_train_epoch_end=True)]
     if not a.plain:
         from lightning_ft import FaultToleranceCallback
         callbacks.append(FaultToleranceCallback(hang_timeout_s=a.hang_timeout))
@@ -212,7 +226,11 @@ def main():
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
              "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history,
-             "batch_log": model.batch_log}
+             "batch_log": model.batch_log,
+             "checkpoints": [{"best_model_path": cb.best_model_path, "best_model_score":
+                              None if cb.best_model_score is None else float(cb.best_model_score)}
+                             for cb in trainer.checkpoint_callbacks],
+             "stopped_epoch": [cb.stopped_epoch for cb in trainer.early_stopping_callbacks]}
     if a.validate:
         metrics = trainer.validate(model, val, verbose=False)[0]
         final.update(validate_acc=float(metrics["val_acc"]), validate_n=float(metrics["val_n"]),
