@@ -28,7 +28,7 @@ N = 9
 
 def test_drawn_trials_cover_the_dimensions():
     rng = random.Random(0)
-    drawn = [trials.draw(rng, i, trials.draw_setup(rng, fw)) for i in range(300) for fw in trials.FRAMEWORKS]
+    drawn = [trials.draw(rng, i, trials.draw_setup(rng, fw)) for i in range(300) for fw in trials.DATA_PARALLEL]
     for t in drawn:
         assert 1 <= t.step <= 2 * t.setup.steps_per_epoch - 2
         assert t.setup.dataset % t.setup.global_batch, "the last global batch must be uneven"
@@ -40,6 +40,16 @@ def test_drawn_trials_cover_the_dimensions():
     assert {(t.force or "none").split(":")[0] for t in drawn} == {"none", "zero", "uneven"}
     assert any(t.straggler is not None for t in drawn)
     assert not any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
+    # The executors and the Trainer: their scripts' fixed data, every fault kind they can meet.
+    others = [trials.draw(rng, i, trials.draw_setup(rng, fw), trials.KINDS) for i in range(300)
+              for fw in ("pipeline", "sharded", "trainer")]
+    for t in others:
+        assert t.force is None and t.straggler is None
+        assert t.phase in t.setup.phases and t.kind in t.setup.kinds
+        assert 1 <= t.step <= 2 * t.setup.steps_per_epoch - 2
+    assert {t.kind for t in others if t.setup.framework == "sharded"} == set(trials.KINDS) - {"nan"}
+    assert {t.kind for t in others if t.setup.framework == "trainer"} == set(trials.KINDS)
+    assert {t.setup.variant for t in others if t.setup.framework == "sharded"} == {"full", "hybrid"}
 
 
 @pytest.mark.chaos  # 12 real jobs (~12 min); default coverage: tests/README.md

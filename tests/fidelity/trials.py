@@ -51,8 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from _helpers.recovery import (ScriptJob, assert_exactly_once, assert_replicas_equal,  # noqa: E402
-                               rel_diff)
+from _helpers.recovery import ScriptJob, assert_exactly_once, assert_replicas_equal, rel_diff  # noqa: E402
 import torch  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -60,8 +59,12 @@ SCRIPTS = {
     "elastic": TESTS / "runtime" / "_workers" / "mlp_worker.py",
     "lightning": TESTS / "lightning" / "_workers" / "lit_train.py",
     "accelerate": TESTS / "accelerate" / "_workers" / "acc_train.py",
+    "pipeline": TESTS / "runtime" / "_workers" / "pipe_worker.py",
+    "sharded": TESTS / "runtime" / "_workers" / "shard_worker.py",
+    "trainer": TESTS / "transformers" / "_workers" / "hf_train.py",
 }
 FRAMEWORKS = tuple(SCRIPTS)
+DATA_PARALLEL = ("elastic", "lightning", "accelerate")  # the set-ups drawn freely (module doc)
 WORKERS = 4
 EPOCHS = 2
 TOLERANCE = 1e-5  # relative distance of the final weights to the failure-free twin
@@ -80,12 +83,18 @@ PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_
 #   kill2  SIGKILL of the victim, then of a second worker one step later; on the twin
 #   nan    the victim's loss NaN in the drawn step: skipped everywhere (a ``nonfinite`` record),
 #          every worker finishes, replicas equal and finite; off the twin by one global batch
-KINDS = ("kill", "term", "stop", "kill2", "nan")
+#          (data-parallel set-ups only: the pipeline and sharded executors do not check losses)
+#   kill_recovery  SIGKILL of the victim, then of a second worker as soon as the first failure
+#          is recorded: a failure during the recovery; on the twin
+KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery")
+# Injected kill phases each executor reaches (the sharded step has no ``optimizer`` fault point).
+SHARDED_PHASES = ("outside", "step_start", "backward", "allreduce")
 
 
 @dataclass(frozen=True)
 class Setup:
-    """What the twin shares with the killed run."""
+    """What the twin shares with the killed run.  ``variant``: the sharded set-up's ``full``
+    (FSDP over 4) or ``hybrid`` (HSDP 2 x 2); the pipeline runs 2 pipelines x 2 stages."""
 
     framework: str
     optimizer: str
@@ -93,6 +102,7 @@ class Setup:
     accum: int
     dataset: int
     lr_step: int
+    variant: str = ""
 
     @property
     def global_batch(self) -> int:
@@ -103,13 +113,32 @@ class Setup:
         return math.ceil(self.dataset / self.global_batch)
 
     def args(self) -> list[str]:
+        fw = self.framework
+        if fw == "trainer":  # the HF Trainer script's own set-up (classifier, eval and saves, 16 steps)
+            return []
+        if fw == "pipeline":
+            return ["--epochs", str(EPOCHS), "--stages", "2", "--blocks", "4", "--block-sleep", "0.002",
+                    "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch)]
+        if fw == "sharded":
+            return ["--steps", str(EPOCHS * self.steps_per_epoch), "--sharding", self.variant,
+                    "--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch),
+                    "--snapshot-every", "5"]
         common = ["--epochs", str(EPOCHS), "--optimizer", self.optimizer, "--lr-step", str(self.lr_step),
                   "--dataset", str(self.dataset)]
-        if self.framework == "elastic":
+        if fw == "elastic":
             return common + ["--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch)]
-        if self.framework == "lightning":
+        if fw == "lightning":
             return common + ["--batch-size", str(self.micro_batch), "--accumulate", str(self.accum)]
         return common + ["--batch-size", str(self.micro_batch), "--accum", str(self.accum)]
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return SHARDED_PHASES if self.framework == "sharded" else PHASES
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The fault kinds this set-up can meet (``KINDS``)."""
+        return tuple(k for k in KINDS if k != "nan" or self.framework not in ("pipeline", "sharded"))
 
 
 @dataclass(frozen=True)
@@ -136,8 +165,13 @@ class Trial:
         extra = ["--force-alloc", self.force] if self.force else []
         # emulated compute (math unchanged), so that the straggler's slowness is measurable and a
         # signal sent from outside at a step lands before the job's 1-2 ms steps ran to the end
-        slow = self.straggler is not None or self.kind in ("term", "stop", "kill2")
-        return extra + (["--mb-sleep", "0.01"] if slow else [])
+        slow = self.straggler is not None or self.kind in ("term", "stop", "kill2", "kill_recovery")
+        fw = self.setup.framework
+        if fw == "pipeline":  # its blocks' emulated compute is in the set-up
+            return extra
+        if fw == "sharded":
+            return extra + ["--step-sleep", "0.01" if slow else "0.002"]
+        return extra + (["--mb-sleep", "0.01"] if slow or fw == "trainer" else [])
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -145,6 +179,10 @@ class Trial:
         if self.kind == "nan":
             return ()
         return (self.victim,) if self.second is None else (self.victim, self.second)
+
+    @property
+    def signal_from_outside(self) -> bool:
+        return self.fault() is None
 
     def fault(self) -> Optional[tuple[str, int, str]]:
         """(spec, step, phase) of an injected fault, or None for an outside signal."""
@@ -160,6 +198,13 @@ class Trial:
 
 
 def draw_setup(rng: random.Random, framework: str) -> Setup:
+    if framework == "trainer":  # hf_train.py's one set-up: 256 samples, 4 x 4 x accumulation 2
+        return Setup(framework, "adamw", 4, 2, 256, 0)
+    if framework in ("pipeline", "sharded"):  # global batch 32 over the workers' fixed data
+        micro, accum = rng.choice([(2, 4), (4, 2), (8, 1)])
+        variant = rng.choice(["full", "hybrid"]) if framework == "sharded" else ""
+        return Setup(framework, "adamw" if framework == "pipeline" else "adam", micro, accum,
+                     256 if framework == "pipeline" else 512, 5, variant)
     micro = rng.choice([2, 4, 8, 16])
     accum = rng.choice([1, 2]) if framework != "elastic" else rng.choice([1, 2, 3])
     gb = WORKERS * micro * accum
@@ -177,15 +222,15 @@ def draw(rng: random.Random, index: int, setup: Setup, kinds=("kill",)) -> Trial
     trial = _draw_kill(rng, index, setup)
     if tuple(kinds) == ("kill",):
         return trial
-    kind = rng.choice(list(kinds))
+    kind = rng.choice([k for k in kinds if k in setup.kinds] or ["kill"])
     total = EPOCHS * setup.steps_per_epoch
     changes: dict = {"kind": kind}
-    if kind in ("term", "stop", "kill2"):
+    if kind in ("term", "stop", "kill2", "kill_recovery"):
         changes["phase"] = "outside"  # a signal from outside, as a cluster manager sends it
-    if kind == "kill2":
+    if kind in ("kill2", "kill_recovery"):
         changes["second"] = rng.choice([w for w in range(WORKERS) if w != trial.victim])
         changes["step"] = min(trial.step, total - 3)
-    if kind in ("stop", "nan", "kill2"):
+    if kind in ("stop", "nan", "kill2", "kill_recovery"):
         changes["straggler"] = None
     from dataclasses import replace
     return replace(trial, **changes)
@@ -196,6 +241,8 @@ def _draw_kill(rng: random.Random, index: int, setup: Setup) -> Trial:
     kinds = [None, "uneven", "zero"] if setup.framework != "lightning" else [None, "uneven"]
     kind = rng.choice(kinds)
     force = f"{kind}:{rng.randrange(WORKERS)}" if kind else None
+    if setup.framework not in DATA_PARALLEL:
+        force = None  # (the draw stays the same) only the data-parallel scripts force allocations
     victim = rng.randrange(WORKERS)
     step = rng.randint(2, total - 2)
     straggler = None
@@ -206,32 +253,81 @@ def _draw_kill(rng: random.Random, index: int, setup: Setup) -> Trial:
         step = rng.randint(1, 2)
         if setup.framework == "lightning" and not LIGHTNING_STRAGGLERS:
             straggler = None  # known hang, see LIGHTNING_STRAGGLERS (the draw stays the same)
-    return Trial(index, setup, victim, step, rng.choice(PHASES), force, rng.uniform(0.0, 0.03), straggler)
+        if setup.framework not in DATA_PARALLEL:
+            straggler = None  # stragglers are the data-parallel trials' dimension
+    phase = rng.choice(PHASES)
+    if phase not in setup.phases:
+        phase = "outside"
+    return Trial(index, setup, victim, step, phase, force, rng.uniform(0.0, 0.03), straggler)
 
 
 class FidelityJob(ScriptJob):
     def __init__(self, run_dir: Path, setup: Setup, extra=(), launch_args=()):
+        env = {"HF_HOME": str(run_dir / "hf")} if setup.framework == "trainer" else None
+        if setup.framework == "pipeline":  # 4 processes of 2 stages on 2 loaded cores (test_pipeline_recovery)
+            launch_args = ("--heartbeat-timeout", "3", *launch_args)
         super().__init__(SCRIPTS[setup.framework], run_dir, *setup.args(), *extra, nproc=WORKERS,
-                         launch_args=launch_args)
+                         launch_args=launch_args, env=env)
 
 
 _TWINS: dict[Setup, dict] = {}
 
 
 def twin(setup: Setup, root: Path) -> dict:
-    """The failure-free run of ``setup`` (cached): lowest worker's final state."""
+    """The failure-free run of ``setup`` (cached): every worker's final state."""
     if setup not in _TWINS:
         job = FidelityJob(root / f"twin-{len(_TWINS)}", setup)
-        finals = job.run_to_end(timeout=180)
+        finals = job.run_to_end(timeout=240)
         assert sorted(finals) == list(range(WORKERS)), f"twin ended with workers {sorted(finals)}"
         assert_exactly_once(job.events(), dataset=setup.dataset, steps_per_epoch=setup.steps_per_epoch,
                             epochs=EPOCHS)
-        _TWINS[setup] = assert_replicas_equal(finals)
+        replicas(setup, finals)
+        _TWINS[setup] = finals
     return _TWINS[setup]
 
 
 def _step_key(framework: str) -> str:
-    return {"elastic": "step", "lightning": "global_step", "accelerate": "step"}[framework]
+    return "global_step" if framework in ("lightning", "trainer") else "step"
+
+
+def _copies(setup: Setup, finals: dict[int, dict]) -> dict[str, list[tuple[int, list]]]:
+    """What must be equal across workers, by name: [(worker, its tensors)].  Data parallel:
+    the parameters and optimizer state; the pipeline: each block's, over the workers holding it;
+    sharded: the gathered parameters."""
+    out: dict[str, list] = {}
+    for w, f in sorted(finals.items()):
+        if setup.framework == "pipeline":
+            for b, st in f["blocks"].items():
+                out.setdefault(f"block {b}", []).append((w, st["params"] + st["optim"]))
+        elif setup.framework == "sharded":
+            out.setdefault("params", []).append((w, [f["params"][n] for n in sorted(f["params"])]))
+        else:
+            out.setdefault("params", []).append((w, f["params"] + f.get("momentum", [])))
+    return out
+
+
+def replicas(setup: Setup, finals: dict[int, dict]) -> None:
+    """Every copy bitwise equal to the lowest worker's (AssertionError naming the first that is not)."""
+    for name, copies in _copies(setup, finals).items():
+        (w0, first), rest = copies[0], copies[1:]
+        for w, ts in rest:
+            assert len(ts) == len(first) and all(torch.equal(a, b) for a, b in zip(ts, first)), (
+                f"{name}: worker {w}'s copy differs from worker {w0}'s")
+
+
+def distance(setup: Setup, finals: dict[int, dict], ref: dict[int, dict]) -> float:
+    """Largest relative distance of the parameters to the twin's (``rel_diff``)."""
+    if setup.framework == "pipeline":  # each block's first holder against the twin's
+        def held(fs):
+            return {b: st["params"] for _, f in sorted(fs.items()) for b, st in reversed(list(f["blocks"].items()))}
+        got, want = held(finals), held(ref)
+        if sorted(got) != sorted(want):
+            return math.inf
+        return max(float((x - y).norm() / y.norm()) for b in want for x, y in zip(got[b], want[b]))
+    a, b = finals[min(finals)], ref[min(ref)]
+    if setup.framework == "sharded":
+        return max(float((a["params"][n] - b["params"][n]).norm() / b["params"][n].norm()) for n in b["params"])
+    return rel_diff(a, b)
 
 
 def run_trial(trial: Trial, root: Path) -> dict:
@@ -251,7 +347,10 @@ def run_trial(trial: Trial, root: Path) -> dict:
                 job.wait_step(trial.step, timeout=120)
                 time.sleep(trial.delay_s)
                 job.kill(trial.victim, _SIGNALS[trial.kind])
-                if trial.second is not None:
+                if trial.kind == "kill_recovery":  # the survivors are recovering: the second dies
+                    job.wait_for(lambda evs: any(e["event"] == "failure" for e in evs), 120, "a failure record")
+                    job.kill(trial.second)
+                elif trial.second is not None:
                     job.wait_step(trial.step + 1, timeout=120)
                     job.kill(trial.second)
             try:
@@ -289,24 +388,30 @@ def run_trial(trial: Trial, root: Path) -> dict:
         for name, check in (
                 ("exactly-once", lambda: assert_exactly_once(
                     evs, dataset=setup.dataset, steps_per_epoch=setup.steps_per_epoch, epochs=EPOCHS)),
-                ("replicas", lambda: assert_replicas_equal(finals))):
+                ("replicas", lambda: replicas(setup, finals))):
             try:
                 check()
             except AssertionError as exc:
                 problems.append(f"{name}: {exc}")
         if finals:
-            got = finals[min(finals)]
-            rec["rel_diff"] = rel_diff(got, ref)
+            got, want = finals[min(finals)], ref[min(ref)]
+            rec["rel_diff"] = distance(setup, finals, ref)
+            rehab = [e for e in evs if e["event"] == "shard_recovery" and e.get("chosen") == "rehabilitate"]
+            rec["rehabilitated"] = bool(rehab)
             if trial.kind == "nan" and rec["fired"]:  # one global batch skipped: off the twin, finite
                 if not all(bool(torch.isfinite(p).all()) for p in got["params"]):
                     problems.append("non-finite weights after a skipped NaN step")
+            elif rehab:  # the rehabilitation rule: off the twin by design, its loss ends where the twin's does
+                end, end_ref = got["loss"][-1][1], want["loss"][-1][1]
+                if not abs(end - end_ref) < 0.1 * end_ref:
+                    problems.append(f"rehabilitated: final loss {end:.4g} vs the twin's {end_ref:.4g} (10 %)")
             elif not rec["rel_diff"] < TOLERANCE:
                 problems.append(f"weights {rec['rel_diff']:.3g} from the twin (tolerance {TOLERANCE})")
             key = _step_key(setup.framework)
-            if got[key] != ref[key]:
-                problems.append(f"{key} {got[key]} vs twin {ref[key]}")
-            if got["lr"] != ref["lr"]:
-                problems.append(f"lr {got['lr']} vs twin {ref['lr']}")
+            if got[key] != want[key]:
+                problems.append(f"{key} {got[key]} vs twin {want[key]}")
+            if "lr" in want and got["lr"] != want["lr"]:
+                problems.append(f"lr {got['lr']} vs twin {want['lr']}")
             rec["zero_alloc_steps"] = _idle_steps(evs)
         rec["ok"] = not problems
     except Exception as exc:  # a harness error is a failed trial, with its reason
@@ -316,7 +421,7 @@ def run_trial(trial: Trial, root: Path) -> dict:
 
 
 _SIGNALS = {"kill": signal.SIGKILL, "kill2": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
-            "nan": None}
+            "nan": None, "kill_recovery": signal.SIGKILL}
 
 
 def _alive(pid: int) -> bool:
