@@ -51,7 +51,9 @@ import copy
 import dataclasses
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -62,6 +64,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -136,6 +139,22 @@ class _SchedulerState:
         for sched, s in zip(self._schedulers(), state["schedulers"]):
             sched.load_state_dict(s)
         self.snapshot = copy.deepcopy(state["schedulers"])
+
+
+def _drop_lightnings_sigterm(trainer) -> None:
+    """Take SIGTERM from Lightning's ``SignalConnector`` (main thread, before the runtime's
+    notice is installed): its handler makes ``fit`` raise at the next batch end, so a
+    preemption notice would end the worker like a crash found later.  Without it the runtime's
+    notice makes the worker leave after the step it is in, announced
+    (``runtime/preemption.py``).  Handlers of the user's that Lightning composed are kept."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if not isinstance(handler, _HandlersCompose):
+        return
+    mine = trainer._signal_connector
+    keep = [h for h in handler.signal_handlers if getattr(h, "__self__", None) is not mine]
+    signal.signal(signal.SIGTERM, _HandlersCompose(keep) if keep else signal.SIG_DFL)
 
 
 class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
@@ -342,7 +361,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         ctx.plan_run(trainer.max_steps if (trainer.max_steps or -1) >= 0 else None,
                      trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None)
         self.ctx = ctx
-        ctx.takes_sigterm = False  # Lightning's own SIGTERM handling stops its loop (docs/lightning.md)
+        _drop_lightnings_sigterm(trainer)
         ctx.start(self._joined)
         self._after_reconfiguration(initial=True)
 

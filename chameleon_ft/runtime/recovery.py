@@ -314,11 +314,18 @@ class RecoveryCore:
             self.log.write("steering", step=self.step, held_by=sorted(words), stop_voters=list(self.steering.voters),
                            stop=bool(self.steering.voters))
 
+    def _before_leave(self, leavers: tuple[int, ...]) -> None:
+        """Executor hook, run by every member after the commit that announced ``leavers``
+        and before they go: hand over what only the leavers hold (the sharded executor
+        snapshots every row at this step, so that the leavers' rows come back without a step
+        redone).  Nothing to do where every member holds the whole state."""
+
     def _announced_leave(self, leavers: tuple[int, ...]) -> None:
         """Members announced in the commit just made that they leave (SIGTERM): the leavers
         mark themselves gone and raise ``Preempted``; the others reconfigure now, between two
         steps -- every member read the same tail, so all act alike and nothing is redone."""
         self._leavers = ()
+        self._before_leave(leavers)
         if self.worker_id in leavers:
             self._store_op(lambda: self.membership.leave())
             if self.log:

@@ -446,6 +446,29 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
         f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", f"epoch=1-step={EPOCHS * STEPS_PER_EPOCH}.ckpt"]
 
 
+def test_a_sigterm_leaves_at_a_step_boundary_announced(tmp_path, reference):
+    """Worker 2 gets SIGTERM (a preemption notice) from outside mid-epoch.  Lightning's own
+    handler would end its ``fit`` at the next batch end, found by its peers as a crash a
+    moment later; the strategy takes SIGTERM from Lightning instead: the worker leaves after
+    the commit of the step it is in (exit 143, a ``preemption`` record), its peers reconfigure
+    after that same commit and redo nothing, and the run ends on the failure-free trajectory."""
+    job = LitJob(tmp_path, "--mb-sleep", "0.01", "--sync-train-loss")
+    try:
+        job.start()
+        job.wait_step(5)
+        job.kill(2, signal.SIGTERM)
+        assert job.wait(120) == [0], job.output()[-4000:]
+        finals = job.final()
+    finally:
+        job.cleanup()
+    evs = lost_one_on_trajectory(job, finals, 2, reference)
+    assert [(f["workers"], f["kind"]) for f in evs if f["event"] == "failure"] == [([2], "preemption")]
+    ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
+    assert ends[2].get("left") == "preempted"
+    assert all(ends[w].get("redone_steps") == 0 for w in (0, 1, 3)), ends
+    assert "Received SIGTERM" not in job.output()
+
+
 def test_a_stop_and_a_best_decided_apart_after_a_kill_are_agreed_on_the_next_commit(tmp_path):
     """Worker 2 is SIGKILLed while ``on_train_epoch_end`` sleeps in epoch 0; the survivors
     meet the failure in the metric sync that follows, so ``stop_signal`` and ``score`` are

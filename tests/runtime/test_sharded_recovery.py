@@ -9,6 +9,7 @@ from the shards), its loss history and the shard recovery it took.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -300,4 +301,27 @@ def test_a_buddy_lost_after_the_step_committed_recovers_at_the_snapshot(tmp_path
         job.cleanup()
     d = _after_kill(finals, events, 1)
     assert d["chosen"] == "recompute" and d["lost_rows"] == [1]
+    _all_exact(finals, failure_free["full"])
+
+
+def test_a_sigterm_hands_its_row_over_and_nothing_is_redone(tmp_path, failure_free):
+    """FSDP over 4 (no replica of a row), worker 2 gets SIGTERM (a preemption notice) at step
+    13: after the commit that announces its leave every member snapshots its row at that step,
+    so the recovery finds worker 2's row there -- nothing is rolled back or redone, worker 2
+    exits 143, and the run ends on the failure-free trajectory."""
+    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--snapshot-every", "5",
+                    "--step-sleep", "0.01", hang_timeout=10)
+    try:
+        job.start()
+        job.wait_step(KILL_AT)
+        job.kill(2, signal.SIGTERM)
+        assert job.wait(240) == [0], job.output()[-4000:]
+        finals, events = job.final(), job.events()
+    finally:
+        job.cleanup()
+    d = _after_kill(finals, events, 2)
+    assert [(e["workers"], e["kind"]) for e in events if e["event"] == "failure"] == [([2], "preemption")]
+    attempts = [(e["worker"], e["step"]) for e in events if e["event"] == "step"]
+    assert len(attempts) == len(set(attempts)), "a step was redone"
+    assert d["lost_rows"] == [2] and d.get("rollback_to") in (None, d["step"]), d
     _all_exact(finals, failure_free["full"])

@@ -381,6 +381,18 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         if self._fallback is not None and self._fallback.get("due"):
             self._fall_back()
 
+    def _before_leave(self, leavers: tuple[int, ...]) -> None:
+        """A leave announced in the commit just made: every member snapshots its row at this
+        step (each to its buddy), so that the recovery after the leave finds the leavers' rows
+        at this step (a recompute from here redoes nothing; HSDP heals from the replica
+        anyway).  A failure here leaves the older snapshots to decide from."""
+        if self.module is None or self.view.world_size < 2:
+            return
+        try:
+            self._take_snapshot(wait=True)
+        except CollectiveFailure:
+            self._inflight = None
+
     def _report_heal(self, rec: dict) -> None:
         """A heal check's record: every member keeps it (the loss is the global one, so all
         agree: they fall back together, at the same step) and calibrates the next prediction
