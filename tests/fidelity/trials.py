@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -58,7 +59,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from _helpers.recovery import ScriptJob, assert_exactly_once, assert_replicas_equal, rel_diff  # noqa: E402
+from _helpers.recovery import (ScriptJob, UserLaunchedJob, assert_exactly_once,  # noqa: E402
+                               assert_replicas_equal, rel_diff)
 import torch  # noqa: E402
 
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE  # noqa: E402
@@ -96,8 +98,9 @@ PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_
 #   kill_recovery  SIGKILL of the victim, then of a second worker as soon as the first failure
 #          is recorded: a failure during the recovery; on the twin
 KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery")
-# Injected kill phases each executor reaches (the sharded step has no ``optimizer`` fault point).
-SHARDED_PHASES = ("outside", "step_start", "backward", "allreduce")
+# The fault points ``ElasticTrainer``'s sharded step passes (its forward and backward are one
+# pass: ``forward``); the drawn step_start, backward and epoch boundary map to its forward.
+SHARDED_PHASES = ("outside", "forward", "allreduce", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class Trial:
     straggler: Optional[int] = None  # a worker 4x slow from the first step
     kind: str = "kill"  # KINDS
     second: Optional[int] = None  # kill2: the worker killed one step after the victim
+    launch: str = "run"  # "run": chameleon-ft run; "user": the framework's own way (USER_LAUNCH)
 
     def launch_args(self) -> list[str]:
         faults = [f"slow:rank={self.straggler}:factor=4"] if self.straggler is not None else []
@@ -204,6 +208,15 @@ class Trial:
             spe = self.setup.steps_per_epoch
             step, phase = (spe - 1, "optimizer") if self.step % 2 else (spe, "step_start")
         return f"kill:rank={self.victim}:step={step}:phase={phase}", step, phase
+
+
+def draw_launch(trial: Trial, p: float) -> Trial:
+    """With probability ``p`` (its own stream, so the other draws stay as they were), start the
+    trial the way the framework's users start it (``USER_LAUNCH``) instead of ``chameleon-ft run``."""
+    from dataclasses import replace
+    if trial.setup.framework in USER_LAUNCH and random.Random(trial.index * 7919 + 13).random() < p:
+        return replace(trial, launch="user")
+    return trial
 
 
 def draw_setup(rng: random.Random, framework: str) -> Setup:
@@ -266,8 +279,30 @@ def _draw_kill(rng: random.Random, index: int, setup: Setup) -> Trial:
             straggler = None  # stragglers are the data-parallel trials' dimension
     phase = rng.choice(PHASES)
     if phase not in setup.phases:
-        phase = "outside"
+        phase = "forward"  # (sharded: SHARDED_PHASES)
     return Trial(index, setup, victim, step, phase, force, rng.uniform(0.0, 0.03), straggler)
+
+
+ACCELERATE_LAUNCH = [shutil.which("accelerate") or "accelerate", "launch", "--multi_gpu", "--num_processes",
+                     str(WORKERS), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                     "--main_process_port", "0"]
+# How each framework's users start a job: Lightning's ``python train.py`` with ``devices=4``
+# (the process becomes our launcher), ``accelerate launch`` (torchrun's local rank 0 does).
+USER_LAUNCH = {"lightning": ([sys.executable], ["--devices", str(WORKERS)]),
+               "accelerate": (ACCELERATE_LAUNCH, []), "trainer": (ACCELERATE_LAUNCH, [])}
+
+
+def make_job(trial: Trial, run_dir: Path) -> ScriptJob:
+    """The trial's job, started by ``chameleon-ft run`` or as the framework's users start it
+    (the launcher's flags -- the faults, the watchdog -- then travel in ``CHAMELEON_FT_RUN_ARGS``)."""
+    setup = trial.setup
+    if trial.launch == "run":
+        return FidelityJob(run_dir, setup, trial.worker_args(), trial.launch_args())
+    prefix, extra = USER_LAUNCH[setup.framework]
+    env = {"CHAMELEON_FT_RUN_ARGS": shlex.join(["--hang-timeout", "5", *trial.launch_args()]),
+           "HF_HOME": str(run_dir / "hf")}
+    return UserLaunchedJob(SCRIPTS[setup.framework], run_dir, *setup.args(), *trial.worker_args(), *extra,
+                           prefix=prefix, env=env)
 
 
 class FidelityJob(ScriptJob):
@@ -344,12 +379,12 @@ def run_trial(trial: Trial, root: Path) -> dict:
     setup = trial.setup
     rec = {"trial": trial.index, **asdict(setup), "kind": trial.kind, "victim": trial.victim,
            "second": trial.second, "kill_step": trial.step, "phase": trial.phase, "force": trial.force,
-           "straggler": trial.straggler, "ok": False, "problems": []}
+           "straggler": trial.straggler, "launch": trial.launch, "ok": False, "problems": []}
     t0 = time.monotonic()
     try:
         ref = twin(setup, root)
         fault = trial.fault()
-        job = FidelityJob(root / f"trial-{trial.index}", setup, trial.worker_args(), trial.launch_args())
+        job = make_job(trial, root / f"trial-{trial.index}")
         try:
             job.start()
             if fault is None:
@@ -516,6 +551,7 @@ def summarise(records: list[dict]) -> dict:
         out[fw] = {"trials": len(rs), "passed": sum(r["ok"] for r in rs),
                    "kills_fired": sum(bool(r.get("fired")) for r in rs),
                    "exit_hangs": [r["trial"] for r in rs if r.get("exit_hang")],
+                   "user_launched": sum(r.get("launch") == "user" for r in rs),
                    "max_rel_diff": max(diffs) if diffs else None,
                    "median_rel_diff": statistics.median(diffs) if diffs else None,
                    "failed": [r["trial"] for r in rs if not r["ok"]]}
@@ -523,16 +559,17 @@ def summarise(records: list[dict]) -> dict:
 
 
 def run_trials(n: int, frameworks, seed: int, root: Path, log=None, setups_per_framework: int = 3,
-               kinds=("kill",)) -> list[dict]:
+               kinds=("kill",), user_launch: float = 0.0) -> list[dict]:
     """``n`` trials, frameworks in turn; each framework's set-ups come from a pool of
     ``setups_per_framework`` (so failure-free twins are shared) and every trial draws its own
-    failure (of ``kinds``) and forced allocation."""
+    failure (of ``kinds``) and forced allocation, and with probability ``user_launch`` is
+    started the framework's own way (``draw_launch``)."""
     rng = random.Random(seed)
     pools = {fw: [draw_setup(rng, fw) for _ in range(setups_per_framework)] for fw in frameworks}
     records = []
     for i in range(n):
         fw = frameworks[i % len(frameworks)]
-        rec = run_trial(draw(rng, i, rng.choice(pools[fw]), kinds), root)
+        rec = run_trial(draw_launch(draw(rng, i, rng.choice(pools[fw]), kinds), user_launch), root)
         records.append(rec)
         if log is not None:
             log(rec)
@@ -552,6 +589,9 @@ def main(argv=None) -> int:
     p.add_argument("--setups", type=int, default=3, help="set-ups per framework (twins are shared)")
     p.add_argument("--out", default=None, help="keep run directories and trials.jsonl here")
     p.add_argument("--kinds", default="kill", help=f"fault kinds to draw from, of {','.join(KINDS)} (default kill)")
+    p.add_argument("--user-launch", type=float, default=0.0,
+                   help="share of Lightning/Accelerate/Trainer trials started the framework's own way "
+                        "(python train.py, accelerate launch) instead of chameleon-ft run")
     p.add_argument("--markdown", default=None,
                    help="write the summary by fault kind and framework into this file's generated block "
                         "(docs/reliability.md)")
@@ -576,12 +616,12 @@ def main(argv=None) -> int:
         status = "ok  " if rec["ok"] else "FAIL"
         print(f"{status} #{rec['trial']:3d} {rec['framework']:10s} {rec['optimizer']:5s} mb={rec['micro_batch']} "
               f"ga={rec['accum']} n={rec['dataset']} {rec['kind']} w{rec['victim']}@{rec['kill_step']}:{rec['phase']} "
-              f"force={rec['force']} slow={rec['straggler']} fired={rec.get('fired')} rel={rec.get('rel_diff', float('nan')):.2e} "
+              f"force={rec['force']} slow={rec['straggler']} {rec['launch']} fired={rec.get('fired')} rel={rec.get('rel_diff', float('nan')):.2e} "
               f"{rec['seconds']}s {'EXIT-HANG ' if rec.get('exit_hang') else ''}{'; '.join(p[:300] for p in rec['problems'])}", flush=True)
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
-        records = run_trials(a.trials, frameworks, a.seed, root, log, a.setups, kinds)
+        records = run_trials(a.trials, frameworks, a.seed, root, log, a.setups, kinds, a.user_launch)
     finally:
         jsonl.close()
     summary = {"by_framework": summarise(records), "by_kind": summarise_kinds(records)}
@@ -609,14 +649,14 @@ def markdown(records: list[dict], command: str, started: str) -> str:
     for kind, k in kinds.items():
         lines.append(f"| {kind} | {k['trials']} | {k['passed']} | {k['fired']} | {k['restarts']} | {', '.join(k['frameworks'])} | "
                      f"{fmt(k['median_mttr_s'])} | {fmt(k['max_mttr_s'])} | {k['failed'] or '-'} |")
-    lines += ["", "| framework | trials | passed | max rel. diff (on-twin kinds) | exit hangs | failed trials |",
-              "| --- | ---: | ---: | ---: | --- | --- |"]
+    lines += ["", "| framework | trials | passed | started the framework's way | max rel. diff (on-twin trials) | "
+              "exit hangs | failed trials |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for fw, f in fws.items():
         on_twin = [r["rel_diff"] for r in records if r["framework"] == fw and "rel_diff" in r
-                   and not (r.get("kind") == "nan" and r.get("fired"))]
-        lines.append(f"| {fw} | {f['trials']} | {f['passed']} | {max(on_twin):.1e} | {f['exit_hangs'] or '-'} | "
-                     f"{f['failed'] or '-'} |" if on_twin else f"| {fw} | {f['trials']} | {f['passed']} | - | - | "
-                     f"{f['failed'] or '-'} |")
+                   and not (r.get("kind") == "nan" and r.get("fired")) and not r.get("rehabilitated")]
+        worst = f"{max(on_twin):.1e}" if on_twin else "-"
+        lines.append(f"| {fw} | {f['trials']} | {f['passed']} | {f['user_launched']} | {worst} | "
+                     f"{f['exit_hangs'] or '-'} | {f['failed'] or '-'} |")
     return "\n".join(lines + ["", END])
 
 
