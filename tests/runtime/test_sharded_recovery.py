@@ -23,14 +23,17 @@ STEPS = 32  # two epochs of 16 steps
 KILL_AT = 13  # between the snapshots of steps 10 and 15 (snapshot_every 5)
 
 
-def _run(run_dir: Path, *args: str, nproc: int = 4, kill: int | None = None, launch_args=()):
-    job = ScriptJob(WORKER, run_dir, "--steps", str(STEPS), *args, nproc=nproc, hang_timeout=10,
+def _run(run_dir: Path, *args: str, nproc: int = 4, kill: int | None = None, launch_args=(),
+         sig: int = signal.SIGKILL, hang_timeout: float = 10):
+    """Run the job (``kill``: send ``sig`` to that worker from outside at step ``KILL_AT``);
+    the final states and the events."""
+    job = ScriptJob(WORKER, run_dir, "--steps", str(STEPS), *args, nproc=nproc, hang_timeout=hang_timeout,
                     launch_args=launch_args)
     try:
         job.start()
         if kill is not None:
             job.wait_step(KILL_AT)
-            job.kill(kill)
+            job.kill(kill, sig)
         assert job.wait(240) == [0], job.output()[-4000:]
         return job.final(), job.events()
     finally:
@@ -245,18 +248,8 @@ def test_hsdp_hung_worker_is_healed_around(tmp_path, failure_free):
     """SIGSTOP instead of SIGKILL: no error reaches anyone; the watchdog ends the stuck FSDP
     collective, the hung worker is left out (the launcher kills it), the rows heal from the
     replicas."""
-    import signal
-
-    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "hybrid",
-                    "--snapshot-every", "5", nproc=4, hang_timeout=4)
-    try:
-        job.start()
-        job.wait_step(KILL_AT)
-        job.kill(3, signal.SIGSTOP)
-        assert job.wait(240) == [0], job.output()[-4000:]
-        finals, events = job.final(), job.events()
-    finally:
-        job.cleanup()
+    finals, events = _run(tmp_path, "--sharding", "hybrid", "--snapshot-every", "5", kill=3, sig=signal.SIGSTOP,
+                          hang_timeout=4)
     assert sorted(finals) == [0, 1, 2]
     d = [e for e in events if e["event"] == "shard_recovery"]
     assert d and d[0]["chosen"] == "heal"
@@ -309,16 +302,8 @@ def test_a_sigterm_hands_its_row_over_and_nothing_is_redone(tmp_path, failure_fr
     13: after the commit that announces its leave every member snapshots its row at that step,
     so the recovery finds worker 2's row there -- nothing is rolled back or redone, worker 2
     exits 143, and the run ends on the failure-free trajectory."""
-    job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--snapshot-every", "5",
-                    "--step-sleep", "0.01", hang_timeout=10)
-    try:
-        job.start()
-        job.wait_step(KILL_AT)
-        job.kill(2, signal.SIGTERM)
-        assert job.wait(240) == [0], job.output()[-4000:]
-        finals, events = job.final(), job.events()
-    finally:
-        job.cleanup()
+    finals, events = _run(tmp_path, "--sharding", "full", "--snapshot-every", "5", "--step-sleep", "0.01",
+                          kill=2, sig=signal.SIGTERM)
     d = _after_kill(finals, events, 2)
     assert [(e["workers"], e["kind"]) for e in events if e["event"] == "failure"] == [([2], "preemption")]
     attempts = [(e["worker"], e["step"]) for e in events if e["event"] == "step"]
