@@ -13,7 +13,10 @@ Pieces:
   may die): a ``TCPStore`` (abort keys, published views, group set-up) and the Lighthouse,
   both bound to 127.0.0.1 by default.  It is the single point of failure of the job.
 * ``Membership`` runs in each worker: ``join()``, ``view()``, ``report_failure()``,
-  ``next_view()`` and a heartbeat thread.
+  ``next_view()`` (the quorum client: the Lighthouse, or etcd) and a heartbeat thread.  Its
+  other parts own their threads and store clients: the liveness monitor
+  (``runtime/liveness.py``) and the abort watcher with the coordinator guard
+  (``runtime/abort_watch.py``).
 
 How a quorum forms (Lighthouse rules): at once when every member of the previous quorum asks
 again ("fast quorum"); otherwise when every heartbeating worker has asked, or ``join_timeout_ms``
@@ -35,7 +38,7 @@ Limits, honestly:
   dead but still alive and asking joins the next quorum.  Liveness is decided by who asks
   and who heartbeats.
 * A live worker asks for the next quorum as soon as its generation is aborted, even while it
-  computes (``_watch_loop`` polls the abort key every 20 ms; ``abort_seen`` is its flag).  A
+  computes (``runtime/abort_watch.py`` polls the abort key every 20 ms; ``abort_seen`` is its flag).  A
   worker busy beyond the group set-up (``connect_timeout_s``) after that, or stopped, misses
   the quorum, aborts the new generation and is re-admitted one round later.
 * Peer data is never unpickled: Lighthouse member data is JSON, store values are JSON text.
@@ -62,7 +65,8 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
     TOKEN_ENV, stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
-from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
+from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
+from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
 from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceClient  # noqa: E402
 from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
 
@@ -109,7 +113,7 @@ class Membership:
         heartbeat_interval_s: heartbeat period (well under ``heartbeat_timeout_ms``).
         connect_timeout_s: limit for reaching the coordinator.
         retry_s: how long one quorum request waits before re-checking whether the others moved on.
-        watch_aborts: run the abort watcher (``_watch_loop``): ask for the next quorum as soon
+        watch_aborts: run the abort watcher (``runtime/abort_watch.py``): ask for the next quorum as soon
             as the generation ends, even while the main thread is busy (and ``abort_seen``).
         heartbeat_timeout_s: a member whose heartbeat (a counter in the store, bumped every
             ``heartbeat_interval_s`` by its heartbeat thread) has not moved for this long is
@@ -135,7 +139,6 @@ class Membership:
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self.watch_aborts = watch_aborts
-        self.watch_poll_s = 0.02  # well inside the Lighthouse's join window (50 ms)
         self.store = connect_store(store_addr, connect_timeout_s)
         try:
             if is_etcd(store_addr):  # the quorum over etcd (lighthouse_addr: "etcd?join_ms=N")
@@ -154,20 +157,19 @@ class Membership:
         self.heartbeat_errors = 0
         # One quorum request at a time: the main thread's, or the abort watcher's on its behalf.
         self._agree_lock = threading.Lock()
-        self._watch_thread: Optional[threading.Thread] = None
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
-        self._aborted_token: Optional[str] = None  # the last generation the watcher saw ended
-        self._watching = False  # the watcher has its store client and polls
         # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
         # group's set-up overlaps the main thread's compute).
         self.on_early_view: Optional[Callable[[MembershipView], None]] = None
         self.early_joins = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.cut_off_s = cut_off_s
-        self._last_ok = time.monotonic()  # the coordinator's last answer to any thread of ours
         self.quorum_wait_s = quorum_wait_s
-        self._no_quorum_at: Optional[float] = None  # an etcd member answered without a quorum
-        self._paused_said = False
+        # The abort watcher and the coordinator guard (``runtime/abort_watch.py``): their own
+        # thread and store client, started by ``join`` when ``watch_aborts``.
+        self.watcher = AbortWatcher(self.worker_id, store_addr, connect_timeout_s, view=lambda: self._view,
+                                    on_ended=self._generation_ended, stop=self._stop, cut_off_s=cut_off_s,
+                                    quorum_wait_s=quorum_wait_s)
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
         self._admitted_at: Optional[float] = None  # when this worker last ended a generation to join
         self._admission_tries = 0  # its admissions since, each within the reset time of the one before
@@ -200,7 +202,7 @@ class Membership:
             self.worker_id, lambda: connect_store(self.store_addr, min(1.0, self.connect_timeout_s)),
             timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
-            answered=self._answered, judge=self.watch_aborts)
+            answered=self.watcher.answered, judge=self.watch_aborts)
         self._monitor.start()
         deadline = time.monotonic() + timeout_s
         view = self._first_generation(min_world_size, deadline)
@@ -211,9 +213,7 @@ class Membership:
                 view = None
                 time.sleep(0.25)
         if self.watch_aborts:
-            self._watch_thread = threading.Thread(target=self._watch_loop, daemon=True,
-                                                  name=f"cft-abort-watch-{self.worker_id}")
-            self._watch_thread.start()
+            self.watcher.start()
         return view
 
     def view(self) -> Optional[MembershipView]:
@@ -266,7 +266,7 @@ class Membership:
                               world_size=len(members), token=first["token"])
         self._view = view
         self._publish(view)
-        self._last_ok = time.monotonic()
+        self.watcher.answered()
         return view
 
     def report_failure(self, worker_ids=(), reason: str = "", token: Optional[str] = None) -> None:
@@ -285,7 +285,7 @@ class Membership:
             if self._view is not None and self._view.token == token:
                 record["generation"] = self._view.generation
             self.store.compare_set(abort_key(token), "", json.dumps(record))
-            self._aborted_token = token
+            self.watcher.aborted_token = token
         self.store.append(_FAILURES_KEY, json.dumps(record) + "\n")
 
     def next_view(self, timeout_s: float = 30.0, after: Optional[str] = None) -> MembershipView:
@@ -340,72 +340,33 @@ class Membership:
         self._stop.set()
         if getattr(self, "_monitor", None) is not None:
             self._monitor.stop(2 * self.heartbeat_interval_s + 1.0)
-        for t in (self._hb_thread, self._watch_thread):
-            if t is not None and t is not threading.current_thread():
-                t.join(timeout=2 * self.heartbeat_interval_s + 1.0)
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(timeout=2 * self.heartbeat_interval_s + 1.0)
+        self.watcher.join(2 * self.heartbeat_interval_s + 1.0)
 
-    # ---------------------------------------------------------------- abort watcher
-    def _watch_loop(self) -> None:
-        """Ask for the next quorum as soon as the current generation is ended, even while the
-        main thread computes (see ``watch_aborts``).
-
-        Without it a member busy in a long forward, an evaluation batch or a checkpoint write
-        asks only at its next collective; if that is more than ``join_timeout_ms`` after the
-        first survivor asked, the quorum forms without it: a healthy worker evicted, then
-        re-admitted one round later.  The watcher polls the generation's abort key with its
-        own store client (a client serialises its requests) and asks once per generation; it
-        does not ask again for a generation that it agreed on and the main thread has not
-        taken yet (a main thread busy for longer than a group set-up gets excluded, as before,
-        instead of holding every peer in a loop of failed set-ups)."""
-        if self.cut_off_s is not None:
-            threading.Thread(target=self._guard_loop, daemon=True, name=f"cft-cut-off-{self.worker_id}").start()
-        store = self._watcher_store()
-        if store is None:
-            return  # closed meanwhile
-        watched: Optional[str] = None
-        while not self._stop.is_set():
-            view = self._view
-            try:
-                # polled: a blocking store.wait logs a c10d warning at every timeout
-                aborted = view is not None and store.check([abort_key(view.token)])
-                self._aborted_token = view.token if aborted else self._aborted_token
-                self._last_ok, self._watching = time.monotonic(), True
-            except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
-                aborted = False
-                if isinstance(store, EtcdStore) and store.client.answers():
-                    self._no_quorum_at = time.monotonic()
-            if view is None or view.token == watched or self._early is not None or not aborted:
-                self._stop.wait(self.watch_poll_s)
-                continue
-            watched = view.token
-            if self._stop.is_set() or not self._agree_lock.acquire(blocking=False):
-                continue  # the main thread is asking itself
-            try:
-                if self._view is view:
-                    new = self._agree(time.monotonic() + self.retry_s * 10, previous_token=view.token)
-                    self._early = new.token
-                    self.early_joins += 1
-                    if self.on_early_view is not None:
-                        self.on_early_view(new)
-            except Exception as exc:  # closed, or no quorum: the main thread will ask itself
-                log.debug("abort watcher of worker %d: %s", self.worker_id, exc)
-            finally:
-                self._agree_lock.release()
-
-    def _watcher_store(self):
-        """The abort watcher's own store client, retried for three connect timeouts; past that
-        the worker stops with an error naming the coordinator -- a job without its watcher
-        would run with no abort watch and no early agreement, and nothing would say so."""
-        deadline = time.monotonic() + 3 * self.connect_timeout_s
-        while not self._stop.is_set():
-            try:
-                return connect_store(self.store_addr, self.connect_timeout_s)
-            except MembershipError as exc:
-                if time.monotonic() > deadline:
-                    self._stop_worker(f"its abort watcher cannot reach the coordinator at {self.store_addr}: {exc}; "
-                                      "stopping (without it a failure would go unseen until the collective watchdog)")
-                self._stop.wait(0.2)
-        return None
+    # ---------------------------------------------------------------- the abort watcher's side
+    def _generation_ended(self, view: MembershipView) -> bool:
+        """The abort watcher saw ``view`` ended (``runtime/abort_watch.py``): ask for the next
+        quorum now, on behalf of a main thread that may still be computing, once per
+        generation; not for a generation it agreed on that the main thread has not taken yet (a
+        main thread busy for longer than a group set-up gets excluded, as before, instead of
+        holding every peer in a loop of failed set-ups).  False: not now (ask again later)."""
+        if self._early is not None:
+            return False
+        if not self._agree_lock.acquire(blocking=False):
+            return True  # the main thread is asking itself
+        try:
+            if self._view is view:
+                new = self._agree(time.monotonic() + self.retry_s * 10, previous_token=view.token)
+                self._early = new.token
+                self.early_joins += 1
+                if self.on_early_view is not None:
+                    self.on_early_view(new)
+        except Exception as exc:  # closed, or no quorum: the main thread will ask itself
+            log.debug("abort watcher of worker %d: %s", self.worker_id, exc)
+        finally:
+            self._agree_lock.release()
+        return True
 
     def _silent(self, worker: int, silent_s: float, token: str) -> None:
         """The liveness monitor found ``worker`` silent (``heartbeat_timeout_s``): report it."""
@@ -413,71 +374,17 @@ class Membership:
         self.report_failure([worker], f"timeout: no heartbeat from worker {worker} for {silent_s:.1f} s "
                             f"(a lost node, a network partition or a stopped process)", token=token)
 
-    def _answered(self) -> None:
-        self._last_ok = time.monotonic()
-
     def abort_seen(self, token: str) -> Optional[bool]:
-        """Whether the watcher saw generation ``token`` ended (a flag at most ``watch_poll_s``
-        old, no store request), or None when no watcher polls (ask the store)."""
-        return None if not self._watching or self._stop.is_set() else self._aborted_token == token
+        """``AbortWatcher.abort_seen``: the watcher's flag, no store request (None: ask the store)."""
+        return self.watcher.abort_seen(token)
 
     def paused(self) -> bool:
         """True while the coordinator has not answered for half a second (``GroupManager``
         starts no collective then, so nothing is committed without a working membership)."""
-        return self.watch_aborts and time.monotonic() - self._last_ok > 0.5
+        return self.watch_aborts and self.watcher.paused()
 
     def pause_limit_s(self) -> float:
-        """The longest a collective may wait for a paused membership (``GroupManager``): the
-        guard's own limit and a margin, so that a guard thread that died cannot leave it
-        waiting for ever (``--cut-off 0`` included: then etcd's ``quorum_wait_s``)."""
-        if self.cut_off_s and not is_etcd(self.store_addr):
-            return self.cut_off_s + 5.0
-        return max(self.cut_off_s or 0.0, self.quorum_wait_s) + 5.0
-
-    def _guard_loop(self) -> None:
-        """Stop this worker when the coordinator has not answered any thread of it for
-        ``cut_off_s`` (``quorum_wait_s`` while etcd answers without a quorum).  It does no I/O
-        itself: a store call to an unreachable node may block far longer than its timeout (a
-        TCPStore ``add`` waits for TCP to give up), and the threads that make them may be stuck
-        in one."""
-        import sys
-
-        while not self._stop.wait(0.1):
-            unanswered = time.monotonic() - self._last_ok
-            if unanswered > 2.0 and not self._paused_said:  # said once it is more than a hiccup
-                self._paused_said = True
-                print(f"chameleon-ft worker {self.worker_id}: paused, nothing is committed: the "
-                      f"coordinator at {self.store_addr} does not answer", file=sys.stderr, flush=True)
-            elif unanswered < 0.5 and self._paused_said:
-                self._paused_said = False
-                print(f"chameleon-ft worker {self.worker_id}: the coordinator answers again: training "
-                      "goes on", file=sys.stderr, flush=True)
-            # (an etcd request without a quorum blocks for the client's timeout before that is known)
-            no_quorum = self._no_quorum_at is not None and time.monotonic() - self._no_quorum_at < 5.0
-            if no_quorum and unanswered < self.quorum_wait_s:
-                continue
-            self._cut_off(unanswered)
-
-    def _cut_off(self, unanswered_s: float) -> None:
-        """No answer from the coordinator for ``cut_off_s``: this worker is on the wrong side of
-        a partition (or the coordinator is gone).  It must not go on alone: stop now."""
-        if self.cut_off_s is None or unanswered_s < self.cut_off_s or self._stop.is_set():
-            return
-        why = ("a network partition cut this worker off from etcd's quorum, or etcd lost its quorum "
-               "for longer than --quorum-wait" if is_etcd(self.store_addr) else
-               "a network partition cut this worker off, or the coordinator's node is gone: the embedded "
-               "coordinator is a single point of failure, --rdzv-backend etcd is not")
-        self._stop_worker(f"lost the coordinator at {self.store_addr}: no answer for {unanswered_s:.1f} s "
-                          f"({why}); stopping without committing anything more")
-
-    def _stop_worker(self, why: str) -> None:
-        """End this worker now, saying ``why``, with the exit code of a lost membership (the
-        launcher tells it from a crash)."""
-        import sys
-
-        from chameleon_ft.runtime.env import MEMBERSHIP_EXIT_CODE
-        print(f"chameleon-ft worker {self.worker_id}: {why}", file=sys.stderr, flush=True)
-        os._exit(MEMBERSHIP_EXIT_CODE)
+        return self.watcher.pause_limit_s()
 
     # ---------------------------------------------------------------- internals
     def _agree(self, deadline: float, previous_token: Optional[str]) -> MembershipView:
@@ -487,7 +394,7 @@ class Membership:
             view = self._missed_quorum(previous_token, latest)
             if view is None:
                 self._request_admission(previous_token)
-                self._last_ok = time.monotonic()
+                self.watcher.answered()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise MembershipError(
