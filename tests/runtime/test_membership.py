@@ -665,15 +665,16 @@ def test_a_membership_paused_past_its_limit_fails_the_collective_naming_the_coor
 
 _REFUSED_WATCHER = """
 import sys, threading, time
+import chameleon_ft.runtime.abort_watch as aw
 import chameleon_ft.runtime.membership as m
 from chameleon_ft.runtime.errors import MembershipError
 server = m.CoordinatorServer()
-real = m.connect_store
+real = aw.connect_store
 def connect(addr, timeout):  # the coordinator refuses the abort watcher's client only
     if threading.current_thread().name.startswith("cft-abort-watch"):
         raise MembershipError(f"coordinator store at {addr} unreachable (refused)")
     return real(addr, timeout)
-m.connect_store = connect
+aw.connect_store = connect
 w = m.Membership(0, server.store_addr, server.lighthouse_addr, connect_timeout_s=0.3)
 w.join(min_world_size=1, timeout_s=10)
 time.sleep(10)
