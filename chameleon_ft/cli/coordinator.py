@@ -50,6 +50,7 @@ class CoordinatorOps:
         self.server = None
         self.store = None
         self.lighthouse_addr: Optional[str] = None  # None: etcd keeps the membership
+        self.presence = None  # etcd jobs: this node's presence socket (``watch_presence``)
 
     def host(self, host: str, port: int, join_timeout_ms: int,
              heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
@@ -108,6 +109,22 @@ class CoordinatorOps:
                     raise CoordinatorOpError("unreachable", str(exc)) from exc
                 time.sleep(0.5)
 
+    def watch_presence(self, store_addr: str, host: str, node_rank: int) -> str:
+        """An etcd job has no coordinator process to hold its workers' presence connections
+        (``runtime/presence.py``): each node's launcher holds those of the next node's workers
+        (``presence_node_key``), so a whole node lost -- its launcher with it -- is reported
+        dead by its neighbour at once.  Its own store client; the socket's address."""
+        from chameleon_ft.runtime.coordination import TOKEN_ENV, presence_ended
+        from chameleon_ft.runtime.membership import connect_store
+        from chameleon_ft.runtime.presence import PresenceServer, presence_node_key
+
+        store = connect_store(store_addr, 5.0)
+        where = f"node {node_rank}'s launcher"
+        self.presence = PresenceServer(host, os.environ.get(TOKEN_ENV, ""),
+                                       lambda w, inc: presence_ended(store, w, inc, where))
+        store.set(presence_node_key(node_rank), self.presence.address)
+        return self.presence.address
+
     def report_dead(self, worker_id: int, reason: str) -> None:
         from chameleon_ft.runtime.membership import report_dead, stand_in_for_the_dead
 
@@ -132,6 +149,9 @@ class CoordinatorOps:
         stop_job(self.store, record)
 
     def close(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
         if self.server is not None:
             self.server.shutdown()
             self.server = None
@@ -184,6 +204,9 @@ class AgentOps:
 
     def connect_etcd(self, store_addr: str, timeout_s: float) -> None:
         self._call("connect_etcd", store_addr, timeout_s)
+
+    def watch_presence(self, store_addr: str, host: str, node_rank: int) -> str:
+        return self._call("watch_presence", store_addr, host, node_rank)
 
     def report_dead(self, worker_id: int, reason: str) -> None:
         self._call("report_dead", worker_id, reason, timeout_s=self.QUICK_S)

@@ -62,6 +62,7 @@ from chameleon_ft.runtime.eventlog import EventLog
 from chameleon_ft.runtime.errors import CONFIG_EXIT_CODE, read_config_errors, read_user_errors
 from chameleon_ft.runtime.faults import parse_faults
 from chameleon_ft.runtime.preemption import PREEMPT_SIGNALS_ENV, PREEMPTED_EXIT_CODE, notice_signals
+from chameleon_ft.runtime.presence import PRESENCE_NODE_ENV
 
 
 # torch and torchft (the coordinator's TCPStore and Lighthouse) are imported where the
@@ -90,6 +91,7 @@ class Launcher:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.min_nodes, self.max_nodes = parse_nnodes(args.nnodes)
+        self.presence_node: Optional[int] = None  # etcd: the node whose launcher holds our workers' presence
         if args.nproc_per_node < 1:
             raise LaunchError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
         if not 0 <= args.node_rank < self.max_nodes:
@@ -221,6 +223,21 @@ class Launcher:
                 raise LaunchError(f"cannot reach the coordinator (--rdzv-endpoint): {exc}") from exc
             raise LaunchError(f"coordinator at {a.rdzv_endpoint} did not answer: {exc}") from exc
 
+    def _watch_presence(self) -> Optional[int]:
+        """An etcd job of several nodes: this launcher holds the presence connections of the
+        previous node's workers (``CoordinatorOps.watch_presence``); returns the node whose
+        launcher holds this node's workers' (the next one)."""
+        a = self.args
+        if a.rdzv_backend != "etcd" or self.max_nodes < 2:
+            return None
+        h, p = self.endpoints[0]
+        try:
+            self.ops.watch_presence(self.store_addr, route_interface(h, p)[1], a.node_rank)
+        except (NoRoute, CoordinatorOpError) as exc:
+            _say(f"no presence socket on this node ({exc}): if node {(a.node_rank - 1) % self.max_nodes} is lost "
+                 "whole, the heartbeat timeout finds it")
+        return (a.node_rank + 1) % self.max_nodes
+
     def _gloo_interface(self) -> Optional[str]:
         """The interface gloo's workers listen on: the one this node reaches the coordinator
         through (``cli/netif.py``), unless the user set ``GLOO_SOCKET_IFNAME``."""
@@ -279,6 +296,8 @@ class Launcher:
             # torchrun's name for "how many times the whole job was relaunched".
             "TORCHELASTIC_RESTART_COUNT": str(getattr(a, "restart_count", 0)),
         })
+        if self.presence_node is not None:
+            env[PRESENCE_NODE_ENV] = str(self.presence_node)
         proc = None
         # A replacement starts as a fresh interpreter: it stands for a new machine, and what
         # one costs to start is what the engine's wait-for-replacement must weigh.
@@ -304,6 +323,7 @@ class Launcher:
             tenv.setdefault("OMP_NUM_THREADS", "1")  # libgomp reads it when torch loads
             self.warm = WarmSpawner(modules, tenv)
         self.store_addr, self.lighthouse_addr = self.connect()
+        self.presence_node = self._watch_presence()
         self.gloo_ifname = self._gloo_interface()
         log = EventLog(os.path.join(self.run_dir, "events.jsonl"), role="launcher",
                        node_rank=self.args.node_rank, pid=os.getpid())

@@ -30,7 +30,7 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 log = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
-           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced", "connect_store"]
+           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced", "connect_store", "presence_ended"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
 AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token
@@ -140,20 +140,8 @@ class CoordinatorServer:
         self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
                                                         timeout=timedelta(seconds=5)), digest)
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
-                                        self._connection_ended)
+                                        lambda w, inc: presence_ended(self._presence_store, w, inc))
         self.store.set(PRESENCE_KEY, self._presence.address)
-
-    def _connection_ended(self, worker: int, incarnation: int) -> None:
-        """A registered worker's connection ended without a goodbye: its process is gone.
-        Reported as its launcher would (``report_dead``), unless a replacement took the id or
-        the launcher already did."""
-        store = self._presence_store
-        if store.add(_incarnation_key(worker), 0) != incarnation:
-            return
-        if store.check([_dead_key(worker)]) and int(store.get(_dead_key(worker)).decode()) >= incarnation:
-            return
-        log.info("worker %d's connection to the coordinator ended: reported dead", worker)
-        report_dead(store, worker, "its connection to the coordinator ended (the process is gone)")
 
     def latest_view(self) -> Optional[dict]:
         """The newest generation published by its members: generation, members, token."""
@@ -179,6 +167,18 @@ class CoordinatorServer:
     def shutdown(self) -> None:
         self._presence.close()
         self._lighthouse.shutdown()
+
+
+def presence_ended(store, worker: int, incarnation: int, where: str = "the coordinator") -> None:
+    """A registered worker's presence connection (``runtime/presence.py``) ended without a
+    goodbye: its process is gone.  Reported as its launcher would (``report_dead``), unless a
+    replacement took the id or the launcher already did."""
+    if store.add(_incarnation_key(worker), 0) != incarnation:
+        return
+    if store.check([_dead_key(worker)]) and int(store.get(_dead_key(worker)).decode()) >= incarnation:
+        return
+    log.info("worker %d's connection to %s ended: reported dead", worker, where)
+    report_dead(store, worker, f"its connection to {where} ended (the process is gone)")
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:

@@ -67,7 +67,8 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
 from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
-from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceClient  # noqa: E402
+from chameleon_ft.runtime.presence import (PRESENCE_KEY, PRESENCE_NODE_ENV, PresenceClient,  # noqa: E402
+                                           presence_node_key)
 from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,8 @@ class Membership:
             if view.world_size < min_world_size:  # (a late joiner's quorum can be as small)
                 view = None
                 time.sleep(0.25)
+        if self._presence is None:  # (etcd: the next node's launcher may have published its socket since)
+            self._register_presence()
         if self.watch_aborts:
             self.watcher.start()
         return view
@@ -306,13 +309,16 @@ class Membership:
             return self._agree(time.monotonic() + timeout_s, previous_token=current)
 
     def _register_presence(self) -> None:
-        """Open this worker's connection to the embedded coordinator (``runtime/presence.py``),
-        whose end without a goodbye reports it dead at once -- also when its launcher is lost
-        with it.  Without it (an etcd job, a coordinator that refused) heartbeats find the loss."""
+        """Open this worker's presence connection (``runtime/presence.py``) -- to the embedded
+        coordinator, or in an etcd job to the next node's launcher -- whose end without a
+        goodbye reports it dead at once, also when its launcher is lost with it.  Without one
+        (a single-node etcd job, a socket not published yet, a refusal) heartbeats find the loss."""
         self._presence: Optional[PresenceClient] = None
-        if is_etcd(self.store_addr) or not self.store.check([PRESENCE_KEY]):
+        node = os.environ.get(PRESENCE_NODE_ENV)
+        key = (presence_node_key(int(node)) if node else None) if is_etcd(self.store_addr) else PRESENCE_KEY
+        if key is None or not self.store.check([key]):
             return
-        host, _, port = self.store.get(PRESENCE_KEY).decode().rpartition(":")
+        host, _, port = self.store.get(key).decode().rpartition(":")
         if host.strip("[]") in ("", "0.0.0.0", "::"):  # a wildcard bind: where this worker reached the store
             host = self.store_addr.rpartition(":")[0]
         client = PresenceClient()

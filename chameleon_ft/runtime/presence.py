@@ -17,10 +17,15 @@ incarnation and ``HMAC-SHA256(job token, nonce | worker | incarnation)``.  The t
 never sent and never stored, so a process that can read the store (or replay an earlier
 exchange) cannot register a worker and then close the connection to have it declared dead.
 
-Limits: the embedded coordinator only (an etcd job has no coordinator process: node loss there
-is found by the heartbeat timeout); a machine that vanishes without its kernel closing the
-sockets (power loss, a partition) sends nothing -- heartbeats find it; the connection is closed
-in forked children (DataLoader workers), so it ends when the worker itself does.
+An etcd job has no coordinator process: there each node's launcher holds a presence socket
+(``CoordinatorOps.watch_presence``, published at ``presence_node_key``) and each worker connects to
+the *next* node's (``PRESENCE_NODE_ENV``), so a whole node lost is reported by its neighbour.
+
+Limits: a machine that vanishes without its kernel closing the sockets (power loss, a
+partition) sends nothing -- heartbeats find it; with etcd, two neighbouring nodes lost at once
+(the second's workers were watched by the first) and a single-node job rely on the heartbeat
+timeout too; the connection is closed in forked children (DataLoader workers), so it ends when
+the worker itself does.
 """
 
 from __future__ import annotations
@@ -39,9 +44,16 @@ from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PresenceServer", "PresenceClient", "PRESENCE_KEY", "goodbye", "proof"]
+__all__ = ["PresenceServer", "PresenceClient", "PRESENCE_KEY", "PRESENCE_NODE_ENV", "presence_node_key", "goodbye",
+           "proof"]
 
 PRESENCE_KEY = "cft/presence"  # host:port of the coordinator's presence socket (in the job's store)
+PRESENCE_NODE_ENV = "CHAMELEON_FT_PRESENCE_NODE"  # etcd jobs: the node whose launcher holds ours
+
+
+def presence_node_key(node_rank: int) -> str:
+    """Where an etcd job's node ``node_rank`` publishes its launcher's presence socket."""
+    return f"{PRESENCE_KEY}/node{int(node_rank)}"
 _BYE = b"bye\n"
 _MAX_LINE = 512
 
