@@ -514,10 +514,15 @@ def _kind_problems(trial: Trial, evs: list[dict], fired: bool) -> list[str]:
 
 
 def _nothing_survived(evs: list[dict]) -> bool:
-    """The last Decision found no surviving copy of some state: only a restart can go on."""
+    """The last Decision found no surviving copy of some state (a pipeline's layers, a sharded
+    row and its snapshot): only a restart can go on."""
     decisions = [e["decision"] for e in evs if e["event"] == "decision"]
-    return bool(decisions) and decisions[-1].get("chosen") is None and any(
-        "no surviving" in (c.get("reason") or "") for c in decisions[-1].get("candidates", ()))
+    if not decisions or decisions[-1].get("chosen") not in (None, "restart"):
+        return False
+    last = decisions[-1]
+    reasons = [c.get("reason") or "" for c in last.get("candidates", ())]
+    reasons += [c.get("reason") or "" for c in (last.get("shard") or {}).get("candidates", {}).values()]
+    return any("no surviving" in r for r in reasons)
 
 
 def _idle_steps(evs: list[dict]) -> int:

@@ -310,10 +310,11 @@ class DataParallelExecutor(RecoveryCore):
             # generation agreed (``GroupManager.step_aligned``).
             posted = (self.gm.post_header("step", label="buckets", arg=len(buckets))
                       if self.step_header is not None and not self.gm.step_aligned() else None)
-            try:
-                buckets.launch_rest()
-            finally:
-                self._log_attempt()  # while the last bucket is in flight
+            # The attempt's record (its sample ids) is written before the last bucket leaves:
+            # no peer can commit this member's samples before it exists, even if this process
+            # is killed the next instant (gloo's own thread would finish the op without it).
+            self._log_attempt()
+            buckets.launch_rest()
             buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
             if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
