@@ -56,6 +56,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from chameleon_ft.engine import shard_recovery as sr
 from chameleon_ft.engine.rehab import RehabRecipe
@@ -385,11 +386,15 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
         """A leave announced in the commit just made: every member snapshots its row at this
         step (each to its buddy), so that the recovery after the leave finds the leavers' rows
         at this step (a recompute from here redoes nothing; HSDP heals from the replica
-        anyway).  A failure here leaves the older snapshots to decide from."""
+        anyway).  An all-reduce after it tells every member that every transfer arrived: the
+        leaver's exit must not cut one short (a process that exits with unread data on a socket
+        resets it).  A failure here leaves the older snapshots to decide from."""
         if self.module is None or self.view.world_size < 2:
             return
         try:
             self._take_snapshot(wait=True)
+            self.gm.allreduce(torch.zeros(1, dtype=self.dtype), dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
+                              copy=False, header=self.step_header)
         except CollectiveFailure:
             self._inflight = None
 
