@@ -24,7 +24,6 @@ would say so).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -34,8 +33,6 @@ from typing import Callable, Optional
 from chameleon_ft.runtime.coordination import abort_key, connect_store
 from chameleon_ft.runtime.errors import MembershipError
 from chameleon_ft.runtime.etcd import EtcdStore, is_etcd
-
-log = logging.getLogger(__name__)
 
 __all__ = ["AbortWatcher"]
 

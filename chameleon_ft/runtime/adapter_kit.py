@@ -47,7 +47,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from chameleon_ft.runtime.errors import ConfigError
-from chameleon_ft.engine.plan import even_split
 from chameleon_ft.runtime import codec as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure, CollectiveMismatch
 from chameleon_ft.engine.selector import BATCH_CHANGING

@@ -59,8 +59,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from _helpers.recovery import (ScriptJob, UserLaunchedJob, assert_exactly_once,  # noqa: E402
-                               assert_replicas_equal, rel_diff)
+from _helpers.recovery import ScriptJob, UserLaunchedJob, assert_exactly_once, rel_diff  # noqa: E402
 import torch  # noqa: E402
 
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE  # noqa: E402
