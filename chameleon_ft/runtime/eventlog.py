@@ -284,16 +284,30 @@ def committed_attempts(events: Iterable[Mapping[str, Any]]) -> dict[int, list[Ma
     """The ``step`` records of each step's last attempt, by step.
 
     Each member logs a record before every all-reduce attempt, tagged with the generation's
-    ``token``.  A step is attempted again only if no member committed it, so the last attempt
-    of a step is the one that committed."""
+    ``token`` (``<generation>.<time>[/<rollback>]``).  A step is attempted again only if no
+    member committed it, so the attempt of the newest generation (then rollback) is the one
+    that committed -- by token, not by when a record was written: a member stopped inside an
+    abandoned attempt may write its record after its peers committed the step again."""
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"]):
         by_step.setdefault(int(e["step"]), []).append(e)
     out = {}
     for step, recs in by_step.items():
-        token = recs[-1].get("token")
+        token = max((r.get("token") for r in recs), key=_attempt_order)
         out[step] = [r for r in recs if r.get("token") == token]
     return out
+
+
+def _attempt_order(token: Optional[str]) -> tuple:
+    """A step record's token as (generation, agreed time, rollback): later attempts sort higher."""
+    if not token:
+        return (-1, -1, -1)
+    base, _, rollback = token.partition("/")
+    generation, _, when = base.partition(".")
+    try:
+        return (int(generation), int(when or 0), int(rollback or 0))
+    except ValueError:
+        return (-1, -1, -1)
 
 
 def resumed_after(events: Iterable[Mapping[str, Any]], t: float) -> Optional[float]:
