@@ -287,13 +287,15 @@ def committed_attempts(events: Iterable[Mapping[str, Any]]) -> dict[int, list[Ma
     ``token`` (``<generation>.<time>[/<rollback>]``).  A step is attempted again only if no
     member committed it, so the attempt of the newest generation (then rollback) is the one
     that committed -- by token, not by when a record was written: a member stopped inside an
-    abandoned attempt may write its record after its peers committed the step again."""
+    abandoned attempt may write its record after its peers committed the step again.  Tokens
+    that do not parse (or tie) fall back to the last written."""
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for e in sorted((e for e in events if e["event"] == "step"), key=lambda e: e["ts"]):
         by_step.setdefault(int(e["step"]), []).append(e)
     out = {}
     for step, recs in by_step.items():
-        token = max((r.get("token") for r in recs), key=_attempt_order)
+        last = max(range(len(recs)), key=lambda i: (_attempt_order(recs[i].get("token")), i))
+        token = recs[last].get("token")
         out[step] = [r for r in recs if r.get("token") == token]
     return out
 

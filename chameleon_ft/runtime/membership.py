@@ -162,6 +162,11 @@ class Membership:
         # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
         # group's set-up overlaps the main thread's compute).
         self.on_early_view: Optional[Callable[[MembershipView], None]] = None
+        # False while this worker is on its way out (a preemption notice it will announce at
+        # the next commit): the watcher does not put it in its peers' next quorum then -- they
+        # would form a generation it is about to leave.  Its main thread still asks itself
+        # where a step fails before it could leave.
+        self.volunteers: Callable[[], bool] = lambda: True
         self.early_joins = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.cut_off_s = cut_off_s
@@ -359,6 +364,8 @@ class Membership:
         holding every peer in a loop of failed set-ups).  False: not now (ask again later)."""
         if self._early is not None:
             return False
+        if not self.volunteers():
+            return True
         if not self._agree_lock.acquire(blocking=False):
             return True  # the main thread is asking itself
         try:

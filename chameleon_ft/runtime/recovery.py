@@ -202,6 +202,7 @@ class RecoveryCore:
         if joined is None:
             joined = join_job(self.env, self.cfg, self.hang_timeout_s)
         self.membership, self.gm = joined.membership, joined.gm
+        self.membership.volunteers = lambda: not self.notice.reason
         # Without a step header a control collective could meet the step's all-reduce: refused.
         self.gm.control_allowed = self.step_header is not None
         self.gm.separate_data = self.reduces_in_buckets and self.step_header is not None

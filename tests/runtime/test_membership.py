@@ -734,3 +734,25 @@ def test_a_given_up_group_set_up_never_installs_its_nccl_group():
     nccl.slow.set()
     time.sleep(0.3)  # the given-up thread has finished now
     assert nccl.pg == "nccl-2"
+
+
+@pytest.mark.parametrize("leaving", [False, True])
+def test_the_abort_watcher_puts_a_worker_in_the_next_quorum_unless_it_is_leaving(leaving):
+    """When a generation ends, a worker's abort watcher asks for the next quorum on behalf of a
+    main thread still computing.  A worker that announced its leave (SIGTERM) is not put in its
+    peers' next generation that way: they would form one it is about to leave (and fail again)."""
+    import threading
+
+    with _joined(3, heartbeat_timeout_ms=5_000) as (server, members):
+        first = members[2].view()
+        members[2].volunteers = lambda: not leaving
+        got = {}
+        peers = [threading.Thread(target=lambda w=w: got.__setitem__(w, members[w].next_view(timeout_s=10)))
+                 for w in (0, 1)]
+        for t in peers:
+            t.start()
+        assert members[2]._generation_ended(first) is True
+        for t in peers:
+            t.join(15)
+        assert got[0].members == got[1].members == ((0, 1) if leaving else (0, 1, 2))
+        assert members[2].early_joins == (0 if leaving else 1)
