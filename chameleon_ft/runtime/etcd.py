@@ -161,9 +161,23 @@ def _prefix_end(key: bytes) -> bytes:
     return bytes(b)
 
 
+# Members that failed a request lately (a timeout, a refused connection, "no leader"), by
+# endpoint: the monotonic time until which this process's clients -- every thread and every
+# clone of a store -- open no new connection to them, and move an open one away before its next
+# request, while another member is trusted.  Without it each thread met a partitioned member on
+# its own, a request timeout each, and a recovery's group set-up threads kept landing on it.
+SUSPECT_S = 10.0
+_suspect: dict[str, float] = {}
+
+
+def _trusted(endpoint: str) -> bool:
+    return _suspect.get(endpoint, 0.0) <= time.monotonic()
+
+
 class EtcdClient:
     """Requests to etcd's JSON gateway; a connection per thread, the next endpoint when one
-    does not answer; TLS and etcd's token as ``security`` says (default: ``from_env``)."""
+    does not answer (and no new request to it for ``SUSPECT_S`` from this process while another
+    answers); TLS and etcd's token as ``security`` says (default: ``from_env``)."""
 
     def __init__(self, endpoints: Sequence[str], timeout_s: float = 2.0, security: Optional[EtcdSecurity] = None):
         self.endpoints = list(endpoints)
@@ -206,7 +220,7 @@ class EtcdClient:
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
                 tls_failures += isinstance(exc, ssl.SSLError)
-                self._drop()
+                self._drop(suspect=not isinstance(exc, ssl.SSLError))
                 continue
             try:
                 out = json.loads(raw or b"{}")
@@ -216,7 +230,7 @@ class EtcdClient:
                 msg = out.get("error") or out.get("message") or raw[:200]
                 self._refused(resp.status, str(msg), path)
                 last = EtcdError(f"etcd {self._endpoint()}: {path}: {msg}")
-                self._drop()  # no leader, or a member going down: try another
+                self._drop(suspect=True)  # no leader, or a member going down: try another
                 continue
             return out.get("result", out)
         # Every member refused the handshake (our certificate, or theirs, rejected: a member
@@ -261,17 +275,29 @@ class EtcdClient:
 
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
+        if c is not None and not _trusted(self._endpoint()) and self._a_trusted_one(self._local.i + 1) is not None:
+            c.close()  # another thread found its member failing: move before this request
+            self._local.i = self._a_trusted_one(self._local.i + 1)
+            c = self._local.conn = self._open(self._endpoint(), self.timeout_s)
         if c is None:
-            self._local.i = self._next
-            self._next += 1
+            i = self._a_trusted_one(self._next)
+            self._local.i = self._next if i is None else i
+            self._next = self._local.i + 1
             c = self._open(self._endpoint(), self.timeout_s)
             self._local.conn = c
         return c
 
-    def _drop(self) -> None:
+    def _a_trusted_one(self, start: int) -> Optional[int]:
+        """The first index from ``start`` (round) whose member is trusted; None if none is."""
+        n = len(self.endpoints)
+        return next((start + k for k in range(n) if _trusted(self.endpoints[(start + k) % n])), None)
+
+    def _drop(self, suspect: bool = False) -> None:
         c = getattr(self._local, "conn", None)
         if c is not None:
             c.close()
+        if suspect:
+            _suspect[self._endpoint()] = time.monotonic() + SUSPECT_S
         self._local.conn = None
         self._local.i = getattr(self._local, "i", 0) + 1
         self._next = self._local.i

@@ -666,10 +666,14 @@ def markdown(records: list[dict], command: str, started: str) -> str:
 
 def write_markdown(path: Path, records: list[dict], command: str, started: str) -> None:
     """Replace the generated block of ``path`` (or append one)."""
+    write_block(path, markdown(records, command, started), BEGIN, END)
+
+
+def write_block(path: Path, block: str, begin: str, end: str) -> None:
+    """Replace the block between ``begin`` and ``end`` in ``path`` by ``block`` (or append it)."""
     text = path.read_text() if path.exists() else ""
-    block = markdown(records, command, started)
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
