@@ -562,6 +562,36 @@ def _describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+def slurm_job_id() -> Optional[str]:
+    """The id ``scontrol requeue`` takes: an array task's ``<array job>_<task>``, else
+    ``SLURM_JOB_ID``; None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def requeue_slurm_job() -> bool:
+    """``--requeue``: the whole job left on a preemption notice; put it back in SLURM's queue
+    (``scontrol requeue``, as Lightning's SLURM auto-requeue does).  Says what it did; False
+    when it could not (not under SLURM, no ``scontrol``, or scontrol refused)."""
+    job = slurm_job_id()
+    if job is None:
+        _say("--requeue: not under SLURM (no SLURM_JOB_ID): nothing requeued")
+        return False
+    try:
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        _say(f"--requeue: scontrol requeue {job} failed: {exc}")
+        return False
+    if r.returncode != 0:
+        _say(f"--requeue: scontrol requeue {job} exited {r.returncode}: {(r.stderr or r.stdout).strip()}")
+        return False
+    _say(f"every worker left on the preemption notice: job {job} requeued (scontrol requeue); "
+         "it resumes from the script's checkpoint")
+    return True
+
+
 def _say(msg: str) -> None:
     print(f"chameleon-ft run: {msg}", file=sys.stderr, flush=True)
 
@@ -592,6 +622,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         while True:
             status = launcher.run()
+            if status == PREEMPTED_EXIT_CODE and args.requeue and args.node_rank == 0:
+                requeue_slurm_job()
             if status != E.RESTART_EXIT_CODE or restarts_left <= 0 or launcher.stop_signal is not None:
                 return status
             if launcher.max_nodes > 1:

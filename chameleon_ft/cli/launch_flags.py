@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more signals that announce a preemption, as SIGTERM does (e.g. USR1 for "
                         "SLURM's --signal=USR1@90): forwarded to the workers, which leave at a step "
                         "boundary")
+    p.add_argument("--requeue", action="store_true",
+                   help="SLURM: when every worker of node 0 left on a preemption notice (the whole job "
+                        "was preempted or reached --signal's time), node 0's launcher runs `scontrol "
+                        "requeue $SLURM_JOB_ID`; the requeued job resumes from the script's checkpoint "
+                        "(ElasticTrainer writes it at the step the job left)")
     p.add_argument("--term-grace", type=float, default=30.0,
                    help="after a SIGTERM (a preemption notice: spot, Kubernetes, SLURM), how long the "
                         "workers get to leave at a step boundary before they are killed (seconds, "

@@ -284,15 +284,19 @@ def _parse_hostport(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def connect_store(store_addr: str, timeout_s: float) -> dist.Store:
+def connect_store(store_addr: str, timeout_s: float, request_timeout_s: Optional[float] = None) -> dist.Store:
     """A new client of the job's store: the coordinator's TCPStore at ``host:port``, or etcd
-    (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time."""
+    (``etcd://h1:2379,h2:2379/<job>``); MembershipError if unreachable in time.
+    ``request_timeout_s`` (etcd): each request's limit before the next member is tried, when
+    shorter than ``timeout_s`` and the default 2 s (a liveness client's: a fraction of the
+    heartbeat timeout)."""
     digest = job_digest()
     if is_etcd(store_addr):
         endpoints, prefix = parse_etcd(store_addr)
+        limit = min(STORE_REQUEST_TIMEOUT_S, timeout_s, request_timeout_s or STORE_REQUEST_TIMEOUT_S)
         try:
             raw = EtcdStore(endpoints, prefix, timeout=timedelta(seconds=max(timeout_s, 1.0)),
-                            request_timeout_s=min(STORE_REQUEST_TIMEOUT_S, timeout_s))
+                            request_timeout_s=limit)
             if not raw.client.healthy():
                 raise MembershipError(f"etcd at {', '.join(endpoints)}: no member answered within "
                                       f"{raw.client.timeout_s:.1f} s with a quorum")

@@ -493,6 +493,13 @@ class EtcdQuorum:
         self.client = store.client
         self.join_timeout_s = join_timeout_s
         self.ttl = max(1, int(round(heartbeat_timeout_s)))
+        # The heartbeat's own client, whose requests give up after a third of the lease: a
+        # keep-alive stuck on a member that stopped answering (partitioned away) moves to
+        # another member before the lease runs out.  With the store's 2 s request timeout the
+        # leases of every worker whose beat went to that member expired, and a worker that
+        # counted the live ones then saw itself alone: it formed a generation of one.
+        self._beats = EtcdClient(store.client.endpoints, min(store.client.timeout_s, heartbeat_timeout_s / 3),
+                                 store.client.security)
         self.poll_s = poll_s
         self._lease: Optional[str] = None
         self._lease_lock = threading.Lock()
@@ -505,9 +512,9 @@ class EtcdQuorum:
         """Keep this worker's liveness key alive (a lease etcd expires ``heartbeat_timeout``
         after the last heartbeat)."""
         with self._lease_lock:
-            if self._lease is None or not self.client.keepalive(self._lease):
-                self._lease = self.client.grant(self.ttl)
-                self.client.put(self._k("alive", replica_id), b"1", lease=self._lease)
+            if self._lease is None or not self._beats.keepalive(self._lease):
+                self._lease = self._beats.grant(self.ttl)
+                self._beats.put(self._k("alive", replica_id), b"1", lease=self._lease)
 
     def alive(self) -> set[str]:
         base = self._k("alive", "")

@@ -156,6 +156,10 @@ class RecoveryCore:
         self._pending: Optional[tuple[RecoveryTimer, dict]] = None
         self.notice = PreemptionNotice(self.worker_id)  # SIGTERM: leave after the step (start)
         self._leavers: tuple[int, ...] = ()
+        # Called on every member when every member of the generation announced its leave in
+        # the same commit (the whole job preempted: nobody carries on), before they go: where
+        # the run's state is kept for a requeued job (``ElasticTrainer``: its checkpoint).
+        self.on_whole_job_leave: Optional[Callable[[], None]] = None
         self._nonfinite: tuple[int, ...] = ()  # members whose loss of the step was not finite
         self._nonfinite_run = 0  # such steps in a row
         self.steering = Steering()  # stop/save decisions an adapter could not agree at once
@@ -326,11 +330,16 @@ class RecoveryCore:
         mark themselves gone and raise ``Preempted``; the others reconfigure now, between two
         steps -- every member read the same tail, so all act alike and nothing is redone."""
         self._leavers = ()
-        self._before_leave(leavers)
+        everyone = set(leavers) >= set(self.view.members)
+        if everyone and self.on_whole_job_leave is not None:
+            self.on_whole_job_leave()  # all of them here, at this boundary: collectives may run
+        else:
+            self._before_leave(leavers)
         if self.worker_id in leavers:
             self._store_op(lambda: self.membership.leave())
             if self.log:
-                self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), left="preempted")
+                self.log.run_end(step=self.step, epoch=self.epoch, members=list(self.members), left="preempted",
+                                 whole_job=everyone)
             raise Preempted(f"worker {self.worker_id} left the job after step {self.step} "
                             f"({self.notice.reason}: preempted); its peers carry on")
         failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave (a preemption notice)",

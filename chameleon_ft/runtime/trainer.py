@@ -53,7 +53,9 @@ class ElasticTrainer:
 
     Args:
         checkpoint: optional path; resumed from when it exists, written by the lowest-ranked
-            member every ``checkpoint_every`` committed steps and at the end.
+            member every ``checkpoint_every`` committed steps, at the end, and at the step every
+            member left at when the whole job got a preemption notice (a requeued job resumes
+            there: ``chameleon-ft run --requeue``).
         on_step: optional ``fn(ctx)`` called after every committed step (logging, metrics).
     """
 
@@ -99,6 +101,8 @@ class ElasticTrainer:
             self.ctx.allow_restart()
         self.checkpoint_every = checkpoint_every
         self.on_step = on_step
+        if checkpoint:  # the whole job preempted: resume (requeued) from the step it left at
+            self.ctx.on_whole_job_leave = lambda: self.ctx.save_checkpoint(self.checkpoint)
 
     def fit(self, max_steps: Optional[int] = None, epochs: Optional[int] = None) -> dict:
         """Train until ``max_steps`` committed steps or ``epochs`` epochs, whichever first."""

@@ -164,7 +164,7 @@ class Net:
                "--listen-client-urls", f"{client}://{a}:2379", "--advertise-client-urls", f"{client}://{a}:2379",
                "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
                "--initial-cluster", peers, "--initial-cluster-state", "new" if new else "existing",
-               "--heartbeat-interval", "50", "--election-timeout", "500"]
+               "--heartbeat-interval", "50", "--election-timeout", "500", "--pre-vote"]
         if self.etcd_certs:
             cmd += etcd_tls.server_flags(self.etcd_certs)
         log = open(os.path.join(self.etcd_root, f"e{i}.log"), "ab")

@@ -117,3 +117,23 @@ def test_a_thread_connected_to_a_member_another_thread_found_silent_moves_before
     other.join(10)  # it met the silent member and marked it
     assert _timed(lambda: client.get(b"/cft/t2/k")) < 0.4
     assert client._endpoint() == member
+
+
+def test_a_heartbeat_stuck_on_a_silent_member_moves_on_before_its_lease_runs_out(member, silent, monkeypatch):
+    """The lease of a worker's liveness key lasts the heartbeat timeout (1 s); a keep-alive sent
+    to a member that stopped answering must reach another member within it, or the worker drops
+    out of the live set its peers count when they decide a quorum (seen in the node trials: every
+    worker's beat went to the partitioned member; one worker counted itself alone and formed a
+    generation of one beside its peers')."""
+    from chameleon_ft.runtime.etcd import EtcdQuorum
+
+    monkeypatch.setattr(etcd, "_suspect", {})
+    store = EtcdStore([member], "/cft/t3/", timeout=timedelta(seconds=5), request_timeout_s=2.0)
+    q = EtcdQuorum(store, heartbeat_timeout_s=1.0)
+    q.heartbeat("7")
+    q._beats.endpoints = [silent, member]  # from now on its first choice stops answering
+    q._beats._local.conn = None
+    q._beats._next = 0
+    took = _timed(lambda: q.heartbeat("7"))
+    assert took < 0.6, took  # a third of the lease, then the member that answers
+    assert "7" in q.alive()

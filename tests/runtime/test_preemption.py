@@ -92,3 +92,53 @@ def test_a_notice_to_the_launcher_ends_every_worker_at_a_step_boundary(tmp_path,
     assert all(f["kind"] == "preemption" for f in _events(evs, "failure")), _events(evs, "failure")
     _no_step_redone(evs)
     assert took < 10, took  # not the 30 s grace: they left at the step boundary
+
+
+def test_a_whole_job_preempted_under_slurm_saves_where_it_left_and_its_requeued_run_resumes_there(tmp_path):
+    """SLURM's conventions: ``sbatch --signal=USR1@90 --requeue`` and ``chameleon-ft run
+    --preempt-signal USR1 --requeue``.  USR1 reaches the job at step 5: every worker leaves at a
+    step boundary; the last of them (every member of its generation leaving at once) writes the
+    checkpoint at that step; node 0's launcher exits 143 after ``scontrol requeue $SLURM_JOB_ID``
+    (a stand-in ``scontrol`` on PATH records the call: no SLURM here).  The requeued run -- the
+    same command, no signal -- resumes at that step: no step redone or lost across the two runs,
+    every sample once per epoch, and the failure-free weights within 1e-5."""
+    from chameleon_ft.runtime.codec import load_checkpoint
+
+    bin_dir, called = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {called}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    ckpt, run = tmp_path / "ckpt.pt", tmp_path / "run"
+    env = {"PATH": f"{bin_dir}:{__import__('os').environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    args = dict(mb_sleep=0.02, epochs=4, worker_args=("--checkpoint", str(ckpt)), env=env)
+    job = Job(run, launch_args=("--preempt-signal", "USR1", "--requeue"), **args)
+    try:
+        launcher = job.start()
+        job.wait_step(5)
+        launcher.send_signal(signal.SIGUSR1)
+        assert launcher.wait(30) == 128 + signal.SIGTERM, job.output()[-3000:]
+        out, evs = job.output(), job.events()
+    finally:
+        job.cleanup()
+    assert called.read_text().split() == ["requeue", "4242"]
+    assert "job 4242 requeued (scontrol requeue)" in out
+    ends = [e for e in _events(evs, "run_end") if e.get("left") == "preempted"]
+    assert sorted(e["worker"] for e in ends) == [0, 1, 2, 3]
+    left_at = max(e["step"] for e in ends)
+    assert [e.get("whole_job") for e in ends if e["step"] == left_at] == [True] * sum(e["step"] == left_at for e in ends)
+    saved = load_checkpoint(ckpt)
+    assert saved["step"] == left_at, (saved["step"], left_at)
+    # The requeued job: the same command in the same run directory, resumed from the checkpoint.
+    again = Job(run, **args)
+    try:
+        again.start()
+        assert again.wait(90) == [0], again.output()[-3000:]
+        evs, finals = again.events(), again.final()
+    finally:
+        again.cleanup()
+    first = min(e["step"] for e in _events(evs, "step") if e["ts"] > max(e["ts"] for e in ends))
+    assert first == left_at, (first, left_at)
+    _no_step_redone(evs)
+    assert_exactly_once(evs, 4)
+    assert_replicas_equal(finals, [0, 1, 2, 3])
+    assert max_relative_diff(finals[0], reference(tmp_path / "ref", 4)) < 1e-5
