@@ -173,17 +173,22 @@ def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: in
     return decode(meta["tree"], _unpack(body, meta["specs"]))
 
 
-def atomic_save(obj: Any, path: str | os.PathLike, keep_previous: bool = False) -> None:
+def atomic_save(obj: Any, path: str | os.PathLike, keep_previous: bool = False,
+                midway: Optional[Callable[[], None]] = None) -> None:
     """``torch.save(obj)`` to ``path`` so that no interruption -- a kill, a crash, a full disk
     -- leaves a file there that is not a whole one: written to a temporary file, flushed to the
     disk (``fsync``), then renamed over ``path`` and the rename itself made durable (the
     folder's ``fsync``).  ``keep_previous``: the file it replaces is kept as ``<path>.prev``
-    (``previous_of``), so that a checkpoint found damaged later has one to fall back on."""
+    (``previous_of``), so that a checkpoint found damaged later has one to fall back on.
+    ``midway`` (tests, the chaos trials' ``kill_save``): called once the temporary file holds
+    the data, before it is flushed and renamed -- where a kill tears a write."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
+            if midway is not None:
+                midway()
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and os.path.exists(path):
@@ -216,14 +221,14 @@ def _checksum(meta: str, tensors: list) -> int:
     return crc
 
 
-def save_checkpoint(path: str | os.PathLike, tree: Any) -> None:
-    """Write ``tree`` with its checksum (``atomic_save``), keeping the checkpoint it replaces as
-    ``previous_of(path)``."""
+def save_checkpoint(path: str | os.PathLike, tree: Any, midway: Optional[Callable[[], None]] = None) -> None:
+    """Write ``tree`` with its checksum (``atomic_save``, ``midway`` passed on), keeping the
+    checkpoint it replaces as ``previous_of(path)``."""
     skeleton, tensors = encode(tree)
     tensors = [t.detach().cpu() for t in tensors]  # a checkpoint loads on any device
     meta = json.dumps(skeleton)
     atomic_save({"format": CHECKPOINT_FORMAT, "meta": meta, "tensors": tensors, "crc32": _checksum(meta, tensors)},
-                path, keep_previous=True)
+                path, keep_previous=True, midway=midway)
 
 
 def model_file(path: str | os.PathLike) -> str:

@@ -22,7 +22,8 @@ Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` 
 Fields: ``rank=R[,R...]`` or ``node=K`` (one is required), ``step=S`` (exactly that step;
 without it a kill/hang/exit fires at the first matching phase and a slow/jitter fault at every
 one), ``from=S``/``to=S`` (slow and jitter; inclusive range, either end open: a ``slow`` with
-``to=`` is a straggler that recovers), ``phase=P`` (default ``any``), ``once`` (fire at most
+``to=`` is a straggler that recovers), ``phase=P`` (default ``any``; ``save``: inside the lowest-ranked member's checkpoint write, once
+the data is in the temporary file and before the rename), ``once`` (fire at most
 once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``prob=P``
 (jitter only, in (0, 1], default 0.1; drawn from a generator seeded by the rank, so a run is
 reproducible) and ``code=C`` (exit only, nonzero, default 1).
@@ -69,7 +70,7 @@ ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt", "drop", "nan")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
 _RANGED = _PADDING + ("nan",)  # actions that take from=/to= and fire at every matching phase
 PHASES = ("step_start", "forward", "backward", "allreduce", "commit", "optimizer", "migrate", "snapshot", "restore",
-          "any")
+          "save", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")

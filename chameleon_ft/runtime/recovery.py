@@ -690,8 +690,25 @@ class RecoveryCore:
         remember the step (the engine weighs restart by steps since it)."""
         self.last_checkpoint_step = self.step
         if self.rank == 0:
-            run_state.save_checkpoint(path, self.state_dict())
+            run_state.save_checkpoint(path, self.state_dict(), midway=lambda: self.faults.at(self.step, "save"))
             run_state.save_model(run_state.model_file(path), self.model.state_dict())
+
+    def save_final(self, path: str) -> None:
+        """The end of training's checkpoint, confirmed: every member calls it at the same point;
+        the lowest-ranked one writes it (``save_checkpoint``), then all meet once.  A member lost
+        before that meeting -- the writer killed inside its write -- makes the others recover
+        and write it again (the new lowest-ranked one), so that no job ends with exit 0 on a
+        final checkpoint that was never written."""
+        while True:
+            self.save_checkpoint(path)
+            if self.view.world_size < 2:
+                return
+            try:
+                self.gm.allreduce(torch.zeros(1), dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False,
+                                  header=self.step_header)
+                return
+            except CollectiveFailure as failure:
+                self.recover_off_step(failure)
 
     def load_checkpoint(self, path: str) -> None:
         """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""

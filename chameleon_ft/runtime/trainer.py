@@ -123,7 +123,7 @@ class ElasticTrainer:
                 if not self.sharded or ctx.finish():
                     break
             if self.checkpoint:
-                ctx.save_checkpoint(self.checkpoint)
+                ctx.save_final(self.checkpoint)
         finally:
             ctx.close(redone_steps=ctx.redone_steps, adopted_steps=ctx.adopted_steps)
         return {"step": ctx.step, "epoch": ctx.epoch, "members": list(ctx.members),

@@ -96,7 +96,11 @@ PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_
 #          (data-parallel set-ups only: the pipeline and sharded executors do not check losses)
 #   kill_recovery  SIGKILL of the victim, then of a second worker as soon as the first failure
 #          is recorded: a failure during the recovery; on the twin
-KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery")
+#   kill_save  (ElasticTrainer, checkpoint every SAVE_EVERY steps) rank 0, the checkpoint's
+#          writer, SIGKILLed inside a save, its data in the temporary file and not yet renamed:
+#          the survivors end on the twin and the checkpoint they leave loads, at the last step
+KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery", "kill_save")
+SAVE_EVERY = 4
 # The fault points ``ElasticTrainer``'s sharded step passes (its forward and backward are one
 # pass: ``forward``); the drawn step_start, backward and epoch boundary map to its forward.
 SHARDED_PHASES = ("outside", "forward", "allreduce", "optimizer")
@@ -149,7 +153,8 @@ class Setup:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The fault kinds this set-up can meet (``KINDS``)."""
-        return tuple(k for k in KINDS if k != "nan" or self.framework not in ("pipeline", "sharded"))
+        return tuple(k for k in KINDS if (k != "nan" or self.framework not in ("pipeline", "sharded"))
+                     and (k != "kill_save" or self.framework == "elastic"))
 
 
 @dataclass(frozen=True)
@@ -173,8 +178,10 @@ class Trial:
             faults.append(fault[0])
         return ["--faults", ";".join(faults)] if faults else []
 
-    def worker_args(self) -> list[str]:
+    def worker_args(self, run_dir: Optional[Path] = None) -> list[str]:
         extra = ["--force-alloc", self.force] if self.force else []
+        if self.kind == "kill_save" and run_dir is not None:
+            extra += ["--checkpoint", str(run_dir / "ckpt.pt"), "--checkpoint-every", str(SAVE_EVERY)]
         # emulated compute (math unchanged), so that the straggler's slowness is measurable and a
         # signal sent from outside at a step lands before the job's 1-2 ms steps ran to the end
         slow = self.straggler is not None or self.kind in ("term", "stop", "kill2", "kill_recovery")
@@ -251,8 +258,10 @@ def draw(rng: random.Random, index: int, setup: Setup, kinds=("kill",)) -> Trial
     if kind in ("kill2", "kill_recovery"):
         changes["second"] = rng.choice([w for w in range(WORKERS) if w != trial.victim])
         changes["step"] = min(trial.step, total - 3)
-    if kind in ("stop", "nan", "kill2", "kill_recovery"):
+    if kind in ("stop", "nan", "kill2", "kill_recovery", "kill_save"):
         changes["straggler"] = None
+    if kind == "kill_save":  # rank 0 writes the checkpoint: killed in a save after step S
+        changes.update(victim=0, phase="save", step=SAVE_EVERY * rng.randint(1, max(1, (total - 2) // SAVE_EVERY)))
     from dataclasses import replace
     return replace(trial, **changes)
 
@@ -296,11 +305,11 @@ def make_job(trial: Trial, run_dir: Path) -> ScriptJob:
     (the launcher's flags -- the faults, the watchdog -- then travel in ``CHAMELEON_FT_RUN_ARGS``)."""
     setup = trial.setup
     if trial.launch == "run":
-        return FidelityJob(run_dir, setup, trial.worker_args(), trial.launch_args())
+        return FidelityJob(run_dir, setup, trial.worker_args(run_dir), trial.launch_args())
     prefix, extra = USER_LAUNCH[setup.framework]
     env = {"CHAMELEON_FT_RUN_ARGS": shlex.join(["--hang-timeout", "5", *trial.launch_args()]),
            "HF_HOME": str(run_dir / "hf")}
-    return UserLaunchedJob(SCRIPTS[setup.framework], run_dir, *setup.args(), *trial.worker_args(), *extra,
+    return UserLaunchedJob(SCRIPTS[setup.framework], run_dir, *setup.args(), *trial.worker_args(run_dir), *extra,
                            prefix=prefix, env=env)
 
 
@@ -420,6 +429,8 @@ def run_trial(trial: Trial, root: Path) -> dict:
         if rec["leftover"]:
             problems.append(f"worker processes left running after the job: {rec['leftover']}")
         problems += _kind_problems(trial, evs, rec["fired"])
+        if trial.kind == "kill_save":
+            problems += _save_problems(job.run_dir, finals, rec)
         survivors = sorted(set(range(WORKERS)) - ({w for w in lost if w not in finals}))
         # Workers that all wrote their final state but did not exit are a teardown hang, not a
         # fidelity failure: recorded apart (``exit_hang``) and checked like any finished run.
@@ -509,6 +520,31 @@ def _kind_problems(trial: Trial, evs: list[dict], fired: bool) -> list[str]:
         bad = [e for e in evs if e["event"] == "nonfinite" and e.get("worker") == trial.victim]
         if fired and not all(e.get("action") == "skip" for e in bad):
             out.append(f"a single NaN step did not skip: {bad}")
+    return out
+
+
+def _save_problems(run_dir: Path, finals: dict, rec: dict) -> list[str]:
+    """``kill_save``: the kill landed inside the save (the victim's temporary file is left),
+    and the checkpoint the survivors leave -- and the one it replaced -- load, the newest at
+    their last step (no torn file at the checkpoint's path, ever)."""
+    from chameleon_ft.runtime.codec import load_checkpoint, previous_of
+
+    out, path = [], run_dir / "ckpt.pt"
+    rec["torn_tmp"] = sorted(p.name for p in run_dir.glob("ckpt.pt.tmp.*"))
+    if rec["fired"] and not rec["torn_tmp"]:
+        out.append("the victim was killed, but not inside a save (no temporary file of its write)")
+    steps = []
+    for p in (path, Path(previous_of(path))):
+        if p != path and not p.exists():
+            continue  # the survivors' first save replaced nothing
+        try:
+            steps.append(int(load_checkpoint(p, fallback=False)["step"]))
+        except Exception as exc:  # CheckpointError, or missing
+            out.append(f"{p.name} does not load: {exc}")
+    rec["checkpoint_steps"] = steps
+    last = max((int(f["step"]) for f in finals.values()), default=None)
+    if steps and steps[0] != last:
+        out.append(f"the checkpoint is at step {steps[0]}, the survivors ended at {last}")
     return out
 
 

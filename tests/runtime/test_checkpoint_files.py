@@ -91,3 +91,29 @@ def test_a_kill_during_a_checkpoint_write_leaves_a_whole_checkpoint(tmp_path):
     tree = load_checkpoint(path, fallback=False)  # whole: the first, or a later write completed
     assert tree["step"] >= 1
     assert os.path.exists(tmp)  # the torn write stayed where nothing reads it
+
+
+def test_a_writer_killed_inside_the_final_save_does_not_end_the_job_without_it(tmp_path):
+    """``ElasticTrainer`` (4 gloo workers): rank 0, the checkpoint's only writer, is killed by
+    the fault injector inside the run's last save -- its data in the temporary file, not yet
+    renamed (phase ``save``) -- while its peers have finished training.  Without a confirmation
+    they would exit 0 and the job would end without its final checkpoint; they meet after the
+    write, find the writer gone, recover and the new rank 0 writes it: the job exits 0 with a
+    checkpoint that loads, at the last step, and the victim's torn write left aside."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_workers"))
+    from elastic_job import STEPS_PER_EPOCH, Job
+
+    ckpt, last = tmp_path / "ckpt.pt", 2 * STEPS_PER_EPOCH
+    job = Job(tmp_path / "run", epochs=2, mb_sleep=0.01, worker_args=("--checkpoint", str(ckpt)),
+              launch_args=("--faults", f"kill:rank=0:step={last}:phase=save"))
+    try:
+        job.start()
+        assert job.wait(120) == [0], job.output()[-3000:]
+        evs, finals = job.events(), job.final()
+    finally:
+        job.cleanup()
+    assert sorted(finals) == [1, 2, 3]
+    assert any(e["event"] == "failure" and e["workers"] == [0] for e in evs)
+    assert any(e["event"] == "membership" and e["members"] == [1, 2, 3] for e in evs)
+    assert load_checkpoint(ckpt, fallback=False)["step"] == last
+    assert list(tmp_path.glob("ckpt.pt.tmp.*")), "the kill did not land inside the write"
