@@ -11,12 +11,15 @@ without a role, and turns authentication on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
-from typing import Callable, Sequence
+import time
+from typing import Callable, Iterator, Optional, Sequence
 
-__all__ = ["available", "make_certs", "server_flags", "etcdctl_flags", "enable_auth", "JOB_USER", "JOB_PASSWORD",
+__all__ = ["available", "one_member", "make_certs", "server_flags", "etcdctl_flags", "enable_auth", "JOB_USER", "JOB_PASSWORD",
            "NO_ROLE_USER", "NO_ROLE_PASSWORD"]
 
 JOB_USER, JOB_PASSWORD = "cft-job", "job-secret"
@@ -84,3 +87,40 @@ def enable_auth(etcdctl: Callable[..., subprocess.CompletedProcess]) -> None:
         r = etcdctl(*args)
         if r.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)}: {r.stdout} {r.stderr}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_member(d: str, certs: Optional[dict[str, str]] = None) -> Iterator[tuple[str, Callable]]:
+    """A one-member etcd on loopback (TLS with ``certs``), healthy: ``(host:port, etcdctl)``,
+    ``etcdctl(*args)`` run against it; killed at the end."""
+    client, peer = _free_port(), _free_port()
+    url = f"{'https' if certs else 'http'}://127.0.0.1:{client}"
+    log = open(os.path.join(d, "etcd.log"), "wb")
+    proc = subprocess.Popen(
+        ["etcd", "--name", "s0", "--data-dir", os.path.join(d, "data"), "--listen-client-urls", url,
+         "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"s0=http://127.0.0.1:{peer}", *(server_flags(certs) if certs else [])],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def etcdctl(*args):
+        return subprocess.run(["etcdctl", "--endpoints", url, *(etcdctl_flags(certs) if certs else []), *args],
+                              capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"))
+    try:
+        deadline = time.monotonic() + 30
+        while etcdctl("endpoint", "health").returncode != 0:
+            if time.monotonic() > deadline:
+                with open(os.path.join(d, "etcd.log")) as f:
+                    raise RuntimeError(f"etcd did not come up: {f.read()[-2000:]}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{client}", etcdctl
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()

@@ -6,52 +6,26 @@ request timeout, not one per thread or per store clone.  A real etcd on loopback
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 
+from _helpers import etcd_tls
 from chameleon_ft.runtime import etcd
 from chameleon_ft.runtime.etcd import EtcdClient, EtcdStore
 
 pytestmark = [pytest.mark.timeout(120)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def member(tmp_path_factory):
-    import shutil
-
-    if shutil.which("etcd") is None:
-        pytest.skip("needs etcd (apt-get install etcd-server)")
-    d = tmp_path_factory.mktemp("etcd")
-    client, peer = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{client}"
-    log = open(d / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        ["etcd", "--name", "s0", "--data-dir", str(d / "data"), "--listen-client-urls", url,
-         "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"s0=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    try:
-        ep = f"127.0.0.1:{client}"
-        deadline = time.monotonic() + 30
-        while not EtcdClient([ep], 0.5).healthy():
-            assert time.monotonic() < deadline, (d / "etcd.log").read_text()[-2000:]
-            time.sleep(0.2)
+    why = etcd_tls.available()
+    if why:
+        pytest.skip(why)
+    with etcd_tls.one_member(str(tmp_path_factory.mktemp("etcd"))) as (ep, _):
         yield ep
-    finally:
-        proc.kill()
-        proc.wait(10)
-        log.close()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ job over TLS and authentication, losing node 0 with its etcd member, is in
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,12 +28,6 @@ from chameleon_ft.runtime.etcd import EtcdError, EtcdRefused, EtcdSecurity, Etcd
 pytestmark = [pytest.mark.timeout(120)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     why = etcd_tls.available()
@@ -42,30 +35,9 @@ def secured(tmp_path_factory):
         pytest.skip(why)
     d = tmp_path_factory.mktemp("etcd-tls")
     certs = etcd_tls.make_certs(str(d / "certs"), ["127.0.0.1"])
-    client, peer = _free_port(), _free_port()
-    url = f"https://127.0.0.1:{client}"
-    log = open(d / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        ["etcd", "--name", "s0", "--data-dir", str(d / "data"), "--listen-client-urls", url,
-         "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"s0=http://127.0.0.1:{peer}", *etcd_tls.server_flags(certs)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def etcdctl(*args):
-        return subprocess.run(["etcdctl", "--endpoints", url, *etcd_tls.etcdctl_flags(certs), *args],
-                              capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"))
-    try:
-        deadline = time.monotonic() + 30
-        while etcdctl("endpoint", "health").returncode != 0:
-            assert time.monotonic() < deadline, (d / "etcd.log").read_text()[-2000:]
-            time.sleep(0.2)
+    with etcd_tls.one_member(str(d), certs) as (ep, etcdctl):
         etcd_tls.enable_auth(etcdctl)
-        yield f"127.0.0.1:{client}", certs
-    finally:
-        proc.kill()
-        proc.wait(10)
-        log.close()
+        yield ep, certs
 
 
 def _security(certs, cert="client", user=etcd_tls.JOB_USER, password=etcd_tls.JOB_PASSWORD, ca=True):
