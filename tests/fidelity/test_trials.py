@@ -47,8 +47,14 @@ def test_drawn_trials_cover_the_dimensions():
         assert t.force is None and t.straggler is None
         assert t.phase in t.setup.phases and t.kind in t.setup.kinds
         assert 1 <= t.step <= 2 * t.setup.steps_per_epoch - 2
-    assert {t.kind for t in others if t.setup.framework == "sharded"} == set(trials.KINDS) - {"nan"}
-    assert {t.kind for t in others if t.setup.framework == "trainer"} == set(trials.KINDS)
+    assert {t.kind for t in others if t.setup.framework == "sharded"} == set(trials.KINDS) - {"nan", "kill_save"}
+    assert {t.kind for t in others if t.setup.framework == "trainer"} == set(trials.KINDS) - {"kill_save"}
+    # kill_save: ElasticTrainer only, rank 0 (the writer) inside a periodic save, before the last step.
+    saves = [t for t in (trials.draw(rng, i, trials.draw_setup(rng, "elastic"), trials.KINDS) for i in range(300))
+             if t.kind == "kill_save"]
+    assert saves and all(t.victim == 0 and t.phase == "save" and t.step % trials.SAVE_EVERY == 0
+                         and t.step <= 2 * t.setup.steps_per_epoch - 2 for t in saves)
+    assert all("--checkpoint-every" in t.worker_args(trials.Path("/run")) for t in saves)
     assert {t.setup.variant for t in others if t.setup.framework == "sharded"} == {"full", "hybrid"}
 
 
