@@ -164,8 +164,8 @@ def _prefix_end(key: bytes) -> bytes:
 # Members that failed a request lately (a timeout, a refused connection, "no leader"), by
 # endpoint: the monotonic time until which this process's clients -- every thread and every
 # clone of a store -- open no new connection to them, and move an open one away before its next
-# request, while another member is trusted.  Without it each thread met a partitioned member on
-# its own, a request timeout each, and a recovery's group set-up threads kept landing on it.
+# request, while another member is trusted: a member that stopped answering costs the process
+# one request timeout, not one per thread or store clone.
 SUSPECT_S = 10.0
 _suspect: dict[str, float] = {}
 
@@ -275,10 +275,12 @@ class EtcdClient:
 
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
-        if c is not None and not _trusted(self._endpoint()) and self._a_trusted_one(self._local.i + 1) is not None:
-            c.close()  # another thread found its member failing: move before this request
-            self._local.i = self._a_trusted_one(self._local.i + 1)
-            c = self._local.conn = self._open(self._endpoint(), self.timeout_s)
+        if c is not None and not _trusted(self._endpoint()):
+            other = self._a_trusted_one(self._local.i + 1)
+            if other is not None:  # another thread found its member failing: move before this request
+                c.close()
+                self._local.i = other
+                c = self._local.conn = self._open(self._endpoint(), self.timeout_s)
         if c is None:
             i = self._a_trusted_one(self._next)
             self._local.i = self._next if i is None else i
@@ -495,9 +497,8 @@ class EtcdQuorum:
         self.ttl = max(1, int(round(heartbeat_timeout_s)))
         # The heartbeat's own client, whose requests give up after a third of the lease: a
         # keep-alive stuck on a member that stopped answering (partitioned away) moves to
-        # another member before the lease runs out.  With the store's 2 s request timeout the
-        # leases of every worker whose beat went to that member expired, and a worker that
-        # counted the live ones then saw itself alone: it formed a generation of one.
+        # another member before the lease runs out, so a live worker stays in the live set that
+        # ``_ready`` counts.
         self._beats = EtcdClient(store.client.endpoints, min(store.client.timeout_s, heartbeat_timeout_s / 3),
                                  store.client.security)
         self.poll_s = poll_s

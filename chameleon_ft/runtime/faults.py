@@ -22,9 +22,9 @@ Specs travel as a compact string, for CLI flags and the ``CHAMELEON_FT_FAULTS`` 
 Fields: ``rank=R[,R...]`` or ``node=K`` (one is required), ``step=S`` (exactly that step;
 without it a kill/hang/exit fires at the first matching phase and a slow/jitter fault at every
 one), ``from=S``/``to=S`` (slow and jitter; inclusive range, either end open: a ``slow`` with
-``to=`` is a straggler that recovers), ``phase=P`` (default ``any``; ``save``: inside the lowest-ranked member's checkpoint write, once
-the data is in the temporary file and before the rename), ``once`` (fire at most
-once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``prob=P``
+``to=`` is a straggler that recovers), ``phase=P`` (default ``any``; ``save``: inside the
+lowest-ranked member's checkpoint write, once the data is in the temporary file and before the
+rename), ``once`` (fire at most once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``prob=P``
 (jitter only, in (0, 1], default 0.1; drawn from a generator seeded by the rank, so a run is
 reproducible) and ``code=C`` (exit only, nonzero, default 1).
 

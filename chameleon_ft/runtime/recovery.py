@@ -704,11 +704,16 @@ class RecoveryCore:
             if self.view.world_size < 2:
                 return
             try:
-                self.gm.allreduce(torch.zeros(1), dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False,
-                                  header=self.step_header)
+                self._meet()
                 return
             except CollectiveFailure as failure:
                 self.recover_off_step(failure)
+
+    def _meet(self) -> None:
+        """Every member of the generation meets once (a one-number all-reduce under the step's
+        header): each knows the others got this far.  ``CollectiveFailure`` when one did not."""
+        self.gm.allreduce(torch.zeros(1), dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False,
+                          header=self.step_header)
 
     def load_checkpoint(self, path: str) -> None:
         """Resume from ``path`` before ``start()``; the plan starts over on whoever is there."""

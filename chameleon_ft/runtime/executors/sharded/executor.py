@@ -56,7 +56,6 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from chameleon_ft.engine import shard_recovery as sr
 from chameleon_ft.engine.rehab import RehabRecipe
@@ -393,8 +392,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
             return
         try:
             self._take_snapshot(wait=True)
-            self.gm.allreduce(torch.zeros(1, dtype=self.dtype), dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
-                              copy=False, header=self.step_header)
+            self._meet()
         except CollectiveFailure:
             self._inflight = None
 
