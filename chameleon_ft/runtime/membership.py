@@ -345,6 +345,21 @@ class Membership:
         self.store.set(_dead_key(self.worker_id), str(self.incarnation))
         self.close()
 
+    def await_left(self, workers, timeout_s: float) -> tuple[int, ...]:
+        """Wait up to ``timeout_s`` until each of ``workers`` marked its incarnation gone
+        (``leave``: it does so only after its own side of the commit that announced it
+        succeeded); the ones that did not, by then.  Its peers call this before they end the
+        generation, so that ending it cannot fail the leaver's last collective."""
+        pending = tuple(workers)
+        deadline, pause = time.monotonic() + timeout_s, 0.002
+        while pending:
+            pending = tuple(sorted(set(pending) - set(self._reported_dead(pending))))
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return pending
+
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""
         if getattr(self, "_presence", None) is not None:

@@ -27,6 +27,7 @@ end the process with ``os._exit`` (``elastic_main``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -56,6 +57,9 @@ from chameleon_ft.runtime import codec as run_state
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
            "Joined", "join_job", "seed_generators"]
 
+log = logging.getLogger(__name__)
+
+_LEAVE_MARK_S = 5.0  # how long the peers of an announced leave wait for the leavers' mark (_announced_leave)
 _TAIL = 7  # per member in the commit's tail: four timings, the leave notice, a non-finite loss, steering (_tail_row)
 _PREDICT_STEPS = 5  # steps measured after a Decision to check its predicted step time
 _CALIBRATION_EVERY = 10  # steps between the event log's calibration records
@@ -342,6 +346,12 @@ class RecoveryCore:
                                  whole_job=everyone)
             raise Preempted(f"worker {self.worker_id} left the job after step {self.step} "
                             f"({self.notice.reason}: preempted); its peers carry on")
+        # The leavers mark themselves gone only after their own side of this commit succeeded;
+        # ending the generation before that could fail it and bring them back for a second leave.
+        late = self._store_op(lambda: self.membership.await_left(leavers, min(self.hang_timeout_s, _LEAVE_MARK_S)))
+        if late:
+            log.warning("worker(s) %s announced their leave but did not mark it within %.0f s: their side of "
+                        "the commit may have failed (they come back, then leave again)", list(late), _LEAVE_MARK_S)
         failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave (a preemption notice)",
                                     kind="leave", token=self.view.token, generation=self.view.generation,
                                     suspects=leavers, reporter=self.worker_id)

@@ -111,7 +111,8 @@ class Waits:
         """Until ``within(abort_poll_s)`` says the op completed, reading the abort key between
         its calls; on the watchdog (``timeout_s``, default ``op_timeout_s``; time while the
         membership is paused does not count: peers wait too, nobody is hung) or an abort of the
-        generation, ``abandon()`` the op and raise ``CollectiveFailure``."""
+        generation, ``abandon()`` the op and raise ``CollectiveFailure`` -- unless the op has
+        completed by then (peers that finished it may end the generation at once)."""
         timeout_s = self.op_timeout_s if timeout_s is None else float(timeout_s)
         start = last = time.monotonic()
         paused_since = None
@@ -128,6 +129,8 @@ class Waits:
                 abandon()
                 raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
             record = self.abort_record()
+            if record is not None and within(self.abort_poll_s):
+                return  # completed meanwhile: a completed op is not undone by a later abort
             if record is not None:
                 abandon()
                 raise self._failure("generation aborted by peer", "aborted", record)

@@ -1,0 +1,51 @@
+"""The wait's rule between a completed op and an abort (``runtime/waits.py: Waits._watch``).
+
+Members that finished a collective may end the generation at once (an announced leave: the
+survivors reconfigure right after the commit).  A member whose own side of that op completed a
+moment later must see it completed, not aborted: otherwise it redoes a step its peers committed.
+An op that has not completed is abandoned on the abort, as before.  Pure logic: the op's
+``within`` and the abort record are stand-ins; the collective itself is tested with real
+processes in ``test_preemption.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from chameleon_ft.runtime.groups import CollectiveFailure
+from chameleon_ft.runtime.waits import Waits
+
+
+class _Manager(Waits):
+    op_timeout_s, abort_poll_s, pause_limit_s, worker_id = 30.0, 0.005, None, 0
+
+    def __init__(self, aborted_after: int):
+        self.calls, self.aborted_after, self.parked = 0, aborted_after, []
+
+    def paused(self) -> bool:
+        return False
+
+    def abort_record(self):
+        return {"reason": "peer_error: a peer ended the generation"} if self.calls >= self.aborted_after else None
+
+    def _failure(self, msg, kind, record):
+        return CollectiveFailure(msg, kind=kind, token="t", generation=1)
+
+
+def _op(m: _Manager, completes_at: int):
+    def within(seconds: float) -> bool:
+        m.calls += 1
+        return m.calls >= completes_at
+    return within
+
+
+def test_an_op_completed_when_the_abort_is_seen_counts_as_completed():
+    m = _Manager(aborted_after=1)
+    m._watch(_op(m, completes_at=2), None, lambda: m.parked.append("op"), "collective")
+    assert m.parked == [] and m.calls == 2
+
+
+def test_an_op_still_running_when_the_abort_is_seen_is_abandoned():
+    m = _Manager(aborted_after=1)
+    with pytest.raises(CollectiveFailure, match="aborted by peer"):
+        m._watch(_op(m, completes_at=10), None, lambda: m.parked.append("op"), "collective")
+    assert m.parked == ["op"] and m.calls == 2
