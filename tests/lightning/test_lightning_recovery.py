@@ -426,7 +426,6 @@ def test_kill_during_validation_metric_recomputed_over_survivors(tmp_path, refer
     assert "runs again over the 3 survivors" in job.output()
 
 
-@pytest.mark.chaos  # covered in CI by the rank-0, validation and checkpoint kills (tests/README.md)
 def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
     """Worker 0 (rank 0: it writes the checkpoints and the logs) is SIGKILLed in the window
     between epoch 0's last training step and epoch 1's first: while ``on_train_epoch_end``
@@ -446,7 +445,6 @@ def test_kill_between_epochs_in_train_epoch_end(tmp_path, reference):
         f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", f"epoch=1-step={EPOCHS * STEPS_PER_EPOCH}.ckpt"]
 
 
-@pytest.mark.chaos  # fixed, out of the default run for its time: tests/README.md
 def test_a_sigterm_leaves_at_a_step_boundary_announced(tmp_path, reference):
     """Worker 2 gets SIGTERM (a preemption notice) from outside mid-epoch.  Lightning's own
     handler would end its ``fit`` at the next batch end, found by its peers as a crash a
@@ -497,7 +495,7 @@ def test_a_stop_and_a_best_decided_apart_after_a_kill_are_agreed_on_the_next_com
 
 
 @pytest.mark.parametrize("how,victim", [
-    ("srun", 2), pytest.param("python", 0, marks=pytest.mark.chaos),
+    ("srun", 2), ("python", 0),
     pytest.param("python", 2, marks=pytest.mark.chaos), pytest.param("srun", 0, marks=pytest.mark.chaos)])
 def test_started_lightnings_own_way_survives_a_kill(tmp_path, reference, how, victim):
     """Issue 26: the script started as Lightning users start it -- ``python lit_train.py``
