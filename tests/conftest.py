@@ -37,6 +37,35 @@ def pytest_sessionstart(session) -> None:
             compileall.compile_dir(str(ROOT / pkg), quiet=1, workers=1)
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (the default run takes two files at a time), a test marked ``serial``
+    runs with no other test beside it: its timing must not meet a neighbour's load (a 3-member
+    etcd cluster that loses a member elects a new leader within the workers' 3 s quorum wait
+    on this machine, but not always beside another job).  Every test takes a shared lock, a
+    ``serial`` one the exclusive lock, through a turnstile so that a waiting ``serial`` test is
+    not starved; taken before pytest-timeout starts its clock (``tryfirst``)."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not uid:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    base = os.path.join(tempfile.gettempdir(), f"cft-pytest-{uid}")
+    alone = item.get_closest_marker("serial") is not None
+    with open(base + ".gate", "a+") as gate, open(base + ".lock", "a+") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(autouse=True)
 def _no_exec_of_the_test_process(monkeypatch):
     """The adapters turn ``python train.py`` into ``chameleon-ft run`` by exec (issue 26).  Done

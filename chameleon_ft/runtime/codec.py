@@ -6,11 +6,14 @@ a tree into a JSON-able skeleton and a list of tensors; ``decode`` puts it back 
 skeleton tags what JSON cannot say (tuples, dicts with non-string keys, tensor slots), so
 optimizer state keyed by parameter index and Adam's ``betas`` tuple survive exactly.
 
-Two uses:
+Three uses:
 
 * ``broadcast_tree`` sends a tree from one member of a generation's gloo group to all others:
   the JSON skeleton goes as a uint8 tensor and all tensors as *one* uint8 buffer (their raw
   bytes, so any dtype arrives bit for bit), in one broadcast when they are small.  Nothing received from a peer is unpickled.
+* ``send_tree`` / ``recv_tree`` send a tree point to point to the members that need it (a
+  recovery's state goes only to the members behind): the skeleton, then the tensors' bytes
+  from their own memory (small ones joined), each message with its own tag.
 * ``save_checkpoint`` / ``load_checkpoint`` write ``{"format", "meta", "tensors"}`` with
   ``torch.save`` and read it back with ``torch.load(weights_only=True)``; anything wrong with
   the file is reported as ``CheckpointError`` naming the path.
@@ -36,7 +39,7 @@ from chameleon_ft.runtime.errors import CheckpointError  # defined with the othe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["encode", "decode", "broadcast_tree", "save_checkpoint", "load_checkpoint",
+__all__ = ["encode", "decode", "broadcast_tree", "send_tree", "recv_tree", "save_checkpoint", "load_checkpoint",
            "CheckpointError", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "chameleon-ft/run-state/1"
@@ -99,17 +102,14 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-def _unpack(buf: torch.Tensor, specs: list[list]) -> list[torch.Tensor]:
+def _unpack(buf: torch.Tensor, specs: list[list], copy: bool = True) -> list[torch.Tensor]:
+    """The tensors ``specs`` describe, laid end to end in ``buf`` (copies, or with
+    ``copy=False`` views of ``buf``)."""
     out, at = [], 0
-    for dtype_name, shape in specs:
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype_name!r} in state")
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        out.append(buf[at:at + nbytes].clone().view(dtype).reshape(shape))
+    for spec in specs:
+        nbytes = _nbytes(spec)
+        part = buf[at:at + nbytes]
+        out.append((part.clone() if copy else part).view(getattr(torch, spec[0])).reshape(spec[1]))
         at += nbytes
     if at != buf.numel():
         raise ValueError(f"state buffer has {buf.numel()} bytes, specs describe {at}")
@@ -171,6 +171,87 @@ def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: in
         return tree
     meta = json.loads(bytes(meta_t.numpy()).decode())
     return decode(meta["tree"], _unpack(body, meta["specs"]))
+
+
+# Point-to-point state transfer (``send_tree`` / ``recv_tree``): message k of a transfer goes
+# with tag ``_TREE_TAG + k``, above every tag the executors use; tensors smaller than
+# ``_SMALL_BYTES`` travel together in one message, each larger one in a message of its own.
+_TREE_TAG = (1 << 31) - (1 << 16)
+_SMALL_BYTES = 64 * 1024
+
+
+def _nbytes(spec: list) -> int:
+    dtype_name, shape = spec
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype_name!r} in state")
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def _messages(specs: list[list]) -> list[list[int]]:
+    """The tensors' indices grouped into messages (both sides compute it from the specs):
+    consecutive small tensors together, a large one alone, empty ones in none."""
+    groups: list[list[int]] = []
+    small: list[int] = []
+    held = 0
+    for i, spec in enumerate(specs):
+        size = _nbytes(spec)
+        if not size:
+            continue
+        if size < _SMALL_BYTES:
+            small.append(i)
+            held += size
+            if held >= _SMALL_BYTES:
+                groups.append(small)
+                small, held = [], 0
+        else:
+            groups.append([i])
+    if small:
+        groups.append(small)
+    return groups
+
+
+def send_tree(send: Callable[[torch.Tensor, int, int], object], wait: Callable[[list], None],
+              tree: Any, dsts: list[int]) -> int:
+    """Send ``tree`` point to point to each rank in ``dsts`` (``recv_tree`` on each); returns
+    the bytes sent to one of them.  ``send(tensor, dst, tag)`` starts a send and ``wait(works)``
+    waits (``GroupManager.send`` / ``wait_p2p``: a dying peer raises ``CollectiveFailure``).
+    A large tensor is sent from its own memory (CPU tensors are not copied); only tensors
+    under 64 KiB are joined into shared messages: no whole-state buffer on the sender."""
+    skeleton, tensors = encode(tree)
+    specs = _specs(tensors)
+    blob = json.dumps({"tree": skeleton, "specs": specs}).encode()
+    msgs = [torch.tensor([len(blob)], dtype=torch.int64), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+    for group in _messages(specs):
+        parts = [tensors[i].reshape(-1).view(torch.uint8) for i in group]
+        msgs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    works = [send(m, dst, _TREE_TAG + k) for dst in dsts for k, m in enumerate(msgs)]
+    wait(works)
+    return sum(m.numel() * m.element_size() for m in msgs)
+
+
+def recv_tree(recv: Callable[[torch.Tensor, int, int], object], wait: Callable[[list], None], src: int) -> Any:
+    """Receive a tree that ``send_tree`` sends from rank ``src``."""
+    head = torch.zeros(1, dtype=torch.int64)
+    wait([recv(head, src, _TREE_TAG)])
+    meta_t = torch.empty(int(head[0]), dtype=torch.uint8)
+    wait([recv(meta_t, src, _TREE_TAG + 1)])
+    meta = json.loads(bytes(meta_t.numpy()).decode())
+    specs = meta["specs"]
+    groups = _messages(specs)
+    bufs = [torch.empty(sum(_nbytes(specs[i]) for i in g), dtype=torch.uint8) for g in groups]
+    wait([recv(b, src, _TREE_TAG + 2 + k) for k, b in enumerate(bufs)])
+    tensors: list[Optional[torch.Tensor]] = [None] * len(specs)
+    for g, buf in zip(groups, bufs):
+        for i, t in zip(g, _unpack(buf, [specs[i] for i in g], copy=len(g) > 1)):
+            tensors[i] = t
+    for i, spec in enumerate(specs):
+        if tensors[i] is None:  # empty: in no message
+            tensors[i] = _unpack(torch.empty(0, dtype=torch.uint8), [spec])[0]
+    return decode(meta["tree"], tensors)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike, keep_previous: bool = False,

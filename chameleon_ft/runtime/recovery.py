@@ -561,7 +561,7 @@ class RecoveryCore:
         behind = any(steps[i] < top or fresh[i] for i in range(n))
         was_behind = self.fresh or self.step < top
         self._is_source = r == source
-        payload = None
+        payload, state = None, None
         if self._is_source:
             t_engine = time.perf_counter()
             payload = self.source_payload(view, info)
@@ -569,13 +569,21 @@ class RecoveryCore:
                 self.log.deaths(payload.get("dead", []), info, payload["decisions"], worker_id=self.worker_id, step=self.step,
                                 claim=lambda w: self.membership is None or first_to_record(self.membership.store, w))
             payload["engine_s"] = time.perf_counter() - t_engine  # not agreement (_measure_agreement)
-            payload["state"] = self.state_dict() if behind else None
+            state = self.state_dict() if behind else None
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
             source, r, payload)
+        # The state goes only to the members behind, point to point from the source.
+        needers = [i for i in range(n) if i != source and (steps[i] < top or fresh[i])]
+        self._state_bytes, self._state_to = 0, [view.members[i] for i in needers]
+        if self._is_source and needers:
+            per = self._store_op(lambda: run_state.send_tree(
+                self.gm.send, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), state, needers))
+            self._state_bytes = per * len(needers)
+        elif r in needers:
+            self.load_state_dict(self._store_op(lambda: run_state.recv_tree(
+                self.gm.recv, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), source)))
         if not self._is_source:
-            if payload["state"] is not None and (self.fresh or self.step < top):
-                self.load_state_dict(payload["state"])
             self.sampler.load_state_dict(payload["sampler"])
         # The source too: every member takes straggler Decisions on its own, so the engine state
         # (hysteresis counters, cached predictions too) must be identical everywhere.
@@ -652,7 +660,8 @@ class RecoveryCore:
     def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
         dead = payload.get("dead", [])  # (their failure record: ``EventLog.deaths``, before the broadcast)
         self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
-                            token=view.token, step=self.step, state_sent=payload["state"] is not None)
+                            token=view.token, step=self.step, state_sent=bool(self._state_bytes),
+                            state_to=self._state_to, state_bytes=self._state_bytes)
         for d in payload["decisions"]:
             self.log.decision(d, step=self.step)
 

@@ -21,7 +21,7 @@ from elastic_job import Job, assert_exactly_once, assert_replicas_equal, max_rel
 from _helpers import netns  # noqa: E402
 from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.serial]
 
 EPOCHS = 6  # 48 steps
 PORT = 29511

@@ -38,6 +38,7 @@ def test_a_kinds_wrong_exit_codes_are_problems():
 
 
 @pytest.mark.chaos  # tests/README.md: the node-level faults' CI cover is in tests/cluster/
+@pytest.mark.serial
 @pytest.mark.timeout(400)
 def test_a_bounded_node_chaos_set_keeps_each_kinds_promise(tmp_path):
     """One seeded trial (``NODE_CHAOS_SEED``) of a fault that takes a whole node (its launcher,

@@ -1,6 +1,9 @@
 """``codec.broadcast_tree`` over a real gloo group of 3 processes: small trees travel inline in
 the first broadcast, a skeleton or tensors over ``INLINE_BYTES`` in broadcasts of their own;
-every member gets the root's tree, tensors bit for bit."""
+every member gets the root's tree, tensors bit for bit.  ``send_tree`` / ``recv_tree`` (a
+recovery's state, sent only to the members behind) from rank 1 to rank 2 alone: rank 2 gets the
+tree bit for bit -- many small tensors joined, large ones in messages of their own, empty ones,
+every dtype -- and the bytes sent are the tensors' bytes plus the skeleton, once."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from chameleon_ft.runtime.codec import INLINE_BYTES, encode
+from chameleon_ft.runtime.codec import INLINE_BYTES, encode, _SMALL_BYTES
 
 WORKER = Path(__file__).parent / "_workers" / "codec_worker.py"
 
@@ -27,6 +30,26 @@ def trees() -> list:
     ]
 
 
+def p2p_trees() -> list:
+    g = torch.Generator().manual_seed(11)
+    return [
+        {"model": {f"w{i}": torch.randn(7, generator=g) for i in range(300)},  # many small ones
+         "big": torch.randn(3 * _SMALL_BYTES // 4, generator=g), "empty": torch.zeros(0, 3),
+         "step": 5, "betas": (0.9, 0.999)},
+        {"h": torch.randn(5, generator=g).to(torch.bfloat16), "b": torch.tensor([True, False]),
+         "i": torch.arange(4, dtype=torch.int32), "one": torch.tensor(2.5, dtype=torch.float64)},
+        {"k": 1},
+    ]
+
+
+def _as_rows(tree_list) -> list:
+    out = []
+    for tree in tree_list:
+        skeleton, tensors = encode(tree)
+        out.append({"skeleton": skeleton, "tensors": [[str(t.dtype), t.float().tolist()] for t in tensors]})
+    return json.loads(json.dumps(out))  # as the workers' JSON reads back
+
+
 def test_every_member_gets_the_roots_tree_inline_or_not(tmp_path):
     init = f"file://{tmp_path / 'rendezvous'}"  # no port to race for with other jobs
     outs = [tmp_path / f"{r}.json" for r in range(3)]
@@ -39,10 +62,12 @@ def test_every_member_gets_the_roots_tree_inline_or_not(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), logs
-    want = []
-    for tree in trees():
-        skeleton, tensors = encode(tree)
-        want.append({"skeleton": skeleton, "tensors": [[str(t.dtype), t.tolist()] for t in tensors]})
-    want = json.loads(json.dumps(want))  # as the workers' JSON reads back
+    got = [json.loads(o.read_text()) for o in outs]
     for r in range(3):
-        assert json.loads(outs[r].read_text()) == want, r
+        assert got[r]["broadcast"] == _as_rows(trees()), r
+    # Point to point: only rank 2 received, bit for bit (bfloat16 and bool compared as floats).
+    assert got[2]["p2p"] == _as_rows(p2p_trees()) and got[0]["p2p"] == [] and got[1]["p2p"] == []
+    for tree, sent in zip(p2p_trees(), got[1]["sent"]):
+        skeleton, tensors = encode(tree)
+        data = sum(t.numel() * t.element_size() for t in tensors)
+        assert data <= sent <= data + 8 + len(json.dumps(skeleton)) + 64 * len(tensors) + 64, (sent, data)
