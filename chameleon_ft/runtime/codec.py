@@ -226,8 +226,8 @@ def send_tree(send: Callable[[torch.Tensor, int, int], object], wait: Callable[[
     blob = json.dumps({"tree": skeleton, "specs": specs}).encode()
     msgs = [torch.tensor([len(blob)], dtype=torch.int64), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
     for group in _messages(specs):
-        parts = [tensors[i].reshape(-1).view(torch.uint8) for i in group]
-        msgs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        msgs.append(tensors[group[0]].reshape(-1).view(torch.uint8) if len(group) == 1
+                    else _pack([tensors[i] for i in group]))
     works = [send(m, dst, _TREE_TAG + k) for dst in dsts for k, m in enumerate(msgs)]
     wait(works)
     return sum(m.numel() * m.element_size() for m in msgs)

@@ -70,6 +70,7 @@ from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
 from chameleon_ft.runtime.presence import (PRESENCE_KEY, PRESENCE_NODE_ENV, PresenceClient,  # noqa: E402
                                            presence_node_key)
 from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
+from chameleon_ft.runtime.waits import poller  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -350,15 +351,13 @@ class Membership:
         (``leave``: it does so only after its own side of the commit that announced it
         succeeded); the ones that did not, by then.  Its peers call this before they end the
         generation, so that ending it cannot fail the leaver's last collective."""
-        pending = tuple(workers)
-        deadline, pause = time.monotonic() + timeout_s, 0.002
-        while pending:
-            pending = tuple(sorted(set(pending) - set(self._reported_dead(pending))))
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-        return pending
+        pending = set(workers)
+
+        def marked() -> bool:
+            pending.difference_update(self._reported_dead(tuple(pending)))
+            return not pending
+        poller(marked, 0.05)(timeout_s)
+        return tuple(sorted(pending))
 
     def close(self) -> None:
         """Stop heartbeating; the Lighthouse drops this worker after its heartbeat timeout."""

@@ -7,11 +7,11 @@ over the generation's group -- the gradients (data parallel: in buckets during b
 ``executors/buckets.py``) and a small tail (loss, tokens, per-member timings) -- then the optimizer
 step and ``sampler.commit()``. Gloo may let some members finish a reduction in which a peer died
 while others fail, so after every reconfiguration the members all-reduce their committed steps
-(``_sync``); the lowest-ranked member at the maximum (the *source*) broadcasts the run state, the
-engine state and its Decisions to every member that is behind or new. A step nobody finished is
-redone with the new allocation, one somebody finished adopted by everyone: no half steps, bitwise-
-equal replicas, each global batch's samples consumed once (the sampler's cursor moves only on
-commit). Every loop ends its steps through ``run_step``.
+(``_sync``); the lowest-ranked member at the maximum (the *source*) broadcasts the engine state
+and its Decisions, and sends the run state point to point to every member that is behind or
+new.  A step nobody finished is redone with the new allocation, one somebody finished adopted
+by everyone: no half steps, bitwise-equal replicas, each global batch's samples consumed once
+(the sampler's cursor moves only on commit). Every loop ends its steps through ``run_step``.
 
 **Decisions.** On a membership change the source asks the engine (``engine_bridge.py``); on a
 straggler every member asks it from the same reduced timings. ``restart`` makes the worker exit with
@@ -348,10 +348,11 @@ class RecoveryCore:
                             f"({self.notice.reason}: preempted); its peers carry on")
         # The leavers mark themselves gone only after their own side of this commit succeeded;
         # ending the generation before that could fail it and bring them back for a second leave.
-        late = self._store_op(lambda: self.membership.await_left(leavers, min(self.hang_timeout_s, _LEAVE_MARK_S)))
+        wait_s = min(self.hang_timeout_s, _LEAVE_MARK_S)
+        late = self._store_op(lambda: self.membership.await_left(leavers, wait_s))
         if late:
-            log.warning("worker(s) %s announced their leave but did not mark it within %.0f s: their side of "
-                        "the commit may have failed (they come back, then leave again)", list(late), _LEAVE_MARK_S)
+            log.warning("worker(s) %s announced their leave but did not mark it within %.1f s: their side of "
+                        "the commit may have failed (they come back, then leave again)", list(late), wait_s)
         failure = CollectiveFailure(f"worker(s) {list(leavers)} announced their leave (a preemption notice)",
                                     kind="leave", token=self.view.token, generation=self.view.generation,
                                     suspects=leavers, reporter=self.worker_id)
@@ -558,7 +559,7 @@ class RecoveryCore:
             raise NothingToHeal(f"replacement worker {self.worker_id} found no peer with state "
                                 "to heal from (the job finished or all its workers are gone)")
         source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
-        behind = any(steps[i] < top or fresh[i] for i in range(n))
+        needers = [i for i in range(n) if i != source and (steps[i] < top or fresh[i])]  # get the state
         was_behind = self.fresh or self.step < top
         self._is_source = r == source
         payload, state = None, None
@@ -569,17 +570,15 @@ class RecoveryCore:
                 self.log.deaths(payload.get("dead", []), info, payload["decisions"], worker_id=self.worker_id, step=self.step,
                                 claim=lambda w: self.membership is None or first_to_record(self.membership.store, w))
             payload["engine_s"] = time.perf_counter() - t_engine  # not agreement (_measure_agreement)
-            state = self.state_dict() if behind else None
+            state = self.state_dict() if needers else None
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
             source, r, payload)
         # The state goes only to the members behind, point to point from the source.
-        needers = [i for i in range(n) if i != source and (steps[i] < top or fresh[i])]
-        self._state_bytes, self._state_to = 0, [view.members[i] for i in needers]
+        state_bytes = 0
         if self._is_source and needers:
-            per = self._store_op(lambda: run_state.send_tree(
+            state_bytes = len(needers) * self._store_op(lambda: run_state.send_tree(
                 self.gm.send, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), state, needers))
-            self._state_bytes = per * len(needers)
         elif r in needers:
             self.load_state_dict(self._store_op(lambda: run_state.recv_tree(
                 self.gm.recv, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), source)))
@@ -594,7 +593,7 @@ class RecoveryCore:
         self.fresh = False
         self.last_decisions, self._engine_s = list(payload["decisions"]), float(payload.get("engine_s", 0.0))
         if self._is_source and self.log:
-            self._log_reconfiguration(view, info, payload)
+            self._log_reconfiguration(view, info, payload, [view.members[i] for i in needers], state_bytes)
         if payload["restart"]:
             raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         self.carry_out(payload, top, n, r)
@@ -657,11 +656,12 @@ class RecoveryCore:
             self.scheduler.base_lrs = [b * factor for b in self.scheduler.base_lrs]
         self.lr_scale = self.policy.lr_scale
 
-    def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict) -> None:
+    def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict,
+                             state_to: list[int], state_bytes: int) -> None:
         dead = payload.get("dead", [])  # (their failure record: ``EventLog.deaths``, before the broadcast)
         self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
-                            token=view.token, step=self.step, state_sent=bool(self._state_bytes),
-                            state_to=self._state_to, state_bytes=self._state_bytes)
+                            token=view.token, step=self.step, state_sent=bool(state_bytes),
+                            state_to=state_to, state_bytes=state_bytes)
         for d in payload["decisions"]:
             self.log.decision(d, step=self.step)
 

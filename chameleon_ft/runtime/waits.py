@@ -8,7 +8,7 @@ every ``abort_poll_s``:
 * a gloo collective: the op's own ``wait`` with a timeout of ``abort_poll_s`` (it releases the
   GIL and wakes the moment the op completes, as DDP's wait does; a wait that times out leaves
   the op running and is simply waited again): no polling latency, no CPU spent waiting;
-* polling (``_poller``): ``work.is_completed()`` with sleeps of 0.1-1 ms -- the only way for an
+* polling (``poller``): ``work.is_completed()`` with sleeps of 0.1-1 ms -- the only way for an
   NCCL op, whose ``wait()`` only makes the current CUDA stream wait;
 * ``_await`` (point-to-point): a helper thread blocks in the ops' ``wait()``; gloo's
   point-to-point ``Work`` never reports ``is_completed()`` (measured on torch 2.13).  An
@@ -25,10 +25,10 @@ from typing import Callable, Optional
 
 from chameleon_ft.runtime.errors import MembershipError
 
-__all__ = ["Waits"]
+__all__ = ["Waits", "poller"]
 
 
-def _poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:
+def poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:
     """``within(seconds)``: poll ``done()`` for up to ``seconds``, sleeping 0.1 ms, then twice as
     long each time up to ``cap`` (the schedule carries over between calls: short ops finish
     within a few polls); True once done."""
@@ -62,7 +62,7 @@ class Waits:
         pg = self.group()
         abandon = abandon or (lambda: self._park(pg, work))
         if poll:
-            self._watch(_poller(work.is_completed, 0.001), timeout_s, abandon, "collective")
+            self._watch(poller(work.is_completed, 0.001), timeout_s, abandon, "collective")
             try:  # Not work.result(): deprecated in torch 2.13 (a warning per op).
                 work.wait()
             except Exception as exc:
@@ -129,9 +129,9 @@ class Waits:
                 abandon()
                 raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
             record = self.abort_record()
-            if record is not None and within(self.abort_poll_s):
-                return  # completed meanwhile: a completed op is not undone by a later abort
             if record is not None:
+                if within(self.abort_poll_s):
+                    return  # completed meanwhile: a completed op is not undone by a later abort
                 abandon()
                 raise self._failure("generation aborted by peer", "aborted", record)
 

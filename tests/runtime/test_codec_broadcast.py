@@ -42,12 +42,14 @@ def p2p_trees() -> list:
     ]
 
 
-def _as_rows(tree_list) -> list:
+def as_rows(tree_list) -> list:
+    """Trees as ``codec.encode``'s skeleton plus the tensors' values, as JSON reads
+    them back (the workers write these; the test compares)."""
     out = []
     for tree in tree_list:
         skeleton, tensors = encode(tree)
-        out.append({"skeleton": skeleton, "tensors": [[str(t.dtype), t.float().tolist()] for t in tensors]})
-    return json.loads(json.dumps(out))  # as the workers' JSON reads back
+        out.append({"skeleton": skeleton, "tensors": [[str(t.dtype), t.tolist()] for t in tensors]})
+    return json.loads(json.dumps(out))
 
 
 def test_every_member_gets_the_roots_tree_inline_or_not(tmp_path):
@@ -64,9 +66,9 @@ def test_every_member_gets_the_roots_tree_inline_or_not(tmp_path):
     assert all(p.returncode == 0 for p in procs), logs
     got = [json.loads(o.read_text()) for o in outs]
     for r in range(3):
-        assert got[r]["broadcast"] == _as_rows(trees()), r
-    # Point to point: only rank 2 received, bit for bit (bfloat16 and bool compared as floats).
-    assert got[2]["p2p"] == _as_rows(p2p_trees()) and got[0]["p2p"] == [] and got[1]["p2p"] == []
+        assert got[r]["broadcast"] == as_rows(trees()), r
+    # Point to point: only rank 2 received, bit for bit.
+    assert got[2]["p2p"] == as_rows(p2p_trees()) and got[0]["p2p"] == [] and got[1]["p2p"] == []
     for tree, sent in zip(p2p_trees(), got[1]["sent"]):
         skeleton, tensors = encode(tree)
         data = sum(t.numel() * t.element_size() for t in tensors)

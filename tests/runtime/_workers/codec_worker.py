@@ -8,10 +8,10 @@ import sys
 
 import torch.distributed as dist
 
-from chameleon_ft.runtime.codec import broadcast_tree, encode, recv_tree, send_tree
+from chameleon_ft.runtime.codec import broadcast_tree, recv_tree, send_tree
 
 sys.path.insert(0, sys.argv[4])
-from test_codec_broadcast import p2p_trees, trees  # noqa: E402
+from test_codec_broadcast import as_rows, p2p_trees, trees  # noqa: E402
 
 rank, world, init, _, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -30,13 +30,5 @@ try:
     dist.barrier()
 finally:
     dist.destroy_process_group()
-def rows(got):
-    out = []
-    for tree in got:
-        skeleton, tensors = encode(tree)
-        out.append({"skeleton": skeleton, "tensors": [[str(t.dtype), t.float().tolist()] for t in tensors]})
-    return out
-
-
 with open(out, "w") as f:
-    json.dump({"broadcast": rows(got), "p2p": rows(p2p), "sent": sent}, f)
+    json.dump({"broadcast": as_rows(got), "p2p": as_rows(p2p), "sent": sent}, f)
