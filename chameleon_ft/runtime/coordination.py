@@ -29,7 +29,7 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatorServer", "abort_key", "read_latest", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
            "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced", "connect_store", "presence_ended"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
@@ -77,6 +77,18 @@ def _incarnation_key(worker_id: int) -> str:
 
 def _dead_key(worker_id: int) -> str:
     return f"cft/dead/{worker_id}"
+
+
+def dead_workers(store) -> set[str]:
+    """The workers whose current incarnation a launcher (or a presence connection's end)
+    reported dead (``report_dead``), read with two range requests of an ``EtcdStore``: what the
+    quorum over etcd does instead of the Lighthouse's stand-in requests
+    (``stand_in_for_the_dead``)."""
+    marks = store.read_prefix("cft/dead/")
+    if not marks:
+        return set()
+    incarnations = store.read_prefix("cft/incarnation/")
+    return {w for w, v in marks.items() if int(v or b"0") >= int(incarnations.get(w) or b"0")}
 
 
 def first_to_record(store: dist.Store, worker_id: int) -> bool:
@@ -231,11 +243,19 @@ def stand_in_for_the_dead(lighthouse_addr: str, worker_id: int, timeout_s: float
     return t
 
 
+def read_value(store: dist.Store, key: str) -> Optional[bytes]:
+    """``key``'s value, or None when it is absent: one request where the store can (etcd's
+    ``get_or_none``), else ``check`` then ``get``."""
+    get_or_none = getattr(store, "get_or_none", None)
+    if get_or_none is not None:
+        return get_or_none(key)
+    return store.get(key) if store.check([key]) else None
+
+
 def read_latest(store: dist.Store) -> Optional[dict]:
     """The newest generation published in ``store``: generation, members, token (or None)."""
-    if not store.check([_LATEST_KEY]):
-        return None
-    return json.loads(store.get(_LATEST_KEY).decode())
+    raw = read_value(store, _LATEST_KEY)
+    return None if raw is None else json.loads(raw.decode())
 
 
 def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited") -> None:

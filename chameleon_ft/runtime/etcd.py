@@ -50,13 +50,15 @@ import functools
 import http.client
 import json
 import os
+import select
+import socket
 import ssl
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -168,6 +170,17 @@ def _prefix_end(key: bytes) -> bytes:
 # one request timeout, not one per thread or store clone.
 SUSPECT_S = 10.0
 _suspect: dict[str, float] = {}
+# A member's host must take a TCP connection within CONNECT_S (its kernel answers, whatever
+# etcd's own load); a request not answered within PROBE_AFTER_S makes the client try such a
+# connection once: a member cut off by a partition is left after about PROBE_AFTER_S +
+# CONNECT_S, not after the whole request timeout, while a member that is only slow (a leader
+# election, a loaded machine) is waited for.
+CONNECT_S = 0.15
+PROBE_AFTER_S = 0.2
+# When each member last answered a request of this process: a new connection goes to the member
+# that answered last (another thread's connection vouches for it) rather than to one whose state
+# nobody here has seen lately.
+_answered: dict[str, float] = {}
 
 
 def _trusted(endpoint: str) -> bool:
@@ -214,7 +227,10 @@ class EtcdClient:
             if auth and self._token:
                 headers["Authorization"] = self._token
             try:
+                if conn.sock is None:
+                    self._connect(conn)
                 conn.request("POST", path, data, headers)
+                self._await_answer(conn)
                 resp = conn.getresponse()
                 raw = resp.read()
             except (OSError, http.client.HTTPException) as exc:
@@ -232,6 +248,7 @@ class EtcdClient:
                 last = EtcdError(f"etcd {self._endpoint()}: {path}: {msg}")
                 self._drop(suspect=True)  # no leader, or a member going down: try another
                 continue
+            _answered[self._endpoint()] = time.monotonic()
             return out.get("result", out)
         # Every member refused the handshake (our certificate, or theirs, rejected: a member
         # going down refuses the connection instead).
@@ -270,6 +287,38 @@ class EtcdClient:
             return http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout_s, context=self._ssl)
         return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
 
+    def _connect(self, conn: http.client.HTTPConnection) -> None:
+        """Open ``conn``'s socket: the TCP connection within ``CONNECT_S``, then the TLS
+        handshake and every request within its timeout."""
+        sock = socket.create_connection((conn.host, conn.port), min(CONNECT_S, conn.timeout))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(conn.timeout)
+        if self._ssl is not None:
+            sock = self._ssl.wrap_socket(sock, server_hostname=conn.host)
+        conn.sock = sock
+
+    def _await_answer(self, conn: http.client.HTTPConnection) -> None:
+        """Return once the answer to the request just sent starts to arrive; raise
+        ``TimeoutError`` after the request timeout, or ``ConnectionError`` as soon as the member's
+        host no longer takes a connection (probed once, after ``PROBE_AFTER_S``)."""
+        sock = conn.sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return
+        deadline = time.monotonic() + self.timeout_s
+        probed = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer within {self.timeout_s:.1f} s")
+            if select.select([sock], [], [], left if probed else min(PROBE_AFTER_S, left))[0]:
+                return
+            if not probed:
+                probed = True
+                try:
+                    socket.create_connection((conn.host, conn.port), CONNECT_S).close()
+                except OSError as exc:
+                    raise ConnectionError(f"no answer, and {conn.host}:{conn.port} takes no connection: {exc}") from exc
+
     def _endpoint(self) -> str:
         return self.endpoints[getattr(self._local, "i", 0) % len(self.endpoints)]
 
@@ -290,9 +339,13 @@ class EtcdClient:
         return c
 
     def _a_trusted_one(self, start: int) -> Optional[int]:
-        """The first index from ``start`` (round) whose member is trusted; None if none is."""
+        """The index (from ``start``, round) of the trusted member that answered this process
+        last, or else the first trusted one; None if none is trusted."""
         n = len(self.endpoints)
-        return next((start + k for k in range(n) if _trusted(self.endpoints[(start + k) % n])), None)
+        trusted = [start + k for k in range(n) if _trusted(self.endpoints[(start + k) % n])]
+        if not trusted:
+            return None
+        return max(trusted, key=lambda i: _answered.get(self.endpoints[i % n], 0.0))
 
     def _drop(self, suspect: bool = False) -> None:
         c = getattr(self._local, "conn", None)
@@ -344,6 +397,7 @@ class EtcdClient:
         for ep in self.endpoints:
             try:
                 c = self._open(ep, 0.5)
+                self._connect(c)
                 c.request("POST", "/v3/maintenance/status", "{}", {"Content-Type": "application/json"})
                 ok = c.getresponse().status == 200
                 c.close()
@@ -398,6 +452,11 @@ class EtcdStore(dist.Store):
         if got is None:
             raise dist.DistStoreError(f"key {key!r} not in the store after {self._timeout}")
         return got
+
+    def get_or_none(self, key) -> Optional[bytes]:
+        """``key``'s value, or None at once when it is absent (one request)."""
+        got = self.client.get(self._k(key))
+        return None if got is None else got[0]
 
     def _wait_get(self, key, timeout_s: float) -> Optional[bytes]:
         deadline = time.monotonic() + timeout_s
@@ -470,6 +529,11 @@ class EtcdStore(dist.Store):
                 got.update({k: found[self._k(k)] for k in ks if self._k(k) in found})
         return [got[k] if k in got else self.get(k) for k in keys]
 
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` (one range request), by the rest of its name."""
+        base = self._k(prefix)
+        return {k[len(base):].decode(): v for k, v in self.client.range_prefix(base).items()}
+
     def multi_set(self, keys, values) -> None:
         for k, v in zip(keys, values):
             self.set(k, v)
@@ -481,6 +545,17 @@ class EtcdStore(dist.Store):
         return len(self.client.range_prefix(self.prefix))
 
 
+def _suspects(asks) -> frozenset:
+    """The worker ids the askers' requests (JSON ``{"suspects": [...]}``) name."""
+    out = set()
+    for raw in asks:
+        try:
+            out.update(str(int(w)) for w in json.loads(raw or b"{}").get("suspects", ()))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return frozenset(out)
+
+
 def _member(replica_id: str) -> SimpleNamespace:
     return SimpleNamespace(replica_id=replica_id)
 
@@ -490,8 +565,9 @@ class EtcdQuorum:
     asks, like ``LighthouseClient``."""
 
     def __init__(self, store: EtcdStore, *, join_timeout_s: float = 0.05, heartbeat_timeout_s: float = 1.0,
-                 poll_s: float = 0.01):
+                 poll_s: float = 0.01, gone: Optional[Callable[[], set]] = None):
         self.store = store
+        self._gone = gone or set  # worker ids known dead (their launcher saw them exit)
         self.client = store.client
         self.join_timeout_s = join_timeout_s
         self.ttl = max(1, int(round(heartbeat_timeout_s)))
@@ -538,10 +614,11 @@ class EtcdQuorum:
                         return self._as_quorum(r, q)
                     r += 1  # decided without us: the next round
                     break
-                askers = {k.rsplit(b"/", 1)[1].decode() for k in self.client.range_prefix(self._k("ask", r, ""))}
+                asked = {k.rsplit(b"/", 1)[1].decode(): v for k, v in self.client.range_prefix(self._k("ask", r, "")).items()}
+                askers = set(asked)
                 now = time.monotonic()
                 first_seen = first_seen or now
-                if self._ready(r, askers, now - first_seen):
+                if self._ready(r, askers, now - first_seen, _suspects(asked.values())):
                     created = time.time()
                     q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
                     self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)
@@ -556,14 +633,19 @@ class EtcdQuorum:
         rounds = [int(k[len(base):]) for k in self.client.range_prefix(base)]
         return max(rounds, default=0) + 1
 
-    def _ready(self, r: int, askers: set[str], waited_s: float) -> bool:
-        """The Lighthouse's rules for deciding round ``r`` now."""
+    def _ready(self, r: int, askers: set[str], waited_s: float, suspects: frozenset = frozenset()) -> bool:
+        """The Lighthouse's rules for deciding round ``r`` now.  A worker an asker names as a
+        suspect (silent, or gone, in the generation that failed) or one reported dead
+        (``gone``) does not count as alive while its lease lasts -- etcd extends every lease when
+        its leader changes, so a partitioned worker's can outlive the partition's detection by
+        a second -- so the survivors agree as soon as all of them asked, as the Lighthouse's
+        stand-in requests make it do."""
         if not askers:
             return False
         prev = self.client.get(self._k("decided", r - 1)) if r > 1 else None
         if prev is not None and set(json.loads(prev[0])["members"]) <= askers:
             return True  # every member of the previous quorum asked again
-        alive = self.alive() | askers
+        alive = (self.alive() - suspects - self._gone()) | askers
         if askers >= alive:
             return True
         return waited_s >= self.join_timeout_s and len(askers) > len(alive) / 2

@@ -62,7 +62,7 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
-    _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, read_latest, read_stop, report_dead,
+    _dead_key, _incarnation_key, _stood_in, abort_key, dead_workers, read_value, connect_store, read_latest, read_stop, report_dead,
     TOKEN_ENV, stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
@@ -146,7 +146,8 @@ class Membership:
             if is_etcd(store_addr):  # the quorum over etcd (lighthouse_addr: "etcd?join_ms=N")
                 join_ms = float(lighthouse_addr.partition("join_ms=")[2] or 50)
                 self._client = EtcdQuorum(self.store, join_timeout_s=join_ms / 1000.0,
-                                          heartbeat_timeout_s=heartbeat_timeout_s or 1.0)
+                                          heartbeat_timeout_s=heartbeat_timeout_s or 1.0,
+                                          gone=lambda: dead_workers(self.store))
             else:
                 self._client = LighthouseClient(lighthouse_addr, timedelta(seconds=connect_timeout_s))
         except Exception as exc:
@@ -205,10 +206,14 @@ class Membership:
         self._hb_thread.start()
         self.store.add(beat_key(self.worker_id), 0)  # the counters the judge reads exist
         self.store.compare_set(LIVENESS_KEY, "", "{}")  # before any generation names this worker
+        # After an outage of its own a worker judges nobody for the heartbeat timeout: longer than
+        # a peer's liveness request can stay blocked once the store answers again (its client
+        # gives up after half the heartbeat timeout, or leaves a member whose host takes no
+        # connection sooner; a TCPStore client after 1 s).
         self._monitor = LivenessMonitor(
             self.worker_id, lambda: connect_store(self.store_addr, min(1.0, self.connect_timeout_s),
                                                   request_timeout_s=(self.heartbeat_timeout_s or 4.0) / 2),
-            timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
+            timeout_s=self.heartbeat_timeout_s, grace_s=max(1.0, self.heartbeat_timeout_s or STORE_REQUEST_TIMEOUT_S),
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
             answered=self.watcher.answered, judge=self.watch_aborts)
         self._monitor.start()
@@ -421,7 +426,7 @@ class Membership:
             latest = self._latest()
             view = self._missed_quorum(previous_token, latest)
             if view is None:
-                self._request_admission(previous_token)
+                self._request_admission(previous_token, latest)
                 self.watcher.answered()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -432,7 +437,7 @@ class Membership:
                     quorum = self._client.quorum(
                         replica_id=str(self.worker_id),
                         timeout=timedelta(seconds=min(remaining, self.retry_s)),
-                        data={"worker_id": self.worker_id})
+                        data={"worker_id": self.worker_id, "suspects": self._suspects(previous_token)})
                 except Exception as exc:  # timeout, or the coordinator is gone
                     if self._stop.is_set():
                         raise MembershipError("membership closed") from exc
@@ -507,6 +512,12 @@ class Membership:
                               rank=members.index(self.worker_id), world_size=len(members),
                               token=token)
 
+    def _suspects(self, token: Optional[str]) -> list[int]:
+        """Who the report that ended generation ``token`` suspects (the quorum over etcd does
+        not wait for them although their leases may outlast the report: ``EtcdQuorum``)."""
+        record = self._json_key(abort_key(token)) if token else None
+        return [int(w) for w in (record or {}).get("suspects", ())]
+
     def _reported_dead(self, members) -> tuple[int, ...]:
         dead = []
         for w in members:
@@ -526,18 +537,19 @@ class Membership:
 
     def _json_key(self, key: str) -> Optional[dict]:
         """The JSON object the store holds at ``key``, or None (absent or unreadable)."""
-        if not self.store.check([key]):
+        raw = read_value(self.store, key)
+        if raw is None:
             return None
         try:
-            return json.loads(self.store.get(key).decode())
+            return json.loads(raw.decode())
         except (ValueError, UnicodeDecodeError):
             return None
 
-    def _request_admission(self, previous_token: Optional[str]) -> None:
+    def _request_admission(self, previous_token: Optional[str], latest: Optional[dict]) -> None:
         """If a generation is running without us, end it so its members come and admit us.
         Asked again soon after our last admission, first wait, longer each time, unless the
-        generation ends meanwhile (``ADMISSION_BACKOFF_S``; why: docs/runtime-membership.md)."""
-        latest = self._latest()
+        generation ends meanwhile (``ADMISSION_BACKOFF_S``; why: docs/runtime-membership.md).
+        ``latest``: the published generation, as the caller just read it."""
         if latest is None or latest.get("token") == previous_token:
             return
         now = time.monotonic()

@@ -39,7 +39,7 @@ def test_drawn_trials_cover_the_dimensions():
     assert {t.setup.optimizer for t in drawn} == {"sgd", "adamw"}
     assert {(t.force or "none").split(":")[0] for t in drawn} == {"none", "zero", "uneven"}
     assert any(t.straggler is not None for t in drawn)
-    assert not any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
+    assert any(t.straggler is not None for t in drawn if t.setup.framework == "lightning")
     # The executors and the Trainer: their scripts' fixed data, every fault kind they can meet.
     others = [trials.draw(rng, i, trials.draw_setup(rng, fw), trials.KINDS) for i in range(300)
               for fw in ("pipeline", "sharded", "trainer")]

@@ -79,10 +79,6 @@ WORKERS = 4
 EPOCHS = 2
 TOLERANCE = 1e-5  # relative distance of the final weights to the failure-free twin
 STRAGGLER_P = 0.25
-# Lightning with a straggler being flagged when the kill lands can hang in the next epoch (seen
-# on b79230b too: seed 70 of tests/fidelity/test_trials.py, trial 1); not fixed here, so the
-# draw leaves Lightning without stragglers unless --lightning-stragglers (docs/reliability.md).
-LIGHTNING_STRAGGLERS = False
 PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_boundary")
 # Fault kinds (``--kinds``): what the victim meets at the drawn step, and what the trial expects.
 #   kill   SIGKILL (outside, or the injector's at a phase): lost; the survivors end on the twin
@@ -281,8 +277,6 @@ def _draw_kill(rng: random.Random, index: int, setup: Setup) -> Trial:
         # 0-2), so the recovery lands between two of its scores.
         straggler = rng.choice([w for w in range(WORKERS) if w != victim])
         step = rng.randint(1, 2)
-        if setup.framework == "lightning" and not LIGHTNING_STRAGGLERS:
-            straggler = None  # known hang, see LIGHTNING_STRAGGLERS (the draw stays the same)
         if setup.framework not in DATA_PARALLEL:
             straggler = None  # stragglers are the data-parallel trials' dimension
     phase = rng.choice(PHASES)
@@ -624,8 +618,6 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lightning-stragglers", action="store_true",
-                   help="also draw stragglers for Lightning (a known hang, docs/reliability.md)")
     p.add_argument("--setups", type=int, default=3, help="set-ups per framework (twins are shared)")
     p.add_argument("--out", default=None, help="keep run directories and trials.jsonl here")
     p.add_argument("--kinds", default="kill", help=f"fault kinds to draw from, of {','.join(KINDS)} (default kill)")
@@ -639,8 +631,6 @@ def main(argv=None) -> int:
     kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS):
         p.error(f"--kinds: choose among {list(KINDS)}")
-    global LIGHTNING_STRAGGLERS
-    LIGHTNING_STRAGGLERS = a.lightning_stragglers
     frameworks = [f.strip() for f in a.frameworks.split(",") if f.strip()]
     bad = set(frameworks) - set(FRAMEWORKS)
     if bad or not frameworks:

@@ -61,6 +61,7 @@ def _timed(fn) -> float:
 
 def test_a_silent_member_costs_one_timeout_per_process_then_is_passed_by(member, silent, monkeypatch):
     monkeypatch.setattr(etcd, "_suspect", {})
+    monkeypatch.setattr(etcd, "_answered", {})
     eps = [silent, member]
     first = EtcdStore(eps, "/cft/t1/", timeout=timedelta(seconds=5), request_timeout_s=0.5)
     assert 0.5 <= _timed(lambda: first.set("k", "v")) < 2.0  # met the silent member, then the other
@@ -73,9 +74,11 @@ def test_a_silent_member_costs_one_timeout_per_process_then_is_passed_by(member,
     for t in threads:
         t.join(10)
     assert len(took) == 6 and max(took) < 0.4, took
-    # Once the suspicion has expired the member is tried again (it may have come back).
+    # Once the suspicion has expired, and no member answered lately, the member is tried again
+    # (it may have come back).
     monkeypatch.setattr(etcd, "SUSPECT_S", 0.0)
     etcd._suspect[silent] = time.monotonic()
+    etcd._answered.clear()
     third = EtcdStore([silent, member], "/cft/t1/", timeout=timedelta(seconds=5), request_timeout_s=0.5)
     assert _timed(lambda: third.get("k")) >= 0.5
 
@@ -83,6 +86,7 @@ def test_a_silent_member_costs_one_timeout_per_process_then_is_passed_by(member,
 def test_a_thread_connected_to_a_member_another_thread_found_silent_moves_before_its_request(member, silent,
                                                                                               monkeypatch):
     monkeypatch.setattr(etcd, "_suspect", {})
+    monkeypatch.setattr(etcd, "_answered", {})
     client = EtcdClient([silent, member], 0.5)
     client._conn()  # this thread is connected to the silent member (the first endpoint)
     assert client._endpoint() == silent
@@ -102,6 +106,7 @@ def test_a_heartbeat_stuck_on_a_silent_member_moves_on_before_its_lease_runs_out
     from chameleon_ft.runtime.etcd import EtcdQuorum
 
     monkeypatch.setattr(etcd, "_suspect", {})
+    monkeypatch.setattr(etcd, "_answered", {})
     store = EtcdStore([member], "/cft/t3/", timeout=timedelta(seconds=5), request_timeout_s=2.0)
     q = EtcdQuorum(store, heartbeat_timeout_s=1.0)
     q.heartbeat("7")
@@ -111,3 +116,72 @@ def test_a_heartbeat_stuck_on_a_silent_member_moves_on_before_its_lease_runs_out
     took = _timed(lambda: q.heartbeat("7"))
     assert took < 0.6, took  # a third of the lease, then the member that answers
     assert "7" in q.alive()
+
+
+def test_a_member_whose_host_takes_no_connection_is_left_without_waiting_out_the_request(member, monkeypatch):
+    """A request the member does not answer makes the client try a new connection to it (after
+    ``PROBE_AFTER_S``): a member cut off by a partition (here: its listener gone after it took
+    the request's connection) is left at once for the next one, not after the request timeout,
+    and new connections of the process go to the member that answered last."""
+    monkeypatch.setattr(etcd, "_suspect", {})
+    monkeypatch.setattr(etcd, "_answered", {})
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    gone = f"127.0.0.1:{srv.getsockname()[1]}"
+    client = EtcdClient([gone, member], 2.0)
+    conn = client._conn()
+    client._connect(conn)  # the member takes this connection ...
+    held = srv.accept()[0]
+    srv.close()  # ... and then its host no more: what a partition looks like to a new connection
+    try:
+        took = _timed(lambda: client.put(b"/cft/t4/k", b"v"))
+        assert etcd.PROBE_AFTER_S <= took < etcd.PROBE_AFTER_S + 0.5, took
+        assert client._endpoint() == member and not etcd._trusted(gone)
+        # Another client of the process (a store clone) starts on the member that answered.
+        monkeypatch.setattr(etcd, "_suspect", {})
+        other = EtcdClient([gone, member], 2.0)
+        assert _timed(lambda: other.get(b"/cft/t4/k")) < 0.2
+        assert other._endpoint() == member
+    finally:
+        held.close()
+
+
+def test_the_quorum_over_etcd_does_not_wait_for_suspects_or_the_dead_while_their_leases_last(member, monkeypatch):
+    """Workers 3 and 4 still hold live liveness leases (etcd extends every lease when its leader
+    changes), but an asker names 3 as a suspect of the failed generation and 4's launcher
+    reported it dead: the survivors 1 and 2 agree as soon as both asked, not after the join
+    window (5 s here); with nobody named, two askers of four live workers never make a quorum."""
+    from chameleon_ft.runtime.coordination import dead_workers, report_dead
+    from chameleon_ft.runtime.etcd import EtcdQuorum
+
+    monkeypatch.setattr(etcd, "_suspect", {})
+
+    def agree(prefix: str, suspects: list, dead: tuple) -> tuple[dict, float]:
+        store = EtcdStore([member], prefix, timeout=timedelta(seconds=5))
+        for w in dead:
+            report_dead(store, w)
+        qs = {w: EtcdQuorum(store, join_timeout_s=5.0, heartbeat_timeout_s=5.0, gone=lambda: dead_workers(store))
+              for w in "1234"}  # (leases of 5 s: they outlast the test)
+        for w in "34":
+            qs[w].heartbeat(w)
+        got, t0 = {}, time.monotonic()
+
+        def ask(w):
+            try:
+                got[w] = qs[w].quorum(w, timedelta(seconds=1.5), {"worker_id": int(w), "suspects": suspects})
+            except TimeoutError as exc:
+                got[w] = exc
+        threads = [threading.Thread(target=ask, args=(w,)) for w in "12"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        return got, time.monotonic() - t0
+
+    got, took = agree("/cft/t5/", [3], (4,))
+    assert all(not isinstance(q, Exception) for q in got.values()), got
+    assert {tuple(p.replica_id for p in q.participants) for q in got.values()} == {("1", "2")}
+    assert took < 1.0, took
+    got, _ = agree("/cft/t6/", [], ())
+    assert all(isinstance(q, TimeoutError) for q in got.values()), got
