@@ -58,7 +58,7 @@ from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 NODES, NPROC = 3, 2
 WORKERS = NODES * NPROC
 KINDS = ("node_lost", "node_term", "partition", "etcd_lost")
-EPOCHS = {"partition": 24}  # long enough for a stopped node's launcher to be started again and join
+EPOCHS = {"partition": 48}  # long enough for a stopped node's launcher (with etcd: ~20 s) to be started again and join
 DEFAULT_EPOCHS = 6
 MB_SLEEP = {"partition": 0.05}
 DEFAULT_MB_SLEEP = 0.02
