@@ -99,8 +99,13 @@ class LocalJob:
         return {(e["worker"], e.get("replacement", 0)): e["pid"] for e in self.events()
                 if e["event"] == "run_start" and "worker" in e and "pid" in e}
 
-    def pid(self, wid: int) -> int:
-        """PID of the newest process in worker slot ``wid``."""
+    def pid(self, wid: int, timeout: float = 30.0) -> int:
+        """PID of the newest process in worker slot ``wid``, waiting up to ``timeout`` for a
+        worker that has not joined yet (on a loaded machine one worker can start so late that
+        the others form a generation and train without it first)."""
+        def started(evs) -> bool:
+            return any(e["event"] == "run_start" and e.get("worker") == wid and "pid" in e for e in evs)
+        self.wait_for(started, timeout, f"worker {wid} to start")
         return max((r, pid) for (w, r), pid in self.worker_pids().items() if w == wid)[1]
 
     def wait_for(self, pred: Callable[[list[dict]], bool], timeout: float, what: str) -> list[dict]:
