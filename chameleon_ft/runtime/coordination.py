@@ -29,8 +29,9 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job", "read_stop", "stand_in_for_the_dead",
-           "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced", "connect_store", "presence_ended"]
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job",
+           "read_stop", "stand_in_for_the_dead", "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced",
+           "connect_store", "presence_ended"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
 AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token

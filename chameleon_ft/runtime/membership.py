@@ -62,8 +62,8 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
-    _dead_key, _incarnation_key, _stood_in, abort_key, dead_workers, read_value, connect_store, read_latest, read_stop, report_dead,
-    TOKEN_ENV, stand_in_for_the_dead, stop_job)
+    _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, dead_workers, read_latest, read_stop,
+    read_value, report_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
 from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
