@@ -6,11 +6,7 @@ generation -- reads every member's counter in one request (``multi_get``) ten ti
 reports the ones that stopped moving, and publishes how long each quiet member has been quiet
 as one key; every other member reads three keys in one request: the judge's counter, its own
 and that record.  So the store serves O(N) requests a second for N workers (each worker a
-constant rate), not N², and a judge that goes silent is reported by everyone.  While the
-judge's counter stands still, every member reads every counter (one request, N keys, for as
-long as the judge is quiet): when the judge's node is lost or cut off with other members, the
-survivors know how long those have been quiet too, and act on the next quorum without first
-watching them for a whole timeout (``await_the_missing``).  Only durations
+constant rate), not N², and a judge that goes silent is reported by everyone.  Only durations
 are compared: the record carries seconds measured on the judge's clock, translated onto the
 reader's own (``last_moved``), never a timestamp across machines."""
 
@@ -38,8 +34,8 @@ class Liveness:
 
     def __init__(self, worker_id: int, timeout_s: Optional[float], *, grace_s: float, every_s: float = 0.1):
         self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
-        # After an outage: a peer's liveness request may still be blocked this long (what the
-        # membership passes: the heartbeat timeout, more than its client's request timeout).
+        # After an outage: a peer's store request may still be blocked this long (the store
+        # client's request timeout, ``membership.STORE_REQUEST_TIMEOUT_S``).
         self.grace_s = grace_s
         self._next = 0.0
         self._token: Optional[str] = None
@@ -73,11 +69,6 @@ class Liveness:
             mine = self._moved.get(w)
             if mine is None or mine[0] != count:
                 self._moved[w] = (count, now - age)
-
-    def quiet_s(self, worker: int) -> float:
-        """How long ``worker``'s counter has stood still in the current generation (0: unknown)."""
-        seen = self._seen.get(worker)
-        return 0.0 if seen is None else time.monotonic() - seen[1]
 
     def quiet(self, min_s: float) -> dict[int, list]:
         """The members of the current generation quiet for more than ``min_s``: [count, seconds]."""
@@ -127,11 +118,11 @@ class Liveness:
         return out
 
 
-def watched(worker_id: int, members: Iterable[int], judge_quiet: bool = False) -> list[int]:
-    """The counters ``worker_id`` reads: every member's if it is the judge (the lowest id) or
-    the judge is quiet, else the judge's and its own."""
+def watched(worker_id: int, members: Iterable[int]) -> list[int]:
+    """The counters ``worker_id`` reads: every member's if it is the judge (the lowest id),
+    else the judge's and its own."""
     members = sorted(members)
-    return members if worker_id == members[0] or judge_quiet else sorted({members[0], worker_id})
+    return members if worker_id == members[0] else sorted({members[0], worker_id})
 
 
 class LivenessMonitor:
@@ -181,8 +172,7 @@ class LivenessMonitor:
                 log.debug("liveness of worker %d: %s", self.worker_id, exc)
 
     def _check(self, store, view) -> None:
-        judge_quiet = self.clock.quiet_s(min(view.members)) > 2 * self.beat_every_s
-        members = watched(self.worker_id, view.members, judge_quiet)
+        members = watched(self.worker_id, view.members)
         judge = self.worker_id == members[0] and len(members) > 1  # (alone: nobody to watch)
         keys = [beat_key(w) for w in members] + ([] if judge else [LIVENESS_KEY])
         t0 = time.monotonic()

@@ -206,14 +206,10 @@ class Membership:
         self._hb_thread.start()
         self.store.add(beat_key(self.worker_id), 0)  # the counters the judge reads exist
         self.store.compare_set(LIVENESS_KEY, "", "{}")  # before any generation names this worker
-        # After an outage of its own a worker judges nobody for the heartbeat timeout: longer than
-        # a peer's liveness request can stay blocked once the store answers again (its client
-        # gives up after half the heartbeat timeout, or leaves a member whose host takes no
-        # connection sooner; a TCPStore client after 1 s).
         self._monitor = LivenessMonitor(
             self.worker_id, lambda: connect_store(self.store_addr, min(1.0, self.connect_timeout_s),
                                                   request_timeout_s=(self.heartbeat_timeout_s or 4.0) / 2),
-            timeout_s=self.heartbeat_timeout_s, grace_s=max(1.0, self.heartbeat_timeout_s or STORE_REQUEST_TIMEOUT_S),
+            timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
             answered=self.watcher.answered, judge=self.watch_aborts)
         self._monitor.start()
