@@ -433,7 +433,7 @@ class Membership:
                     quorum = self._client.quorum(
                         replica_id=str(self.worker_id),
                         timeout=timedelta(seconds=min(remaining, self.retry_s)),
-                        data={"worker_id": self.worker_id, "suspects": self._suspects(previous_token)})
+                        data=self._ask_data(previous_token))
                 except Exception as exc:  # timeout, or the coordinator is gone
                     if self._stop.is_set():
                         raise MembershipError("membership closed") from exc
@@ -508,11 +508,15 @@ class Membership:
                               rank=members.index(self.worker_id), world_size=len(members),
                               token=token)
 
-    def _suspects(self, token: Optional[str]) -> list[int]:
-        """Who the report that ended generation ``token`` suspects (the quorum over etcd does
-        not wait for them although their leases may outlast the report: ``EtcdQuorum``)."""
-        record = self._json_key(abort_key(token)) if token else None
-        return [int(w) for w in (record or {}).get("suspects", ())]
+    def _ask_data(self, token: Optional[str]) -> dict:
+        """This worker's quorum request data; over etcd also who the report that ended generation
+        ``token`` suspects (``EtcdQuorum`` does not wait for them although their leases may
+        outlast the report; the Lighthouse has its stand-ins, so no read for it)."""
+        data: dict = {"worker_id": self.worker_id}
+        if token and isinstance(self._client, EtcdQuorum):
+            record = self._json_key(abort_key(token)) or {}
+            data["suspects"] = [int(w) for w in record.get("suspects", ())]
+        return data
 
     def _reported_dead(self, members) -> tuple[int, ...]:
         dead = []
