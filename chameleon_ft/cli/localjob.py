@@ -115,7 +115,8 @@ class LocalJob:
             if pred(evs):
                 return evs
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+                raise TimeoutError(f"timed out after {timeout} s waiting for {what}; the launchers' output "
+                                   f"ends:\n{self.output()[-3000:]}")
             if not self.running():
                 raise RuntimeError(f"the job ended while waiting for {what}:\n{self.output()[-2000:]}")
             time.sleep(0.002)

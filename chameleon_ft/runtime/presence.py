@@ -84,23 +84,32 @@ class PresenceServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._wake_w.send(b"x")
+        """Stop the thread; it closes the sockets itself on its way out (were they closed here
+        while it still ran -- a slow ``died`` report -- both threads would close the same fd)."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            return  # closed already
         self._thread.join(timeout=2)
-        for key in list(self._sel.get_map().values()):
-            key.fileobj.close()
-        self._sel.close()
-        self._wake_w.close()
+        if self._thread.is_alive():
+            log.warning("presence: the server thread is still reporting; it closes its sockets when done")
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        while True:
-            for key, _ in self._sel.select():
-                if key.data == "wake":
-                    return
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._readable(key.fileobj, key.data)
+        try:
+            while True:
+                for key, _ in self._sel.select():
+                    if key.data == "wake":
+                        return
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._readable(key.fileobj, key.data)
+        finally:
+            for key in list(self._sel.get_map().values()):
+                key.fileobj.close()
+            self._sel.close()
+            self._wake_w.close()
 
     def _accept(self) -> None:
         try:

@@ -53,7 +53,7 @@ def test_random_sigkill_run_completes_exactly_once_and_on_trajectory(tmp_path, t
     job = Job(tmp_path, worker_args=buckets)
     try:
         job.start()
-        job.wait_step(step)
+        job.wait_step(step, timeout=60)  # (before the test's own timeout: the error holds the output)
         time.sleep(delay)
         job.kill(victim)
         assert job.wait(60) == [0], job.output()
