@@ -54,10 +54,11 @@ class Liveness:
         self._judge_after = time.monotonic() + self.grace_s
 
     def took(self, seconds: float) -> None:
-        """One of this worker's store requests took ``seconds``.  A stall of half the timeout
-        is an outage too (``reset``): an etcd leader election blocks every write for a while,
-        and a peer whose beat thread failed over to another member beats later than the others
-        (seen: a member reported lost when one etcd member was killed, about 1 run in 4)."""
+        """One of this worker's store requests (its liveness read or its own beat) took
+        ``seconds``.  A stall of half the timeout is an outage too (``reset``): an etcd leader
+        election blocks every write for a while, and when it ends the first beats through are
+        not all at once -- a reader whose own beat got through first would otherwise take a
+        peer still waiting for its write (or failing over to another member) for silent."""
         if self.timeout_s is not None and seconds > min(0.5, self.timeout_s / 2):
             self.reset()
 
@@ -162,6 +163,7 @@ class LivenessMonitor:
                     next_beat = now + self.beat_every_s
                     store.add(beat_key(self.worker_id), 1)
                     self.requests += 1
+                    self.clock.took(time.monotonic() - now)  # its own write stalled: the peers' too
                     self.answered()
                 view = self.view()
                 if self.judge and view is not None and self.clock.due():

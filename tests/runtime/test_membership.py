@@ -415,6 +415,42 @@ def test_liveness_restarts_its_clocks_after_a_stalled_read(monkeypatch):
     assert run(stall_noticed=True) == []
 
 
+def test_a_stalled_beat_of_its_own_keeps_a_reader_from_judging_a_peer_behind_the_same_stall():
+    # An etcd leader election (one member of three killed) stalls every write; worker 2's own
+    # beat gets through first and worker 0's (the judge's) a little later.  Worker 2 watches the
+    # judge: counting the election, the judge looked silent for over the timeout -- a false loss
+    # (a job that lost only an etcd member reported worker 0).  Its own beat's stall restarts its
+    # clocks, as a stalled read does.
+    from chameleon_ft.runtime.liveness import LivenessMonitor
+
+    class Store:  # the real monitor loop; this store's writes stall 0.8 s once, from the 5th beat
+        def __init__(self):
+            self.counts, self.beats = {0: 0, 2: 0}, 0
+
+        def add(self, key, n):
+            self.beats += 1
+            if self.beats == 5:
+                time.sleep(0.8)
+            self.counts[2] += n
+            if self.beats < 5 or self.beats > 9:  # the judge's beats come through 0.4 s after ours
+                self.counts[0] += 1
+            return self.counts[2]
+
+        def multi_get(self, keys):
+            return [str(self.counts[0]).encode(), str(self.counts[2]).encode(), b"{}"]
+
+    class View:
+        token, members = "g1", (0, 2)
+
+    reported = []
+    mon = LivenessMonitor(2, Store, timeout_s=1.0, grace_s=1.0, beat_every_s=0.1, view=lambda: View,
+                          report=lambda w, s, t: reported.append(w), answered=lambda: None)
+    mon.start()
+    time.sleep(3.0)
+    mon.stop()
+    assert mon.requests > 20 and reported == []
+
+
 def test_two_workers_admitted_at_once_do_not_evict_each_other():
     # Issue 24's rejoin livelock, read in the Lighthouse's log: a healed node's two restarted
     # workers joined a running job one after the other.  Each admission ended the generation the
