@@ -89,7 +89,24 @@ def dead_workers(store) -> set[str]:
     if not marks:
         return set()
     incarnations = store.read_prefix("cft/incarnation/")
-    return {w for w, v in marks.items() if int(v or b"0") >= int(incarnations.get(w) or b"0")}
+    return {w for w, v in marks.items() if _marks_dead(v, int(incarnations.get(w) or b"0"))}
+
+
+def _marks_dead(mark: Optional[bytes], incarnation: int) -> bool:
+    """The rule every reader of a dead mark applies: a mark (the incarnation it was made for)
+    counts for the worker's ``incarnation`` only if it is not older -- a replacement that took
+    the id since is alive."""
+    return mark is not None and int(mark or b"0") >= incarnation
+
+
+def reported_dead(store, worker: int, incarnation: Optional[int] = None) -> bool:
+    """Whether ``worker``'s current incarnation (or ``incarnation``) was reported dead
+    (``report_dead``); the incarnation is read only when a mark exists."""
+    if not store.check([_dead_key(worker)]):
+        return False
+    if incarnation is None:
+        incarnation = store.add(_incarnation_key(worker), 0)
+    return _marks_dead(store.get(_dead_key(worker)), incarnation)
 
 
 def first_to_record(store: dist.Store, worker_id: int) -> bool:
@@ -188,7 +205,7 @@ def presence_ended(store, worker: int, incarnation: int, where: str = "the coord
     replacement took the id or the launcher already did."""
     if store.add(_incarnation_key(worker), 0) != incarnation:
         return
-    if store.check([_dead_key(worker)]) and int(store.get(_dead_key(worker)).decode()) >= incarnation:
+    if reported_dead(store, worker, incarnation):
         return
     log.info("worker %d's connection to %s ended: reported dead", worker, where)
     report_dead(store, worker, f"its connection to {where} ended (the process is gone)")

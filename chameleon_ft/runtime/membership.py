@@ -63,7 +63,7 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, dead_workers, read_latest, read_stop,
-    read_value, report_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job)
+    read_value, report_dead, reported_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job)
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
 from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
@@ -519,14 +519,7 @@ class Membership:
         return data
 
     def _reported_dead(self, members) -> tuple[int, ...]:
-        dead = []
-        for w in members:
-            if w == self.worker_id or not self.store.check([_dead_key(w)]):
-                continue
-            incarnation = self.store.add(_incarnation_key(w), 0)
-            if int(self.store.get(_dead_key(w)).decode()) >= incarnation:
-                dead.append(w)
-        return tuple(dead)
+        return tuple(w for w in members if w != self.worker_id and reported_dead(self.store, w))
 
     def _registered(self) -> set[int]:
         raw = self.store.get(_REGISTRY_KEY).decode() if self.store.check([_REGISTRY_KEY]) else ""
