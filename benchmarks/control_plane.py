@@ -1,8 +1,10 @@
 """The control plane at scale: N emulated members that run the real membership code -- join
 through the Lighthouse and the store, the liveness monitor, the abort watcher, the agreement
-on a new generation -- without a model, against the embedded coordinator.
+on a new generation -- without a model, against the embedded coordinator or (``--backend
+etcd``) a 3-member etcd cluster on loopback with the quorum over etcd instead of the Lighthouse.
 
     python benchmarks/control_plane.py --members 16,64,256,1024 --out docs/benchmarks-control-plane.md
+    python benchmarks/control_plane.py --backend etcd --members 16,64,256
 
 Each member is a ``Membership`` on threads of its own, 8 to a host process (``--per-process``);
 each has its own main store client, and the watchers and liveness monitors of a process share 4
@@ -13,8 +15,10 @@ a member's "main thread" only takes the next generation when the watcher saw its
 end (what a worker's failed collective does).  Measured per N, on this machine:
 
 * store requests per member per second in the steady state (every request a member's store
-  clients make, counted on the client side, over ``--window`` seconds), and in total;
-* the coordinator process's CPU (cores) and resident memory over the same window;
+  clients make, counted on the client side, over ``--window`` seconds: a TCPStore call, or an
+  HTTP request of the etcd client, the quorum's lease keep-alives included), and in total;
+* the coordinator's CPU (cores) and resident memory over the same window: the coordinator
+  process (TCPStore server + Lighthouse), or the three etcd members together;
 * a silent member (its threads stopped: what SIGSTOP or a lost node looks like): seconds from
   the silence to its generation ended (detected) and to a new generation without it agreed;
 * a burst: 10 % of the members silent at once, the same two times.
@@ -62,6 +66,14 @@ def host(args) -> None:
     import chameleon_ft.runtime.membership as mm
 
     counter = [0]
+    if mm.is_etcd(args.store):  # every HTTP request of every etcd client (the quorum's too)
+        from chameleon_ft.runtime.etcd import EtcdClient
+        real_call = EtcdClient.call
+
+        def counted(self, path, body):
+            counter[0] += 1
+            return real_call(self, path, body)
+        EtcdClient.call = counted
     real_connect = mm.connect_store
     shared: list = []
     turn = [0]
@@ -79,7 +91,8 @@ def host(args) -> None:
                 return _Counting(shared[-1], counter)
             turn[0] += 1
             return _Counting(shared[turn[0] % len(shared)], counter)
-    mm.connect_store = connect
+    if not mm.is_etcd(args.store):
+        mm.connect_store = connect
     lo, hi = (int(x) for x in args.ids.split(":"))
     ctl = Path(args.ctl)
     members: dict[int, mm.Membership] = {}
@@ -156,15 +169,68 @@ while True:
 """
 
 
-class Run:
-    """One N: the coordinator, the host processes, the control directory."""
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, n: int, per_process: int, ctl: Path, clients: int = 8) -> None:
+
+class Etcd:
+    """A 3-member etcd cluster on loopback (Debian's ``etcd``; 50 ms heartbeats, 500 ms
+    election timeout: the namespace nodes' settings in ``tests/_helpers/netns.py``)."""
+
+    def __init__(self, data: Path) -> None:
+        ports = [(_free_port(), _free_port()) for _ in range(3)]
+        peers = ",".join(f"e{i}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(ports))
+        self.procs = []
+        for i, (c, p) in enumerate(ports):
+            self.procs.append(subprocess.Popen(
+                ["etcd", "--name", f"e{i}", "--data-dir", str(data / f"e{i}"),
+                 "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
+                 "--initial-cluster", peers, "--initial-cluster-state", "new",
+                 "--heartbeat-interval", "50", "--election-timeout", "500", "--pre-vote"],
+                stdout=subprocess.DEVNULL, stderr=open(data / f"e{i}.log", "w")))
+        self.endpoints = [f"127.0.0.1:{c}" for c, _ in ports]
+        from chameleon_ft.runtime.etcd import EtcdClient
+        client, deadline = EtcdClient(self.endpoints, 1.0), time.monotonic() + 30
+        while not client.healthy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not come up: {(data / 'e0.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+class Run:
+    """One N: the coordinator (or etcd), the host processes, the control directory."""
+
+    def __init__(self, n: int, per_process: int, ctl: Path, clients: int = 8, backend: str = "embedded") -> None:
         self.n, self.ctl = n, ctl
         ctl.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR], stdout=subprocess.PIPE, text=True, env=env)
-        self.store, self.lighthouse = self.coord.stdout.readline().split()
+        self.coord = self.etcd = None
+        if backend == "etcd":
+            self.etcd = Etcd(ctl)
+            self.store, self.lighthouse = f"etcd://{','.join(self.etcd.endpoints)}/cpbench", "etcd?join_ms=50"
+            self.pids = self.etcd.pids
+            from chameleon_ft.runtime.coordination import AUTH_KEY, job_digest
+            from chameleon_ft.runtime.etcd import EtcdStore, parse_etcd
+            endpoints, prefix = parse_etcd(self.store)  # what the job's first launcher records
+            EtcdStore(endpoints, prefix).compare_set(AUTH_KEY, "", job_digest())
+        else:
+            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR], stdout=subprocess.PIPE, text=True,
+                                          env=env)
+            self.store, self.lighthouse = self.coord.stdout.readline().split()
+            self.pids = [self.coord.pid]
         from chameleon_ft.runtime.coordination import connect_store
         self.client = connect_store(self.store, 10.0)
         self.hosts = []
@@ -243,24 +309,29 @@ class Run:
                 h.wait(10)
             except subprocess.TimeoutExpired:
                 h.kill()
-        self.coord.kill()
-        self.coord.wait()
+        if self.coord is not None:
+            self.coord.kill()
+            self.coord.wait()
+        if self.etcd is not None:
+            self.etcd.close()
 
 
-def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int = 8) -> dict:
-    run = Run(n, per_process, ctl, clients)
+def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int = 8,
+            backend: str = "embedded") -> dict:
+    run = Run(n, per_process, ctl, clients, backend)
+    cpu = lambda: sum(_cpu_s(p) for p in run.pids)  # noqa: E731
     try:
         join_s = run.wait_ready(60 + n * 0.5)
         time.sleep(2.0)  # settle: every member's threads running
         r0, t0 = run.count()
-        c0 = _cpu_s(run.coord.pid)
+        c0 = cpu()
         time.sleep(window_s)
         r1, t1 = run.count()
-        c1 = _cpu_s(run.coord.pid)
+        c1 = cpu()
         rate = (r1 - r0) / (t1 - t0)
-        out = {"members": n, "join_s": round(join_s, 2), "requests_per_s": round(rate),
+        out = {"members": n, "backend": backend, "join_s": round(join_s, 2), "requests_per_s": round(rate),
                "requests_per_member_s": round(rate / n, 1), "coordinator_cores": round((c1 - c0) / (t1 - t0), 2),
-               "coordinator_rss_mb": round(_rss_mb(run.coord.pid), 1)}
+               "coordinator_rss_mb": round(sum(_rss_mb(p) for p in run.pids), 1)}
         out["whole_s"] = run.whole(n)  # every member in one generation before the silence
         members = sorted(run.latest()["members"])
         victim = members[len(members) // 2]  # not the judge
@@ -298,6 +369,8 @@ def main() -> None:
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
     p.add_argument("--ctl", help=argparse.SUPPRESS)
     p.add_argument("--members", default="16,64,256")
+    p.add_argument("--backend", choices=("embedded", "etcd"), default="embedded",
+                   help="the embedded coordinator, or a 3-member etcd cluster on loopback")
     p.add_argument("--clients", type=int, default=4, help="store clients per host process, shared by its members")
     p.add_argument("--per-process", type=int, default=8,
                    help="members per host process (torch's TCPStore client stalls 5 s at the 25th client of a process)")
@@ -312,7 +385,7 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in a.members.split(",")]:
         with tempfile.TemporaryDirectory() as d:
-            row = measure(n, a.per_process, a.window, Path(d), a.clients)
+            row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend)
         row["label"] = a.label
         rows.append(row)
         print(json.dumps(row), flush=True)
