@@ -2,7 +2,9 @@
 
 * **The watcher** polls the current generation's abort key every ``poll_s`` (20 ms: well
   inside the Lighthouse's join window) with its own store client (a client serialises its
-  requests) and, once per generation, calls ``on_ended(view)`` when it sees it ended: the
+  requests) -- over etcd it watches the abort keys instead (a stream etcd pushes them on; the
+  current key read every ``READ_EVERY_S``) -- and, once per generation, calls ``on_ended(view)``
+  when it sees it ended: the
   membership then asks for the next quorum on behalf of a main thread that is still computing
   (``Membership._generation_ended``).  Without it a member busy in a long forward, an
   evaluation batch or a checkpoint write would ask only at its next collective and, when that
@@ -37,6 +39,7 @@ from chameleon_ft.runtime.etcd import EtcdStore, is_etcd
 __all__ = ["AbortWatcher"]
 
 PAUSED_AFTER_S = 0.5  # no answer for this long: paused (nothing is committed)
+READ_EVERY_S = 0.25  # over etcd: the current generation's abort key read besides the watch stream
 
 
 class AbortWatcher:
@@ -102,6 +105,8 @@ class AbortWatcher:
         store = self._store()
         if store is None:
             return  # closed meanwhile
+        if isinstance(store, EtcdStore):
+            return self._watch(store)
         acted: Optional[str] = None  # the generation it last acted on
         while not self._stop.is_set():
             view = self._view()
@@ -117,6 +122,43 @@ class AbortWatcher:
                 self._stop.wait(self.poll_s)
                 continue
             acted = view.token
+
+    def _watch(self, store: EtcdStore) -> None:
+        """The watcher over etcd: the abort keys come on a watch stream (``EtcdWatch``: no
+        request while nothing ends), and the current generation's key is also read every
+        ``READ_EVERY_S`` (and after each reopening of the stream) -- what a stream from a member
+        cut off from its quorum would not bring, and the guard's sign that etcd answers."""
+        from chameleon_ft.runtime.etcd import EtcdWatch
+
+        watch = EtcdWatch(store.client, store._k(abort_key("")))
+        ended: set[str] = set()  # generations seen ended
+        acted: Optional[str] = None
+        read_at = 0.0
+        while not self._stop.is_set():
+            view = self._view()
+            if view is not None and time.monotonic() >= read_at:
+                try:
+                    if store.check([abort_key(view.token)]):
+                        ended.add(view.token)
+                    self.last_ok, self.watching = time.monotonic(), True
+                    read_at = time.monotonic() + READ_EVERY_S
+                except Exception:  # unreachable: a partition, etcd without quorum
+                    if store.client.answers():
+                        self._no_quorum_at = time.monotonic()
+            try:
+                opened = watch.streaming
+                ended.update(k.decode() for k in watch.keys(self.poll_s))  # (waits; no request)
+                if not opened:
+                    read_at = 0.0  # a write before the stream began: read it once more
+            except Exception:  # the stream's member lost: read each time until it is back
+                read_at = 0.0
+                self._stop.wait(self.poll_s)
+            aborted = view is not None and view.token in ended
+            self.aborted_token = view.token if aborted else self.aborted_token
+            if not aborted or view.token == acted or self._stop.is_set() or not self._on_ended(view):
+                continue
+            acted = view.token
+        watch.close()
 
     def _store(self):
         """The watcher's own store client, retried for three connect timeouts; past that the

@@ -14,6 +14,8 @@ agreement itself.  Two pieces:
   use): ``set``/``get`` (waits for the key)/``add``/``compare_set``/``check``/``wait``/
   ``append``/``delete_key``, each a linearizable etcd request (``add``, ``append`` and
   ``compare_set`` are one compare-and-swap transaction, retried on a conflict).
+* ``EtcdWatch`` -- the keys written under a prefix, pushed by etcd on a watch stream (the abort
+  watcher's wait: no request while nothing ends).
 * ``EtcdQuorum`` -- what the Lighthouse's client does (``heartbeat``, ``quorum``), with the
   Lighthouse's rules.  A heartbeat is a key on a lease of ``heartbeat_timeout`` seconds (kept
   alive by the heartbeat thread): etcd drops it when the worker stops, so etcd, not a clock of
@@ -37,7 +39,8 @@ client certificate that carries a Common Name (etcd would take it for the user):
 workers' certificate without one.
 
 Limits, honestly: every request is an HTTP round trip to one member (a few ms on a LAN), so
-group set-up and the abort polls cost more than over the embedded TCPStore; keys are not
+group set-up and the waits for a key (polled: ``EtcdStore.get``) cost more than over the
+embedded TCPStore; keys are not
 garbage-collected while the job runs (a few per generation); use one ``--rdzv-id`` per job
 (a key space of its own).  Without the settings above the gateway is plain HTTP with no
 credentials: keep such an etcd on a network only the job reaches (docs/security.md).
@@ -65,7 +68,7 @@ import torch.distributed as dist
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.errors import ConfigError
 
-__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdRefused", "EtcdSecurity", "EtcdClient", "EtcdStore", "EtcdQuorum",
+__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdRefused", "EtcdSecurity", "EtcdClient", "EtcdWatch", "EtcdStore", "EtcdQuorum",
            "is_etcd", "parse_etcd"]
 
 ETCD_SCHEME = "etcd://"
@@ -416,6 +419,162 @@ class EtcdClient:
             raise
         except EtcdError:
             return False
+
+
+class EtcdWatch:
+    """The keys written under ``prefix``, as etcd pushes them: one watch stream (the JSON
+    gateway's ``/v3/watch``) on a connection of its own, so a waiter makes no request while
+    nothing changes.  ``keys(timeout_s)`` returns the names (after ``prefix``) put since the last
+    call, waiting up to ``timeout_s`` for the first (a ``select`` on the socket: no request);
+    it raises ``EtcdError`` when the stream ends or cannot be opened, and the next call opens it
+    again on the member that answered this process last, from the revision after the last one
+    seen: no write is missed across a member's loss.
+
+    Limits: a member cut off from its quorum keeps the stream open and reports nothing more --
+    the caller also reads the key it cares about now and then (a linearizable read fails over);
+    etcd's compaction of the revisions in between (none by default) ends a resumed watch with an
+    error, and the caller's read covers that too."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes):
+        self.client, self.prefix = client, prefix
+        self.revision: Optional[int] = None  # the newest revision the stream reported
+        self._sock: Optional[socket.socket] = None
+        self._raw = b""  # bytes received, not yet de-chunked
+        self._body = b""  # de-chunked: newline-delimited JSON messages
+        self._chunk_left = 0  # bytes of the current chunk still to come (with its CRLF)
+        self._i = 0
+
+    @property
+    def streaming(self) -> bool:
+        return self._sock is not None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock, self._raw, self._body, self._chunk_left = None, b"", b"", 0
+
+    def keys(self, timeout_s: float) -> list[bytes]:
+        if self._sock is None:
+            self._open()
+        out: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out += self._messages()
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            self._receive(left)
+
+    # ------------------------------------------------------------ the stream
+    def _open(self) -> None:
+        c = self.client
+        n = len(c.endpoints)
+        start = c._a_trusted_one(self._i)
+        self._i = self._i if start is None else start
+        create = {"key": _b64(self.prefix), "range_end": _b64(_prefix_end(self.prefix))}
+        if self.revision is not None:
+            create["start_revision"] = str(self.revision + 1)
+        body = json.dumps({"create_request": create}).encode()
+        if c.security.user and c._token is None:
+            c._authenticate()
+        ep = c.endpoints[self._i % n]
+        try:
+            conn = c._open(ep, c.timeout_s)
+            c._connect(conn)
+            sock, conn.sock = conn.sock, None
+            head = ["POST /v3/watch HTTP/1.1", f"Host: {ep}", "Content-Type: application/json",
+                    f"Content-Length: {len(body)}"]
+            if c._token:
+                head.append(f"Authorization: {c._token}")
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+            self._sock = sock
+            raw = b""
+            deadline = time.monotonic() + c.timeout_s
+            while b"\r\n\r\n" not in raw:
+                raw += self._recv_some(deadline - time.monotonic())
+        except (OSError, EtcdError) as exc:
+            self.close()
+            self._i += 1  # the next member next time; the process's other clients leave it too
+            _suspect[ep] = time.monotonic() + SUSPECT_S
+            raise EtcdError(f"etcd {ep}: cannot open a watch: {exc}") from None
+        headers, _, self._raw = raw.partition(b"\r\n\r\n")
+        status = headers.split(b"\r\n", 1)[0]
+        if b" 200 " not in status + b" " or b"chunked" not in headers.lower():
+            self.close()
+            self._i += 1
+            _suspect[ep] = time.monotonic() + SUSPECT_S
+            raise EtcdError(f"etcd {ep}: the watch was refused: {status.decode(errors='replace')}")
+        self._dechunk()
+
+    def _recv_some(self, left: float) -> bytes:
+        sock = self._sock
+        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        if left <= 0 or not (pending or select.select([sock], [], [], left)[0]):
+            raise EtcdError("no answer in time")
+        data = sock.recv(65536)
+        if not data:
+            raise EtcdError("the member closed the watch stream")
+        return data
+
+    def _receive(self, left: float) -> None:
+        sock = self._sock
+        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        if not pending and not select.select([sock], [], [], left)[0]:
+            return
+        try:
+            data = sock.recv(65536)
+        except OSError as exc:
+            self.close()
+            raise EtcdError(f"the watch stream failed: {exc}") from None
+        if not data:
+            self.close()
+            raise EtcdError("the member closed the watch stream")
+        self._raw += data
+        self._dechunk()
+
+    def _dechunk(self) -> None:
+        while True:
+            if self._chunk_left == 0:
+                i = self._raw.find(b"\r\n")
+                if i < 0:
+                    return
+                size = int(self._raw[:i].split(b";")[0] or b"0", 16)
+                self._raw = self._raw[i + 2:]
+                if size == 0:
+                    self.close()
+                    raise EtcdError("the member ended the watch stream")
+                self._chunk_left = size + 2
+            take = min(self._chunk_left, len(self._raw))
+            if take == 0:
+                return
+            self._body += self._raw[:min(take, self._chunk_left - 2)]
+            self._raw, self._chunk_left = self._raw[take:], self._chunk_left - take
+
+    def _messages(self) -> list[bytes]:
+        out = []
+        while b"\n" in self._body:
+            line, _, self._body = self._body.partition(b"\n")
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                self.close()
+                raise EtcdError(f"the watch stream sent {line[:100]!r}") from None
+            result = msg.get("result", msg)
+            if "error" in msg or result.get("canceled"):
+                self.close()
+                raise EtcdError(f"etcd ended the watch: {msg.get('error') or result.get('cancel_reason')}")
+            rev = (result.get("header") or {}).get("revision")
+            if rev is not None:
+                self.revision = max(self.revision or 0, int(rev))
+            for ev in result.get("events") or []:
+                if ev.get("type", "PUT") == "PUT":
+                    out.append(_unb64(ev["kv"]["key"])[len(self.prefix):])
+        return out
 
 
 class _TokenExpired(Exception):

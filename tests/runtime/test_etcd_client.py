@@ -185,3 +185,84 @@ def test_the_quorum_over_etcd_does_not_wait_for_suspects_or_the_dead_while_their
     assert took < 1.0, took
     got, _ = agree("/cft/t6/", [], ())
     assert all(isinstance(q, TimeoutError) for q in got.values()), got
+
+
+def test_a_watch_brings_every_key_written_and_resumes_after_its_stream_or_member_is_lost(member, monkeypatch):
+    """``EtcdWatch``: the keys put under its prefix, none other; a lost stream is opened again from
+    the revision after the last one seen (a write meanwhile is not missed); a member that takes
+    no connection is passed for the next one."""
+    from chameleon_ft.runtime.etcd import EtcdWatch
+
+    monkeypatch.setattr(etcd, "_suspect", {})
+    c = EtcdClient([member], 2.0)
+    w = EtcdWatch(c, b"/cft/tw/abort/")
+    assert w.keys(0.05) == [] and w.streaming
+    for k in (b"/cft/tw/abort/g1", b"/cft/tw/other", b"/cft/tw/abort/g2"):
+        c.put(k, b"1")
+    got, deadline = [], time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += w.keys(0.5)
+    assert got == [b"g1", b"g2"]
+    t0 = time.monotonic()
+    assert w.keys(0.3) == [] and time.monotonic() - t0 >= 0.29  # waits, quietly
+    threading.Timer(0.2, lambda: c.put(b"/cft/tw/abort/g3", b"1")).start()
+    assert w.keys(5.0) == [b"g3"]
+    w.close()  # the stream lost; a write meanwhile
+    c.put(b"/cft/tw/abort/g4", b"1")
+    assert w.keys(2.0) == [b"g4"]
+
+    with socket.socket() as s:  # a closed port: a member whose host takes no connection
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(etcd, "_answered", {})  # (no member known to answer: the first is tried)
+    w2 = EtcdWatch(EtcdClient([gone, member], 2.0), b"/cft/tw/abort/")
+    with pytest.raises(etcd.EtcdError, match="cannot open a watch"):
+        w2.keys(0.1)
+    assert w2.keys(0.1) == [] and w2.streaming
+    c.put(b"/cft/tw/abort/g5", b"1")
+    assert w2.keys(5.0) == [b"g5"]
+    w2.close()
+
+
+def test_the_abort_watcher_over_etcd_sees_an_end_at_once_and_reads_only_a_few_times_a_second(member, monkeypatch):
+    """Over etcd the abort watcher waits on a watch stream: a generation's end reaches it as soon
+    as etcd has it, and meanwhile it makes about ``READ_EVERY_S``'s reads a second (it polled 50
+    times a second)."""
+    from types import SimpleNamespace
+
+    from chameleon_ft.runtime import abort_watch
+    from chameleon_ft.runtime.coordination import abort_key
+
+    monkeypatch.setattr(etcd, "_suspect", {})
+    calls = [0]
+    real = EtcdClient.call
+
+    def counted(self, path, body):
+        calls[0] += 1
+        return real(self, path, body)
+    monkeypatch.setattr(EtcdClient, "call", counted)
+    store = EtcdStore([member], "/cft/taw/", timeout=timedelta(seconds=5))
+    view = SimpleNamespace(token="g7")
+    seen, stop = [], threading.Event()
+    w = abort_watch.AbortWatcher(0, "etcd://unused/x", 2.0, view=lambda: view,
+                                 on_ended=lambda v: seen.append((v.token, time.monotonic())) or True,
+                                 stop=stop, cut_off_s=None, quorum_wait_s=60.0)
+    monkeypatch.setattr(w, "_store", lambda: store.clone())
+    w.start()
+    try:
+        time.sleep(1.0)  # the stream open, the first reads done
+        c0 = calls[0]
+        time.sleep(2.0)
+        per_s = (calls[0] - c0) / 2.0
+        assert per_s <= 2 / abort_watch.READ_EVERY_S, per_s
+        assert w.abort_seen("g7") is False and not seen
+        t0 = time.monotonic()
+        store.set(abort_key("g7"), "1")
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert seen and seen[0][0] == "g7" and seen[0][1] - t0 < 0.1, seen
+        assert w.abort_seen("g7") is True
+    finally:
+        stop.set()
+        w.join(2.0)
