@@ -79,20 +79,21 @@ def host(args) -> None:
     turn = [0]
     lock = threading.Lock()
 
-    def connect(addr, timeout):
+    def connect(addr, timeout, **kw):
         # A member's main client is its own (it blocks in a wait at join); its watcher and
         # liveness monitor share a few per process (torch's TCPStore client stalls 5 s at the
         # 25th client a process opens); each client serialises its requests.
         if not threading.current_thread().name.startswith("cft-"):
-            return _Counting(real_connect(addr, timeout), counter)
+            return _Counting(real_connect(addr, timeout, **kw), counter)
         with lock:
             if len(shared) < args.clients:
-                shared.append(real_connect(addr, timeout))
+                shared.append(real_connect(addr, timeout, **kw))
                 return _Counting(shared[-1], counter)
             turn[0] += 1
             return _Counting(shared[turn[0] % len(shared)], counter)
-    if not mm.is_etcd(args.store):
-        mm.connect_store = connect
+    if not mm.is_etcd(args.store):  # every module that opens a member's store client
+        import chameleon_ft.runtime.abort_watch as aw
+        mm.connect_store = aw.connect_store = connect
     lo, hi = (int(x) for x in args.ids.split(":"))
     ctl = Path(args.ctl)
     members: dict[int, mm.Membership] = {}

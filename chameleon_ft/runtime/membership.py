@@ -200,7 +200,7 @@ class Membership:
         # report about its predecessor does not apply to it.
         self.incarnation = self.store.add(_incarnation_key(self.worker_id), 1)
         self._register_presence()
-        self._heartbeat_once(raise_errors=True)
+        self._first_heartbeat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"cft-heartbeat-{self.worker_id}")
         self._hb_thread.start()
@@ -573,6 +573,18 @@ class Membership:
             return self.store.check([_LATEST_KEY]) or True
         except Exception:
             return False
+
+    def _first_heartbeat(self) -> None:
+        """The join's first heartbeat, retried for ``connect_timeout_s``: a coordinator (or etcd)
+        slow to answer one request under a job's start is not unreachable."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                return self._heartbeat_once(raise_errors=True)
+            except MembershipError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
 
     def _heartbeat_once(self, raise_errors: bool = False) -> None:
         try:
