@@ -366,6 +366,15 @@ class EtcdClient:
         kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs") or []
         return (_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None
 
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[tuple[bytes, int]]]:
+        """``get`` of each key, in one request (a transaction of range reads: one revision)."""
+        out = self.call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
+        got: list[Optional[tuple[bytes, int]]] = []
+        for r in out.get("responses") or [{}] * len(keys):
+            kvs = (r.get("response_range") or {}).get("kvs") or []
+            got.append((_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None)
+        return got
+
     def range_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
         kvs = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}).get("kvs") or []
         return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in kvs}
@@ -379,13 +388,14 @@ class EtcdClient:
     def delete(self, key: bytes) -> int:
         return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
 
-    def swap(self, key: bytes, value: bytes, mod_revision: Optional[int]) -> bool:
-        """Write ``value`` if the key is still at ``mod_revision`` (None: does not exist)."""
+    def swap(self, key: bytes, value: bytes, mod_revision: Optional[int]) -> int:
+        """Write ``value`` if the key is still at ``mod_revision`` (None: does not exist); the
+        key's new revision, or 0 when it was not."""
         cmp = ({"key": _b64(key), "target": "CREATE", "create_revision": "0", "result": "EQUAL"}
                if mod_revision is None else
                {"key": _b64(key), "target": "MOD", "mod_revision": str(mod_revision), "result": "EQUAL"})
         out = self.call("/v3/kv/txn", {"compare": [cmp], "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
-        return bool(out.get("succeeded"))
+        return int((out.get("header") or {}).get("revision", 0)) if out.get("succeeded") else 0
 
     # ------------------------------------------------------------ leases
     def grant(self, ttl_s: int) -> str:
@@ -591,6 +601,7 @@ class EtcdStore(dist.Store):
         self.prefix = prefix.encode()
         self._timeout = timeout
         self.poll_s = 0.005
+        self._written: dict[bytes, tuple[bytes, int]] = {}  # key -> (value, revision) this client wrote
 
     def _k(self, key) -> bytes:
         return self.prefix + (key if isinstance(key, bytes) else str(key).encode())
@@ -629,15 +640,22 @@ class EtcdStore(dist.Store):
 
     def _update(self, key, fn) -> bytes:
         """Compare-and-swap ``key`` to ``fn(current or None)`` (retried on a conflict); ``fn``
-        returning None leaves it as it is."""
+        returning None leaves it as it is.  The value this client last wrote, and its revision,
+        are tried first: a key only this client writes (a liveness counter) takes one request,
+        not a read and a write."""
         k = self._k(key)
+        mine = self._written.get(k)
         while True:
-            got = self.client.get(k)
+            got = mine or self.client.get(k)
+            mine = None
             new = fn(None if got is None else got[0])
             if new is None:
                 return b"" if got is None else got[0]
-            if self.client.swap(k, new, None if got is None else got[1]):
+            rev = self.client.swap(k, new, None if got is None else got[1])
+            if rev:
+                self._written[k] = (new, rev)
                 return new
+            self._written.pop(k, None)
 
     def add(self, key, amount: int) -> int:
         return int(self._update(key, lambda cur: str(int(cur or b"0") + int(amount)).encode()))
@@ -686,6 +704,9 @@ class EtcdStore(dist.Store):
             if len(ks) > 2:
                 found = self.client.range_prefix(self._k(parent + "/"))
                 got.update({k: found[self._k(k)] for k in ks if self._k(k) in found})
+        rest = [k for k in keys if k not in got]
+        if len(rest) > 1:  # the others in one transaction
+            got.update({k: v[0] for k, v in zip(rest, self.client.get_many([self._k(k) for k in rest])) if v})
         return [got[k] if k in got else self.get(k) for k in keys]
 
     def read_prefix(self, prefix: str) -> dict[str, bytes]:

@@ -266,3 +266,29 @@ def test_the_abort_watcher_over_etcd_sees_an_end_at_once_and_reads_only_a_few_ti
     finally:
         stop.set()
         w.join(2.0)
+
+
+def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_read_in_one(member, monkeypatch):
+    """``EtcdStore.add`` tries the value and revision it last wrote (a liveness counter: one
+    compare-and-swap, no read first) and falls back to a read when another client wrote since;
+    ``multi_get`` of keys under different parents is one transaction."""
+    calls = [0]
+    real = EtcdClient.call
+
+    def counted(self, path, body):
+        calls[0] += 1
+        return real(self, path, body)
+    monkeypatch.setattr(EtcdClient, "call", counted)
+    a = EtcdStore([member], "/cft/tadd/", timeout=timedelta(seconds=2))
+    b = a.clone()
+    assert a.add("c", 1) == 1 and a.add("c", 1) == 2
+    c0 = calls[0]
+    assert a.add("c", 5) == 7 and calls[0] - c0 == 1
+    assert b.add("c", 10) == 17  # another writer: a's remembered revision is stale
+    c0 = calls[0]
+    assert a.add("c", 1) == 18 and calls[0] - c0 == 3  # the failed swap, a read, the swap
+    for k, v in (("cft/beat/0", "3"), ("cft/beat/2", "4"), ("cft/liveness", "{}")):
+        a.set(k, v)
+    c0 = calls[0]
+    assert a.multi_get(["cft/beat/0", "cft/beat/2", "cft/liveness"]) == [b"3", b"4", b"{}"]
+    assert calls[0] - c0 == 1
