@@ -514,8 +514,11 @@ class EtcdWatch:
         status = headers.split(b"\r\n", 1)[0]
         if b" 200 " not in status + b" " or b"chunked" not in headers.lower():
             self.close()
-            self._i += 1
-            _suspect[ep] = time.monotonic() + SUSPECT_S
+            if b" 401 " in status + b" " and c.security.user:  # etcd's token expired: a new one next time
+                c._token = None
+            else:
+                self._i += 1
+                _suspect[ep] = time.monotonic() + SUSPECT_S
             raise EtcdError(f"etcd {ep}: the watch was refused: {status.decode(errors='replace')}")
         self._dechunk()
 
@@ -577,7 +580,10 @@ class EtcdWatch:
             result = msg.get("result", msg)
             if "error" in msg or result.get("canceled"):
                 self.close()
-                raise EtcdError(f"etcd ended the watch: {msg.get('error') or result.get('cancel_reason')}")
+                why = str(msg.get("error") or result.get("cancel_reason"))
+                if "auth token" in why.lower():  # etcd's token expired: a new one at the next opening
+                    self.client._token = None
+                raise EtcdError(f"etcd ended the watch: {why}")
             rev = (result.get("header") or {}).get("revision")
             if rev is not None:
                 self.revision = max(self.revision or 0, int(rev))

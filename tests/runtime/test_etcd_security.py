@@ -61,6 +61,30 @@ def test_a_client_with_the_ca_its_certificate_and_the_role_works(secured):
     assert store.client._token != "expired"
 
 
+def test_a_watch_stream_speaks_tls_and_sends_the_token(secured, monkeypatch):
+    """The abort watcher's stream (``EtcdWatch``) over TLS with etcd's authentication on: the
+    keys come, also after the token expired (a new one is fetched; the member is not suspected)."""
+    from chameleon_ft.runtime import etcd as etcd_mod
+    from chameleon_ft.runtime.etcd import EtcdWatch
+
+    monkeypatch.setattr(etcd_mod, "_suspect", {})
+    ep, certs = secured
+    store = _store(ep, _security(certs))
+    w = EtcdWatch(store.client, store._k("cft/abort/"))
+    assert w.keys(0.05) == [] and w.streaming
+    store.set("cft/abort/g1", "x")
+    assert w.keys(5.0) == [b"g1"]
+    w.close()
+    store.client._token = "expired"
+    store.set("cft/abort/g2", "x")  # (the store's request fetches a new token first)
+    store.client._token = "expired"
+    with pytest.raises(etcd_mod.EtcdError, match="auth token"):
+        w.keys(0.05)
+    assert etcd_mod._suspect == {} and store.client._token is None
+    assert w.keys(5.0) == [b"g2"]  # resumed after g1: nothing missed
+    w.close()
+
+
 @pytest.mark.parametrize("case, security, said", [
     ("no certificate", dict(cert="none"), "refused the TLS handshake"),
     ("another CA's certificate", dict(cert="stranger"), "refused the TLS handshake"),
