@@ -53,6 +53,18 @@ def silent():
     srv.close()
 
 
+def _count_requests(monkeypatch) -> list:
+    """Every request of every ``EtcdClient`` of this process, counted in ``[n]``."""
+    calls = [0]
+    real = EtcdClient.call
+
+    def counted(self, path, body):
+        calls[0] += 1
+        return real(self, path, body)
+    monkeypatch.setattr(EtcdClient, "call", counted)
+    return calls
+
+
 def _timed(fn) -> float:
     t = time.monotonic()
     fn()
@@ -234,13 +246,7 @@ def test_the_abort_watcher_over_etcd_sees_an_end_at_once_and_reads_only_a_few_ti
     from chameleon_ft.runtime.coordination import abort_key
 
     monkeypatch.setattr(etcd, "_suspect", {})
-    calls = [0]
-    real = EtcdClient.call
-
-    def counted(self, path, body):
-        calls[0] += 1
-        return real(self, path, body)
-    monkeypatch.setattr(EtcdClient, "call", counted)
+    calls = _count_requests(monkeypatch)
     store = EtcdStore([member], "/cft/taw/", timeout=timedelta(seconds=5))
     view = SimpleNamespace(token="g7")
     seen, stop = [], threading.Event()
@@ -272,13 +278,7 @@ def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_
     """``EtcdStore.add`` tries the value and revision it last wrote (a liveness counter: one
     compare-and-swap, no read first) and falls back to a read when another client wrote since;
     ``multi_get`` of keys under different parents is one transaction."""
-    calls = [0]
-    real = EtcdClient.call
-
-    def counted(self, path, body):
-        calls[0] += 1
-        return real(self, path, body)
-    monkeypatch.setattr(EtcdClient, "call", counted)
+    calls = _count_requests(monkeypatch)
     a = EtcdStore([member], "/cft/tadd/", timeout=timedelta(seconds=2))
     b = a.clone()
     assert a.add("c", 1) == 1 and a.add("c", 1) == 2
