@@ -653,8 +653,11 @@ class EtcdStore(dist.Store):
         mine = self._written.get(k)
         while True:
             got = mine or self.client.get(k)
-            mine = None
             new = fn(None if got is None else got[0])
+            if new is None and mine is not None:  # a remembered value proves nothing: read it
+                mine = None
+                continue
+            mine = None
             if new is None:
                 return b"" if got is None else got[0]
             rev = self.client.swap(k, new, None if got is None else got[1])

@@ -287,6 +287,8 @@ def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_
     assert b.add("c", 10) == 17  # another writer: a's remembered revision is stale
     c0 = calls[0]
     assert a.add("c", 1) == 18 and calls[0] - c0 == 3  # the failed swap, a read, the swap
+    assert b.compare_set("c", "18", "x") == b"x"  # b's remembered "17" is stale: it reads, then sets
+    assert a.compare_set("c", "18", "y") == b"x"  # a declines on the value there now, not on its own
     for k, v in (("cft/beat/0", "3"), ("cft/beat/2", "4"), ("cft/liveness", "{}")):
         a.set(k, v)
     c0 = calls[0]
