@@ -41,6 +41,8 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.systems import free_port  # noqa: E402
 
 
 # ---------------------------------------------------------------- the host process (members)
@@ -171,19 +173,12 @@ while True:
 """
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Etcd:
     """A 3-member etcd cluster on loopback (Debian's ``etcd``; 50 ms heartbeats, 500 ms
     election timeout: the namespace nodes' settings in ``tests/_helpers/netns.py``)."""
 
     def __init__(self, data: Path) -> None:
-        ports = [(_free_port(), _free_port()) for _ in range(3)]
+        ports = [(free_port(), free_port()) for _ in range(3)]
         peers = ",".join(f"e{i}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(ports))
         self.procs = []
         for i, (c, p) in enumerate(ports):

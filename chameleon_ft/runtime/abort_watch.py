@@ -112,25 +112,20 @@ class AbortWatcher:
             view = self._view()
             try:
                 aborted = view is not None and store.check([abort_key(view.token)])
-                self.aborted_token = view.token if aborted else self.aborted_token
                 self.last_ok, self.watching = time.monotonic(), True
-            except Exception:  # unreachable: a partition, the coordinator gone, etcd without quorum
+            except Exception:  # unreachable: a partition, the coordinator gone
                 aborted = False
-                if isinstance(store, EtcdStore) and store.client.answers():
-                    self._no_quorum_at = time.monotonic()
-            if not aborted or view.token == acted or self._stop.is_set() or not self._on_ended(view):
+            if self._ended(view, aborted, acted):
+                acted = view.token
+            else:
                 self._stop.wait(self.poll_s)
-                continue
-            acted = view.token
 
     def _watch(self, store: EtcdStore) -> None:
         """The watcher over etcd: the abort keys come on a watch stream (``EtcdWatch``: no
         request while nothing ends), and the current generation's key is also read every
         ``READ_EVERY_S`` (and after each reopening of the stream) -- what a stream from a member
         cut off from its quorum would not bring, and the guard's sign that etcd answers."""
-        from chameleon_ft.runtime.etcd import EtcdWatch
-
-        watch = EtcdWatch(store.client, store._k(abort_key("")))
+        watch = store.watch(abort_key(""))
         ended: set[str] = set()  # generations seen ended
         acted: Optional[str] = None
         read_at = 0.0
@@ -153,12 +148,16 @@ class AbortWatcher:
             except Exception:  # the stream's member lost: read each time until it is back
                 read_at = 0.0
                 self._stop.wait(self.poll_s)
-            aborted = view is not None and view.token in ended
-            self.aborted_token = view.token if aborted else self.aborted_token
-            if not aborted or view.token == acted or self._stop.is_set() or not self._on_ended(view):
-                continue
-            acted = view.token
+            if self._ended(view, view is not None and view.token in ended, acted):
+                acted = view.token
         watch.close()
+
+    def _ended(self, view, aborted: bool, acted: Optional[str]) -> bool:
+        """Note what the watcher saw of ``view``; True when it acted on its end now (once per
+        generation: not again for ``acted``; ``on_ended`` may decline, and is asked again)."""
+        if aborted:
+            self.aborted_token = view.token
+        return aborted and view.token != acted and not self._stop.is_set() and self._on_ended(view)
 
     def _store(self):
         """The watcher's own store client, retried for three connect timeouts; past that the

@@ -504,7 +504,9 @@ class EtcdWatch:
             raw = b""
             deadline = time.monotonic() + c.timeout_s
             while b"\r\n\r\n" not in raw:
-                raw += self._recv_some(deadline - time.monotonic())
+                if time.monotonic() > deadline:
+                    raise EtcdError("no answer in time")
+                raw += self._read(deadline - time.monotonic())
         except (OSError, EtcdError) as exc:
             self.close()
             self._i += 1  # the next member next time; the process's other clients leave it too
@@ -522,30 +524,27 @@ class EtcdWatch:
             raise EtcdError(f"etcd {ep}: the watch was refused: {status.decode(errors='replace')}")
         self._dechunk()
 
-    def _recv_some(self, left: float) -> bytes:
+    def _read(self, left: float) -> bytes:
+        """What the stream brings within ``left`` seconds (b"": nothing came); EtcdError when it
+        ended or failed."""
         sock = self._sock
         pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
-        if left <= 0 or not (pending or select.select([sock], [], [], left)[0]):
-            raise EtcdError("no answer in time")
-        data = sock.recv(65536)
+        if not pending and not select.select([sock], [], [], max(0.0, left))[0]:
+            return b""
+        try:
+            data = sock.recv(65536)
+        except OSError as exc:
+            raise EtcdError(f"the watch stream failed: {exc}") from None
         if not data:
             raise EtcdError("the member closed the watch stream")
         return data
 
     def _receive(self, left: float) -> None:
-        sock = self._sock
-        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
-        if not pending and not select.select([sock], [], [], left)[0]:
-            return
         try:
-            data = sock.recv(65536)
-        except OSError as exc:
+            self._raw += self._read(left)
+        except EtcdError:
             self.close()
-            raise EtcdError(f"the watch stream failed: {exc}") from None
-        if not data:
-            self.close()
-            raise EtcdError("the member closed the watch stream")
-        self._raw += data
+            raise
         self._dechunk()
 
     def _dechunk(self) -> None:
@@ -611,6 +610,10 @@ class EtcdStore(dist.Store):
 
     def _k(self, key) -> bytes:
         return self.prefix + (key if isinstance(key, bytes) else str(key).encode())
+
+    def watch(self, prefix: str) -> EtcdWatch:
+        """A watch stream (``EtcdWatch``) on this store's keys starting with ``prefix``."""
+        return EtcdWatch(self.client, self._k(prefix))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
