@@ -150,9 +150,12 @@ class CoordinatorServer:
         # v4-mapped ``::ffff:127.0.0.1`` that look-up goes to the DNS server, and where that
         # answers slowly (measured: 5 s) every client of the job waits, the workers' cut-off
         # (3 s) fires and the job stops.  Bound to 127.0.0.1 the peer is found in /etc/hosts.
-        self._listen = _listen_socket(host, store_port)
-        self._raw = dist.TCPStore(host, self._listen.getsockname()[1], is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=30), master_listen_fd=self._listen.fileno())
+        # The store owns the socket from here (it closes the fd when it goes): the Python object
+        # lets go of it, or its own close would later close whatever fd took the same number.
+        listen = _listen_socket(host, store_port)
+        port = listen.getsockname()[1]
+        self._raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=30), master_listen_fd=listen.detach())
         digest = job_digest(token)
         self._raw.set(AUTH_KEY, digest)
         self.store = namespaced(self._raw, digest)  # what the launcher reads and writes

@@ -238,6 +238,36 @@ def test_coordinator_store_listens_on_loopback_only():
         server.shutdown()
 
 
+def test_the_coordinators_store_owns_its_listening_socket():
+    """TCPStore closes the fd it is handed when it goes.  The coordinator's Python socket lets go
+    of it: were it closed there too, the store would stop accepting once the server object went
+    (a launcher keeps only the store), and its later close would hit whatever fd took the number
+    -- a presence connection of another coordinator in the same process."""
+    import gc
+    import socket
+
+    from chameleon_ft.runtime.coordination import CoordinatorServer
+    from chameleon_ft.runtime.membership import connect_store
+
+    server = CoordinatorServer()
+    server.shutdown()
+    store, addr = server.store, server.store_addr
+    del server
+    gc.collect()
+    a, b = socket.socketpair()  # the lowest free numbers: what a double close would hit
+    try:
+        client = connect_store(addr, 5.0)
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        del store, client
+        gc.collect()
+        a.sendall(b"x")
+        assert b.recv(1) == b"x"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
     # A join window far longer than the test: only a complete set of askers forms a quorum in
     # time.  Round 1: workers 0, 1, 2.  Worker 2 dies; its launcher asks in its name: the
