@@ -1,16 +1,17 @@
 """One worker's abort watcher and coordinator guard: a thread and a store client of their own.
 
-* **The watcher** polls the current generation's abort key every ``poll_s`` (20 ms: well
-  inside the Lighthouse's join window) with its own store client (a client serialises its
-  requests) -- over etcd it watches the abort keys instead (a stream etcd pushes them on; the
-  current key read every ``READ_EVERY_S``) -- and, once per generation, calls ``on_ended(view)``
-  when it sees it ended: the
+* **The watcher** learns that the current generation ended from a stream -- over etcd a watch
+  on the abort keys, over the embedded coordinator the ``ended`` lines the coordinator writes on
+  the worker's presence connection (``runtime/presence.py``) -- and reads the current key every
+  ``READ_EVERY_S`` besides, with its own store client (a client serialises its requests);
+  without a stream it polls the key every ``poll_s`` (20 ms: well inside the Lighthouse's join
+  window).  Once per generation it calls ``on_ended(view)`` when it sees it ended: the
   membership then asks for the next quorum on behalf of a main thread that is still computing
   (``Membership._generation_ended``).  Without it a member busy in a long forward, an
   evaluation batch or a checkpoint write would ask only at its next collective and, when that
   is more than the join window after the first survivor asked, be left out: a healthy worker
   evicted, then re-admitted one round later.  ``abort_seen(token)`` is its flag (no request).
-  It polls rather than blocks: a blocking ``store.wait`` logs a c10d warning at every timeout.
+  No blocking ``store.wait``: TCPStore's logs a c10d warning at every timeout.
 * **The guard** stops the worker (exit 3, ``MEMBERSHIP_EXIT_CODE``) when the coordinator has not
   answered any of its threads for ``cut_off_s`` (``quorum_wait_s`` while an etcd member answers
   without a quorum): it is on the wrong side of a partition, or the coordinator is gone, and
@@ -39,7 +40,7 @@ from chameleon_ft.runtime.etcd import EtcdStore, is_etcd
 __all__ = ["AbortWatcher"]
 
 PAUSED_AFTER_S = 0.5  # no answer for this long: paused (nothing is committed)
-READ_EVERY_S = 0.25  # over etcd: the current generation's abort key read besides the watch stream
+READ_EVERY_S = 0.25  # with a stream of the ends: the current generation's abort key read besides
 
 
 class AbortWatcher:
@@ -54,13 +55,16 @@ class AbortWatcher:
         stop: the membership's stop event (set on close).
         cut_off_s: the guard's limit (None: no guard); quorum_wait_s: its limit while etcd
             answers without a quorum.
+        presence: the worker's ``PresenceClient`` (or None), read when the watcher starts: over
+            the embedded coordinator the generations' ends come on it.
     """
 
     def __init__(self, worker_id: int, store_addr: str, connect_timeout_s: float, *,
                  view: Callable[[], object], on_ended: Callable[[object], bool], stop: threading.Event,
-                 cut_off_s: Optional[float], quorum_wait_s: float, poll_s: float = 0.02) -> None:
+                 cut_off_s: Optional[float], quorum_wait_s: float, poll_s: float = 0.02,
+                 presence: Callable[[], object] = lambda: None) -> None:
         self.worker_id, self.store_addr, self.connect_timeout_s = worker_id, store_addr, connect_timeout_s
-        self._view, self._on_ended, self._stop = view, on_ended, stop
+        self._view, self._on_ended, self._stop, self._presence = view, on_ended, stop, presence
         self.cut_off_s, self.quorum_wait_s, self.poll_s = cut_off_s, quorum_wait_s, poll_s
         self.last_ok = time.monotonic()  # the coordinator's last answer to any thread of the worker
         self.aborted_token: Optional[str] = None  # the last generation seen ended
@@ -106,26 +110,21 @@ class AbortWatcher:
         if store is None:
             return  # closed meanwhile
         if isinstance(store, EtcdStore):
-            return self._watch(store)
-        acted: Optional[str] = None  # the generation it last acted on
-        while not self._stop.is_set():
-            view = self._view()
+            watch = store.watch(abort_key(""))
             try:
-                aborted = view is not None and store.check([abort_key(view.token)])
-                self.last_ok, self.watching = time.monotonic(), True
-            except Exception:  # unreachable: a partition, the coordinator gone
-                aborted = False
-            if self._ended(view, aborted, acted):
-                acted = view.token
-            else:
-                self._stop.wait(self.poll_s)
+                self._watch(store, watch)
+            finally:
+                watch.close()
+        else:
+            self._watch(store, self._presence())
 
-    def _watch(self, store: EtcdStore) -> None:
-        """The watcher over etcd: the abort keys come on a watch stream (``EtcdWatch``: no
-        request while nothing ends), and the current generation's key is also read every
-        ``READ_EVERY_S`` (and after each reopening of the stream) -- what a stream from a member
-        cut off from its quorum would not bring, and the guard's sign that etcd answers."""
-        watch = store.watch(abort_key(""))
+    def _watch(self, store, stream) -> None:
+        """The ends come on ``stream`` (etcd's watch, or the embedded coordinator's writes on
+        the presence connection: no request while nothing ends), and the current generation's
+        key is also read every ``READ_EVERY_S`` (and after each reopening of the stream) --
+        what a stream from an etcd member cut off from its quorum, or a line the coordinator
+        dropped, would not bring, and the guard's sign that the coordinator answers.  Without a
+        stream (None, or one that fails) the key is read every ``poll_s``."""
         ended: set[str] = set()  # generations seen ended
         acted: Optional[str] = None
         read_at = 0.0
@@ -137,20 +136,21 @@ class AbortWatcher:
                         ended.add(view.token)
                     self.last_ok, self.watching = time.monotonic(), True
                     read_at = time.monotonic() + READ_EVERY_S
-                except Exception:  # unreachable: a partition, etcd without quorum
-                    if store.client.answers():
+                except Exception:  # unreachable: a partition, etcd without quorum, the coordinator gone
+                    if isinstance(store, EtcdStore) and store.client.answers():
                         self._no_quorum_at = time.monotonic()
             try:
-                opened = watch.streaming
-                ended.update(k.decode() for k in watch.keys(self.poll_s))  # (waits; no request)
+                if stream is None:
+                    raise OSError("no stream")
+                opened = stream.streaming
+                ended.update(k.decode() for k in stream.keys(self.poll_s))  # (waits; no request)
                 if not opened:
                     read_at = 0.0  # a write before the stream began: read it once more
-            except Exception:  # the stream's member lost: read each time until it is back
+            except Exception:  # no stream, or its member lost: read each time until it is back
                 read_at = 0.0
                 self._stop.wait(self.poll_s)
             if self._ended(view, view is not None and view.token in ended, acted):
                 acted = view.token
-        watch.close()
 
     def _ended(self, view, aborted: bool, acted: Optional[str]) -> bool:
         """Note what the watcher saw of ``view``; True when it acted on its end now (once per

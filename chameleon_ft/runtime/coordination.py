@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job",
            "read_stop", "stand_in_for_the_dead", "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced",
-           "connect_store", "presence_ended"]
+           "connect_store", "presence_ended", "GenerationEnds"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
 AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token
@@ -173,7 +173,8 @@ class CoordinatorServer:
         self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
                                                         timeout=timedelta(seconds=5)), digest)
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
-                                        lambda w, inc: presence_ended(self._presence_store, w, inc))
+                                        lambda w, inc: presence_ended(self._presence_store, w, inc),
+                                        ended=GenerationEnds(self._presence_store))
         self.store.set(PRESENCE_KEY, self._presence.address)
 
     def latest_view(self) -> Optional[dict]:
@@ -200,6 +201,32 @@ class CoordinatorServer:
     def shutdown(self) -> None:
         self._presence.close()
         self._lighthouse.shutdown()
+
+
+class GenerationEnds:
+    """The coordinator's side of the abort fan-out (``runtime/presence.py``): each call reads
+    the newest generation and the abort keys of the last few generations it saw newest, and
+    returns the tokens of those that ended since the last call -- a handful of requests per
+    call whatever the number of members, where every member polling its own key was N.
+
+    Limits: a generation newest for less than one call's interval is not watched (its members
+    read their own key, ``abort_watch.READ_EVERY_S``)."""
+
+    KEEP = 4  # generations watched: the newest ones, not yet seen ended
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+        self.seen: list[str] = []  # the last KEEP generations seen newest, oldest first
+        self.watched: list[str] = []  # those of them not seen ended
+
+    def __call__(self) -> list[str]:
+        latest = read_latest(self.store)
+        if latest is not None and latest["token"] not in self.seen:
+            self.seen = (self.seen + [latest["token"]])[-self.KEEP:]
+            self.watched = [t for t in self.watched if t in self.seen] + [latest["token"]]
+        ended = [t for t in self.watched if self.store.check([abort_key(t)])]
+        self.watched = [t for t in self.watched if t not in ended]
+        return ended
 
 
 def presence_ended(store, worker: int, incarnation: int, where: str = "the coordinator") -> None:

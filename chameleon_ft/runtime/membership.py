@@ -177,7 +177,7 @@ class Membership:
         # thread and store client, started by ``join`` when ``watch_aborts``.
         self.watcher = AbortWatcher(self.worker_id, store_addr, connect_timeout_s, view=lambda: self._view,
                                     on_ended=self._generation_ended, stop=self._stop, cut_off_s=cut_off_s,
-                                    quorum_wait_s=quorum_wait_s)
+                                    quorum_wait_s=quorum_wait_s, presence=lambda: getattr(self, "_presence", None))
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
         self._admitted_at: Optional[float] = None  # when this worker last ended a generation to join
         self._admission_tries = 0  # its admissions since, each within the reset time of the one before

@@ -17,6 +17,14 @@ incarnation and ``HMAC-SHA256(job token, nonce | worker | incarnation)``.  The t
 never sent and never stored, so a process that can read the store (or replay an earlier
 exchange) cannot register a worker and then close the connection to have it declared dead.
 
+The same connection carries the generations' ends the other way (embedded coordinator only):
+the server calls ``ended()`` every ``tick_s`` (20 ms) -- the coordinator reads the newest
+generations' abort keys, a constant load whatever the job's size -- and writes ``ended TOKEN``
+to every registered connection; a worker's abort watcher reads them (``PresenceClient.keys``)
+instead of polling its generation's key 50 times a second (``runtime/abort_watch.py``).  A line
+that does not fit a stalled worker's socket buffer is dropped: the watcher also reads its key
+four times a second.
+
 An etcd job has no coordinator process: there each node's launcher holds a presence socket
 (``CoordinatorOps.watch_presence``, published at ``presence_node_key``) and each worker connects to
 the *next* node's (``PRESENCE_NODE_ENV``), so a whole node lost is reported by its neighbour.
@@ -37,9 +45,11 @@ import json
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import threading
+import time
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -67,10 +77,14 @@ def proof(token: str, nonce: bytes, worker: int, incarnation: int) -> str:
 class PresenceServer:
     """Accepts the workers' connections on ``host`` (a random port: ``address``) and calls
     ``died(worker, incarnation)`` when a registered connection ends without a goodbye.  One
-    thread; nothing is read from a registered connection but its end (or its goodbye)."""
+    thread; nothing is read from a registered connection but its end (or its goodbye).  With
+    ``ended``: that thread also calls it every ``tick_s`` and writes each token it returns to
+    every registered connection (module doc)."""
 
-    def __init__(self, host: str, token: str, died: Callable[[int, int], None]):
+    def __init__(self, host: str, token: str, died: Callable[[int, int], None],
+                 ended: Optional[Callable[[], "list[str]"]] = None, tick_s: float = 0.02):
         self._token, self._died = token, died
+        self._ended, self.tick_s = ended, tick_s
         self._sel = selectors.DefaultSelector()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listen = socket.create_server((host.strip("[]"), 0), family=family, backlog=1024)
@@ -96,20 +110,41 @@ class PresenceServer:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        tick_at = time.monotonic()
         try:
             while True:
-                for key, _ in self._sel.select():
+                wait = None if self._ended is None else max(0.0, tick_at - time.monotonic())
+                for key, _ in self._sel.select(wait):
                     if key.data == "wake":
                         return
                     if key.data is None:
                         self._accept()
                     else:
                         self._readable(key.fileobj, key.data)
+                if self._ended is not None and time.monotonic() >= tick_at:
+                    tick_at = time.monotonic() + self.tick_s
+                    self._tell_ended()
         finally:
             for key in list(self._sel.get_map().values()):
                 key.fileobj.close()
             self._sel.close()
             self._wake_w.close()
+
+    def _tell_ended(self) -> None:
+        try:
+            tokens = self._ended()
+        except Exception as exc:  # (the store going down with the job: the workers read their keys)
+            log.debug("presence: could not read the generations' ends: %s", exc)
+            return
+        if not tokens:
+            return
+        lines = b"".join(b"ended " + t.encode() + b"\n" for t in tokens)
+        for key in list(self._sel.get_map().values()):
+            if isinstance(key.data, dict) and key.data["who"] is not None:
+                try:
+                    key.fileobj.send(lines)  # (non-blocking: a full buffer drops it, module doc)
+                except OSError:
+                    pass  # (its end, if it ended, is read next)
 
     def _accept(self) -> None:
         try:
@@ -169,7 +204,7 @@ class PresenceServer:
         state["who"] = (worker, incarnation)
         self.registered[worker] = incarnation
         try:
-            conn.send(b"ok\n")
+            conn.send(b"ok ended\n" if self._ended is not None else b"ok\n")
         except OSError:
             pass
 
@@ -206,6 +241,8 @@ class PresenceClient:
 
     def __init__(self) -> None:
         self._sock: Optional[socket.socket] = None
+        self.pushes = False  # the server writes the generations' ends on this connection
+        self._buf = b""
         if not _CLIENTS:
             atexit.register(goodbye)
         _CLIENTS.append(self)
@@ -215,18 +252,41 @@ class PresenceClient:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         try:
-            f = sock.makefile("rb")
+            f = sock.makefile("rb", buffering=0)  # (unbuffered: what follows the reply stays in the socket)
             nonce = bytes.fromhex(f.readline(100).decode().strip())
             sock.sendall(json.dumps({"worker": int(worker), "incarnation": int(incarnation),
                                      "proof": proof(token, nonce, worker, incarnation)}).encode() + b"\n")
-            if f.readline(10).strip() != b"ok":
+            reply = f.readline(20).split()
+            if reply[:1] != [b"ok"]:
                 raise ValueError("the coordinator refused this worker's presence (another job token?)")
+            self.pushes = b"ended" in reply[1:]
             f.close()
         except BaseException:
             sock.close()
             raise
         sock.settimeout(None)
         self._sock = sock
+
+    @property
+    def streaming(self) -> bool:
+        """The server writes the generations' ends here, and the connection is up."""
+        return self._sock is not None and self.pushes
+
+    def keys(self, timeout_s: float) -> "list[bytes]":
+        """The tokens of generations the server said ended, waiting up to ``timeout_s`` for
+        one; raises OSError when this connection does not carry them (any more).  One reader
+        (the abort watcher's thread)."""
+        sock = self._sock
+        if sock is None or not self.pushes:
+            raise OSError("no presence connection that carries the generations' ends")
+        if b"\n" not in self._buf and select.select([sock], [], [], timeout_s)[0]:
+            data = sock.recv(4096)
+            if not data:  # the coordinator's process is gone
+                self.pushes = False
+                raise OSError("the coordinator closed the presence connection")
+            self._buf += data
+        lines, _, self._buf = self._buf.rpartition(b"\n")
+        return [ln[6:] for ln in lines.split(b"\n") if ln.startswith(b"ended ")]
 
     def close(self) -> None:
         sock, self._sock = self._sock, None

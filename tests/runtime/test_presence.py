@@ -127,3 +127,102 @@ def test_only_a_holder_of_the_job_token_registers(coordinator):
     s.close()
     time.sleep(0.3)
     assert server._presence.registered == {} and not _dead(store)
+
+
+class _Counting:
+    """A store client that counts its requests (what the watcher's client sends)."""
+
+    def __init__(self, store):
+        self.store, self.requests = store, 0
+
+    def check(self, keys):
+        self.requests += 1
+        return self.store.check(keys)
+
+
+def test_the_coordinator_writes_each_end_once_and_the_watcher_reads_a_few_times_a_second(coordinator, monkeypatch):
+    """Over the embedded coordinator the abort watcher learns a generation's end from the line the
+    coordinator writes on its presence connection (``GenerationEnds``: one reader of the newest
+    generations' abort keys for the whole job): it sees the end within the coordinator's tick and
+    meanwhile reads its key ``1 / READ_EVERY_S`` times a second (it polled 50 times a second)."""
+    import threading
+    from types import SimpleNamespace
+
+    from chameleon_ft.runtime import abort_watch
+    from chameleon_ft.runtime.coordination import TOKEN_ENV, GenerationEnds, connect_store
+
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    server, store = coordinator
+    ends = GenerationEnds(store)  # its reads of the store, by hand: an end is told once
+    assert ends() == [] and ends.watched == ["gen4"]
+    store.set(abort_key("gen4"), "{}")
+    assert ends() == ["gen4"] and ends() == [] and ends.watched == []
+    store.set("cft/latest", json.dumps({"generation": 5, "members": [0, 3], "token": "gen5"}))
+    assert ends() == [] and ends.watched == ["gen5"]
+
+    client = PresenceClient()
+    client.connect(store.get(PRESENCE_KEY).decode(), "secret", 3, store.add(_incarnation_key(3), 1))
+    assert client.streaming
+    counting = _Counting(connect_store(server.store_addr, 5.0))
+    view = SimpleNamespace(token="gen5")
+    seen, stop = [], threading.Event()
+    w = abort_watch.AbortWatcher(3, server.store_addr, 5.0, view=lambda: view,
+                                 on_ended=lambda v: seen.append((v.token, time.monotonic())) or True,
+                                 stop=stop, cut_off_s=None, quorum_wait_s=60.0, presence=lambda: client)
+    w._store = lambda: counting
+    w.start()
+    try:
+        time.sleep(0.5)
+        c0 = counting.requests
+        time.sleep(2.0)
+        per_s = (counting.requests - c0) / 2.0
+        assert 0 < per_s <= 1.5 / abort_watch.READ_EVERY_S, per_s
+        assert w.abort_seen("gen5") is False and not seen
+        t0 = time.monotonic()
+        store.set(abort_key("gen5"), "{}")
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.002)
+        # the coordinator's tick (20 ms) and the line, not the watcher's own read (250 ms)
+        assert seen and seen[0][0] == "gen5" and seen[0][1] - t0 < 0.1, (seen, t0)
+        assert w.abort_seen("gen5") is True
+    finally:
+        stop.set()
+        w.join(2.0)
+        client.close()
+
+
+def test_a_presence_socket_that_carries_no_ends_leaves_the_watcher_polling():
+    """An etcd node launcher's presence socket writes no ends (etcd's watch brings them): the
+    client says so, and ``keys`` raises (the watcher then reads its key every ``poll_s``)."""
+    from chameleon_ft.runtime.presence import PresenceServer
+
+    server = PresenceServer("127.0.0.1", "secret", lambda w, inc: None)
+    client = PresenceClient()
+    try:
+        client.connect(server.address, "secret", 1, 1)
+        assert not client.streaming
+        with pytest.raises(OSError):
+            client.keys(0.01)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_watcher_polls_again_when_the_coordinator_closes_the_presence_connection():
+    """The coordinator's process gone: the client's stream ends (``keys`` raises, ``streaming``
+    false), and the watcher falls back to reading its key."""
+    from chameleon_ft.runtime.presence import PresenceServer
+
+    server = PresenceServer("127.0.0.1", "secret", lambda w, inc: None, ended=lambda: ["g1"], tick_s=0.05)
+    client = PresenceClient()
+    try:
+        client.connect(server.address, "secret", 1, 1)
+        assert client.streaming and b"g1" in client.keys(1.0)
+        server.close()
+        with pytest.raises(OSError, match="closed the presence connection"):
+            for _ in range(100):
+                client.keys(0.05)
+        assert not client.streaming
+    finally:
+        client.close()
