@@ -10,6 +10,7 @@ an etcd cluster instead (``runtime/etcd.py``).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -24,14 +25,14 @@ import torch.distributed as dist
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
 from chameleon_ft.runtime.errors import ConfigError, MembershipError
 from chameleon_ft.runtime.etcd import EtcdRefused, EtcdStore, is_etcd, parse_etcd
-from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceServer
+from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceServer, proof
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job",
            "read_stop", "stand_in_for_the_dead", "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced",
-           "connect_store", "presence_ended", "GenerationEnds"]
+           "connect_store", "presence_ended", "GenerationEnds", "join_proof", "proven", "registry"]
 
 TOKEN_ENV = "CHAMELEON_FT_JOB_TOKEN"
 AUTH_KEY = "cft/auth"  # outside the job's namespace: the digest of the job token
@@ -120,6 +121,36 @@ def first_to_record(store: dist.Store, worker_id: int) -> bool:
         return True
 
 
+def join_proof(worker: int, incarnation: int) -> str:
+    """What a worker's registration and quorum requests carry to show it holds the job token
+    (``TOKEN_ENV``): an HMAC under the token of its id and incarnation (``presence.proof``
+    with the label ``join``).  The token itself is neither sent nor stored.  Limits: a copy of
+    one worker's proof stands for that worker and incarnation only (it can be replayed as that
+    worker, not as another or a new one)."""
+    return proof(os.environ.get(TOKEN_ENV, ""), b"join", worker, incarnation)
+
+
+def proven(worker: int, record) -> bool:
+    """Whether ``record`` (``[incarnation, proof]``) is ``worker``'s join proof."""
+    try:
+        incarnation, given = int(record[0]), str(record[1])
+    except (TypeError, ValueError, IndexError):
+        return False
+    return hmac.compare_digest(given, join_proof(worker, incarnation))
+
+
+def registry(store: dist.Store) -> dict[int, list]:
+    """Every worker that registered (``Membership.join``): id -> ``[incarnation, join proof]``
+    of its newest registration (not checked here: ``proven``)."""
+    raw = read_value(store, _REGISTRY_KEY)
+    out: dict[int, list] = {}
+    for entry in (raw or b"").decode().split(","):
+        parts = entry.strip().split(":")
+        if parts[0].isdigit():  # (anything else is not ours: left out)
+            out[int(parts[0])] = [parts[1] if len(parts) > 1 else None, parts[2] if len(parts) > 2 else None]
+    return out
+
+
 def abort_key(token: str) -> str:
     """Store key that, once set, ends the generation ``token`` for every member."""
     return f"cft/abort/{token}"
@@ -183,10 +214,7 @@ class CoordinatorServer:
 
     def registered(self) -> set[int]:
         """Worker ids that ever joined."""
-        if not self.store.check([_REGISTRY_KEY]):
-            return set()
-        raw = self.store.get(_REGISTRY_KEY).decode()
-        return {int(x) for x in raw.split(",") if x.strip()}
+        return set(registry(self.store))
 
     def dead_workers(self) -> set[int]:
         """Workers that joined once but are not members of the newest generation."""

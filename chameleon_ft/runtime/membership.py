@@ -63,7 +63,8 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
     _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, dead_workers, read_latest, read_stop,
-    read_value, report_dead, reported_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job)
+    read_value, report_dead, reported_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job, join_proof, registry)
+from chameleon_ft.runtime.coordination import proven as _proven  # noqa: E402
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
 from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
@@ -86,6 +87,9 @@ ADMISSION_BACKOFF_RESET_S = 30.0
 
 __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer", "abort_key",
            "read_latest", "report_dead", "stop_job", "read_stop", "connect_store", "stand_in_for_the_dead"]
+
+
+_PROOFS_KEY = "cft/proofs/"  # + a generation's token: its members' join proofs (``_publish``)
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,9 @@ class Membership:
                                     on_ended=self._generation_ended, stop=self._stop, cut_off_s=cut_off_s,
                                     quorum_wait_s=quorum_wait_s, presence=lambda: getattr(self, "_presence", None))
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
+        self.incarnation = 0  # (the store's, from ``join``)
+        self._proofs: dict[int, list] = {}  # the last quorum's members' join proofs (``_to_view``)
+        self._refused_said: set[int] = set()  # workers left out for a bad join proof (said once)
         self._admitted_at: Optional[float] = None  # when this worker last ended a generation to join
         self._admission_tries = 0  # its admissions since, each within the reset time of the one before
 
@@ -193,12 +200,13 @@ class Membership:
         A worker that joins a running job (a replacement) first ends the running generation,
         so that the members come to the Lighthouse and admit it.
         """
-        self.store.append(_REGISTRY_KEY, f"{self.worker_id},")
-        if self.store.add(_REGISTERED_KEY, 1) == min_world_size:  # the last of the launch: say so once
-            self.store.set(_ENOUGH_KEY, "1")
         # A replacement reusing this id gets a new incarnation, so the launcher's death
         # report about its predecessor does not apply to it.
         self.incarnation = self.store.add(_incarnation_key(self.worker_id), 1)
+        self.store.append(_REGISTRY_KEY, f"{self.worker_id}:{self.incarnation}:"
+                                         f"{join_proof(self.worker_id, self.incarnation)},")
+        if self.store.add(_REGISTERED_KEY, 1) == min_world_size:  # the last of the launch: say so once
+            self.store.set(_ENOUGH_KEY, "1")
         self._register_presence()
         self._first_heartbeat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -261,7 +269,9 @@ class Membership:
             if len(self._registered()) < min_world_size:
                 raise MembershipError(f"worker {self.worker_id}: only {len(self._registered())} of "
                                       f"{min_world_size} workers registered in time") from None
-        proposal = {"generation": 0, "members": sorted(self._registered()), "token": f"0.{time.time_ns()}"}
+        proofs = self._registered()
+        proposal = {"generation": 0, "members": sorted(proofs), "token": f"0.{time.time_ns()}",
+                    "proofs": {str(w): r for w, r in proofs.items()}}
         first = json.loads(self.store.compare_set(_FIRST_KEY, "", json.dumps(proposal)).decode())
         if self.worker_id not in first["members"]:
             return None
@@ -272,7 +282,20 @@ class Membership:
         return self._json_key(_FIRST_KEY)
 
     def _take_first(self, first: dict) -> MembershipView:
-        members = tuple(first["members"])
+        """The agreed first generation, without any worker it names whose join proof it does
+        not carry (a proposal forged in the store: every member leaves out the same ones)."""
+        proofs = first.get("proofs") or {}
+        members = []
+        for w in first["members"]:
+            if _proven(w, proofs.get(str(w))):
+                members.append(w)
+            else:
+                self._refused(w)
+        members = tuple(members)
+        if self.worker_id not in members:
+            raise MembershipError(f"worker {self.worker_id}: the job's first generation in the store does not "
+                                  "hold this worker's join proof (was it written by a process of another job?)")
+        self._proofs = {int(w): r for w, r in proofs.items() if int(w) in members}
         view = MembershipView(generation=0, members=members, rank=members.index(self.worker_id),
                               world_size=len(members), token=first["token"])
         self._view = view
@@ -481,6 +504,13 @@ class Membership:
                 or self.store.check([abort_key(latest["token"])])):
             return None
         members = tuple(int(w) for w in latest["members"])
+        if not isinstance(self._client, EtcdQuorum):  # over the Lighthouse: its members' proofs
+            proofs = self._json_key(_PROOFS_KEY + str(latest["token"])) or {}
+            unproven = [w for w in members if not _proven(w, proofs.get(str(w)))]
+            if unproven:
+                for w in unproven:
+                    self._refused(w)
+                return None
         return MembershipView(generation=int(latest["generation"]), members=members,
                               rank=members.index(self.worker_id), world_size=len(members), token=latest["token"])
 
@@ -497,9 +527,25 @@ class Membership:
 
     def _to_view(self, quorum) -> Optional[MembershipView]:
         """The view of ``quorum`` without the dead workers a launcher stood in for
-        (``stand_in_for_the_dead``); None when this worker's own request was overwritten by
-        such a stand-in (a replacement that reuses a dead worker's id: it asks again)."""
-        members = tuple(sorted(int(p.replica_id) for p in quorum.participants if not _stood_in(p)))
+        (``stand_in_for_the_dead``) and, over the Lighthouse, without any participant whose
+        request does not carry a valid join proof (``join_proof``: it does not hold the job
+        token; every member leaves out the same ones); None when this worker's own request was
+        overwritten by such a stand-in (a replacement that reuses a dead worker's id: it asks
+        again).  The proofs of the members are kept for ``_publish``."""
+        members, proofs = [], {}
+        for p in quorum.participants:
+            if _stood_in(p):
+                continue
+            w, data = int(p.replica_id), getattr(p, "data", None)
+            if isinstance(data, dict):  # (the Lighthouse; etcd's members carry no data: etcd's auth)
+                record = [data.get("incarnation"), data.get("proof")]
+                if not _proven(w, record):
+                    self._refused(w)
+                    continue
+                proofs[w] = record
+            members.append(w)
+        members = tuple(sorted(members))
+        self._proofs = proofs
         if self.worker_id not in members:
             return None
         created = quorum.created
@@ -508,11 +554,19 @@ class Membership:
                               rank=members.index(self.worker_id), world_size=len(members),
                               token=token)
 
+    def _refused(self, worker: int) -> None:
+        if worker not in self._refused_said:
+            self._refused_said.add(worker)
+            log.warning("worker %d: a quorum request as worker %d without a valid join proof was left out "
+                        "(a process without this job's token, or of another job at the same coordinator)",
+                        self.worker_id, worker)
+
     def _ask_data(self, token: Optional[str]) -> dict:
         """This worker's quorum request data; over etcd also who the report that ended generation
         ``token`` suspects (``EtcdQuorum`` does not wait for them although their leases may
         outlast the report; the Lighthouse has its stand-ins, so no read for it)."""
-        data: dict = {"worker_id": self.worker_id}
+        data: dict = {"worker_id": self.worker_id, "incarnation": self.incarnation,
+                      "proof": join_proof(self.worker_id, self.incarnation)}
         if token and isinstance(self._client, EtcdQuorum):
             record = self._json_key(abort_key(token)) or {}
             data["suspects"] = [int(w) for w in record.get("suspects", ())]
@@ -521,9 +575,15 @@ class Membership:
     def _reported_dead(self, members) -> tuple[int, ...]:
         return tuple(w for w in members if w != self.worker_id and reported_dead(self.store, w))
 
-    def _registered(self) -> set[int]:
-        raw = self.store.get(_REGISTRY_KEY).decode() if self.store.check([_REGISTRY_KEY]) else ""
-        return {int(x) for x in raw.split(",") if x.strip()}
+    def _registered(self) -> dict[int, list]:
+        """The workers that registered with a valid join proof: id -> [incarnation, proof]."""
+        out = {}
+        for w, record in registry(self.store).items():
+            if _proven(w, record):
+                out[w] = record
+            else:
+                self._refused(w)
+        return out
 
     def _latest(self) -> Optional[dict]:
         return self._json_key(_LATEST_KEY)
@@ -566,6 +626,8 @@ class Membership:
         latest = self._latest()
         mine = (view.generation, view.token)
         if latest is None or (latest.get("generation", -1), latest.get("token", "")) < mine:
+            if self._proofs:  # (before the view: who adopts it from the store checks them)
+                self.store.set(_PROOFS_KEY + view.token, json.dumps({str(w): r for w, r in self._proofs.items()}))
             self.store.set(_LATEST_KEY, view.to_json())
 
     def _coordinator_alive(self) -> bool:

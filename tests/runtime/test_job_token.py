@@ -39,6 +39,15 @@ def _refused(tmp, first_extra, second_extra) -> str:
     first = _launch(tmp, 0, "alpha", *first_extra)
     try:
         time.sleep(3.0)  # the coordinator is up (or the job's token is in etcd)
+        ep = first_extra[first_extra.index("--rdzv-endpoint") + 1]
+        if not ep.startswith("etcd"):  # (a loaded machine: the launcher's start can take longer)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    socket.create_connection(tuple(ep.rsplit(":", 1)), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.2)
         second = _launch(tmp, 1, "beta", *second_extra)
         out, _ = second.communicate(timeout=60)
         assert second.returncode == 1, out  # as for an unreachable coordinator

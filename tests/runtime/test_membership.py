@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,6 +279,7 @@ def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
 
     from torchft._torchft import LighthouseClient
 
+    from chameleon_ft.runtime.coordination import join_proof
     from chameleon_ft.runtime.membership import stand_in_for_the_dead
 
     server = CoordinatorServer(join_timeout_ms=20_000, heartbeat_timeout_ms=60_000)
@@ -292,8 +294,12 @@ def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
         if first_round:  # every one healthy before anyone asks: else the first two form a round alone
             beating.wait(10)
         t0 = time.monotonic()
-        q = c.quorum(replica_id=str(w), timeout=timedelta(seconds=15), data={"worker_id": w})
+        q = c.quorum(replica_id=str(w), timeout=timedelta(seconds=15),
+                     data={"worker_id": w, "incarnation": 1, "proof": join_proof(w, 1)})
         got[w] = (time.monotonic() - t0, q)
+
+    def member(w):  # what ``_to_view`` reads of its member
+        return SimpleNamespace(worker_id=w, _refused=lambda _w: None)
 
     try:
         ts = [threading.Thread(target=ask, args=(w, True)) for w in (0, 1, 2)]
@@ -308,10 +314,10 @@ def test_a_stand_in_for_a_dead_worker_completes_the_quorum_at_once():
         assert sorted(got) == [0, 1]
         assert max(s for s, _ in got.values()) < 5.0  # not the 20 s window
         for w, (_, q) in got.items():
-            view = Membership._to_view(SimpleNamespace(worker_id=w), q)
+            view = Membership._to_view(member(w), q)
             assert view.members == (0, 1) and view.world_size == 2
         # A replacement whose request a stand-in overwrote is not in its own view: it asks again.
-        assert Membership._to_view(SimpleNamespace(worker_id=2), got[0][1]) is None
+        assert Membership._to_view(member(2), got[0][1]) is None
     finally:
         server.shutdown()
 
@@ -619,13 +625,13 @@ def test_waiting_for_left_out_members_ends_as_each_case_requires(monkeypatch):
 
 
 @contextlib.contextmanager
-def _joined(n: int, heartbeat_timeout_ms: int, liveness_s=None):
+def _joined(n: int, heartbeat_timeout_ms: int, liveness_s=None, join_timeout_ms: int = 50):
     """A coordinator and ``n`` members (no abort watcher; liveness counters judged after
     ``liveness_s``, None: not at all) in the job's first generation, all of them:
     ``(server, members)``; closed and shut down at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = CoordinatorServer(join_timeout_ms=50, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    server = CoordinatorServer(join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
     members = {w: Membership(w, server.store_addr, server.lighthouse_addr, watch_aborts=False,
                              heartbeat_timeout_s=liveness_s, cut_off_s=None) for w in range(n)}
     try:
@@ -650,7 +656,8 @@ def test_a_quorum_formed_while_a_request_had_timed_out_is_taken_from_the_publish
     with _joined(2, heartbeat_timeout_ms=5_000) as (server, members):
         first = members[1].view()
         with pytest.raises(Exception):  # not answered in time: stays a participant
-            members[0]._client.quorum(replica_id="0", timeout=timedelta(seconds=0.3), data={"worker_id": 0})
+            members[0]._client.quorum(replica_id="0", timeout=timedelta(seconds=0.3),
+                                      data=members[0]._ask_data(None))
         got1 = members[1].next_view(timeout_s=10)
         assert got1.members == (0, 1) and got1.generation > first.generation
         t0 = time.monotonic()
@@ -822,3 +829,49 @@ def test_the_abort_watcher_puts_a_worker_in_the_next_quorum_unless_it_is_leaving
             t.join(15)
         assert got[0].members == got[1].members == ((0, 1) if leaving else (0, 1, 2))
         assert members[2].early_joins == (0 if leaving else 1)
+
+
+def test_a_process_with_the_stores_contents_but_not_the_token_cannot_join(monkeypatch):
+    """A quorum request carries an HMAC under the job token of the worker's id and incarnation
+    (``join_proof``); the token is neither sent nor stored.  A process that read every key of
+    the store and every earlier request -- here it replays worker 0's proof as worker 7, and
+    publishes a newer generation naming itself with the proofs it copied -- is left out of the
+    members' generation and its forged generation is not adopted; the members go on."""
+    import json as _json
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    from chameleon_ft.runtime.coordination import TOKEN_ENV, read_latest
+    from chameleon_ft.runtime.membership import _PROOFS_KEY
+
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    with _joined(2, heartbeat_timeout_ms=5_000, join_timeout_ms=1_000) as (server, members):
+        first = members[0].view()
+        copied = _json.loads(server.store.get(_PROOFS_KEY + first.token))  # the store's contents
+        assert set(copied) == {"0", "1"} and "secret" not in str(copied)
+        inc0, proof0 = copied["0"]
+        intruder = LighthouseClient(server.lighthouse_addr, connect_timeout=timedelta(seconds=5))
+        asked = []
+        t = threading.Thread(target=lambda: asked.append(intruder.quorum(
+            replica_id="7", timeout=timedelta(seconds=10),
+            data={"worker_id": 7, "incarnation": inc0, "proof": proof0})), daemon=True)
+        members[0].report_failure([], "test: a new generation, the intruder asking with the members")
+        from concurrent.futures import ThreadPoolExecutor
+        t.start()  # (the quorum forms 1 s after the first request: all three are in it)
+        with ThreadPoolExecutor(2) as pool:
+            views = list(pool.map(lambda w: members[w].next_view(timeout_s=10), (0, 1)))
+        t.join(10)
+        assert asked and 7 in {int(p.replica_id) for p in asked[0].participants}  # it was in the quorum
+        assert [v.members for v in views] == [(0, 1), (0, 1)], views
+        # A generation forged in the store, newer, naming the intruder, with the proofs it copied:
+        forged = {"generation": views[0].generation + 5, "members": [0, 1, 7], "token": "forged"}
+        server.store.set(_PROOFS_KEY + "forged", _json.dumps({**copied, "7": [inc0, proof0]}))
+        server.store.set("cft/latest", _json.dumps(forged))
+        assert read_latest(server.store)["token"] == "forged"
+        assert members[1]._missed_quorum(views[1].token, read_latest(server.store)) is None
+        # Without the intruder's entry the same generation is adopted: the check is the proofs.
+        honest = {"generation": views[0].generation + 6, "members": [0, 1], "token": "honest"}
+        server.store.set(_PROOFS_KEY + "honest", _json.dumps(copied))
+        adopted = members[1]._missed_quorum(views[1].token, honest)
+        assert adopted is not None and adopted.members == (0, 1)
