@@ -112,14 +112,14 @@ class ElasticTrainLoader(MicroBatchSource):
 
     def _one_step(self, ctx) -> Iterator[Any]:
         """The items of one global step: ``items_per_step`` of them whatever this member's
-        share (one, after a step that has to be redone through the loop)."""
+        share (one, after a step that has to be redone through the loop: ``StepProtocol.loop_items``)."""
         rt = self.rt
         cursor = ctx.sampler.cursor
-        n = 1 if rt.redo_items else rt.items_per_step
+        n = rt.loop_items()
         # With a loss recipe, a share larger than n is not merged: the extra micro-batches are
         # computed inside optimizer.step() (same memory and per-slot seeds as without a failure).
-        # (sharded: the surplus is spilled only with a recipe, every member's passes must pair up)
-        spill = (lambda i: rt.replay.ready) if rt.sharding is not None else (lambda i: rt.replay.spill(i, n))
+        # (sharded: every member's passes must pair up: StepProtocol's module doc)
+        spill = rt.spill_rule(n)
         grain = None if spill(0) else n
         if not rt.redo_items:
             self._feed_from(cursor, grain)

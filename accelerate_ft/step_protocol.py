@@ -13,7 +13,13 @@ It owns the step protocol of the user's plain loop (see docs/accelerate.md):
   every member steps them once per committed step) and ``zero_grad``.  Any other
   ``optimizer.step()``, ``scheduler.step()`` and ``optimizer.zero_grad()`` is a no-op;
 * on a failure the step is not committed; ``accelerator.sync_gradients`` turns False, and the
-  loader goes on with what the recovery gave this member.
+  loader goes on with what the recovery gave this member;
+* a sharded step's forward/backward passes (each runs FSDP's collectives, which pair up across
+  members by their order only) follow from the allocation, the loop's items
+  (``loop_items``) and ``spill_rule`` alone, never from the path that runs the step: from the
+  loop (its items, then the spilled surplus inside ``optimizer.step()``) or redone inside
+  ``optimizer.step()`` (``_redo_inside``: the same passes).  A member that adopted the step its
+  peers committed runs the next one from the loop while they redo it.
 
 It also keeps Accelerate's view of the world current: ``num_processes``/``process_index`` (and
 thus ``is_main_process``) are the live membership's, the trackers follow rank 0 (the new rank 0
@@ -347,7 +353,7 @@ class StepProtocol:
         with the loss recipe learnt from the loop (``LossReplay``) and the all-reduce runs
         again, until the step commits -- the user's loop sees one item per item and one
         ``optimizer.step()`` per step, as without a failure.  Without a recipe the redo runs
-        through one more loop item (``redo_items``)."""
+        through one more loop item (``redo_items``; sharded: as many items as a step has)."""
         ctx = self.ctx
         self.after_microbatch()
         if self.gen is not None:
@@ -406,11 +412,30 @@ class StepProtocol:
         self.redo_items = True
         return False
 
+    def loop_items(self) -> int:
+        """How many items the training loader hands out for the next step: ``items_per_step``,
+        or one for a step redone through the loop (``redo_items``) -- sharded, ``items_per_step``
+        for that too (module doc: a sharded step's passes)."""
+        return 1 if self.redo_items and self.sharding is None else self.items_per_step
+
+    def spill_rule(self, n: int) -> Callable[[int], bool]:
+        """Whether item ``i`` of a share larger than ``n`` items is one whole micro-batch, the
+        surplus computed inside ``optimizer.step()`` (with a loss recipe).  Sharded: all or
+        nothing, the same answer on every member (module doc: a sharded step's passes)."""
+        if self.sharding is not None:
+            return lambda i: self.replay.ready
+        return lambda i: self.replay.spill(i, n)
+
     def _redo_inside(self) -> None:
         """Compute this member's share of the interrupted step with the learnt loss recipe
-        (sharded: as the step's items, the same number on every member)."""
+        (sharded: the passes the loop runs for a step -- its items, then the spilled surplus --
+        module doc)."""
         ctx = self.ctx
-        self._compute_extra(ctx.items(self.items_per_step) if self.sharding else ctx.microbatches(), None)
+        if self.sharding is None:
+            self._compute_extra(ctx.microbatches(), None)
+            return
+        self._compute_extra(ctx.items(self.items_per_step, spill=self.spill_rule(self.items_per_step)), None)
+        self._compute_extra(ctx.spilled(), None)
 
     def _compute_extra(self, microbatches, step: Optional[int]) -> None:
         """Forward and backward of ``microbatches`` with the loss recipe (``LossReplay``):

@@ -286,6 +286,36 @@ def test_an_fsdp2_plugin_trains_as_data_parallel_and_survives_a_kill(tmp_path, r
     assert abs(got["val_acc"][-1] - reference["val_acc"][-1]) <= 0.1
 
 
+def test_an_fsdp2_member_that_adopted_a_step_runs_the_next_with_the_passes_its_peers_redo(tmp_path, reference):
+    """Worker 1's commit of step 5 is reported failed after its peers committed it (a ``drop``
+    fault: gloo's partial completion, as a SIGKILL inside the commit can leave -- seen in CI):
+    it adopts step 5 and runs step 6 from the loop while its peers redo step 6 inside their
+    ``optimizer.step()``.  Every member must run the same forward/backward passes (FSDP's
+    collectives pair up by order; a surplus pass meeting the commit's header aborted a worker
+    in gloo, ``op.preamble.length <= op.nbytes``): with a loss recipe and an uneven allocation
+    (worker 1 holds three micro-batches: the surplus spilled into ``optimizer.step()``), and
+    without a recipe (the redo runs through the loop's items).  All four workers finish, on the
+    failure-free trajectory where the redo keeps each micro-batch's seed."""
+    drop = ("--faults", "drop:rank=1:step=5:phase=commit")
+    twin = AccJob(tmp_path / "twin", "--fsdp", "--force-alloc", "uneven:0")
+    runs = {"recipe": AccJob(tmp_path / "recipe", "--fsdp", "--force-alloc", "uneven:0", launch_args=drop),
+            "no_recipe": AccJob(tmp_path / "no_recipe", "--fsdp", "--loss", "external", launch_args=drop)}
+    want = {"recipe": replicas_equal(twin.run_to_end()), "no_recipe": reference}
+    for name, job in runs.items():
+        finals = job.run_to_end()
+        assert sorted(finals) == [0, 1, 2, 3], (name, job.output()[-4000:])
+        assert "EnforceNotMet" not in job.output(), name
+        evs = job.events()
+        exactly_once(evs)
+        got = replicas_equal(finals)
+        eval_exactly_once(got)
+        assert got["step"] == got["completed"] == EPOCHS * STEPS_PER_EPOCH
+        ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
+        assert {w: e["adopted_steps"] for w, e in ends.items()} == {0: 0, 1: 1, 2: 0, 3: 0}, (name, ends)
+        assert all(ends[w]["redone_steps"] == 1 for w in (0, 2, 3)), (name, ends)
+        assert rel_diff(got, want[name]) < 1e-5, name
+
+
 def test_a_sigterm_leaves_at_a_step_boundary_announced(tmp_path, reference):
     """Worker 2 gets SIGTERM (a preemption notice) from outside mid-epoch: it leaves inside the
     user's ``optimizer.step()`` after that step's commit (exit 143), its peers reconfigure after
