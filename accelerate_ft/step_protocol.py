@@ -402,12 +402,13 @@ class StepProtocol:
 
     def _redo_here(self) -> bool:
         """Whether a step nobody committed is redone inside ``optimizer.step()`` (with a loss
-        recipe) or through one more loop item (without one: said once)."""
+        recipe) or through more loop items (without one: said once; ``loop_items``)."""
         if self.replay.ready:
             return True
+        more = "a whole step's items" if self.sharding is not None else "one more item"
         self._warn_once("redo", "a failure interrupted a step whose loss is computed outside the "
-                        "model (or from transformed inputs): the step is redone through one more "
-                        "item of the training loader (return the loss from the model, e.g. "
+                        f"model (or from transformed inputs): the step is redone through {more} "
+                        "of the training loader (return the loss from the model, e.g. "
                         "model(**batch).loss, to keep the loop's shape)")
         self.redo_items = True
         return False
