@@ -13,7 +13,9 @@ Three uses:
   bytes, so any dtype arrives bit for bit), in one broadcast when they are small.  Nothing received from a peer is unpickled.
 * ``send_tree`` / ``recv_tree`` send a tree point to point to the members that need it (a
   recovery's state goes only to the members behind): the skeleton, then the tensors' bytes
-  from their own memory (small ones joined), each message with its own tag.
+  from their own memory (small ones joined), each message with its own tag.  Several holders
+  of the same tree (``layout_digest`` equal: data-parallel replicas' parameters and optimizer
+  state) can share the sending: each sends the messages ``_shares`` gives it.
 * ``save_checkpoint`` / ``load_checkpoint`` write ``{"format", "meta", "tensors"}`` with
   ``torch.save`` and read it back with ``torch.load(weights_only=True)``; anything wrong with
   the file is reported as ``CheckpointError`` naming the path.
@@ -26,6 +28,7 @@ floats exactly (NaN/inf included, as Python's non-standard JSON tokens).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,20 +43,21 @@ from chameleon_ft.runtime.errors import CheckpointError  # defined with the othe
 log = logging.getLogger(__name__)
 
 __all__ = ["encode", "decode", "broadcast_tree", "send_tree", "recv_tree", "save_checkpoint", "load_checkpoint",
-           "CheckpointError", "CHECKPOINT_FORMAT"]
+           "CheckpointError", "CHECKPOINT_FORMAT", "layout_digest", "split_tree", "merge_tree", "SHARED_TAG"]
 
 CHECKPOINT_FORMAT = "chameleon-ft/run-state/1"
 
 
-def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``tree`` into a JSON-able skeleton and its tensors (in skeleton order)."""
+def encode(tree: Any, host: bool = True) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``tree`` into a JSON-able skeleton and its tensors (in skeleton order): copies on
+    the host (``_host``), or with ``host=False`` the tensors themselves (detached)."""
     tensors: list[torch.Tensor] = []
 
     def enc(x: Any, where: str) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, torch.Tensor):
-            tensors.append(x.detach().to("cpu").contiguous())
+            tensors.append(_host(x) if host else x.detach())
             return {"__x": len(tensors) - 1}
         if isinstance(x, list):
             return [enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
@@ -85,6 +89,39 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return x
 
     return dec(skeleton)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def layout_digest(tree: Any) -> int:
+    """A 63-bit digest of ``tree``'s skeleton (numbers and strings included) and its tensors'
+    dtypes and shapes, not their values (nothing is copied off a device): two holders of a
+    replicated tree with the same digest send the same messages (``send_tree``'s ``share``)."""
+    skeleton, tensors = encode(tree, host=False)
+    text = json.dumps([skeleton, _specs(tensors)], separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
+
+
+def split_tree(tree: dict, part: dict) -> dict:
+    """``tree`` without ``part`` (a sub-tree of it, two levels deep at most: whole top-level
+    keys, or some keys of a top-level dict); ``merge_tree`` puts it back."""
+    rest = dict(tree)
+    for k, v in part.items():
+        if isinstance(v, dict) and isinstance(tree.get(k), dict) and v is not tree[k]:
+            rest[k] = {kk: vv for kk, vv in tree[k].items() if kk not in v}
+        else:
+            rest.pop(k, None)
+    return rest
+
+
+def merge_tree(rest: dict, part: dict) -> dict:
+    """Inverse of ``split_tree``."""
+    out = dict(rest)
+    for k, v in part.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _hashable(k: Any) -> Any:
@@ -174,9 +211,11 @@ def broadcast_tree(collective: Callable[[Callable], object], root: int, rank: in
 
 
 # Point-to-point state transfer (``send_tree`` / ``recv_tree``): message k of a transfer goes
-# with tag ``_TREE_TAG + k``, above every tag the executors use; tensors smaller than
-# ``_SMALL_BYTES`` travel together in one message, each larger one in a message of its own.
+# with tag ``tag + k`` (``_TREE_TAG``, or ``SHARED_TAG`` for the part several holders send),
+# above every tag the executors use; tensors smaller than ``_SMALL_BYTES`` travel together in
+# one message, each larger one in a message of its own.
 _TREE_TAG = (1 << 31) - (1 << 16)
+SHARED_TAG = _TREE_TAG + (1 << 15)
 _SMALL_BYTES = 64 * 1024
 
 
@@ -211,39 +250,63 @@ def _messages(specs: list[list]) -> list[list[int]]:
             groups.append([i])
     if small:
         groups.append(small)
+    if len(groups) + 2 > (1 << 15):
+        raise ValueError(f"a state of {len(groups)} messages: more than a transfer's tags allow")
     return groups
 
 
+def _shares(specs: list[list], groups: list[list[int]], holders: int) -> list[int]:
+    """Which of ``holders`` senders sends each message (both sides compute it from the
+    specs): the largest first, each to the least loaded so far (ties: the lower index)."""
+    sizes = [sum(_nbytes(specs[i]) for i in g) for g in groups]
+    load, who = [0] * holders, [0] * len(groups)
+    for k in sorted(range(len(groups)), key=lambda k: -sizes[k]):
+        h = min(range(holders), key=lambda j: load[j])
+        who[k], load[h] = h, load[h] + sizes[k]
+    return who
+
+
 def send_tree(send: Callable[[torch.Tensor, int, int], object], wait: Callable[[list], None],
-              tree: Any, dsts: list[int]) -> int:
+              tree: Any, dsts: list[int], *, tag: int = _TREE_TAG, share: tuple[int, int] = (0, 1)) -> int:
     """Send ``tree`` point to point to each rank in ``dsts`` (``recv_tree`` on each); returns
-    the bytes sent to one of them.  ``send(tensor, dst, tag)`` starts a send and ``wait(works)``
-    waits (``GroupManager.send`` / ``wait_p2p``: a dying peer raises ``CollectiveFailure``).
-    A large tensor is sent from its own memory (CPU tensors are not copied); only tensors
-    under 64 KiB are joined into shared messages: no whole-state buffer on the sender."""
-    skeleton, tensors = encode(tree)
+    the bytes one of them receives (from every holder together).  ``send(tensor, dst, tag)``
+    starts a send and ``wait(works)`` waits (``GroupManager.send`` / ``wait_p2p``: a dying peer
+    raises ``CollectiveFailure``).  A large tensor is sent from its own memory (CPU tensors are
+    not copied); only tensors under 64 KiB are joined into shared messages: no whole-state
+    buffer on the sender.  ``share=(i, h)``: this sender is holder ``i`` of ``h`` that hold the
+    same tree (the same ``layout_digest``) and send it together: holder 0 sends the skeleton,
+    each holder the messages ``_shares`` gives it (the receiver names the holders in order)."""
+    skeleton, tensors = encode(tree, host=False)
     specs = _specs(tensors)
     blob = json.dumps({"tree": skeleton, "specs": specs}).encode()
-    msgs = [torch.tensor([len(blob)], dtype=torch.int64), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
-    for group in _messages(specs):
-        msgs.append(tensors[group[0]].reshape(-1).view(torch.uint8) if len(group) == 1
-                    else _pack([tensors[i] for i in group]))
-    works = [send(m, dst, _TREE_TAG + k) for dst in dsts for k, m in enumerate(msgs)]
+    head = [torch.tensor([len(blob)], dtype=torch.int64), torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
+    groups = _messages(specs)
+    who = _shares(specs, groups, share[1])
+    msgs = list(enumerate(head)) if share[0] == 0 else []
+    for k, group in enumerate(groups):
+        if who[k] == share[0]:
+            msgs.append((2 + k, _host(tensors[group[0]]).reshape(-1).view(torch.uint8) if len(group) == 1
+                         else _pack([tensors[i] for i in group])))
+    works = [send(m, dst, tag + k) for dst in dsts for k, m in msgs]
     wait(works)
-    return sum(m.numel() * m.element_size() for m in msgs)
+    return sum(m.numel() * m.element_size() for m in head) + sum(_nbytes(spec) for spec in specs)
 
 
-def recv_tree(recv: Callable[[torch.Tensor, int, int], object], wait: Callable[[list], None], src: int) -> Any:
-    """Receive a tree that ``send_tree`` sends from rank ``src``."""
+def recv_tree(recv: Callable[[torch.Tensor, int, int], object], wait: Callable[[list], None], src: int, *,
+              tag: int = _TREE_TAG, holders: Optional[list[int]] = None) -> Any:
+    """Receive a tree that ``send_tree`` sends from rank ``src`` -- or, with ``holders``, that
+    those ranks send together (``share=(holders.index(rank), len(holders))``)."""
+    holders = holders or [src]
     head = torch.zeros(1, dtype=torch.int64)
-    wait([recv(head, src, _TREE_TAG)])
+    wait([recv(head, holders[0], tag)])
     meta_t = torch.empty(int(head[0]), dtype=torch.uint8)
-    wait([recv(meta_t, src, _TREE_TAG + 1)])
+    wait([recv(meta_t, holders[0], tag + 1)])
     meta = json.loads(bytes(meta_t.numpy()).decode())
     specs = meta["specs"]
     groups = _messages(specs)
+    who = _shares(specs, groups, len(holders))
     bufs = [torch.empty(sum(_nbytes(specs[i]) for i in g), dtype=torch.uint8) for g in groups]
-    wait([recv(b, src, _TREE_TAG + 2 + k) for k, b in enumerate(bufs)])
+    wait([recv(b, holders[who[k]], tag + 2 + k) for k, b in enumerate(bufs)])
     tensors: list[Optional[torch.Tensor]] = [None] * len(specs)
     for g, buf in zip(groups, bufs):
         for i, t in zip(g, _unpack(buf, [specs[i] for i in g], copy=len(g) > 1)):

@@ -540,17 +540,20 @@ class RecoveryCore:
         batch_before = self.sampler.global_batch
         mine = self.recovery_fields()
         k = len(mine)
-        v = torch.zeros((3 + k) * n, dtype=torch.int64)
+        shared = None if self.fresh else self.replicated_state()  # (what holders send together)
+        v = torch.zeros((4 + k) * n, dtype=torch.int64)
         v[r], v[n + r], v[2 * n + r] = self.step, int(self.fresh), int(self.activity)
+        v[3 * n + r] = run_state.layout_digest(shared) if shared is not None else 0
         if k:
-            v[3 * n + r * k:3 * n + (r + 1) * k] = torch.tensor(mine, dtype=torch.int64)
+            v[4 * n + r * k:4 * n + (r + 1) * k] = torch.tensor(mine, dtype=torch.int64)
         self._store_op(lambda: self.gm.allreduce(v, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s,
                                                  header="sync"))
         steps, fresh = v[:n].tolist(), v[n:2 * n].tolist()
         self.peer_activity = v[2 * n:3 * n].tolist()
+        layouts = v[3 * n:4 * n].tolist()
         # What every member reported, for an executor's source_payload / carry_out.
         self.peer_steps, self.peer_fresh = steps, fresh
-        self.peer_fields = [v[3 * n + i * k:3 * n + (i + 1) * k].tolist() for i in range(n)]
+        self.peer_fields = [v[4 * n + i * k:4 * n + (i + 1) * k].tolist() for i in range(n)]
         top = max(steps)
         if self.user_loop and not self.env.replacement and top - self.step > (0 if self.fresh else 1):
             self._leave(view, top)
@@ -560,6 +563,10 @@ class RecoveryCore:
                                 "to heal from (the job finished or all its workers are gone)")
         source = next((i for i in range(n) if steps[i] == top and not fresh[i]), 0)
         needers = [i for i in range(n) if i != source and (steps[i] < top or fresh[i])]  # get the state
+        # The members at the top step holding the replicated part as the source does send it
+        # together, each its share of the messages (the source first: it sends the skeleton).
+        holders = [i for i in range(n) if steps[i] == top and not fresh[i] and layouts[source]
+                   and layouts[i] == layouts[source]] or [source]
         was_behind = self.fresh or self.step < top
         self._is_source = r == source
         payload, state = None, None
@@ -574,14 +581,24 @@ class RecoveryCore:
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
             source, r, payload)
-        # The state goes only to the members behind, point to point from the source.
+        # The state goes only to the members behind, point to point: its replicated part from
+        # every holder (a share each), the rest from the source.
         state_bytes = 0
-        if self._is_source and needers:
-            state_bytes = len(needers) * self._store_op(lambda: run_state.send_tree(
-                self.gm.send, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), state, needers))
+        send = lambda tree, **kw: self._store_op(lambda: run_state.send_tree(  # noqa: E731
+            self.gm.send, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), tree, needers, **kw))
+        recv = lambda **kw: self._store_op(lambda: run_state.recv_tree(  # noqa: E731
+            self.gm.recv, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), source, **kw))
+        if r in holders and needers:
+            rest = run_state.split_tree(state, shared) if self._is_source and shared is not None else state
+            sent = send(rest) if self._is_source else 0
+            if shared is not None and layouts[source]:
+                sent += send(shared, tag=run_state.SHARED_TAG, share=(holders.index(r), len(holders)))
+            state_bytes = len(needers) * sent
         elif r in needers:
-            self.load_state_dict(self._store_op(lambda: run_state.recv_tree(
-                self.gm.recv, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), source)))
+            state = recv()
+            if layouts[source]:
+                state = run_state.merge_tree(state, recv(tag=run_state.SHARED_TAG, holders=holders))
+            self.load_state_dict(state)
         if not self._is_source:
             self.sampler.load_state_dict(payload["sampler"])
         # The source too: every member takes straggler Decisions on its own, so the engine state
@@ -593,7 +610,8 @@ class RecoveryCore:
         self.fresh = False
         self.last_decisions, self._engine_s = list(payload["decisions"]), float(payload.get("engine_s", 0.0))
         if self._is_source and self.log:
-            self._log_reconfiguration(view, info, payload, [view.members[i] for i in needers], state_bytes)
+            self._log_reconfiguration(view, info, payload, [view.members[i] for i in needers], state_bytes,
+                                      [view.members[i] for i in holders] if needers else [])
         if payload["restart"]:
             raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         self.carry_out(payload, top, n, r)
@@ -657,11 +675,11 @@ class RecoveryCore:
         self.lr_scale = self.policy.lr_scale
 
     def _log_reconfiguration(self, view: MembershipView, info: Optional[dict], payload: dict,
-                             state_to: list[int], state_bytes: int) -> None:
+                             state_to: list[int], state_bytes: int, state_from: list[int]) -> None:
         dead = payload.get("dead", [])  # (their failure record: ``EventLog.deaths``, before the broadcast)
         self.log.membership(view.generation, view.members, reason="failure" if dead else "join",
                             token=view.token, step=self.step, state_sent=bool(state_bytes),
-                            state_to=state_to, state_bytes=state_bytes)
+                            state_to=state_to, state_bytes=state_bytes, state_from=state_from)
         for d in payload["decisions"]:
             self.log.decision(d, step=self.step)
 
@@ -670,6 +688,12 @@ class RecoveryCore:
         """The whole run state: model, optimizer, scheduler, sampler, engine, step, RNG."""
         return {**self._run_state(), "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "engine": self.policy.state_dict()}
+
+    def replicated_state(self) -> Optional[dict]:
+        """The part of ``state_dict()`` that every member at the same step holds bit for bit,
+        as a sub-tree of it (``codec.split_tree``), or None (the default: the source sends the
+        whole state).  Those members share sending it to the members behind (``_sync``)."""
+        return None
 
     def load_state_dict(self, s: dict) -> None:
         self.model.load_state_dict(s["model"])

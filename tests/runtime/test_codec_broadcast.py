@@ -3,7 +3,9 @@ the first broadcast, a skeleton or tensors over ``INLINE_BYTES`` in broadcasts o
 every member gets the root's tree, tensors bit for bit.  ``send_tree`` / ``recv_tree`` (a
 recovery's state, sent only to the members behind) from rank 1 to rank 2 alone: rank 2 gets the
 tree bit for bit -- many small tensors joined, large ones in messages of their own, empty ones,
-every dtype -- and the bytes sent are the tensors' bytes plus the skeleton, once."""
+every dtype -- and the bytes sent are the tensors' bytes plus the skeleton, once.  The same trees
+held by ranks 1 and 0 and sent together (``share``: each holder its messages) arrive alike, each
+holder sending a share."""
 
 from __future__ import annotations
 
@@ -73,3 +75,24 @@ def test_every_member_gets_the_roots_tree_inline_or_not(tmp_path):
         skeleton, tensors = encode(tree)
         data = sum(t.numel() * t.element_size() for t in tensors)
         assert data <= sent <= data + 8 + len(json.dumps(skeleton)) + 64 * len(tensors) + 64, (sent, data)
+    # Shared by two holders: the same trees, and each holder sent messages of the first tree
+    # (its two data messages: the 300 small tensors joined, and the large one).
+    assert got[2]["shared"] == as_rows(p2p_trees())
+    assert got[1]["messages"][0] == 3 and got[0]["messages"][0] == 1, (got[1]["messages"], got[0]["messages"])
+
+
+def test_a_replicated_part_splits_off_and_merges_back_and_its_digest_is_its_layout():
+    from chameleon_ft.runtime.codec import layout_digest, merge_tree, split_tree
+
+    tree = {"model": {"w": torch.ones(3), "running_mean": torch.zeros(3)}, "optimizer": {"state": {0: {}}},
+            "step": 4}
+    part = {"model": {"w": tree["model"]["w"]}, "optimizer": tree["optimizer"]}
+    rest = split_tree(tree, part)
+    assert rest == {"model": {"running_mean": tree["model"]["running_mean"]}, "step": 4}
+    back = merge_tree(rest, part)
+    assert back.keys() == tree.keys() and back["model"].keys() == tree["model"].keys()
+    assert back["optimizer"] is tree["optimizer"] and back["model"]["w"] is tree["model"]["w"]
+    assert layout_digest(part) == layout_digest({"model": {"w": torch.zeros(3)}, "optimizer": {"state": {0: {}}}})
+    assert layout_digest(part) != layout_digest({"model": {"w": torch.zeros(4)}, "optimizer": {"state": {0: {}}}})
+    assert layout_digest(part) != layout_digest({"model": {"w": torch.zeros(3, dtype=torch.float64)},
+                                                 "optimizer": {"state": {0: {}}}})

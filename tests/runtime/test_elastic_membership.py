@@ -101,6 +101,9 @@ def test_replacement_joins_and_heals(tmp_path):
         assert 1 in to and set(to) - {1} <= adopted, (joined, adopted)
         held = sum(t.numel() * t.element_size() for t in finals[0]["params"] + finals[0]["momentum"])
         assert held * len(to) <= joined[-1]["state_bytes"] < (held + 64 * 1024) * len(to), (held, joined)
+        # The parameters and the optimizer's state came from every member at the top step
+        # together (the replicas hold them bit for bit), not from one source.
+        assert set(joined[-1]["state_from"]) == {0, 1, 2, 3} - set(to) and len(joined[-1]["state_from"]) >= 2, joined
     finally:
         job.cleanup()
 

@@ -130,6 +130,14 @@ class DataParallelExecutor(RecoveryCore):
         return {**super().state_dict(), "last_loss": self.last_loss, "last_grad_norms": list(self.last_grad_norms),
                 "groups_at_commit": groups}
 
+    def replicated_state(self) -> Optional[dict]:
+        """The parameters (every replica applies the same reduced gradients) and the
+        optimizer's state; the model's buffers are each replica's own (not reduced: they go
+        from the source)."""
+        params = {name for name, _ in self.model.named_parameters()}
+        return {"model": {k: v for k, v in self.model.state_dict().items() if k in params},
+                "optimizer": self.optimizer.state_dict()}
+
     def load_state_dict(self, s: dict) -> None:
         super().load_state_dict(s)  # the optimizer's state, then the scheduler's
         self.last_loss = s.get("last_loss", self.last_loss)

@@ -1,6 +1,6 @@
 """One member of test_codec_broadcast: broadcast the test's trees from rank 1 over a gloo group
 (file rendezvous), then send the point-to-point trees from rank 1 to rank 2 only (rank 0 stands
-by), and write what arrived as ``codec.encode``'s skeleton plus the tensors' values (and, on
+by), then the same trees from ranks 1 and 0 together (``share``), and write what arrived as ``codec.encode``'s skeleton plus the tensors' values (and, on
 rank 1, the bytes it sent)."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import torch.distributed as dist
 
-from chameleon_ft.runtime.codec import broadcast_tree, recv_tree, send_tree
+from chameleon_ft.runtime.codec import SHARED_TAG, broadcast_tree, recv_tree, send_tree
 
 sys.path.insert(0, sys.argv[4])
 from test_codec_broadcast import as_rows, p2p_trees, trees  # noqa: E402
@@ -27,8 +27,19 @@ try:
             sent.append(send_tree(send, wait, t, [2]))
         elif rank == 2:
             p2p.append(recv_tree(recv, wait, 1))
+    # The same trees held by ranks 1 and 0, sent to rank 2 together (rank 1 first: the skeleton).
+    holders, shared, counted = [1, 0], [], []
+    for t in p2p_trees():
+        if rank in holders:
+            n = [0]
+            send_counted = lambda t_, dst, tag, n=n: (n.__setitem__(0, n[0] + 1), send(t_, dst, tag))[1]  # noqa: E731
+            send_tree(send_counted, wait, t, [2], tag=SHARED_TAG, share=(holders.index(rank), 2))
+            counted.append(n[0])
+        else:
+            shared.append(recv_tree(recv, wait, 1, tag=SHARED_TAG, holders=holders))
     dist.barrier()
 finally:
     dist.destroy_process_group()
 with open(out, "w") as f:
-    json.dump({"broadcast": as_rows(got), "p2p": as_rows(p2p), "sent": sent}, f)
+    json.dump({"broadcast": as_rows(got), "p2p": as_rows(p2p), "sent": sent, "shared": as_rows(shared),
+               "messages": counted}, f)
