@@ -216,14 +216,20 @@ class Net:
         os.replace(tmp, self._switch_ctl)
         return f"a userspace switch: delay {delay_ms} ms, loss {loss_pct} % per frame (no sch_netem: {self._why})"
 
-    def limit(self, rate: str = "1gbit", burst: str = "256kb", latency_ms: float = 50.0) -> str:
+    def limit(self, rate: str = "1gbit", burst: str = "256kb", latency_ms: float = 50.0,
+              both_ways: bool = False) -> str:
         """Each node's egress rate-limited by ``tc tbf`` (a token bucket: ``rate``, ``burst``,
-        at most ``latency_ms`` queued); returns what was applied."""
+        at most ``latency_ms`` queued) -- with ``both_ways`` its ingress too (the bridge's port
+        towards it: a NIC's two directions); returns what was applied."""
+        tbf = ["tbf", "rate", rate, "burst", burst, "latency", f"{latency_ms}ms"]
         for i in range(self.n):
-            subprocess.run(self.wrap(i) + ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
-                                           "burst", burst, "latency", f"{latency_ms}ms"], check=True,
+            subprocess.run(self.wrap(i) + ["tc", "qdisc", "replace", "dev", "eth0", "root"] + tbf, check=True,
                            capture_output=True)
-        return f"tc tbf rate {rate} burst {burst} latency {latency_ms} ms on every node's eth0"
+            if both_ways:
+                subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", self._port(i),
+                                "root"] + tbf, check=True, capture_output=True)
+        where = "every node's eth0 and the bridge's port towards it" if both_ways else "every node's eth0"
+        return f"tc tbf rate {rate} burst {burst} latency {latency_ms} ms on {where}"
 
     def _start_switch(self, why: str) -> None:
         if shutil.which("ethtool") is None:

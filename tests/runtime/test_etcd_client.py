@@ -176,7 +176,7 @@ def test_the_quorum_over_etcd_does_not_wait_for_suspects_or_the_dead_while_their
             report_dead(store, w)
         qs = {w: EtcdQuorum(store, join_timeout_s=5.0, heartbeat_timeout_s=5.0, gone=lambda: dead_workers(store))
               for w in "1234"}  # (leases of 5 s: they outlast the test)
-        for w in "34":
+        for w in "1234":  # (every worker beats before it asks: its join's first heartbeat)
             qs[w].heartbeat(w)
         got, t0 = {}, time.monotonic()
 
