@@ -126,9 +126,27 @@ def test_a_heartbeat_stuck_on_a_silent_member_moves_on_before_its_lease_runs_out
     q._beats.endpoints = [silent, member]  # from now on its first choice stops answering
     q._beats._local.conn = None
     q._beats._next = 0
+    q._renewed_at = 0.0  # a keep-alive is due
     took = _timed(lambda: q.heartbeat("7"))
     assert took < 0.6, took  # a third of the lease, then the member that answers
     assert "7" in q.alive()
+
+
+def test_a_worker_heartbeating_every_100_ms_renews_its_lease_a_few_times_a_second(member, monkeypatch):
+    """A worker heartbeats every 0.1 s; its lease (1 s) gets a keep-alive when the last one is a
+    quarter of the lease old -- about 4 requests a second, not 10 -- and stays alive."""
+    from chameleon_ft.runtime.etcd import EtcdQuorum
+
+    monkeypatch.setattr(etcd, "_suspect", {})
+    calls = _count_requests(monkeypatch)
+    q = EtcdQuorum(EtcdStore([member], "/cft/tka/", timeout=timedelta(seconds=5)), heartbeat_timeout_s=1.0)
+    q.heartbeat("3")  # the grant and the key
+    c0 = calls[0]
+    for _ in range(20):  # 2 s of heartbeats
+        time.sleep(0.1)
+        q.heartbeat("3")
+    assert 4 <= calls[0] - c0 <= 9, calls[0] - c0
+    assert "3" in q.alive()
 
 
 def test_a_member_whose_host_takes_no_connection_is_left_without_waiting_out_the_request(member, monkeypatch):
