@@ -4,8 +4,9 @@ Every worker bumps its liveness counter in the coordinator's store (``LivenessMo
 thread and store client of its own).  The *judge* -- the lowest worker id of the current
 generation -- reads every member's counter in one request (``multi_get``) ten times a second,
 reports the ones that stopped moving, and publishes how long each quiet member has been quiet
-as one key; every other member reads three keys in one request: the judge's counter, its own
-and that record.  So the store serves O(N) requests a second for N workers (each worker a
+as one key; every other member reads three keys in one request, four times a second: the
+judge's counter, its own and that record (a silent judge is found within the timeout and a
+quarter of a second).  So the store serves O(N) requests a second for N workers (each worker a
 constant rate), not N², and a judge that goes silent is reported by everyone.  Only durations
 are compared: the record carries seconds measured on the judge's clock, translated onto the
 reader's own (``last_moved``), never a timestamp across machines."""
@@ -135,9 +136,10 @@ class LivenessMonitor:
     def __init__(self, worker_id: int, connect: Callable[[], object], *, timeout_s: Optional[float],
                  grace_s: float, beat_every_s: float, view: Callable[[], object],
                  report: Callable[[int, float, str], None], answered: Callable[[], None],
-                 judge: bool = True, every_s: float = 0.1) -> None:
+                 judge: bool = True, every_s: float = 0.1, peer_every_s: float = 0.25) -> None:
         self.worker_id, self.connect, self.view, self.report, self.answered = worker_id, connect, view, report, answered
         self.clock = Liveness(worker_id, timeout_s, grace_s=grace_s, every_s=every_s)
+        self.every_s, self.peer_every_s = every_s, peer_every_s  # the judge's reads, another member's
         self.beat_every_s, self.judge = beat_every_s, judge and timeout_s is not None
         self.requests = 0  # store requests made (the control-plane benchmark reads it)
         self._stop = threading.Event()
@@ -166,8 +168,10 @@ class LivenessMonitor:
                     self.clock.took(time.monotonic() - now)  # its own write stalled: the peers' too
                     self.answered()
                 view = self.view()
-                if self.judge and view is not None and self.clock.due():
-                    self._check(store, view)
+                if self.judge and view is not None:
+                    self.clock.every_s = self.every_s if self.worker_id == min(view.members) else self.peer_every_s
+                    if self.clock.due():
+                        self._check(store, view)
             except Exception as exc:  # unreachable: the coordinator-lost guard decides
                 store = None
                 self.clock.reset()  # counters could not be written either: start afresh

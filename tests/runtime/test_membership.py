@@ -487,6 +487,46 @@ def test_a_stalled_beat_of_its_own_keeps_a_reader_from_judging_a_peer_behind_the
     assert mon.requests > 20 and reported == []
 
 
+def test_the_judge_reads_ten_times_a_second_and_the_others_four():
+    """The judge (the lowest id) reads every counter 10 times a second; another member reads the
+    judge's counter, its own and the record 4 times a second -- and still finds a silent judge
+    within the timeout and a read."""
+    from chameleon_ft.runtime.liveness import LivenessMonitor
+
+    class Store:  # the judge (worker 0) stops beating after 1 s
+        def __init__(self):
+            self.t0, self.counts, self.reads = time.monotonic(), {0: 0, 2: 0}, 0
+
+        def add(self, key, n):
+            self.counts[2] += n
+            return self.counts[2]
+
+        def set(self, key, value):
+            pass
+
+        def multi_get(self, keys):
+            self.reads += 1
+            if time.monotonic() - self.t0 < 1.0:
+                self.counts[0] += 1
+            return [str(self.counts[0]).encode(), str(self.counts[2]).encode(), b"{}"][:len(keys)]
+
+    class View:
+        token, members = "g1", (0, 2)
+
+    reads, reported = {}, []
+    for w in (0, 2):
+        store = Store()
+        mon = LivenessMonitor(w, lambda store=store: store, timeout_s=1.0, grace_s=0.0, beat_every_s=0.1,
+                              view=lambda: View, report=lambda who, s, t: reported.append((who, s)),
+                              answered=lambda: None)
+        mon.start()
+        time.sleep(2.6)
+        mon.stop()
+        reads[w] = store.reads
+    assert 20 <= reads[0] <= 27 and 8 <= reads[2] <= 11, reads
+    assert [w for w, _ in reported if w == 0] == [0] and all(s < 1.4 for w, s in reported if w == 0), reported
+
+
 def test_two_workers_admitted_at_once_do_not_evict_each_other():
     # Issue 24's rejoin livelock, read in the Lighthouse's log: a healed node's two restarted
     # workers joined a running job one after the other.  Each admission ended the generation the
