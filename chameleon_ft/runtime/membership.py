@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -90,6 +91,16 @@ __all__ = ["MembershipView", "MembershipError", "Membership", "CoordinatorServer
 
 
 _PROOFS_KEY = "cft/proofs/"  # + a generation's token: its members' join proofs (``_publish``)
+
+
+def _listens(store_addr: str) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (within half a second)."""
+    host, _, port = store_addr.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class Membership:
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self.watch_aborts = watch_aborts
-        self.store = connect_store(store_addr, connect_timeout_s)
+        self.store = self._first_store()
         try:
             if is_etcd(store_addr):  # the quorum over etcd (lighthouse_addr: "etcd?join_ms=N")
                 join_ms = float(lighthouse_addr.partition("join_ms=")[2] or 50)
@@ -188,6 +199,22 @@ class Membership:
         self._refused_said: set[int] = set()  # workers left out for a bad join proof (said once)
         self._admitted_at: Optional[float] = None  # when this worker last ended a generation to join
         self._admission_tries = 0  # its admissions since, each within the reset time of the one before
+
+    def _first_store(self) -> dist.Store:
+        """The worker's first client of the coordinator's store.  A coordinator that accepts TCP
+        connections but does not answer within the connect timeout -- a job's start on a loaded
+        machine (seen in CI: 5 s, every other worker then waited for this one's registration)
+        -- is tried twice more; one that refuses (nothing listens, another job token) or an etcd
+        that does not answer fails at once."""
+        for attempt in range(3):
+            try:
+                return connect_store(self.store_addr, self.connect_timeout_s)
+            except MembershipError as exc:
+                slow = exc.__cause__ is not None and not is_etcd(self.store_addr) and _listens(self.store_addr)
+                if attempt == 2 or not slow:
+                    raise
+                log.warning("worker %d: %s; trying again (the coordinator accepts connections)", self.worker_id, exc)
+        raise AssertionError("unreachable")
 
     def connect_store(self) -> dist.Store:
         """A fresh client to the coordinator store (for a process group's set-up)."""
