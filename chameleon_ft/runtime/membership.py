@@ -202,19 +202,18 @@ class Membership:
 
     def _first_store(self) -> dist.Store:
         """The worker's first client of the coordinator's store.  A coordinator that accepts TCP
-        connections but does not answer within the connect timeout -- a job's start on a loaded
-        machine (seen in CI: 5 s, every other worker then waited for this one's registration)
-        -- is tried twice more; one that refuses (nothing listens, another job token) or an etcd
-        that does not answer fails at once."""
-        for attempt in range(3):
+        connections but does not serve this one within the connect timeout (a job's start on a
+        loaded machine: without a retry the worker stops and its peers wait for its
+        registration) is tried twice more; one that refuses (nothing listens, another job
+        token) or an etcd that does not answer fails at once."""
+        for _ in range(2):
             try:
                 return connect_store(self.store_addr, self.connect_timeout_s)
             except MembershipError as exc:
-                slow = exc.__cause__ is not None and not is_etcd(self.store_addr) and _listens(self.store_addr)
-                if attempt == 2 or not slow:
+                if exc.__cause__ is None or is_etcd(self.store_addr) or not _listens(self.store_addr):
                     raise
                 log.warning("worker %d: %s; trying again (the coordinator accepts connections)", self.worker_id, exc)
-        raise AssertionError("unreachable")
+        return connect_store(self.store_addr, self.connect_timeout_s)
 
     def connect_store(self) -> dist.Store:
         """A fresh client to the coordinator store (for a process group's set-up)."""
@@ -312,13 +311,7 @@ class Membership:
         """The agreed first generation, without any worker it names whose join proof it does
         not carry (a proposal forged in the store: every member leaves out the same ones)."""
         proofs = first.get("proofs") or {}
-        members = []
-        for w in first["members"]:
-            if _proven(w, proofs.get(str(w))):
-                members.append(w)
-            else:
-                self._refused(w)
-        members = tuple(members)
+        members = tuple(self._with_proofs(first["members"], proofs))
         if self.worker_id not in members:
             raise MembershipError(f"worker {self.worker_id}: the job's first generation in the store does not "
                                   "hold this worker's join proof (was it written by a process of another job?)")
@@ -533,10 +526,7 @@ class Membership:
         members = tuple(int(w) for w in latest["members"])
         if not isinstance(self._client, EtcdQuorum):  # over the Lighthouse: its members' proofs
             proofs = self._json_key(_PROOFS_KEY + str(latest["token"])) or {}
-            unproven = [w for w in members if not _proven(w, proofs.get(str(w)))]
-            if unproven:
-                for w in unproven:
-                    self._refused(w)
+            if self._with_proofs(members, proofs) != list(members):
                 return None
         return MembershipView(generation=int(latest["generation"]), members=members,
                               rank=members.index(self.worker_id), world_size=len(members), token=latest["token"])
@@ -581,6 +571,17 @@ class Membership:
                               rank=members.index(self.worker_id), world_size=len(members),
                               token=token)
 
+    def _with_proofs(self, workers, proofs: dict) -> list[int]:
+        """The ``workers`` whose join proof ``proofs`` (by id as a string) holds, in order;
+        the others are left out (``_refused``)."""
+        out = []
+        for w in workers:
+            if _proven(int(w), proofs.get(str(w))):
+                out.append(int(w))
+            else:
+                self._refused(int(w))
+        return out
+
     def _refused(self, worker: int) -> None:
         if worker not in self._refused_said:
             self._refused_said.add(worker)
@@ -604,13 +605,8 @@ class Membership:
 
     def _registered(self) -> dict[int, list]:
         """The workers that registered with a valid join proof: id -> [incarnation, proof]."""
-        out = {}
-        for w, record in registry(self.store).items():
-            if _proven(w, record):
-                out[w] = record
-            else:
-                self._refused(w)
-        return out
+        records = registry(self.store)
+        return {w: records[w] for w in self._with_proofs(records, {str(w): r for w, r in records.items()})}
 
     def _latest(self) -> Optional[dict]:
         return self._json_key(_LATEST_KEY)

@@ -288,7 +288,7 @@ def test_an_fsdp2_plugin_trains_as_data_parallel_and_survives_a_kill(tmp_path, r
 
 def test_an_fsdp2_member_that_adopted_a_step_runs_the_next_with_the_passes_its_peers_redo(tmp_path, reference):
     """Worker 1's commit of step 5 is reported failed after its peers committed it (a ``drop``
-    fault: gloo's partial completion, as a SIGKILL inside the commit can leave -- seen in CI):
+    fault: gloo's partial completion, as a SIGKILL inside the commit can leave):
     it adopts step 5 and runs step 6 from the loop while its peers redo step 6 inside their
     ``optimizer.step()``.  Every member must run the same forward/backward passes (FSDP's
     collectives pair up by order; a surplus pass meeting the commit's header aborted a worker

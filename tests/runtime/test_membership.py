@@ -919,9 +919,8 @@ def test_a_process_with_the_stores_contents_but_not_the_token_cannot_join(monkey
 
 def test_a_coordinator_slow_to_answer_at_the_start_is_tried_again(monkeypatch):
     """A worker's first connection to a coordinator that listens but does not serve it within
-    the connect timeout (seen in CI at a job's start on a loaded machine: ``timed out after
-    5000ms while trying to connect``, then every other worker waited for its registration; here
-    a proxy drops every connection of the worker's first attempt) is tried again, up to three times; a port
+    the connect timeout (a job's start on a loaded machine: ``timed out after ... while trying
+    to connect``; here a proxy drops every connection of the worker's first attempt) is tried again, up to three times; a port
     where nothing listens fails after one."""
     from chameleon_ft.runtime.coordination import TOKEN_ENV
 
