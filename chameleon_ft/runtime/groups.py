@@ -570,8 +570,14 @@ class GroupManager(Waits):
 
     # ---------------------------------------------------------------- helpers
     def _local_failure(self, message: str, kind: str) -> CollectiveFailure:
+        """A failure this member saw: it ends the generation, unless another member ended it
+        first -- then the failure is that member's abort (a peer that gives up an op breaks
+        its connections, so a broken op here is the consequence, not the cause)."""
         self.abort(f"{kind}: {message[:200]}")
-        return self._failure(message, kind, self.abort_record())
+        record = self.abort_record()
+        if record is not None and record.get("by") not in (None, self.worker_id):
+            return self._failure(f"generation aborted by peer ({message})", "aborted", record)
+        return self._failure(message, kind, record)
 
     def _failure(self, message: str, kind: str, record: Optional[dict]) -> CollectiveFailure:
         v = self._view

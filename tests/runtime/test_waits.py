@@ -49,3 +49,32 @@ def test_an_op_still_running_when_the_abort_is_seen_is_abandoned():
     with pytest.raises(CollectiveFailure, match="aborted by peer"):
         m._watch(_op(m, completes_at=10), None, lambda: m.parked.append("op"), "collective")
     assert m.parked == ["op"] and m.calls == 2
+
+
+class _Ender:
+    """What ``GroupManager._local_failure`` uses: the first writer of the abort record wins."""
+    worker_id = 0
+
+    def __init__(self, first_by):
+        self.record = None if first_by is None else {"by": first_by, "reason": "mismatch: E", "suspects": []}
+
+    def abort(self, reason, suspects=()):
+        self.record = self.record or {"by": self.worker_id, "reason": reason, "suspects": list(suspects)}
+
+    def abort_record(self):
+        return self.record
+
+    def _failure(self, msg, kind, record):
+        return CollectiveFailure(msg, kind=kind, token="t", generation=1, reporter=record.get("by"))
+
+
+@pytest.mark.parametrize("first_by, kind, reporter", [(None, "peer_error", 0), (0, "peer_error", 0),
+                                                      (2, "aborted", 2)])
+def test_a_broken_op_after_a_peers_abort_is_that_peers_abort(first_by, kind, reporter):
+    """A peer that gives up an op breaks its connections: the op here fails with a connection
+    error, but the generation's end is the peer's (its abort record came first)."""
+    from chameleon_ft.runtime.groups import GroupManager
+    m = _Ender(first_by)
+    failure = GroupManager._local_failure(m, "collective failed: Connection closed by peer", "peer_error")
+    assert (failure.kind, failure.reporter) == (kind, reporter)
+    assert m.record["by"] == reporter
