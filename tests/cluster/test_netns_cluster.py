@@ -142,11 +142,14 @@ def test_delay_and_loss_slow_the_job_but_declare_no_failure(net, tmp_path):
     job trains to the end (slower), and no heartbeat timeout or collective watchdog fires.  (The
     job starts before the network is impaired: the embedded coordinator's quorum gathers its
     members for ``--join-timeout-ms`` after the first asks, so a start-up over a link this slow
-    needs a longer window; docs/cluster.md.)"""
+    needs a longer window; docs/cluster.md.)  The heartbeat timeout is 3 s, as a job on such a
+    link needs: TCP's retransmission back-off (at least 200 ms, doubling) holds a beat that lost
+    two frames in a row for about a second on a 100 ms round trip -- the default 1 s would call
+    that silence, rightly by its own rule."""
     print("before:", net.impair(0, 0))
     job = Job(tmp_path, nproc=2, epochs=1, mb_sleep=0.02, hang_timeout=10)  # ~2 s a step once impaired
     try:
-        _start(job, net)
+        _start(job, net, extra=["--heartbeat-timeout", "3"])
         job.wait_step(3, 180)
         t0 = time.time()
         print("from step 3:", net.impair(delay_ms=50, loss_pct=1.0))
