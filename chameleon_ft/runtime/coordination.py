@@ -403,14 +403,40 @@ def connect_store(store_addr: str, timeout_s: float, request_timeout_s: Optional
                          request_timeout_s=raw.client.timeout_s, security=raw.client.security)
     host, port = _parse_hostport(store_addr)
     try:
-        raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=timeout_s))
+        raw = _within(lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                            timeout=timedelta(seconds=timeout_s)),
+                      2 * timeout_s + 1.0)
     except Exception as exc:  # DistNetworkError, RuntimeError, TimeoutError
         raise MembershipError(
             f"coordinator store at {store_addr} unreachable after {timeout_s:.1f} s: {exc}"
         ) from exc
     _checked(raw, digest, f"the coordinator at {store_addr}")
     return namespaced(raw, digest)
+
+
+def _within(make, deadline_s: float):
+    """``make()`` on a thread of its own, given up after ``deadline_s`` (TimeoutError).
+
+    torch 2.13's TCPStore client constructor waits without a deadline for a server that
+    accepted the connection and never answers its handshake (measured: over 20 s with a 0.5 s
+    timeout; it releases the GIL meanwhile).  A given-up constructor is left to its thread
+    (a daemon), and what it makes, if it ever returns, is dropped."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+    worker = threading.Thread(target=run, daemon=True, name="cft-store-connect")
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        raise TimeoutError(f"no answer to the store's handshake within {deadline_s:.1f} s "
+                           "(the server accepted the connection)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _checked(raw: dist.Store, digest: str, where: str) -> None:

@@ -982,3 +982,33 @@ def test_a_coordinator_slow_to_answer_at_the_start_is_tried_again(monkeypatch):
     finally:
         listener.close()
         server.shutdown()
+
+
+def test_a_coordinator_that_accepts_and_never_answers_is_given_up_at_a_deadline(monkeypatch):
+    """torch's TCPStore client constructor waits without a deadline for a server that accepted
+    the connection and never answers its handshake; ``connect_store`` gives up on it after twice
+    the connect timeout and a second, with an error naming the address."""
+    from chameleon_ft.runtime.coordination import TOKEN_ENV, connect_store
+
+    monkeypatch.setenv(TOKEN_ENV, "")
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def hold():
+        while True:
+            try:
+                held.append(listener.accept()[0])  # accepted, never read, never answered
+            except OSError:
+                return
+    threading.Thread(target=hold, daemon=True).start()
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match=f"coordinator store at {addr} unreachable.*handshake"):
+            connect_store(addr, 0.5)
+        assert time.monotonic() - t0 < 2 * 0.5 + 1.0 + 1.0
+        assert held  # the connection was accepted: the wait was in the handshake
+    finally:
+        listener.close()
+        for c in held:
+            c.close()
