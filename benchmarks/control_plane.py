@@ -17,6 +17,10 @@ end (what a worker's failed collective does).  Measured per N, on this machine:
 * store requests per member per second in the steady state (every request a member's store
   clients make, counted on the client side, over ``--window`` seconds: a TCPStore call, or an
   HTTP request of the etcd client, the quorum's lease keep-alives included), and in total;
+  With the embedded coordinator judging liveness (``--judge coordinator``, the launcher's way)
+  a member's beats go on its presence connection, one byte each with no answer, and are not
+  store requests; the coordinator's own requests (its judge, the generations' ends) are not in
+  the members' column either (they are in its CPU);
 * the coordinator's CPU (cores) and resident memory over the same window: the coordinator
   process (TCPStore server + Lighthouse), or the three etcd members together;
 * a silent member (its threads stopped: what SIGSTOP or a lost node looks like): seconds from
@@ -166,7 +170,7 @@ def _rss_mb(pid: int) -> float:
 _COORDINATOR = """
 import sys, time
 from chameleon_ft.runtime.coordination import CoordinatorServer
-c = CoordinatorServer(min_replicas=1)
+c = CoordinatorServer(min_replicas=1, liveness_timeout_s=None if sys.argv[1] == "members" else 1.0)
 print(c.store_addr, c.lighthouse_addr, flush=True)
 while True:
     time.sleep(1)
@@ -211,7 +215,7 @@ class Run:
     """One N: the coordinator (or etcd), the host processes, the control directory."""
 
     def __init__(self, n: int, per_process: int, ctl: Path, clients: int = 8, backend: str = "embedded",
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, judge: str = "coordinator") -> None:
         self.n, self.ctl, self.connect_timeout = n, ctl, connect_timeout
         ctl.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -225,8 +229,8 @@ class Run:
             endpoints, prefix = parse_etcd(self.store)  # what the job's first launcher records
             EtcdStore(endpoints, prefix).compare_set(AUTH_KEY, "", job_digest())
         else:
-            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR], stdout=subprocess.PIPE, text=True,
-                                          env=env)
+            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR, judge], stdout=subprocess.PIPE,
+                                          text=True, env=env)
             self.store, self.lighthouse = self.coord.stdout.readline().split()
             self.pids = [self.coord.pid]
         from chameleon_ft.runtime.coordination import connect_store
@@ -316,8 +320,8 @@ class Run:
 
 
 def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int = 8,
-            backend: str = "embedded", connect_timeout: float = 30.0) -> dict:
-    run = Run(n, per_process, ctl, clients, backend, connect_timeout)
+            backend: str = "embedded", connect_timeout: float = 30.0, judge: str = "coordinator") -> dict:
+    run = Run(n, per_process, ctl, clients, backend, connect_timeout, judge)
     cpu = lambda: sum(_cpu_s(p) for p in run.pids)  # noqa: E731
     try:
         join_s = run.wait_ready(60 + n * 0.5)
@@ -378,6 +382,9 @@ def main() -> None:
                    help="each member's limit for reaching the coordinator (the runtime's default is 5 s: at 64 "
                         "members and up, N clients connecting at once to the one TCPStore of a loaded 2-core "
                         "machine time out)")
+    p.add_argument("--judge", choices=("coordinator", "members"), default="coordinator",
+                   help="embedded backend: the coordinator judges liveness (the launcher's way, the workers beat "
+                        "on their presence connections) or the members do (a judge member reads the counters)")
     p.add_argument("--label", default="this tree")
     p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
     p.add_argument("--out", default=None, help="write the table to this markdown file (appended)")
@@ -388,7 +395,7 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in a.members.split(",")]:
         with tempfile.TemporaryDirectory() as d:
-            row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend, a.connect_timeout)
+            row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend, a.connect_timeout, a.judge)
         row["label"] = a.label
         rows.append(row)
         print(json.dumps(row), flush=True)

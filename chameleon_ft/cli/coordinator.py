@@ -53,13 +53,15 @@ class CoordinatorOps:
         self.presence = None  # etcd jobs: this node's presence socket (``watch_presence``)
 
     def host(self, host: str, port: int, join_timeout_ms: int,
-             heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
-        """Host the TCPStore and the Lighthouse; (store address, Lighthouse address)."""
+             heartbeat_timeout_ms: int = 1000, liveness_timeout_s: Optional[float] = None) -> tuple[str, str]:
+        """Host the TCPStore and the Lighthouse; (store address, Lighthouse address).
+        ``liveness_timeout_s``: the coordinator judges the workers' silence (None: they do)."""
         from chameleon_ft.runtime.membership import CoordinatorServer
 
         try:
             self.server = CoordinatorServer(host, store_port=port, join_timeout_ms=join_timeout_ms,
-                                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+                                            heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                            liveness_timeout_s=liveness_timeout_s)
         except Exception as exc:
             raise CoordinatorOpError("failed", str(exc)) from exc
         self.store = self.server.store
@@ -196,8 +198,8 @@ class AgentOps:
         return reply["result"]
 
     def host(self, host: str, port: int, join_timeout_ms: int,
-             heartbeat_timeout_ms: int = 1000) -> tuple[str, str]:
-        return tuple(self._call("host", host, port, join_timeout_ms, heartbeat_timeout_ms))
+             heartbeat_timeout_ms: int = 1000, liveness_timeout_s: Optional[float] = None) -> tuple[str, str]:
+        return tuple(self._call("host", host, port, join_timeout_ms, heartbeat_timeout_ms, liveness_timeout_s))
 
     def connect(self, endpoint: str, timeout_s: float) -> str:
         return self._call("connect", endpoint, timeout_s)

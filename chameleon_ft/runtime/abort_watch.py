@@ -19,7 +19,9 @@
   (``GroupManager`` starts no collective then).  It does no I/O itself: a store call to an
   unreachable node may block far longer than its timeout.
 
-Every thread of the worker that hears from the coordinator calls ``answered()``.  Limits: a
+Every thread of the worker that hears from the coordinator calls ``answered()``; a line the
+embedded coordinator writes on the presence connection (its ``alive`` ten times a second when
+it judges liveness) counts as an answer too.  Limits: a
 watcher that cannot connect its store client for three connect timeouts stops the worker with
 an error naming the coordinator (a job without it would run with no abort watch and nothing
 would say so).
@@ -144,6 +146,7 @@ class AbortWatcher:
                     raise OSError("no stream")
                 opened = stream.streaming
                 ended.update(k.decode() for k in stream.keys(self.poll_s))  # (waits; no request)
+                self.last_ok = max(self.last_ok, getattr(stream, "heard_at", 0.0))  # the coordinator wrote
                 if not opened:
                     read_at = 0.0  # a write before the stream began: read it once more
             except Exception:  # no stream, or its member lost: read each time until it is back

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from chameleon_ft.runtime import _quiet_rust  # noqa: F401  (before torchft: its logger's level)
 from chameleon_ft.runtime.errors import ConfigError, MembershipError
 from chameleon_ft.runtime.etcd import EtcdRefused, EtcdStore, is_etcd, parse_etcd
+from chameleon_ft.runtime.liveness import JUDGED_KEY, JobJudge, silent_reason
 from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceServer, proof
 from torchft._torchft import LighthouseClient, LighthouseServer
 
@@ -169,11 +170,15 @@ class CoordinatorServer:
             request; it is most of the membership-agreement time after a SIGKILL.
         heartbeat_timeout_ms: silence after which a worker is no longer counted as alive.
         quorum_tick_ms: how often the Lighthouse re-evaluates pending quorums.
+        liveness_timeout_s: the workers' heartbeat timeout (``--heartbeat-timeout``): given,
+            the coordinator judges which members went silent (``liveness.JobJudge``) and the
+            workers beat on their presence connections; None: the members judge.
     """
 
     def __init__(self, host: str = "127.0.0.1", store_port: int = 0, lighthouse_port: int = 0,
                  *, min_replicas: int = 1, join_timeout_ms: int = 50,
-                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10, token: Optional[str] = None):
+                 heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 10, token: Optional[str] = None,
+                 liveness_timeout_s: Optional[float] = None):
         self.host = host
         # The store listens on a socket bound here, to ``host`` only: given a port, TCPStore's
         # server binds every interface (IPv6 dual-stack), whatever ``host`` says, and formats
@@ -203,9 +208,16 @@ class CoordinatorServer:
         # also when its launcher went with it (runtime/presence.py).  Its own store client.
         self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
                                                         timeout=timedelta(seconds=5)), digest)
+        # With a liveness timeout the workers beat on that connection and the coordinator
+        # judges who went silent (``liveness.JobJudge``): no member does, nor reads a counter.
+        self.judge = None if not liveness_timeout_s else JobJudge(
+            self._presence_store, liveness_timeout_s, latest=lambda: read_latest(self._presence_store),
+            report=lambda w, s, latest: report_silent(self._presence_store, latest, w, s))
+        if self.judge is not None:
+            self.store.set(JUDGED_KEY, "coordinator")
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
                                         lambda w, inc: presence_ended(self._presence_store, w, inc),
-                                        ended=GenerationEnds(self._presence_store))
+                                        ended=GenerationEnds(self._presence_store), judge=self.judge)
         self.store.set(PRESENCE_KEY, self._presence.address)
 
     def latest_view(self) -> Optional[dict]:
@@ -346,6 +358,16 @@ def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited
     if latest is None:
         return
     record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
+              "time": time.time(), "generation": latest["generation"]}
+    store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
+    store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+
+
+def report_silent(store: dist.Store, latest: dict, worker: int, silent_s: float) -> None:
+    """The coordinator's liveness judge found ``worker`` silent in generation ``latest``: end
+    it, naming the worker (what a member judge's ``Membership.report_failure`` writes)."""
+    log.info("worker %d silent for %.1f s: generation %s ended", worker, silent_s, latest["generation"])
+    record = {"by": "coordinator", "reason": silent_reason(worker, silent_s), "suspects": [int(worker)],
               "time": time.time(), "generation": latest["generation"]}
     store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
     store.append(_FAILURES_KEY, json.dumps(record) + "\n")

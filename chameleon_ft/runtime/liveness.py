@@ -1,7 +1,19 @@
 """Which members of a generation went silent, judged once per job.
 
-Every worker bumps its liveness counter in the coordinator's store (``LivenessMonitor``, on a
-thread and store client of its own).  The *judge* -- the lowest worker id of the current
+**The embedded coordinator judges** when it was started with a heartbeat timeout (the
+launcher's ``--heartbeat-timeout``): each worker beats on its presence connection, one byte ten
+times a second, no answer awaited and no store request (``runtime/presence.py``); the
+coordinator counts the beats and, ten times a second, ``JobJudge`` applies the rule below to
+the newest generation's members, ends the generation of one found silent (the abort record,
+``by: "coordinator"``), writes the counts that moved as the members' counters (one request) and
+the quiet members' record (one).  A worker then sends no liveness request at all.  It says so
+in the store (``JUDGED_KEY``), so that no member judges besides; a worker whose presence
+connection does not take beats (it could not open one) beats to the store and the judge reads
+its counter there.
+
+**Otherwise (etcd, or a coordinator without a judge)** every worker bumps its liveness counter
+in the job's store (``LivenessMonitor``, on a thread and store client of its own).  The
+*judge* -- the lowest worker id of the current
 generation -- reads every member's counter in one request (``multi_get``) ten times a second,
 reports the ones that stopped moving, and publishes how long each quiet member has been quiet
 as one key; every other member reads three keys in one request, four times a second: the
@@ -19,11 +31,12 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-__all__ = ["Liveness", "LivenessMonitor", "await_the_missing", "LIVENESS_KEY", "beat_key"]
+__all__ = ["Liveness", "LivenessMonitor", "JobJudge", "await_the_missing", "LIVENESS_KEY", "JUDGED_KEY", "beat_key", "silent_reason"]
 
 log = logging.getLogger(__name__)
 
 LIVENESS_KEY = "cft/liveness"  # the judge's record: {"token", "quiet": {worker: [count, seconds]}}
+JUDGED_KEY = "cft/liveness/judge"  # "coordinator": the embedded coordinator judges (no member does)
 
 
 def beat_key(worker_id: int) -> str:
@@ -77,6 +90,12 @@ class Liveness:
         now = time.monotonic()
         return {w: [c, round(now - t, 3)] for w, (c, t) in self._seen.items() if now - t > min_s}
 
+    def quiet_any(self, min_s: float) -> dict[int, list]:
+        """Like ``quiet``, over every worker this clock has seen in any generation (a member
+        left out of the newest generation is still reported)."""
+        now = time.monotonic()
+        return {w: [c, round(now - t, 3)] for w, (c, t) in self._moved.items() if now - t > min_s}
+
     def last_moved(self, worker: int) -> Optional[tuple[int, float]]:
         """(counter, when this watcher saw it move to that value) for ``worker``, any generation;
         None when unknown or while this worker does not judge (after an outage of its own)."""
@@ -120,6 +139,12 @@ class Liveness:
         return out
 
 
+def silent_reason(worker: int, silent_s: float) -> str:
+    """The abort record's reason for a member found silent (``timeout: ...``: a hang)."""
+    return (f"timeout: no heartbeat from worker {worker} for {silent_s:.1f} s "
+            "(a lost node, a network partition or a stopped process)")
+
+
 def watched(worker_id: int, members: Iterable[int]) -> list[int]:
     """The counters ``worker_id`` reads: every member's if it is the judge (the lowest id),
     else the judge's and its own."""
@@ -136,8 +161,10 @@ class LivenessMonitor:
     def __init__(self, worker_id: int, connect: Callable[[], object], *, timeout_s: Optional[float],
                  grace_s: float, beat_every_s: float, view: Callable[[], object],
                  report: Callable[[int, float, str], None], answered: Callable[[], None],
-                 judge: bool = True, every_s: float = 0.1, peer_every_s: float = 0.25) -> None:
+                 judge: bool = True, every_s: float = 0.1, peer_every_s: float = 0.25,
+                 beat: Callable[[], bool] = lambda: False) -> None:
         self.worker_id, self.connect, self.view, self.report, self.answered = worker_id, connect, view, report, answered
+        self.beat = beat  # a beat on the presence connection (True: sent there, no store request)
         self.clock = Liveness(worker_id, timeout_s, grace_s=grace_s, every_s=every_s)
         self.every_s, self.peer_every_s = every_s, peer_every_s  # the judge's reads, another member's
         self.beat_every_s, self.judge = beat_every_s, judge and timeout_s is not None
@@ -159,8 +186,10 @@ class LivenessMonitor:
         tick = min(self.beat_every_s, self.clock.every_s)
         while not self._stop.wait(tick):
             try:
-                store = store or self.connect()
                 now = time.monotonic()
+                if self.beat():  # the coordinator counts and judges: nothing else to do
+                    continue
+                store = store or self.connect()
                 if now >= next_beat:
                     next_beat = now + self.beat_every_s
                     store.add(beat_key(self.worker_id), 1)
@@ -197,6 +226,56 @@ class LivenessMonitor:
             store.set(LIVENESS_KEY, json.dumps({"token": view.token,
                                                 "quiet": self.clock.quiet(2 * self.beat_every_s)}))
             self.requests += 1
+
+
+class JobJudge:
+    """The embedded coordinator's liveness judge (module doc), called by its presence thread
+    with each registered worker's beat count (``PresenceServer``'s ``judge``).
+
+    ``latest()``: the newest generation ({"token", "members", "generation"}, or None);
+    ``report(worker, seconds, latest)``: end that generation, naming the silent worker.  The
+    members that do not beat on a presence connection are judged by their store counters (one
+    ``multi_get``, none when every member beats there).  A tick of its own that came late (the
+    coordinator's process not scheduled for half the timeout) starts every clock afresh, as a
+    member judge's own stalled request does (``Liveness.took``)."""
+
+    def __init__(self, store, timeout_s: float, *, latest: Callable[[], Optional[dict]],
+                 report: Callable[[int, float, dict], None], beat_every_s: float = 0.1, every_s: float = 0.1):
+        self.store, self.latest, self.report, self.beat_every_s = store, latest, report, beat_every_s
+        self.clock = Liveness(-1, timeout_s, grace_s=timeout_s, every_s=every_s)
+        self._published: dict[int, int] = {}
+        self._last_tick: Optional[float] = None
+        self.requests = 0  # store requests made
+
+    def __call__(self, beats: dict[int, int]) -> None:
+        now = time.monotonic()
+        if self._last_tick is not None and now - self._last_tick > min(0.5, self.clock.timeout_s / 2):
+            self.clock.reset()
+        self._last_tick = now
+        latest = self.latest()
+        self.requests += 1
+        if latest is None:
+            return
+        members = [int(w) for w in latest["members"]]
+        counts = {w: beats[w] for w in members if w in beats}
+        rest = [w for w in members if w not in counts]
+        if rest:
+            t0 = time.monotonic()
+            got = self.store.multi_get([beat_key(w) for w in rest])
+            self.requests += 1
+            self.clock.took(time.monotonic() - t0)
+            counts.update({w: int(v or b"0") for w, v in zip(rest, got)})
+        moved = {w: c for w, c in beats.items() if self._published.get(w) != c}
+        if moved:  # what a member's ``await_the_missing`` reads
+            self.store.multi_set([beat_key(w) for w in moved], [str(c) for c in moved.values()])
+            self.requests += 1
+            self._published.update(moved)
+        if len(counts) > 1:  # (alone: nobody to compare with)
+            for w, silent in self.clock.silent(latest["token"], counts):
+                self.report(w, silent, latest)
+        self.store.set(LIVENESS_KEY, json.dumps({"token": latest["token"],
+                                                 "quiet": self.clock.quiet_any(2 * self.beat_every_s)}))
+        self.requests += 1
 
 
 def await_the_missing(missing: Iterable[int], timeout_s: float, *, beat: Callable[[int], int],

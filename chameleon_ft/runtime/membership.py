@@ -71,7 +71,8 @@ from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
 from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
 from chameleon_ft.runtime.presence import (PRESENCE_KEY, PRESENCE_NODE_ENV, PresenceClient,  # noqa: E402
                                            presence_node_key)
-from chameleon_ft.runtime.liveness import LIVENESS_KEY, LivenessMonitor, beat_key, await_the_missing as _await_the_missing  # noqa: E402
+from chameleon_ft.runtime.liveness import (JUDGED_KEY, LIVENESS_KEY, LivenessMonitor, beat_key,  # noqa: E402
+                                           silent_reason, await_the_missing as _await_the_missing)
 from chameleon_ft.runtime.waits import poller  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class Membership:
                                     on_ended=self._generation_ended, stop=self._stop, cut_off_s=cut_off_s,
                                     quorum_wait_s=quorum_wait_s, presence=lambda: getattr(self, "_presence", None))
         self.lost_reports = 0  # members this worker reported for a silent heartbeat
+        self.judged_by_coordinator = False  # the embedded coordinator judges liveness (``join``)
         self.incarnation = 0  # (the store's, from ``join``)
         self._proofs: dict[int, list] = {}  # the last quorum's members' join proofs (``_to_view``)
         self._refused_said: set[int] = set()  # workers left out for a bad join proof (said once)
@@ -234,6 +236,7 @@ class Membership:
         if self.store.add(_REGISTERED_KEY, 1) == min_world_size:  # the last of the launch: say so once
             self.store.set(_ENOUGH_KEY, "1")
         self._register_presence()
+        self.judged_by_coordinator = self.store.check([JUDGED_KEY])
         self._first_heartbeat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"cft-heartbeat-{self.worker_id}")
@@ -245,7 +248,8 @@ class Membership:
                                                   request_timeout_s=(self.heartbeat_timeout_s or 4.0) / 2),
             timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
-            answered=self.watcher.answered, judge=self.watch_aborts)
+            answered=self.watcher.answered, judge=self.watch_aborts and not self.judged_by_coordinator,
+            beat=lambda: self._presence is not None and self._presence.beat())
         self._monitor.start()
         deadline = time.monotonic() + timeout_s
         view = self._first_generation(min_world_size, deadline)
@@ -443,8 +447,7 @@ class Membership:
     def _silent(self, worker: int, silent_s: float, token: str) -> None:
         """The liveness monitor found ``worker`` silent (``heartbeat_timeout_s``): report it."""
         self.lost_reports += 1
-        self.report_failure([worker], f"timeout: no heartbeat from worker {worker} for {silent_s:.1f} s "
-                            f"(a lost node, a network partition or a stopped process)", token=token)
+        self.report_failure([worker], silent_reason(worker, silent_s), token=token)
 
     def abort_seen(self, token: str) -> Optional[bool]:
         """``AbortWatcher.abort_seen``: the watcher's flag, no store request (None: ask the store)."""
@@ -537,6 +540,9 @@ class Membership:
             return False
         lv = getattr(self, "_monitor", None)
         lv = lv.clock if lv is not None else None
+        if lv is not None and self.judged_by_coordinator:  # its record: who has been quiet, how long
+            record = self._json_key(LIVENESS_KEY) or {}
+            lv.heard({int(w): (int(c), float(q)) for w, (c, q) in record.get("quiet", {}).items()})
         return _await_the_missing(
             missing, self.heartbeat_timeout_s, beat=lambda w: self.store.add(beat_key(w), 0),
             ended=lambda: self.store.check([abort_key(view.token)]), dead=self._reported_dead,

@@ -25,6 +25,12 @@ instead of polling its generation's key 50 times a second (``runtime/abort_watch
 that does not fit a stalled worker's socket buffer is dropped: the watcher also reads its key
 four times a second.
 
+With a judge (the embedded coordinator started with a heartbeat timeout): the worker's
+liveness beats come on the same connection, one byte each (``PresenceClient.beat``; no answer,
+no store request), the server counts them per worker and every ``judge_every_s`` (0.1 s) hands
+the counts to ``judge`` (``liveness.JobJudge``) and writes ``alive`` to every beating connection
+(the worker's sign that the coordinator answers).
+
 An etcd job has no coordinator process: there each node's launcher holds a presence socket
 (``CoordinatorOps.watch_presence``, published at ``presence_node_key``) and each worker connects to
 the *next* node's (``PRESENCE_NODE_ENV``), so a whole node lost is reported by its neighbour.
@@ -65,6 +71,7 @@ def presence_node_key(node_rank: int) -> str:
     """Where an etcd job's node ``node_rank`` publishes its launcher's presence socket."""
     return f"{PRESENCE_KEY}/node{int(node_rank)}"
 _BYE = b"bye\n"
+_BEAT = b"."
 _MAX_LINE = 512
 
 
@@ -77,14 +84,19 @@ def proof(token: str, nonce: bytes, worker: int, incarnation: int) -> str:
 class PresenceServer:
     """Accepts the workers' connections on ``host`` (a random port: ``address``) and calls
     ``died(worker, incarnation)`` when a registered connection ends without a goodbye.  One
-    thread; nothing is read from a registered connection but its end (or its goodbye).  With
-    ``ended``: that thread also calls it every ``tick_s`` and writes each token it returns to
-    every registered connection (module doc)."""
+    thread; nothing is read from a registered connection but its beats, its goodbye and its
+    end.  With ``ended``: that thread also calls it every ``tick_s`` and writes each token it
+    returns to every registered connection; with ``judge``: it calls ``judge(beats)`` every
+    ``judge_every_s`` with each registered worker's beat count and writes ``alive`` to the
+    connections that beat (module doc)."""
 
     def __init__(self, host: str, token: str, died: Callable[[int, int], None],
-                 ended: Optional[Callable[[], "list[str]"]] = None, tick_s: float = 0.02):
+                 ended: Optional[Callable[[], "list[str]"]] = None, tick_s: float = 0.02,
+                 judge: Optional[Callable[["dict[int, int]"], None]] = None, judge_every_s: float = 0.1):
         self._token, self._died = token, died
         self._ended, self.tick_s = ended, tick_s
+        self._judge, self.judge_every_s = judge, judge_every_s
+        self.beats: dict[int, int] = {}  # worker -> beats received on its registered connections
         self._sel = selectors.DefaultSelector()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listen = socket.create_server((host.strip("[]"), 0), family=family, backlog=1024)
@@ -110,10 +122,11 @@ class PresenceServer:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        tick_at = time.monotonic()
+        tick_at = judge_at = time.monotonic()
         try:
             while True:
-                wait = None if self._ended is None else max(0.0, tick_at - time.monotonic())
+                due = [t for t, on in ((tick_at, self._ended), (judge_at, self._judge)) if on is not None]
+                wait = max(0.0, min(due) - time.monotonic()) if due else None
                 for key, _ in self._sel.select(wait):
                     if key.data == "wake":
                         return
@@ -124,6 +137,9 @@ class PresenceServer:
                 if self._ended is not None and time.monotonic() >= tick_at:
                     tick_at = time.monotonic() + self.tick_s
                     self._tell_ended()
+                if self._judge is not None and time.monotonic() >= judge_at:
+                    judge_at = time.monotonic() + self.judge_every_s
+                    self._tell_judge()
         finally:
             for key in list(self._sel.get_map().values()):
                 key.fileobj.close()
@@ -146,6 +162,19 @@ class PresenceServer:
                 except OSError:
                     pass  # (its end, if it ended, is read next)
 
+    def _tell_judge(self) -> None:
+        beats = {w: self.beats.get(w, 0) for w in self.registered}
+        try:
+            self._judge(beats)
+        except Exception as exc:  # (the store going down with the job)
+            log.debug("presence: the liveness judge failed: %s", exc)
+        for key in list(self._sel.get_map().values()):
+            if isinstance(key.data, dict) and key.data["who"] is not None:
+                try:
+                    key.fileobj.send(b"alive\n")  # (non-blocking: a full buffer drops it)
+                except OSError:
+                    pass
+
     def _accept(self) -> None:
         try:
             conn, _ = self._listen.accept()
@@ -167,9 +196,11 @@ class PresenceServer:
             return
         except OSError:
             data = b""
-        if state["who"] is not None:  # registered: only a goodbye or the end
+        if state["who"] is not None:  # registered: beats, a goodbye or the end
             if data and _BYE.strip() not in (state["buf"] + data):
                 state["buf"] = (state["buf"] + data)[-8:]
+                worker = state["who"][0]
+                self.beats[worker] = self.beats.get(worker, 0) + data.count(_BEAT)
                 return
             self._drop(conn)
             worker, incarnation = state["who"]
@@ -204,7 +235,8 @@ class PresenceServer:
         state["who"] = (worker, incarnation)
         self.registered[worker] = incarnation
         try:
-            conn.send(b"ok ended\n" if self._ended is not None else b"ok\n")
+            conn.send(b" ".join([b"ok"] + [b"ended"] * (self._ended is not None)
+                                + [b"beats"] * (self._judge is not None)) + b"\n")
         except OSError:
             pass
 
@@ -242,6 +274,8 @@ class PresenceClient:
     def __init__(self) -> None:
         self._sock: Optional[socket.socket] = None
         self.pushes = False  # the server writes the generations' ends on this connection
+        self.beats = False  # the server takes this worker's liveness beats on it (and judges)
+        self.heard_at = 0.0  # when the server last wrote anything here (monotonic)
         self._buf = b""
         if not _CLIENTS:
             atexit.register(goodbye)
@@ -259,7 +293,7 @@ class PresenceClient:
             reply = f.readline(20).split()
             if reply[:1] != [b"ok"]:
                 raise ValueError("the coordinator refused this worker's presence (another job token?)")
-            self.pushes = b"ended" in reply[1:]
+            self.pushes, self.beats = b"ended" in reply[1:], b"beats" in reply[1:]
             f.close()
         except BaseException:
             sock.close()
@@ -272,6 +306,21 @@ class PresenceClient:
         """The server writes the generations' ends here, and the connection is up."""
         return self._sock is not None and self.pushes
 
+    def beat(self) -> bool:
+        """One liveness beat on this connection (no answer is awaited; a full send buffer -- a
+        coordinator that does not read -- drops it); False when the connection does not take
+        beats (any more): beat to the store instead."""
+        sock = self._sock
+        if sock is None or not self.beats:
+            return False
+        try:
+            sock.send(_BEAT, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        return True
+
     def keys(self, timeout_s: float) -> "list[bytes]":
         """The tokens of generations the server said ended, waiting up to ``timeout_s`` for
         one; raises OSError when this connection does not carry them (any more).  One reader
@@ -282,9 +331,10 @@ class PresenceClient:
         if b"\n" not in self._buf and select.select([sock], [], [], timeout_s)[0]:
             data = sock.recv(4096)
             if not data:  # the coordinator's process is gone
-                self.pushes = False
+                self.pushes = self.beats = False
                 raise OSError("the coordinator closed the presence connection")
             self._buf += data
+            self.heard_at = time.monotonic()
         lines, _, self._buf = self._buf.rpartition(b"\n")
         return [ln[6:] for ln in lines.split(b"\n") if ln.startswith(b"ended ")]
 

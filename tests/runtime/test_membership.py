@@ -1012,3 +1012,69 @@ def test_a_coordinator_that_accepts_and_never_answers_is_given_up_at_a_deadline(
         listener.close()
         for c in held:
             c.close()
+
+
+def test_the_coordinator_judges_a_stopped_member_and_no_member_sends_a_liveness_request(tmp_path):
+    """With a liveness timeout the embedded coordinator judges (``liveness.JobJudge``): the
+    workers beat on their presence connections and make no liveness request to the store; a
+    SIGSTOPped member's generation is ended by the coordinator, naming it, within the timeout
+    and a few ticks, and the others train on without it."""
+    import json
+
+    from chameleon_ft.runtime.coordination import _FAILURES_KEY
+
+    steps = 100
+    with ProtoCluster(str(tmp_path), N, steps=steps, step_sleep=0.02,
+                      coordinator_kwargs={"liveness_timeout_s": 1.0}) as c:
+        _wait_steps(c, range(N), 15)
+        t_stop = c.kill(3, signal.SIGSTOP)
+        survivors = [0, 1, 2]
+        _step_after(c, survivors, t_stop, timeout=15)
+        records = [json.loads(ln) for ln in c.coordinator.store.get(_FAILURES_KEY).decode().splitlines()]
+        judged = [r for r in records if r["time"] > t_stop and r["by"] == "coordinator"]
+        assert judged and judged[0]["suspects"] == [3], records
+        assert judged[0]["reason"].startswith("timeout: no heartbeat from worker 3"), judged
+        print(f"\nstopped member reported by the coordinator after {judged[0]['time'] - t_stop:.3f} s")
+        assert judged[0]["time"] - t_stop < 1.0 + 1.5
+        c.kill(3, signal.SIGKILL)
+        rc = c.wait_exit(survivors, 30)
+        assert rc == {w: 0 for w in survivors}, rc
+        _check_survivors(c, survivors, survivors, steps)
+        done = [e for w in survivors for e in c.events(w) if e["event"] == "done"]
+        assert [(e["judged_by_coordinator"], e["liveness_requests"]) for e in done] == [(True, 0)] * 3
+
+
+def test_the_coordinators_judge_reads_presence_beats_and_store_counters_alike(monkeypatch):
+    """``JobJudge`` on a fake clock and a real store: a member whose presence beats stop is
+    reported once, a member that beats to the store is judged by its counter, the counts that
+    moved are written as the members' counters (what ``await_the_missing`` reads) and the quiet
+    record carries the silent member's count; a late tick of the judge's own judges nobody."""
+    import json as _json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import chameleon_ft.runtime.liveness as lvmod
+    from chameleon_ft.runtime.liveness import LIVENESS_KEY, JobJudge, beat_key
+
+    now = [1000.0]
+    monkeypatch.setattr(lvmod.time, "monotonic", lambda: now[0])
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    reports = []
+    judge = JobJudge(store, 1.0, latest=lambda: {"token": "g1", "members": [0, 1, 2, 3], "generation": 1},
+                     report=lambda w, s, latest: reports.append((w, latest["token"])))
+    for t in range(1, 18):  # worker 1's beats stop at 5; worker 3 beats to the store
+        now[0] = 1000.0 + 0.1 * t
+        store.add(beat_key(3), 1)
+        judge({0: t, 1: min(t, 5), 2: t})
+    assert reports == [(1, "g1")]
+    assert store.add(beat_key(0), 0) == 17 and store.add(beat_key(1), 0) == 5
+    quiet = _json.loads(store.get(LIVENESS_KEY))["quiet"]
+    assert list(quiet) == ["1"] and quiet["1"][0] == 5
+    # worker 3's counter stops too, but the judge's own next tick comes 0.6 s late: no verdict
+    now[0] += 0.6
+    judge({0: 18, 1: 5, 2: 18})
+    for t in range(1, 8):  # worker 3 quiet for 1.3 s by now, within the judge's grace after its stall
+        now[0] += 0.1
+        judge({0: 18 + t, 1: 5, 2: 18 + t})
+    assert reports == [(1, "g1")]

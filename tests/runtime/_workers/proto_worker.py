@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                  token=view.token, result=got, expected=expected,
                  ok=bool(torch.all(t == expected).item()))
             step += 1
-        emit("done", generation=view.generation, members=list(view.members), step=step)
+        emit("done", generation=view.generation, members=list(view.members), step=step,
+             liveness_requests=m._monitor.requests, judged_by_coordinator=m.judged_by_coordinator)
         _finish_together(m.connect_store(), view, a.op_timeout)
         return 0
     except MembershipError as exc:
