@@ -260,7 +260,7 @@ class Run:
     def command(self, what: str, **kw) -> int:
         self._cmds += 1
         path = self.ctl / f"cmd.{self._cmds:04d}"
-        tmp = path.with_suffix(".tmp")
+        tmp = self.ctl / f"tmp.{path.name}"  # (not ``cmd.*``: the hosts glob for those)
         tmp.write_text(json.dumps({"what": what, "id": self._cmds, **kw}))
         tmp.rename(path)
         return self._cmds
@@ -269,6 +269,9 @@ class Run:
         cid = self.command("count")
         files = [self.ctl / f"count.{cid}.{lo}" for lo in self.los]
         while not all(f.exists() for f in files):
+            dead = [lo for lo, h in zip(self.los, self.hosts) if h.poll() is not None]
+            if dead:
+                raise RuntimeError(f"host process {dead[0]} died: {(self.ctl / f'host.{dead[0]}.log').read_text()[-2000:]}")
             time.sleep(0.02)
         got = [json.loads(f.read_text()) for f in files]
         return sum(g["requests"] for g in got), sum(g["t"] for g in got) / len(got)
