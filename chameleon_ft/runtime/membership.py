@@ -133,8 +133,9 @@ class Membership:
         retry_s: how long one quorum request waits before re-checking whether the others moved on.
         watch_aborts: run the abort watcher (``runtime/abort_watch.py``): ask for the next quorum as soon
             as the generation ends, even while the main thread is busy (and ``abort_seen``).
-        heartbeat_timeout_s: a member whose heartbeat (a counter in the store, bumped every
-            ``heartbeat_interval_s`` by its heartbeat thread) has not moved for this long is
+        heartbeat_timeout_s: a member whose liveness beats (every ``heartbeat_interval_s``: on
+            its presence connection when the embedded coordinator judges, else a counter in the
+            store) have stopped for this long is
             reported lost (a dead node, a partition, a stopped process), so the survivors'
             collectives end within about this long instead of at the watchdog.  None: off.
         cut_off_s: this worker stops (exit 3, ``MEMBERSHIP_EXIT_CODE``) when the coordinator has
@@ -187,6 +188,13 @@ class Membership:
         self.volunteers: Callable[[], bool] = lambda: True
         self.early_joins = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # The Lighthouse's heartbeats (it counts a participant healthy while its last one is
+        # younger than its heartbeat timeout, the launcher's --heartbeat-timeout): four per
+        # timeout, not one per liveness beat -- the gRPC calls were most of a member's and the
+        # coordinator's control traffic once the coordinator judged liveness.  Over etcd the
+        # quorum's heartbeat paces its own lease keep-alives (``EtcdQuorum.heartbeat``).
+        self.lighthouse_every_s = (heartbeat_interval_s if is_etcd(store_addr) or not heartbeat_timeout_s
+                                   else max(heartbeat_interval_s, heartbeat_timeout_s / 4))
         self.cut_off_s = cut_off_s
         self.quorum_wait_s = quorum_wait_s
         # The abort watcher and the coordinator guard (``runtime/abort_watch.py``): their own
@@ -689,5 +697,5 @@ class Membership:
             log.debug("heartbeat of worker %d failed: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval_s):
+        while not self._stop.wait(self.lighthouse_every_s):
             self._heartbeat_once()
