@@ -180,7 +180,7 @@ def _rss_mb(pid: int) -> float:
 _COORDINATOR = """
 import sys, time
 from chameleon_ft.runtime.coordination import CoordinatorServer
-c = CoordinatorServer(min_replicas=1, liveness_timeout_s=None if sys.argv[1] == "members" else 1.0)
+c = CoordinatorServer(min_replicas=1, **({} if sys.argv[1] == "members" else {"liveness_timeout_s": 1.0}))
 print(c.store_addr, c.lighthouse_addr, flush=True)
 while True:
     time.sleep(1)
