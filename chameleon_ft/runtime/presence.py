@@ -344,8 +344,8 @@ class PresenceClient:
             _CLIENTS.remove(self)
         if sock is None:
             return
-        try:
-            sock.sendall(_BYE)
+        try:  # (never blocks: a coordinator that stopped reading has a full buffer; no bye then)
+            sock.send(_BYE, socket.MSG_DONTWAIT)
         except OSError:
             pass
         sock.close()
