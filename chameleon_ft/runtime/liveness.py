@@ -6,10 +6,12 @@ times a second, no answer awaited and no store request (``runtime/presence.py``)
 coordinator counts the beats and, ten times a second, ``JobJudge`` applies the rule below to
 the newest generation's members, ends the generation of one found silent (the abort record,
 ``by: "coordinator"``), writes the counts that moved as the members' counters (one request) and
-the quiet members' record (one).  A worker then sends no liveness request at all.  It says so
-in the store (``JUDGED_KEY``), so that no member judges besides; a worker whose presence
-connection does not take beats (it could not open one) beats to the store and the judge reads
-its counter there.
+the quiet members' record (one).  A worker then sends no liveness request at all.  A worker
+whose presence connection does not take beats (it could not open one, or the coordinator's
+presence thread closed it) beats to the store, where the coordinator reads its counter, and
+judges as below -- on counters that move for every member, since the coordinator writes the
+beats it counts -- so no member is left unjudged.  ``JUDGED_KEY`` tells a worker the
+coordinator judges (it then reads the coordinator's record where it needs one).
 
 **Otherwise (etcd, or a coordinator without a judge)** every worker bumps its liveness counter
 in the job's store (``LivenessMonitor``, on a thread and store client of its own).  The
@@ -188,7 +190,7 @@ class LivenessMonitor:
             try:
                 now = time.monotonic()
                 if self.beat():  # the coordinator counts and judges: nothing else to do
-                    continue
+                    continue  # (without such a connection: the store's counter, and judging)
                 store = store or self.connect()
                 if now >= next_beat:
                     next_beat = now + self.beat_every_s

@@ -256,7 +256,7 @@ class Membership:
                                                   request_timeout_s=(self.heartbeat_timeout_s or 4.0) / 2),
             timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
-            answered=self.watcher.answered, judge=self.watch_aborts and not self.judged_by_coordinator,
+            answered=self.watcher.answered, judge=self.watch_aborts,
             beat=lambda: self._presence is not None and self._presence.beat())
         self._monitor.start()
         deadline = time.monotonic() + timeout_s

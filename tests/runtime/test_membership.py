@@ -1078,3 +1078,45 @@ def test_the_coordinators_judge_reads_presence_beats_and_store_counters_alike(mo
         now[0] += 0.1
         judge({0: 18 + t, 1: 5, 2: 18 + t})
     assert reports == [(1, "g1")]
+
+
+def test_members_judge_again_when_the_coordinators_presence_thread_is_gone(monkeypatch):
+    """The coordinator judges while the workers' beats reach it on their presence connections
+    (no member makes a liveness request); when those connections end -- its presence thread
+    gone, the store still answering -- the workers beat to the store and judge among
+    themselves: a member that then falls silent is still reported, by the lowest worker id."""
+    import json as _json
+
+    from chameleon_ft.runtime.coordination import TOKEN_ENV, abort_key
+
+    monkeypatch.setenv(TOKEN_ENV, "")
+    server = CoordinatorServer(liveness_timeout_s=1.0)
+    ws = [Membership(w, server.store_addr, server.lighthouse_addr, connect_timeout_s=5, cut_off_s=None)
+          for w in range(3)]
+    try:
+        threads = [threading.Thread(target=w.join, kwargs={"min_world_size": 3, "timeout_s": 30}) for w in ws]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(0.5)
+        assert all(w.judged_by_coordinator and w._presence.beats for w in ws)
+        assert [w._monitor.requests for w in ws] == [0, 0, 0]
+        server._presence.close()  # the presence thread ends and closes every connection
+        deadline = time.monotonic() + 5
+        while any(w._presence.beats for w in ws) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(w._presence.beats for w in ws)
+        token = ws[0].view().token
+        ws[2]._monitor.stop()
+        deadline = time.monotonic() + 5
+        while not server.store.check([abort_key(token)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record = _json.loads(server.store.get(abort_key(token)))
+        assert (record["by"], record["suspects"]) == (0, [2]), record
+        assert record["reason"].startswith("timeout: no heartbeat from worker 2")
+        assert ws[0]._monitor.requests > 0
+    finally:
+        for w in ws:
+            w.close()
+        server.shutdown()
