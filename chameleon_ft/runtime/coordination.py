@@ -206,8 +206,10 @@ class CoordinatorServer:
         self.lighthouse_addr = f"http://{host}:{lh_port}"
         # Each worker's one idle connection: its end without a goodbye reports it dead at once,
         # also when its launcher went with it (runtime/presence.py).  Its own store client.
+        # (30 s, as the server's own: its first connect, in a launcher starting beside a loaded
+        # machine's other jobs, once took more than 5 s)
         self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
-                                                        timeout=timedelta(seconds=5)), digest)
+                                                        timeout=timedelta(seconds=30)), digest)
         # With a liveness timeout the workers beat on that connection and the coordinator
         # judges who went silent (``liveness.JobJudge``): no member does, nor reads a counter.
         self.judge = None if not liveness_timeout_s else JobJudge(

@@ -646,7 +646,7 @@ class Membership:
         recent = self._admitted_at is not None and now - self._admitted_at < ADMISSION_BACKOFF_RESET_S
         self._admission_tries = self._admission_tries + 1 if recent else 0
         self._admitted_at = now
-        wait = min(ADMISSION_BACKOFF_S * 2 ** (self._admission_tries - 1), ADMISSION_BACKOFF_MAX_S) \
+        wait = min(ADMISSION_BACKOFF_S * 2.0 ** min(self._admission_tries - 1, 16), ADMISSION_BACKOFF_MAX_S) \
             if self._admission_tries else 0.0
         while time.monotonic() < now + wait and not self.store.check([abort_key(latest["token"])]):
             time.sleep(min(0.02, wait))

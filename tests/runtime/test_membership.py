@@ -1120,3 +1120,25 @@ def test_members_judge_again_when_the_coordinators_presence_thread_is_gone(monke
         for w in ws:
             w.close()
         server.shutdown()
+
+
+def test_many_admissions_in_a_row_do_not_overflow_the_backoff():
+    """A worker asked to be admitted over a thousand times in a row (CI: three workers after a
+    peer's leave during a machine stall, each round's generation already ended so no backoff
+    wait): the backoff's doubling stays bounded instead of raising OverflowError."""
+    class _Store:
+        def __init__(self):
+            self.written = []
+
+        def check(self, keys):
+            return True  # the generation is already ended: no wait
+
+        def compare_set(self, key, old, new):
+            self.written.append(key)
+
+    m = object.__new__(Membership)
+    m.worker_id, m.store = 1, _Store()
+    m._latest = lambda: {"token": "g2", "generation": 2}
+    m._admitted_at, m._admission_tries = time.monotonic(), 5000
+    m._request_admission("g1")
+    assert m._admission_tries == 5001 and len(m.store.written) == 1
