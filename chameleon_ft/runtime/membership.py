@@ -188,13 +188,6 @@ class Membership:
         self.volunteers: Callable[[], bool] = lambda: True
         self.early_joins = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        # The Lighthouse's heartbeats (it counts a participant healthy while its last one is
-        # younger than its heartbeat timeout, the launcher's --heartbeat-timeout): four per
-        # timeout, not one per liveness beat -- the gRPC calls were most of a member's and the
-        # coordinator's control traffic once the coordinator judged liveness.  Over etcd the
-        # quorum's heartbeat paces its own lease keep-alives (``EtcdQuorum.heartbeat``).
-        self.lighthouse_every_s = (heartbeat_interval_s if is_etcd(store_addr) or not heartbeat_timeout_s
-                                   else max(heartbeat_interval_s, heartbeat_timeout_s / 4))
         self.cut_off_s = cut_off_s
         self.quorum_wait_s = quorum_wait_s
         # The abort watcher and the coordinator guard (``runtime/abort_watch.py``): their own
@@ -697,5 +690,5 @@ class Membership:
             log.debug("heartbeat of worker %d failed: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.lighthouse_every_s):
+        while not self._stop.wait(self.heartbeat_interval_s):
             self._heartbeat_once()
