@@ -211,7 +211,8 @@ class Launcher:
                 host, port = self.endpoint
             try:
                 return self.ops.host(host, port, a.join_timeout_ms,
-                                     int(1000 * (a.heartbeat_timeout or 1.0)), a.heartbeat_timeout or None)
+                                     int(1000 * (a.heartbeat_timeout or 1.0)),
+                                     (a.heartbeat_timeout or None) if a.coordinator_judges else None)
             except CoordinatorOpError as exc:
                 raise LaunchError(f"cannot host the coordinator on {host}:{port}: {exc}") from exc
         try:

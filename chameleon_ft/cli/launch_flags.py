@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker whose heartbeat stopped this long is lost (a dead node, a "
                         "partition, a stopped process): its peers' collectives end then, not at "
                         "--hang-timeout (seconds, default 1; 0: off)")
+    p.add_argument("--coordinator-judges", action="store_true",
+                   help="the embedded coordinator judges the workers' liveness from beats on their "
+                        "presence connections (no liveness request to the store; experimental: "
+                        "off by default until it holds in CI)")
     p.add_argument("--cut-off", type=float, default=3.0,
                    help="a worker that gets no answer from the coordinator this long stops with "
                         "exit 3: the wrong side of a partition never trains on alone (seconds, "
