@@ -17,7 +17,7 @@ end (what a worker's failed collective does).  Measured per N, on this machine:
 * store requests per member per second in the steady state (every request a member's store
   clients make, counted on the client side, over ``--window`` seconds: a TCPStore call, or an
   HTTP request of the etcd client, the quorum's lease keep-alives included), and in total;
-  With the embedded coordinator judging liveness (``--judge coordinator``, the launcher's way)
+  With the embedded coordinator judging liveness (``--judge coordinator``: the launcher's ``--coordinator-judges``)
   a member's beats go on its presence connection, one byte each with no answer, and are not
   store requests; the coordinator's own requests (its judge, the generations' ends) are not in
   the members' column either (they are in its CPU);
@@ -411,7 +411,7 @@ def main() -> None:
                         "members and up, N clients connecting at once to the one TCPStore of a loaded 2-core "
                         "machine time out)")
     p.add_argument("--judge", choices=("coordinator", "members"), default="coordinator",
-                   help="embedded backend: the coordinator judges liveness (the launcher's way, the workers beat "
+                   help="embedded backend: the coordinator judges liveness (the launcher's --coordinator-judges: the workers beat "
                         "on their presence connections) or the members do (a judge member reads the counters)")
     p.add_argument("--label", default="this tree")
     p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
