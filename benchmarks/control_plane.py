@@ -339,9 +339,8 @@ def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int =
     cpu = lambda: sum(_cpu_s(p) for p in run.pids)  # noqa: E731
     try:
         join_s = run.wait_ready(60 + n * 0.5)
-        # Settle: every member's threads running.  Measured with 1 s windows after the join
-        # (64 members, the coordinator judging): 1.4, 1.4, 2.0, then 3.9 a member from the
-        # fourth second on -- a 2 s settle measured the ramp.
+        # Settle: every member's threads running.  The request rate ramps up for a few seconds
+        # after a 64-member join (in 1 s windows: 1.4, 1.4, 2.0, then 3.9 a member).
         time.sleep(6.0)
         # The steady state: a window in which the generation did not change (a late member's
         # re-admission makes a new one, and every watcher reads its key at each change); up to

@@ -206,20 +206,22 @@ class CoordinatorServer:
         self.lighthouse_addr = f"http://{host}:{lh_port}"
         # Each worker's one idle connection: its end without a goodbye reports it dead at once,
         # also when its launcher went with it (runtime/presence.py).  Its own store client.
-        # (30 s, as the server's own: its first connect, in a launcher starting beside a loaded
-        # machine's other jobs, once took more than 5 s)
+        # (30 s, as the server's own: on a loaded machine its first connect can take over 5 s)
         self._presence_store = namespaced(dist.TCPStore(host, self._raw.port, is_master=False, wait_for_workers=False,
                                                         timeout=timedelta(seconds=30)), digest)
         # With a liveness timeout the workers beat on that connection and the coordinator
-        # judges who went silent (``liveness.JobJudge``): no member does, nor reads a counter.
+        # judges who went silent (``liveness.JobJudge``); a worker whose beats reach it neither
+        # judges nor reads a counter.  The judge takes the newest generation the ends' tick
+        # (every 20 ms, on the same thread) read last: no read of its own.
+        ends = GenerationEnds(self._presence_store)
         self.judge = None if not liveness_timeout_s else JobJudge(
-            self._presence_store, liveness_timeout_s, latest=lambda: read_latest(self._presence_store),
+            self._presence_store, liveness_timeout_s, latest=lambda: ends.latest,
             report=lambda w, s, latest: report_silent(self._presence_store, latest, w, s))
         if self.judge is not None:
             self.store.set(JUDGED_KEY, "coordinator")
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
                                         lambda w, inc: presence_ended(self._presence_store, w, inc),
-                                        ended=GenerationEnds(self._presence_store), judge=self.judge)
+                                        ended=ends, judge=self.judge)
         self.store.set(PRESENCE_KEY, self._presence.address)
 
     def latest_view(self) -> Optional[dict]:
@@ -260,9 +262,10 @@ class GenerationEnds:
         self.store = store
         self.seen: list[str] = []  # the last KEEP generations seen newest, oldest first
         self.watched: list[str] = []  # those of them not seen ended
+        self.latest: Optional[dict] = None  # the newest generation, as the last call read it
 
     def __call__(self) -> list[str]:
-        latest = read_latest(self.store)
+        self.latest = latest = read_latest(self.store)
         if latest is not None and latest["token"] not in self.seen:
             self.seen = (self.seen + [latest["token"]])[-self.KEEP:]
             self.watched = [t for t in self.watched if t in self.seen] + [latest["token"]]
@@ -357,19 +360,21 @@ def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited
     incarnation = store.add(_incarnation_key(worker_id), 0)
     store.set(_dead_key(worker_id), str(incarnation))
     latest = read_latest(store)
-    if latest is None:
-        return
-    record = {"by": "coordinator", "reason": reason, "suspects": [int(worker_id)],
-              "time": time.time(), "generation": latest["generation"]}
-    store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
-    store.append(_FAILURES_KEY, json.dumps(record) + "\n")
+    if latest is not None:
+        _end_for(store, latest, worker_id, reason)
 
 
 def report_silent(store: dist.Store, latest: dict, worker: int, silent_s: float) -> None:
     """The coordinator's liveness judge found ``worker`` silent in generation ``latest``: end
     it, naming the worker (what a member judge's ``Membership.report_failure`` writes)."""
     log.info("worker %d silent for %.1f s: generation %s ended", worker, silent_s, latest["generation"])
-    record = {"by": "coordinator", "reason": silent_reason(worker, silent_s), "suspects": [int(worker)],
+    _end_for(store, latest, worker, silent_reason(worker, silent_s))
+
+
+def _end_for(store: dist.Store, latest: dict, worker: int, reason: str) -> None:
+    """End generation ``latest`` in the coordinator's name, suspecting ``worker`` (the first
+    record of a generation wins its abort key), and log the record with the job's failures."""
+    record = {"by": "coordinator", "reason": reason, "suspects": [int(worker)],
               "time": time.time(), "generation": latest["generation"]}
     store.compare_set(abort_key(latest["token"]), "", json.dumps(record))
     store.append(_FAILURES_KEY, json.dumps(record) + "\n")

@@ -1,7 +1,7 @@
 """Which members of a generation went silent, judged once per job.
 
-**The embedded coordinator judges** when it was started with a heartbeat timeout (the
-launcher's ``--heartbeat-timeout``): each worker beats on its presence connection, one byte ten
+**The embedded coordinator judges** when it was started with a liveness timeout (the
+launcher's ``--coordinator-judges``: its ``--heartbeat-timeout``): each worker beats on its presence connection, one byte ten
 times a second, no answer awaited and no store request (``runtime/presence.py``); the
 coordinator counts the beats and, ten times a second, ``JobJudge`` applies the rule below to
 the newest generation's members, ends the generation of one found silent (the abort record,
@@ -91,6 +91,12 @@ class Liveness:
         """The members of the current generation quiet for more than ``min_s``: [count, seconds]."""
         now = time.monotonic()
         return {w: [c, round(now - t, 3)] for w, (c, t) in self._seen.items() if now - t > min_s}
+
+    def heard_record(self, record: dict, token: Optional[str] = None) -> None:
+        """``heard`` of a judge's record as published under ``LIVENESS_KEY`` (for generation
+        ``token`` only, when given)."""
+        if token is None or record.get("token") == token:
+            self.heard({int(w): (int(c), float(s)) for w, (c, s) in record.get("quiet", {}).items()})
 
     def quiet_any(self, min_s: float) -> dict[int, list]:
         """Like ``quiet``, over every worker this clock has seen in any generation (a member
@@ -219,9 +225,7 @@ class LivenessMonitor:
         self.answered()
         counts = {w: int(v or b"0") for w, v in zip(members, got)}
         if not judge:
-            record = json.loads(got[-1] or b"{}")
-            if record.get("token") == view.token:
-                self.clock.heard({int(w): (int(c), float(s)) for w, (c, s) in record.get("quiet", {}).items()})
+            self.clock.heard_record(json.loads(got[-1] or b"{}"), view.token)
         for w, silent in self.clock.silent(view.token, counts):
             self.report(w, silent, view.token)
         if judge:  # what the others need for await_the_missing: who has been quiet, how long
@@ -255,7 +259,6 @@ class JobJudge:
             self.clock.reset()
         self._last_tick = now
         latest = self.latest()
-        self.requests += 1
         if latest is None:
             return
         members = [int(w) for w in latest["members"]]

@@ -542,8 +542,7 @@ class Membership:
         lv = getattr(self, "_monitor", None)
         lv = lv.clock if lv is not None else None
         if lv is not None and self.judged_by_coordinator:  # its record: who has been quiet, how long
-            record = self._json_key(LIVENESS_KEY) or {}
-            lv.heard({int(w): (int(c), float(q)) for w, (c, q) in record.get("quiet", {}).items()})
+            lv.heard_record(self._json_key(LIVENESS_KEY) or {})
         return _await_the_missing(
             missing, self.heartbeat_timeout_s, beat=lambda w: self.store.add(beat_key(w), 0),
             ended=lambda: self.store.check([abort_key(view.token)]), dead=self._reported_dead,

@@ -152,15 +152,18 @@ class PresenceServer:
         except Exception as exc:  # (the store going down with the job: the workers read their keys)
             log.debug("presence: could not read the generations' ends: %s", exc)
             return
-        if not tokens:
-            return
-        lines = b"".join(b"ended " + t.encode() + b"\n" for t in tokens)
+        if tokens:
+            self._send_all(b"".join(b"ended " + t.encode() + b"\n" for t in tokens))
+
+    def _send_all(self, lines: bytes) -> None:
+        """``lines`` to every registered connection (non-blocking: a full buffer drops them,
+        module doc; a connection that ended is read as such next)."""
         for key in list(self._sel.get_map().values()):
             if isinstance(key.data, dict) and key.data["who"] is not None:
                 try:
-                    key.fileobj.send(lines)  # (non-blocking: a full buffer drops it, module doc)
+                    key.fileobj.send(lines)
                 except OSError:
-                    pass  # (its end, if it ended, is read next)
+                    pass
 
     def _tell_judge(self) -> None:
         beats = {w: self.beats.get(w, 0) for w in self.registered}
@@ -168,12 +171,7 @@ class PresenceServer:
             self._judge(beats)
         except Exception as exc:  # (the store going down with the job)
             log.debug("presence: the liveness judge failed: %s", exc)
-        for key in list(self._sel.get_map().values()):
-            if isinstance(key.data, dict) and key.data["who"] is not None:
-                try:
-                    key.fileobj.send(b"alive\n")  # (non-blocking: a full buffer drops it)
-                except OSError:
-                    pass
+        self._send_all(b"alive\n")
 
     def _accept(self) -> None:
         try:

@@ -1123,9 +1123,9 @@ def test_members_judge_again_when_the_coordinators_presence_thread_is_gone(monke
 
 
 def test_many_admissions_in_a_row_do_not_overflow_the_backoff():
-    """A worker asked to be admitted over a thousand times in a row (CI: three workers after a
-    peer's leave during a machine stall, each round's generation already ended so no backoff
-    wait): the backoff's doubling stays bounded instead of raising OverflowError."""
+    """A worker that asks to be admitted over a thousand times in a row, each round's
+    generation already ended (so no backoff wait): the backoff's doubling stays bounded
+    instead of raising OverflowError."""
     class _Store:
         def __init__(self):
             self.written = []
