@@ -72,9 +72,9 @@ def test_node_loss_two_of_four_local_ranks(tmp_path, tmp_path_factory):
 
 
 def test_replacement_joins_and_heals(tmp_path):
-    # Long enough (~6 s of steps) for the replacement to import torch and join before the end,
-    # also on a loaded machine.
-    job = Job(tmp_path, max_replacements=1, mb_sleep=0.05, epochs=8)
+    # While a member is missing a step takes about a second, so the replacement has a minute of
+    # steps to import torch and join before the end, also on a loaded machine.
+    job = Job(tmp_path, max_replacements=1, mb_sleep=0.05, epochs=8, worker_args=["--slow-below", "4:0.3"])
     try:
         job.start()
         job.wait_step(2)

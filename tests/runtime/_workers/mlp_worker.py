@@ -40,6 +40,8 @@ def main():
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--mb-sleep", type=float, default=0.0, help="emulated compute per micro-batch (s)")
+    p.add_argument("--slow-below", default=None, metavar="WORLD:SECONDS",
+                   help="emulated compute per micro-batch while the job has fewer than WORLD members")
     p.add_argument("--no-stragglers", action="store_true")
     p.add_argument("--min-world", type=int, default=1, help="ElasticConfig.min_world_size")
     p.add_argument("--checkpoint", default=None, help="resume from / write this checkpoint")
@@ -69,8 +71,12 @@ def main():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=a.lr_step, gamma=0.7)
     ce = torch.nn.CrossEntropyLoss()
 
+    slow_below = (int(a.slow_below.split(":")[0]), float(a.slow_below.split(":")[1])) if a.slow_below else None
+
     def loss_fn(m, batch):
-        if a.mb_sleep:
+        if slow_below is not None and len(trainer.ctx.members) < slow_below[0]:
+            time.sleep(slow_below[1])
+        elif a.mb_sleep:
             time.sleep(a.mb_sleep)
         x, y = batch
         return ce(m(x), y)
