@@ -14,7 +14,8 @@ collated from ``dataset[i]`` the same way (``default_collate``), SGD with moment
   ``--device-ms`` of emulated device time (a sleep inside autograd: the CPU is free meanwhile,
   as while a GPU computes), so that a reduction that overlaps backward shows on a CPU.
 
-The lowest-ranked worker writes the wall-clock seconds of every step to ``--out`` (JSON).
+The lowest-ranked worker writes the wall-clock seconds of every step's end to ``--out`` (JSON),
+and its main thread's CPU seconds then (``cpu``).
 """
 
 from __future__ import annotations
@@ -74,9 +75,22 @@ def loss_of(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def write(out: str, stamps: list[float], **extra) -> None:
+class Stamps(list):
+    """The wall-clock time of every step's end, and (``cpu``) the main thread's CPU time then:
+    the host's own work per step, which waits for the peers (or a device) do not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: list[float] = []
+
+    def mark(self, *_) -> None:
+        self.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
+
+
+def write(out: str, stamps: Stamps, **extra) -> None:
     with open(out, "w") as f:
-        json.dump({"stamps": stamps, **extra}, f)
+        json.dump({"stamps": list(stamps), "cpu": stamps.cpu, **extra}, f)
 
 
 def run_ddp(a) -> None:
@@ -89,14 +103,14 @@ def run_ddp(a) -> None:
     kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
     net = DDP(model, **kw)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    stamps = []
+    stamps = Stamps()
     for step in range(a.steps):
         lo = (step * a.micro_batch * world + rank * a.micro_batch) % N
         batch = default_collate([data[i] for i in range(lo, lo + a.micro_batch)])
         loss_of(net, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.mark()
     if rank == 0:
         write(a.out, stamps)
     dist.barrier()
@@ -109,11 +123,11 @@ def run_ft(a) -> None:
     def main():
         model, data = build(a.model, a.device_ms)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        stamps: list[float] = []
+        stamps = Stamps()
         world = int(os.environ.get("WORLD_SIZE", "2"))
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
-                                 config=ElasticConfig(**kw), on_step=lambda ctx: stamps.append(time.perf_counter()))
+                                 config=ElasticConfig(**kw), on_step=stamps.mark)
         from _profiled import fit
 
         fit(trainer, a.steps, a.out, a.profile)
@@ -137,7 +151,7 @@ def run_accelerate(a, ft: bool) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = torch.utils.data.DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate)
     model, opt, loader = acc.prepare(model, opt, loader)
-    stamps: list[float] = []
+    stamps = Stamps()
 
     def loop():
         while len(stamps) < a.steps:
@@ -145,7 +159,7 @@ def run_accelerate(a, ft: bool) -> None:
                 acc.backward(loss_of(model, batch))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                stamps.append(time.perf_counter())
+                stamps.mark()
                 if len(stamps) >= a.steps:
                     break
 

@@ -33,11 +33,24 @@ one; the runtime undoes a rebalance that does not pay (see ``runtime/engine_brid
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
 from chameleon_ft.engine.failures import Event, EventKind
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """``statistics.median`` of sorted ``ordered`` without its element ``i``, in O(1) (the
+    same number: the middle one, or the mean of the middle two as ``median`` computes it)."""
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+    if n % 2:
+        return at(n // 2)
+    return (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 @dataclass
@@ -136,9 +149,10 @@ class StragglerDetector:
         per_rank = {r: median(q) for r, q in self._samples.items() if q}
         if len(per_rank) < 2:
             return {r: (1.0, m) for r, m in per_rank.items()}
+        ordered = sorted(per_rank.values())
         out = {}
         for r, m in per_rank.items():
-            ref = median(v for k, v in per_rank.items() if k != r)
+            ref = _median_without(ordered, bisect_left(ordered, m))
             out[r] = (m / ref if ref > 0 else 1.0, ref)
         return out
 

@@ -260,8 +260,8 @@ class RecoveryCore:
         """This member's timings -- compute s, micro-batches, the previous reduction's and
         step's s -- 1 when it leaves after this step (``runtime/preemption.py``), and its held
         loop-steering decisions (``runtime/steering.py``)."""
-        # The sixth, a non-finite loss, is written on the tensor side by an executor that checks
-        # it (``DataParallelExecutor.sync_and_step``: no host read).
+        # The sixth, a non-finite loss (not 0), is written on the tensor side by an executor that
+        # checks it (``DataParallelExecutor.sync_and_step``: no host read).
         return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0, 0.0,
                 self.steering.word()]
 
@@ -273,7 +273,7 @@ class RecoveryCore:
         words = tail.tolist()
         rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
         self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
-        self._nonfinite = tuple(w for w, row in rows.items() if row[5] > 0)
+        self._nonfinite = tuple(w for w, row in rows.items() if row[5] != 0)  # (1, or NaN: loss - loss)
         self._steer_words = {w: row[6] for w, row in rows.items() if row[6] > 0}
         return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
 

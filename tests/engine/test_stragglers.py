@@ -363,3 +363,20 @@ def test_policy_state_round_trip_keeps_the_check():
     assert other.state_dict() == job.policy.state_dict()
     with pytest.raises(ValueError, match="unknown straggler options"):
         EngineBridge([1], 32, 4, straggler_options={"patience": 3})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=5), min_size=2, max_size=40),
+       st.booleans())
+def test_scores_are_the_leave_one_out_medians_exactly(samples, ties):
+    """Each rank's reference is the median of the others' medians -- the same number as the
+    plain definition (taken in O(N log N) for a step's scores, not O(N^2)), ties included."""
+    from statistics import median
+    det = StragglerDetector(window=5)
+    for rank, ts in enumerate(samples):
+        for t in ts:
+            det._samples.setdefault(rank, __import__("collections").deque(maxlen=5)).append(round(t) if ties else t)
+    per_rank = {r: median(q) for r, q in det._samples.items()}
+    for r, (score, ref) in det._scored().items():
+        plain = median(v for k, v in per_rank.items() if k != r)
+        assert ref == plain and score == (per_rank[r] / plain if plain > 0 else 1.0)

@@ -302,12 +302,16 @@ class DataParallelExecutor(RecoveryCore):
         if row:
             r = self.view.rank
             row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
-        loss = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=self.dtype, device=tail.device)
-        tokens = self._tokens if isinstance(self._tokens, torch.Tensor) else torch.tensor(float(self._tokens))
-        torch.cat([loss.reshape(1).to(self.dtype), tokens.reshape(1).to(tail.device, self.dtype),
-                   torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
-        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by tensor ops: nothing read
-            tail[2 + _TAIL * r + 5].copy_((~torch.isfinite(loss)).to(self.dtype).reshape(()))
+        loss = (self._loss_sum.reshape(1).to(self.dtype) if self._loss_sum is not None
+                else torch.zeros(1, dtype=self.dtype, device=tail.device))
+        if isinstance(self._tokens, torch.Tensor):
+            torch.cat([loss, self._tokens.reshape(1).to(tail.device, self.dtype),
+                       torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
+        else:  # the tokens a number: with the timings in one tensor
+            torch.cat([loss, torch.tensor([float(self._tokens), *row], dtype=self.dtype).to(tail.device)], out=tail)
+        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by one tensor op, nothing read:
+            at = 2 + _TAIL * r + 5  # loss - loss is 0, or NaN when the loss was NaN or infinite
+            torch.sub(loss, loss, out=tail[at:at + 1])
         host_tail = None
 
         def reduce() -> None:
