@@ -81,14 +81,8 @@ class AbortWatcher:
 
     def abort_seen(self, token: str) -> Optional[bool]:
         """Whether the watcher saw generation ``token`` ended (a flag at most ``poll_s`` old,
-        no store request), or None when no watcher polls or it watches another generation
-        (ask the store)."""
-        if not self.watching or self._stop.is_set():
-            return None
-        if self.aborted_token == token:
-            return True
-        view = self._view()
-        return False if view is not None and view.token == token else None
+        no store request), or None when no watcher polls (ask the store)."""
+        return None if not self.watching or self._stop.is_set() else self.aborted_token == token
 
     def paused(self) -> bool:
         return time.monotonic() - self.last_ok > PAUSED_AFTER_S

@@ -2,9 +2,8 @@
 
 A member waiting for a collective or a point-to-point op must notice a peer's death (another
 member writes the generation's abort key), a hang (the watchdog, ``timeout_s``) and a paused
-membership (that time does not count: peers wait too).  Three ways, each looking every
-``abort_poll_s`` whether the generation ended -- the abort watcher's flag (no request; the store
-is asked only once the flag says it ended, or when no watcher runs: ``GroupManager._ended``):
+membership (that time does not count: peers wait too).  Three ways, each reading the abort key
+every ``abort_poll_s``:
 
 * a gloo collective: the op's own ``wait`` with a timeout of ``abort_poll_s`` (it releases the
   GIL and wakes the moment the op completes, as DDP's wait does; a wait that times out leaves
@@ -48,7 +47,7 @@ def poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:
 
 class Waits:
     """The waiting half of ``GroupManager`` (a mixin): it uses the manager's ``group()``,
-    ``_ended()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
+    ``abort_record()``, ``paused()``, ``_failure`` / ``_local_failure`` (which build the
     ``CollectiveFailure``), ``_park``, ``_pg``, ``op_timeout_s``, ``abort_poll_s``,
     ``pause_limit_s``, ``coordinator`` (its name in errors), ``worker_id`` and ``_wait_pool``
     (the helper thread, None until first used)."""
@@ -129,7 +128,7 @@ class Waits:
             if now - start > timeout_s:
                 abandon()
                 raise self._local_failure(f"{what} timed out after {timeout_s:.3f} s (peer hung or slow)", "timeout")
-            record = self._ended()
+            record = self.abort_record()
             if record is not None:
                 if within(self.abort_poll_s):
                     return  # completed meanwhile: a completed op is not undone by a later abort

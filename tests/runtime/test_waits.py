@@ -9,29 +9,22 @@ processes in ``test_preemption.py``."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+from chameleon_ft.runtime.groups import CollectiveFailure
 from chameleon_ft.runtime.waits import Waits
 
 
 class _Manager(Waits):
     op_timeout_s, abort_poll_s, pause_limit_s, worker_id = 30.0, 0.005, None, 0
-    _ended = GroupManager._ended  # the watcher's flag first, the store when it says ended
 
-    def __init__(self, aborted_after: int, watcher: bool = False):
-        self.calls, self.aborted_after, self.parked, self.requests = 0, aborted_after, [], 0
-        self._view = SimpleNamespace(token="t")
-        # A running abort watcher's flag (it saw the end once the record exists), or none.
-        self.abort_seen = (lambda token: self.calls >= self.aborted_after) if watcher else None
+    def __init__(self, aborted_after: int):
+        self.calls, self.aborted_after, self.parked = 0, aborted_after, []
 
     def paused(self) -> bool:
         return False
 
-    def abort_record(self):  # a store request
-        self.requests += 1
+    def abort_record(self):
         return {"reason": "peer_error: a peer ended the generation"} if self.calls >= self.aborted_after else None
 
     def _failure(self, msg, kind, record):
@@ -56,21 +49,6 @@ def test_an_op_still_running_when_the_abort_is_seen_is_abandoned():
     with pytest.raises(CollectiveFailure, match="aborted by peer"):
         m._watch(_op(m, completes_at=10), None, lambda: m.parked.append("op"), "collective")
     assert m.parked == ["op"] and m.calls == 2
-
-
-def test_a_wait_asks_the_store_only_once_the_watchers_flag_says_the_generation_ended():
-    """A long wait costs no store request while the abort watcher runs (no round trip per
-    ``abort_poll_s``); without a watcher it asks the store at each look."""
-    m = _Manager(aborted_after=50, watcher=True)
-    m._watch(_op(m, completes_at=40), None, lambda: m.parked.append("op"), "collective")
-    assert m.parked == [] and m.calls == 40 and m.requests == 0
-    m = _Manager(aborted_after=50, watcher=True)
-    with pytest.raises(CollectiveFailure, match="aborted by peer"):
-        m._watch(_op(m, completes_at=100), None, lambda: m.parked.append("op"), "collective")
-    assert m.parked == ["op"] and m.requests == 1
-    m = _Manager(aborted_after=50)
-    m._watch(_op(m, completes_at=40), None, lambda: m.parked.append("op"), "collective")
-    assert m.requests == 39
 
 
 class _Ender:
