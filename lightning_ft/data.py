@@ -87,8 +87,11 @@ class StepLoader(MicroBatchSource):
 
     def resolve(self, batch: Any, prepare) -> tuple[Optional[tuple[int, int]], Any]:
         """For the item Lightning is about to train on: its (step, slot) key and the batch,
-        swapped for the right micro-batch (through ``prepare``) when a reconfiguration since
-        it was loaded changed this member's share of the step."""
+        swapped for the right micro-batch (through ``prepare``) when it is not the first one
+        this member computes in the step (``strategy.step_microbatches()``): a reconfiguration
+        since it was loaded changed this member's share, or a recovery left it only part of the
+        step to redo.  Lightning's closure, which zeroes the gradients before its backward, must
+        run the step's first micro-batch."""
         if not self._handed:
             raise RuntimeError("lightning_ft: a training batch arrived that StepLoader did not hand out")
         h = self._handed.popleft()
@@ -96,14 +99,15 @@ class StepLoader(MicroBatchSource):
         if (h.epoch, h.step) != (s.epoch, s.cursor):
             raise RuntimeError(f"lightning_ft: training data of epoch {h.epoch} step {h.step} arrived "
                                f"while the job is at epoch {s.epoch} step {s.cursor}")
-        if h.signature == self.signature():
+        mbs = self.strategy.step_microbatches()
+        first = mbs[0] if mbs else None
+        same = (h.mb is None) if first is None else (h.mb is not None and h.mb.index == first.index)
+        if h.signature == self.signature() and same:
             return (None if h.mb is None else (h.step, h.mb.index)), batch
-        mbs = s.local_microbatches(self.worker_id)
-        if not mbs:
+        if first is None:
             return None, NoMicroBatch(h.step)
-        self._feed = None
-        data = self._feed_from(h.step).get(h.step, mbs[0].indices)
-        return (h.step, mbs[0].index), prepare(data)
+        self._feed_from(h.step)  # (the feed follows the current allocation from here on)
+        return (h.step, first.index), prepare(self.fetch(h.step, first))
 
 
 class ShardSampler(_ShardSampler):

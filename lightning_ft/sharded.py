@@ -251,6 +251,10 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         return ctx
 
     # ---------------------------------------------------------------- the step
+    def step_microbatches(self) -> list:
+        """This member's share of the current step (a redo recomputes all of it)."""
+        return self.ctx.sampler.local_microbatches(self.ctx.worker_id)
+
     def _run_step(self, ctx, optimizer, closure, model, kwargs: dict) -> Any:
         trainer = model.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
@@ -271,7 +275,8 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                 for i in range(passes):
                     ctx.faults.at(step, "forward")
                     mb = mine[i] if i < len(mine) else None
-                    if mb is not None and not ran_closure and self._batch_key == (step, mb.index):
+                    # (the closure zeroes the gradients: only as the attempt's first pass)
+                    if mb is not None and i == 0 and not ran_closure and self._batch_key == (step, mb.index):
                         self._mb = mb
                         result = closure()  # training_step on Lightning's batch, zero_grad, backward
                         ran_closure, loss = True, result

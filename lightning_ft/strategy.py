@@ -384,6 +384,11 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             self._batch_key, batch = self._loader.resolve(batch, self._prepare)
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    def step_microbatches(self) -> list:
+        """The micro-batches this member computes in the current step, in order (after a
+        recovery that kept peers' gradients: only the part it was given to redo)."""
+        return self.ctx.pending_microbatches()
+
     def _prepare(self, batch: Any) -> Any:
         trainer = self.lightning_module.trainer
         batch = trainer.precision_plugin.convert_input(batch)
@@ -448,11 +453,14 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
             nonlocal ran_closure, result, compute, data_wait, ts
             step = ctx.step
             self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
+            # Lightning's closure zeroes the gradients before its backward: only the step's first
+            # micro-batch on this member runs through it (none computed before it, none kept).
+            first = not ran_closure and not ctx.holds_gradients
             for mb in ctx.microbatches():
                 self._mb = mb
                 tc = time.perf_counter()
                 wait = 0.0
-                if not ran_closure and self._batch_key == (step, mb.index):
+                if first and self._batch_key == (step, mb.index):
                     result = closure()  # training_step on Lightning's batch, zero_grad, backward
                     ran_closure = True
                 else:
@@ -466,6 +474,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                 # padding counts in the compute time that ``microbatches()`` measures and the
                 # straggler detector sees.
                 ctx.faults.at(step, "forward", time.perf_counter() - tc - wait)
+                first = False
                 data_wait += wait
                 compute += time.perf_counter() - tc
             self._mb = None

@@ -208,6 +208,35 @@ def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, ref
     assert f"trainer.test() evaluates each of the {TEST} samples exactly once over the 3 live workers" in out
 
 
+def test_a_member_that_adopted_a_step_redoes_a_share_that_is_not_its_own(tmp_path, reference):
+    """gloo's partial completion, as a SIGKILL inside the commit leaves it: step 6's commit
+    completes on workers 1 and 3 and fails on 0 and 2 (``drop`` faults), and worker 1 dies
+    right after it.  Worker 3 goes on into step 7 (its ``sync_dist`` reduce fails: local value)
+    and keeps its gradients when the step fails; 0 and 2 adopt step 6 from it and each
+    redoes another member's micro-batches of step 7 (the lost one's and its neighbour's), so
+    the batch Lightning prefetched for step 7 is not the first one they compute: the closure,
+    which zeroes the gradients before its backward, must run that first one (run through it
+    second, it wiped the other's gradient: 8.2e-3 off the failure-free weights).  The event
+    log must show that sequence; it comes about in most runs (the commit's header may also
+    fail on worker 1, which then adopts too), so up to three runs are made."""
+    spec = "drop:rank=0,2:step=6:phase=commit;kill:rank=1:step=6:phase=optimizer"
+    for attempt in range(3):
+        job = LitJob(tmp_path / f"run{attempt}", "--mb-sleep", "0.01", "--sync-train-loss",
+                     launch_args=["--faults", spec])
+        finals = job.run_to_end()
+        evs = job.events()
+        ends = {e["worker"]: e for e in evs if e["event"] == "run_end" and "worker" in e}
+        if sorted(finals) == [0, 2, 3] and all(ends[w]["adopted_steps"] == 1 for w in (0, 2)):
+            break
+    else:
+        pytest.fail(f"no run had workers 0 and 2 adopt step 6 with worker 1 gone: {ends}")
+    assert ends[3]["adopted_steps"] == 0 and ends[3]["redone_steps"] == 1, ends
+    exactly_once(evs)
+    got = replicas_equal(finals)
+    assert got["global_step"] == reference["global_step"] and got["lr"] == reference["lr"]
+    assert rel_diff(got, reference) < 1e-6
+
+
 @pytest.mark.chaos  # tests/README.md
 def test_new_rank_0_continues_the_csv_logger_run(tmp_path, reference):
     """Worker 0 (rank 0, the one that logs) is SIGKILLed mid-epoch 0.  The next lowest worker

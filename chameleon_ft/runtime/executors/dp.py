@@ -242,6 +242,12 @@ class DataParallelExecutor(RecoveryCore):
             if self.cfg.log_samples:
                 self._ids.extend(item.indices)
 
+    @property
+    def holds_gradients(self) -> bool:
+        """This member holds gradients of the current step (micro-batches computed, or kept
+        across a failed all-reduce for the redo: ``_salvage``)."""
+        return bool(self._done_slots)
+
     def pending_microbatches(self) -> list[MicroBatch]:
         """What the next ``microbatches()`` yields: this member's share of the current step or,
         after a failure interrupted the step, only the orphaned slots it was given (adapters
