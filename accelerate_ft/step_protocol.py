@@ -421,10 +421,14 @@ class StepProtocol:
 
     def spill_rule(self, n: int) -> Callable[[int], bool]:
         """Whether item ``i`` of a share larger than ``n`` items is one whole micro-batch, the
-        surplus computed inside ``optimizer.step()`` (with a loss recipe).  Sharded: all or
-        nothing, the same answer on every member (module doc: a sharded step's passes)."""
+        surplus computed inside ``optimizer.step()`` (with a loss recipe).  Sharded: the items
+        after the first all alike, from the recipe after the first item's backward -- the same
+        answer on every member (module doc: a sharded step's passes); before the first backward
+        of the run the first item is one micro-batch when more items follow (it teaches the
+        recipe; merged, a surplus micro-batch would run with the first one's dropout seed)."""
         if self.sharding is not None:
-            return lambda i: self.replay.ready
+            replay = self.replay
+            return lambda i: replay.ready or (i == 0 and n > 1 and not replay.seen)
         return lambda i: self.replay.spill(i, n)
 
     def _redo_inside(self) -> None:

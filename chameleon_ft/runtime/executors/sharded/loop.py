@@ -110,11 +110,15 @@ class LoopShardedExecutor(ShardedExecutor):
     # ---------------------------------------------------------------- the step's items
     def items(self, n_items: Optional[int], spill: Optional[Callable[[int], bool]] = None) -> Iterator[StepItem]:
         """This member's share of the step as ``n_items`` items.  A share larger than that is
-        merged into them or, when ``spill(0)`` (the same answer on every member: the adapter
-        can compute micro-batches itself), run as one micro-batch per item with the surplus
-        left for ``spilled()`` -- each micro-batch then keeps its own seed, as without a failure.
-        Every member runs the same number of passes (module doc).  During them a failed
-        collective gives way (``FsdpComms.give_way``)."""
+        merged into them or, when ``spill(0)`` and ``spill(1)`` (the adapter can compute
+        micro-batches itself), run as one micro-batch per item with the surplus left for
+        ``spilled()`` -- each micro-batch then keeps its own seed, as without a failure.
+        ``spill(1)`` is asked after the first item ran (its backward may have taught the
+        adapter how): when ``spill(0)`` held and ``spill(1)`` does not, the first item was one
+        micro-batch and the rest of the share is merged into the other items.  Every member
+        runs the same number of passes (module doc) whenever ``spill(1)``, asked after the first
+        item, answers alike on every member.  During them a failed collective gives way
+        (``FsdpComms.give_way``)."""
         if self._step_start is None:
             self._step_start = time.perf_counter()
             self._compute_s, self._ids, self._loss_sum, self._tokens = 0.0, [], None, 0.0
@@ -124,13 +128,27 @@ class LoopShardedExecutor(ShardedExecutor):
         self.comms.give_way = True
         self._spilled = []
         most = max(len(self.sampler.local_microbatches(w)) for w in self.members)
-        if n_items is not None and most > n_items and spill is not None and spill(0):
-            own = [step_items([mb], 1)[0] for mb in share[:n_items]]
-            items = own + step_items([], n_items - len(own)) if len(own) < n_items else own
-            self._spilled = share[n_items:] + [None] * (most - max(len(share), n_items))
-        else:
-            items = step_items(share, n_items)
-        yield from self._run(items)
+        if n_items is None or most <= n_items or spill is None or not spill(0):
+            yield from self._run(step_items(share, n_items))
+            return
+        # (``_spilled`` is set before the items it follows: a loop takes exactly n_items of
+        # them and never reaches the generator's end)
+        surplus = share[n_items:] + [None] * (most - max(len(share), n_items))
+        if n_items == 1:
+            self._spilled = surplus
+            yield from self._run(step_items(share[:1], 1))
+            return
+        # The first item is one micro-batch (or a ghost); the rest follows what spill(1) says
+        # once it ran.
+        yield from self._run(step_items(share[:1], 1))
+        rest = share[1:]
+        if not spill(1):
+            yield from self._run(step_items(rest, n_items - 1))
+            return
+        own = [step_items([mb], 1)[0] for mb in rest[:n_items - 1]]
+        self._spilled = surplus
+        ghosts = n_items - 1 - len(own)
+        yield from self._run(own + (step_items([], ghosts) if ghosts else []))
 
     def _run(self, items) -> Iterator[StepItem]:
         for item in items:
