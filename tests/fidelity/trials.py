@@ -92,10 +92,14 @@ PHASES = ("outside", "step_start", "backward", "allreduce", "optimizer", "epoch_
 #          (data-parallel set-ups only: the pipeline and sharded executors do not check losses)
 #   kill_recovery  SIGKILL of the victim, then of a second worker as soon as the first failure
 #          is recorded: a failure during the recovery; on the twin
+#   kill_partial  gloo's partial completion, as a SIGKILL inside the commit leaves it: the
+#          drawn step's commit completes everywhere, one or two other workers report it failed
+#          (a ``drop`` fault: they adopt it) and the victim dies right after its own (injected
+#          at its ``optimizer`` phase); on the twin
 #   kill_save  (ElasticTrainer, checkpoint every SAVE_EVERY steps) rank 0, the checkpoint's
 #          writer, SIGKILLed inside a save, its data in the temporary file and not yet renamed:
 #          the survivors end on the twin and the checkpoint they leave loads, at the last step
-KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery", "kill_save")
+KINDS = ("kill", "term", "stop", "kill2", "nan", "kill_recovery", "kill_save", "kill_partial")
 SAVE_EVERY = 4
 # The fault points ``ElasticTrainer``'s sharded step passes (its forward and backward are one
 # pass: ``forward``); the drawn step_start, backward and epoch boundary map to its forward.
@@ -166,6 +170,7 @@ class Trial:
     kind: str = "kill"  # KINDS
     second: Optional[int] = None  # kill2: the worker killed one step after the victim
     launch: str = "run"  # "run": chameleon-ft run; "user": the framework's own way (USER_LAUNCH)
+    dropped: tuple[int, ...] = ()  # kill_partial: the workers whose commit is reported failed
 
     def launch_args(self) -> list[str]:
         faults = [f"slow:rank={self.straggler}:factor=4"] if self.straggler is not None else []
@@ -180,7 +185,7 @@ class Trial:
             extra += ["--checkpoint", str(run_dir / "ckpt.pt"), "--checkpoint-every", str(SAVE_EVERY)]
         # emulated compute (math unchanged), so that the straggler's slowness is measurable and a
         # signal sent from outside at a step lands before the job's 1-2 ms steps ran to the end
-        slow = self.straggler is not None or self.kind in ("term", "stop", "kill2", "kill_recovery")
+        slow = self.straggler is not None or self.kind in ("term", "stop", "kill2", "kill_recovery", "kill_partial")
         fw = self.setup.framework
         if fw == "pipeline":  # its blocks' emulated compute is in the set-up
             return extra
@@ -203,6 +208,10 @@ class Trial:
         """(spec, step, phase) of an injected fault, or None for an outside signal."""
         if self.kind == "nan":
             return f"nan:rank={self.victim}:step={self.step}:phase=backward", self.step, "backward"
+        if self.kind == "kill_partial":
+            dropped = ",".join(map(str, self.dropped))
+            return (f"drop:rank={dropped}:step={self.step}:phase=commit;"
+                    f"kill:rank={self.victim}:step={self.step}:phase=optimizer"), self.step, "optimizer"
         if self.phase == "outside":
             return None
         step, phase = self.step, self.phase
@@ -254,8 +263,11 @@ def draw(rng: random.Random, index: int, setup: Setup, kinds=("kill",)) -> Trial
     if kind in ("kill2", "kill_recovery"):
         changes["second"] = rng.choice([w for w in range(WORKERS) if w != trial.victim])
         changes["step"] = min(trial.step, total - 3)
-    if kind in ("stop", "nan", "kill2", "kill_recovery", "kill_save"):
+    if kind in ("stop", "nan", "kill2", "kill_recovery", "kill_save", "kill_partial"):
         changes["straggler"] = None
+    if kind == "kill_partial":
+        others = [w for w in range(WORKERS) if w != trial.victim]
+        changes.update(phase="optimizer", dropped=tuple(sorted(rng.sample(others, rng.randint(1, 2)))))
     if kind == "kill_save":  # rank 0 writes the checkpoint: killed in a save after step S
         changes.update(victim=0, phase="save", step=SAVE_EVERY * rng.randint(1, max(1, (total - 2) // SAVE_EVERY)))
     from dataclasses import replace
@@ -380,7 +392,7 @@ def run_trial(trial: Trial, root: Path) -> dict:
     """Run ``trial`` and its twin; a JSON-able record of what was checked."""
     setup = trial.setup
     rec = {"trial": trial.index, **asdict(setup), "kind": trial.kind, "victim": trial.victim,
-           "second": trial.second, "kill_step": trial.step, "phase": trial.phase, "force": trial.force,
+           "second": trial.second, "dropped": list(trial.dropped), "kill_step": trial.step, "phase": trial.phase, "force": trial.force,
            "straggler": trial.straggler, "launch": trial.launch, "ok": False, "problems": []}
     t0 = time.monotonic()
     try:
@@ -414,6 +426,7 @@ def run_trial(trial: Trial, root: Path) -> dict:
         else:
             rec["fired"] = trial.victim not in finals
         rec["exit"] = codes
+        rec["adopted"] = sorted(e["worker"] for e in evs if e["event"] == "run_end" and e.get("adopted_steps"))
         decisions = [e["decision"]["chosen"] for e in evs if e["event"] == "decision"]
         rec["decisions"] = decisions
         recoveries = [e for e in evs if e["event"] == "recovery"]
@@ -486,7 +499,7 @@ def _against_twin(trial: Trial, finals: dict, ref: dict, evs: list[dict], rec: d
 
 
 _SIGNALS = {"kill": signal.SIGKILL, "kill2": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP,
-            "nan": None, "kill_recovery": signal.SIGKILL}
+            "nan": None, "kill_recovery": signal.SIGKILL, "kill_partial": None}
 
 
 def _alive(pid: int) -> bool:
