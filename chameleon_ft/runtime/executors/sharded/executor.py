@@ -225,7 +225,7 @@ class ShardedExecutor(_BuddySnapshots, _Reshard, _RehabRepair, _WholeState, Reco
 
     def _row_vector(self) -> torch.Tensor:
         """This member's row: its parameter shards, then each optimizer tensor state's."""
-        return _flatten(self._locals(), self._state_local, self._keys, self.dtype)
+        return _flatten(self._locals(), self._state_local, self._current_keys(), self.dtype)
 
     def _current_keys(self) -> list[str]:
         """The optimizer's states sharded like the parameters: found once they exist (an
