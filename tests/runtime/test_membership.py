@@ -765,7 +765,6 @@ def test_a_membership_paused_past_its_limit_fails_the_collective_naming_the_coor
     gm = object.__new__(GroupManager)
     gm.paused, gm.pause_limit_s, gm.coordinator, gm.worker_id = (lambda: True), 0.3, "the coordinator at 10.0.0.1:29400", 2
     gm.abort_poll_s, gm.op_timeout_s, gm.abort_record = 0.01, 10.0, (lambda: None)
-    gm.abort_seen, gm._view = None, None  # no abort watcher: the store (abort_record) is asked
     t0 = time.monotonic()
     with pytest.raises(MembershipError, match="worker 2: the coordinator at 10.0.0.1:29400 has not answered"):
         gm.start(lambda pg: None)

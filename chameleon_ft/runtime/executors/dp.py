@@ -156,7 +156,7 @@ class DataParallelExecutor(RecoveryCore):
         """The slots of its current step whose gradients this member holds (``_salvage``): one
         bit each, so that they travel in the recovery's all-reduce instead of one of their own."""
         self._fields_batch = self.sampler.global_batch
-        mine = self._done_slots if self._step_had_work() else []
+        mine = self._done_slots if self.holds_gradients else []
         if not mine:
             return [0] * (1 + _SLOT_WORDS)
         if max(mine) >= _SLOT_WORDS * _SLOT_BITS:
@@ -246,7 +246,7 @@ class DataParallelExecutor(RecoveryCore):
     def holds_gradients(self) -> bool:
         """This member holds gradients of the current step (micro-batches computed, or kept
         across a failed all-reduce for the redo: ``_salvage``)."""
-        return bool(self._done_slots)
+        return bool(self._done_slots) and any(p.grad is not None for p in self.params)
 
     def pending_microbatches(self) -> list[MicroBatch]:
         """What the next ``microbatches()`` yields: this member's share of the current step or,
@@ -405,7 +405,7 @@ class DataParallelExecutor(RecoveryCore):
         The step's samples and their weights are unchanged, so the update is the one the
         failure-free run makes (up to summation order).  Members that adopted a committed step
         or hold nothing simply compute their part from zero."""
-        mine = self._done_slots if (self.step == top and self._step_had_work()) else []
+        mine = self._done_slots if (self.step == top and self.holds_gradients) else []
         covered = torch.zeros(self.sampler.num_microbatches, dtype=torch.int64)
         rows = self.peer_fields
         if self.sampler.global_batch != self._fields_batch:
@@ -431,6 +431,3 @@ class DataParallelExecutor(RecoveryCore):
             if i == r:
                 self._redo_slots = orphans[lo:lo + share]
             lo += share
-
-    def _step_had_work(self) -> bool:
-        return bool(self._done_slots) and any(p.grad is not None for p in self.params)

@@ -131,22 +131,19 @@ class LoopShardedExecutor(ShardedExecutor):
         if n_items is None or most <= n_items or spill is None or not spill(0):
             yield from self._run(step_items(share, n_items))
             return
-        # (``_spilled`` is set before the items it follows: a loop takes exactly n_items of
-        # them and never reaches the generator's end)
-        surplus = share[n_items:] + [None] * (most - max(len(share), n_items))
-        if n_items == 1:
-            self._spilled = surplus
-            yield from self._run(step_items(share[:1], 1))
-            return
         # The first item is one micro-batch (or a ghost); the rest follows what spill(1) says
-        # once it ran.
+        # once it ran.  (``_spilled`` is set before the items it follows: a loop takes exactly
+        # n_items of them and never reaches the generator's end.)
+        self._spilled = share[n_items:] + [None] * (most - max(len(share), n_items))
         yield from self._run(step_items(share[:1], 1))
+        if n_items == 1:
+            return
         rest = share[1:]
         if not spill(1):
+            self._spilled = []
             yield from self._run(step_items(rest, n_items - 1))
             return
         own = [step_items([mb], 1)[0] for mb in rest[:n_items - 1]]
-        self._spilled = surplus
         ghosts = n_items - 1 - len(own)
         yield from self._run(own + (step_items([], ghosts) if ghosts else []))
 
