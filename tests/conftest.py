@@ -32,7 +32,7 @@ def pytest_sessionstart(session) -> None:
     variable; an interpreter only reads it, so behaviour is unchanged."""
     import compileall
 
-    for pkg in ("chameleon_ft", "lightning_ft", "accelerate_ft", "benchmarks", "recipes", "tests"):
+    for pkg in ("chameleon_ft", "lightning_ft", "accelerate_ft", "transformers_ft", "benchmarks", "recipes", "tests"):
         if (ROOT / pkg).is_dir():
             compileall.compile_dir(str(ROOT / pkg), quiet=1, workers=1)
 
