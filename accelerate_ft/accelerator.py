@@ -59,11 +59,12 @@ NOT_LAUNCHED = (
     "`chameleon-ft run --nproc-per-node N train.py`.")
 
 
-def relaunch_torchrun(env=None) -> None:
+def relaunch_torchrun(env=None, extra: tuple = ()) -> None:
     """Under ``accelerate launch`` (torchrun: one process per worker, its agent restarts them
     all when one dies), hand the job to ``chameleon-ft run``: the node's local rank 0 becomes
-    its launcher for every local worker, the others leave (``runtime/relaunch.py``).  Returns
-    only when relaunching is turned off (``CHAMELEON_FT_NO_RELAUNCH=1``)."""
+    its launcher for every local worker, the others leave (``runtime/relaunch.py``; ``extra``:
+    more launcher flags).  Returns only when relaunching is turned off
+    (``CHAMELEON_FT_NO_RELAUNCH=1``)."""
     env = os.environ if env is None else env
     try:
         world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
@@ -72,7 +73,7 @@ def relaunch_torchrun(env=None) -> None:
         return
     relaunch_local_rank_zero(local_rank, local, max(1, world // max(1, local)), node,
                              env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
-                             why="started by accelerate launch (torchrun)")
+                             extra, why="started by accelerate launch (torchrun)")
 
 
 def not_launched_message(env=None) -> str:

@@ -48,7 +48,13 @@ from accelerate_ft._env import launch_env, other_launcher
 from accelerate_ft.accelerator import relaunch_torchrun
 from accelerate_ft.sharded import gathered
 
-__all__ = ["FaultTolerantTrainer"]
+__all__ = ["FaultTolerantTrainer", "TRAINER_PRELOAD"]
+
+# What ``chameleon-ft run``'s template imports for a Trainer script besides its default
+# (``cli/warmstart.py``): ``transformers.trainer`` is a worker's longest import (~4.5 s of CPU
+# beyond torch on 2 cores), and reads no worker variable at import.  Given when this module
+# relaunches a job itself; pass it to ``chameleon-ft run`` yourself (docs/transformers.md).
+TRAINER_PRELOAD = ("--preload", "+transformers.trainer")
 
 
 class _OneAtATime:
@@ -93,7 +99,7 @@ class FaultTolerantTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if launch_env() is None and other_launcher():  # accelerate launch / torchrun
-            relaunch_torchrun()
+            relaunch_torchrun(extra=TRAINER_PRELOAD)
         self._ft_loss = 0.0          # the global losses of the steps since the last log
         self._ft_counted = -1        # the global_step whose loss is in _ft_loss
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)

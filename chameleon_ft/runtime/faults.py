@@ -293,7 +293,9 @@ class FaultInjector:
 
     def at(self, step: int, phase: str, phase_time: float | None = None) -> None:
         """Fire kill/hang/exit faults due now; with ``phase_time`` (seconds the phase took)
-        also apply ``slow`` faults."""
+        also apply ``slow`` faults.  Nothing to check without faults (the common path)."""
+        if not self.specs:
+            return
         for spec in self._due(step, phase, ("kill", "hang", "exit")):
             self._act(spec, step, phase)
         if phase_time is not None:
@@ -306,6 +308,8 @@ class FaultInjector:
     def fires(self, step: int, phase: str, action: str) -> bool:
         """Whether an ``action`` fault the caller carries out itself (``corrupt``, ``drop``)
         is due now; announced like the others."""
+        if not self.specs:
+            return False
         due = list(self._due(step, phase, (action,)))
         for spec in due:
             self._announce(spec, step, phase)

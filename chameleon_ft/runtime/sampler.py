@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence, Sized, Union
+from typing import Iterator, Mapping, Optional, Sequence, Sized, Union
 
 import torch
 
@@ -272,19 +272,22 @@ class ElasticSampler:
         start = self._start(step)
         return self.order()[start : start + self.samples_in_step(step)]
 
-    def microbatches(self, step: int) -> list[MicroBatch]:
-        """Non-empty micro-batches of ``step`` in slot order, independent of membership."""
-        idx = self.global_batch_indices(step)
-        n_t = len(idx)
+    def microbatches(self, step: int, lo: int = 0, hi: Optional[int] = None) -> list[MicroBatch]:
+        """Non-empty micro-batches of ``step`` in slot order, independent of membership (only
+        the slots ``lo <= j < hi`` when given)."""
+        self._check_step(step)
+        start0 = self._start(step)
+        n_t = min(self.global_batch, self.dataset_len - start0)
+        order = self.order()
         # Full batches give micro_batch samples per slot; a partial last batch is spread
         # evenly over the same slots so that the allocation's shares still hold.
         base, extra = divmod(n_t, self.num_microbatches)
-        out, start = [], 0
-        for j in range(self.num_microbatches):
+        out = []
+        for j in range(lo, self.num_microbatches if hi is None else min(hi, self.num_microbatches)):
             size = base + (1 if j < extra else 0)
             if size:
-                out.append(MicroBatch(step, j, tuple(idx[start : start + size]), size / n_t))
-            start += size
+                start = start0 + j * base + min(j, extra)
+                out.append(MicroBatch(step, j, tuple(order[start:start + size]), size / n_t))
         return out
 
     # -- allocation ----------------------------------------------------------------------
@@ -339,7 +342,9 @@ class ElasticSampler:
         """The micro-batches ``member`` runs in ``step`` (default: the cursor)."""
         if member not in self.members:
             raise ValueError(f"unknown member {member!r}; current members are {self.members}")
-        return self.step_plan(step)[member]
+        i = self.members.index(member)
+        lo = sum(self.allocation[:i])
+        return self.microbatches(self.cursor if step is None else step, lo, lo + self.allocation[i])
 
     def _plan(self, step, members, counts) -> dict[int, list[MicroBatch]]:
         if not members:

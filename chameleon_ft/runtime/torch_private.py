@@ -22,6 +22,9 @@ Used in place (an attribute, not an import; listed so that a torch upgrade check
   where torch keeps a group's name (torchft's process groups do the same).
 * ``FSDPModule._get_fsdp_state()._fsdp_param_group`` (``lightning_ft/sharded.py``): a unit's
   ``reshard_after_forward``, which FSDP2 has no getter for.
+* ``torch._foreach_copy_`` (``foreach_copy`` below): the last gradient bucket filled from its
+  parameters' gradients in one op (``runtime/executors/buckets.py``); a copy per tensor where a
+  torch lacks it.
 * ``LRScheduler._step_count`` (``accelerate_ft/step_protocol.py``): the steps a scheduler
   with ``total_steps`` (``OneCycleLR``) has taken, so that a replay stops at its end.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from chameleon_ft.runtime.errors import ConfigError
 
-__all__ = ["allgather_base", "fsdp_comm_bases"]
+__all__ = ["allgather_base", "foreach_copy", "fsdp_comm_bases"]
 
 
 def fsdp_comm_bases() -> tuple[type, type]:
@@ -46,3 +49,15 @@ def fsdp_comm_bases() -> tuple[type, type]:
 def allgather_base(pg, out, inp):
     """``pg``'s all-gather of ``inp`` into the flat ``out`` (returns the ``Work``)."""
     return pg._allgather_base(out, inp)
+
+
+def foreach_copy(dst: list, src: list) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i``, in one op where torch has ``_foreach_copy_``."""
+    import torch
+
+    op = getattr(torch, "_foreach_copy_", None)
+    if op is not None:
+        op(dst, src)
+    else:  # pragma: no cover - torch builds without it
+        for d, s in zip(dst, src):
+            d.copy_(s)

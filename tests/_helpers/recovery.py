@@ -22,6 +22,9 @@ from chameleon_ft.runtime.eventlog import committed_attempts
 ROOT = Path(__file__).resolve().parents[2]
 # What a Lightning script's launcher preloads (docs/lightning.md): Lightning is its longest import.
 LIGHTNING_PRELOAD = ("--preload", "+lightning,lightning_ft")
+# And a Trainer script's (``transformers_ft.trainer.TRAINER_PRELOAD``, kept equal by
+# tests/transformers/test_trainer_launch.py; not imported here: it imports transformers).
+TRAINER_PRELOAD = ("--preload", "+transformers.trainer")
 
 
 class ScriptJob(LocalJob):

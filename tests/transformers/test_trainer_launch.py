@@ -48,3 +48,16 @@ def test_plain_python_is_not_handed_over(no_chameleon_env):
     with pytest.raises(Exception) as got:
         tt.FaultTolerantTrainer(model=None)
     assert not isinstance(got.value, Handed)
+
+
+def test_the_handover_preloads_the_trainer_and_the_tests_do_the_same(no_chameleon_env):
+    """The relaunch asks ``chameleon-ft run`` to preload ``transformers.trainer``
+    (``TRAINER_PRELOAD``), and the tests' Trainer jobs are started with that same flag."""
+    from _helpers.recovery import TRAINER_PRELOAD
+
+    seen = {}
+    no_chameleon_env.setattr(tt, "relaunch_torchrun", lambda **kw: seen.update(kw) or _refuse())
+    no_chameleon_env.setenv("LOCAL_RANK", "0")
+    with pytest.raises(Handed):
+        tt.FaultTolerantTrainer(model=None)
+    assert seen["extra"] == tt.TRAINER_PRELOAD == TRAINER_PRELOAD

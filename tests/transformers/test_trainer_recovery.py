@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _helpers.recovery import ROOT, ScriptJob, UserLaunchedJob, rel_diff  # noqa: E402
+from _helpers.recovery import ROOT, TRAINER_PRELOAD, ScriptJob, UserLaunchedJob, rel_diff  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -52,11 +52,17 @@ def same_as(final: dict, ref: dict) -> None:
     same_run(final, ref, CLS)
 
 
+def trainer_job(script, run_dir, *args, launch_args=(), **kwargs) -> ScriptJob:
+    """``chameleon-ft run`` of a Trainer script with the Trainer's preload
+    (``transformers_ft.trainer.TRAINER_PRELOAD``, as its own relaunch gives it)."""
+    return ScriptJob(script, run_dir, *args, launch_args=[*TRAINER_PRELOAD, *launch_args], **kwargs)
+
+
 def run_and_kill(tmp_path, args, victim: int, at: int, delay: float = 0.0, prefix=None) -> tuple:
     """Start ``hf_train.py`` (under ``chameleon-ft run`` unless ``prefix``), SIGKILL worker
     ``victim`` ``delay`` s after some worker attempted step ``at``; (job, finals of the survivors)."""
     prefix = prefix or [sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "4",
-                        "--run-dir", str(tmp_path)]
+                        *TRAINER_PRELOAD, "--run-dir", str(tmp_path)]
     job = UserLaunchedJob(SCRIPT, tmp_path, "--mb-sleep", "0.01", *args, prefix=prefix,
                           env={"HF_HOME": str(tmp_path / "hf")})
     try:
@@ -76,7 +82,7 @@ def run_and_kill(tmp_path, args, victim: int, at: int, delay: float = 0.0, prefi
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    job = ScriptJob(SCRIPT, tmp_path_factory.mktemp("reference"))
+    job = trainer_job(SCRIPT, tmp_path_factory.mktemp("reference"))
     finals = job.run_to_end()
     assert sorted(finals) == [0, 1, 2, 3]
     ref = finals[0]
@@ -189,7 +195,7 @@ def same_run(final: dict, ref: dict, spec: dict) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, reference):
-    job = ScriptJob(SCRIPT, tmp_path_factory.mktemp("reference-lm"), *LM["args"])
+    job = trainer_job(SCRIPT, tmp_path_factory.mktemp("reference-lm"), *LM["args"])
     lm = job.run_to_end()
     assert sorted(lm) == [0, 1, 2, 3]
     for f in lm.values():
@@ -223,7 +229,7 @@ def test_a_causal_lm_update_is_the_global_batchs_token_mean(tmp_path):
 
     from _helpers.recovery import committed_ids
 
-    job = ScriptJob(SCRIPT, tmp_path, "--model", "lm", "--step-lr", "--no-dropout", "--max-steps", "1",
+    job = trainer_job(SCRIPT, tmp_path, "--model", "lm", "--step-lr", "--no-dropout", "--max-steps", "1",
                     env={"HF_HOME": str(tmp_path / "hf")})
     finals = job.run_to_end()
     ids = committed_ids(job.events())[0]
@@ -266,7 +272,7 @@ def test_an_adopted_step_keeps_a_users_step_lr_on_the_failure_free_schedule(tmp_
     2026-12-04 it halved it twice: 0.00075 logged where the failure-free run has 0.0015)."""
     runs = {}
     for name, extra in (("ref", ()), ("drop", ("--faults", "drop:rank=1:step=4:phase=commit"))):
-        job = ScriptJob(SCRIPT, tmp_path / name, "--step-lr", launch_args=extra)
+        job = trainer_job(SCRIPT, tmp_path / name, "--step-lr", launch_args=extra)
         runs[name] = (job, job.run_to_end())
     (ref_job, ref), (job, finals) = runs["ref"], runs["drop"]
     ends = {e["worker"]: e for e in job.events() if e["event"] == "run_end" and "worker" in e}
@@ -324,11 +330,11 @@ def test_resume_from_checkpoint_on_fewer_workers_ends_as_the_uninterrupted_run(t
     from safetensors.torch import load_file
 
     extra = ("--fsdp",) if sharded else ()
-    full = ScriptJob(SCRIPT, tmp_path / "full", "--model", "lm", *extra)
+    full = trainer_job(SCRIPT, tmp_path / "full", "--model", "lm", *extra)
     ref = full.run_to_end()[0]
     ckpt = full.run_dir / "ckpt" / "checkpoint-30"
     assert (ckpt / "chameleon_ft_state.pt").exists()
-    resumed = ScriptJob(SCRIPT, tmp_path / "resumed", "--model", "lm", *extra, "--resume", str(ckpt), nproc=2)
+    resumed = trainer_job(SCRIPT, tmp_path / "resumed", "--model", "lm", *extra, "--resume", str(ckpt), nproc=2)
     got = resumed.run_to_end()[0]
     assert got["global_step"] == ref["global_step"] == 32 and got["world_size"] == 2
     losses = lambda f: {h["step"]: h["loss"] for h in json.loads(f["log_history"]) if "loss" in h}  # noqa: E731

@@ -36,6 +36,8 @@ from typing import Callable, Optional
 
 import torch
 
+from chameleon_ft.runtime.torch_private import foreach_copy
+
 __all__ = ["GradientBuckets", "DEFAULT_CAP_MB", "FIRST_CAP_MB"]
 
 DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb default
@@ -92,6 +94,10 @@ class GradientBuckets:
         self.failure: Optional[BaseException] = None
         self.armed = False
         self._views: Optional[list] = None  # (param, its slice of a bucket), per buffer allocation
+        self._last_views: list = []  # the last bucket's slices, in its parameters' order
+        self._tail: Optional[torch.Tensor] = None
+        self._tail_words = None
+        self._pairs: dict = {}
         # The last bucket is filled and launched by ``launch_rest``: its parameters need no hook.
         last = set(self.buckets[-1])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready)
@@ -116,6 +122,14 @@ class GradientBuckets:
                     p = self.params[i]
                     self._views.append((p, self._bufs[b][at:at + p.numel()].view_as(p)))
                     at += p.numel()
+            last = self._bufs[-1]
+            self._last_views = [v for _, v in self._views[len(self._views) - len(self.buckets[-1]):]]
+            self._tail = last[last.numel() - self.tail_len:]
+            # The tail's numbers written and read on the host without a torch op (CPU, a dtype
+            # numpy has); None elsewhere.
+            self._tail_words = (self._tail.numpy() if self._tail.device.type == "cpu"
+                                and self._tail.dtype in (torch.float32, torch.float64) else None)
+            self._pairs = {}
         return self._bufs
 
     def set_tail(self, n: int) -> None:
@@ -131,8 +145,23 @@ class GradientBuckets:
 
     def tail(self) -> torch.Tensor:
         """The last bucket's control elements (write before ``finish``, read after it)."""
-        last = self._buffers()[-1]
-        return last[last.numel() - self.tail_len:]
+        self._buffers()
+        return self._tail
+
+    def tail_words(self):
+        """``tail()`` as a numpy array sharing its memory (gradients on the CPU in float32 or
+        float64), or None: the step's host numbers written and read without torch ops."""
+        self._buffers()
+        return self._tail_words
+
+    def tail_pair(self, at: int) -> torch.Tensor:
+        """A 2-element view of the tail: its element 0 and element ``at`` (one op writes both)."""
+        self._buffers()
+        view = self._pairs.get(at)
+        if view is None:
+            t = self._tail
+            view = self._pairs[at] = t.as_strided((2,), (at,), t.storage_offset())
+        return view
 
     # ---------------------------------------------------------------- the step
     def arm(self, launch: Callable[[torch.Tensor], object]) -> None:
@@ -204,11 +233,16 @@ class GradientBuckets:
                         if id(p) not in self._filled:
                             at = self._where[id(p)][1]
                             self._fill(self._bufs[b][at:at + p.numel()], p)
-            # The last bucket in one copy (its gradients are final once backward returned).
-            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                     for p in (self.params[i] for i in self.buckets[last])]
-            if grads:
-                torch.cat(grads, out=self._bufs[last][:self.sizes[last]])
+            # The last bucket in one op (its gradients are final once backward returned).
+            grads = [self.params[i].grad for i in self.buckets[last]]
+            if grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
+                foreach_copy(self._last_views, grads)
+            else:  # a parameter without a gradient (reduced as zeros), or another dtype
+                for g, v in zip(grads, self._last_views):
+                    if g is None:
+                        v.zero_()
+                    else:
+                        v.copy_(g)
         while self.failure is None and self._next < len(self.buckets):
             self._start(self._next)
         if self.failure is not None:

@@ -96,6 +96,7 @@ class DataParallelExecutor(RecoveryCore):
         self.last_grad_norms: list[float] = []  # an adapter's clipping norms of that step
         self._groups_at_commit: Optional[list] = None  # runtime/hyperparams.py
         self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
+        self._one_zero: Optional[torch.Tensor] = None  # _write_tail's factors of the loss
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
@@ -302,22 +303,11 @@ class DataParallelExecutor(RecoveryCore):
         self._arm()  # (no-op when the last backward was armed)
         buckets = self.buckets
         tail = buckets.tail()
-        timings = tail[2:]
-        # The tail in one copy: the loss, the tokens, then (on the host) every member's timings, ours set.
-        row = [0.0] * timings.numel()
-        if row:
-            r = self.view.rank
-            row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
-        loss = (self._loss_sum.reshape(1).to(self.dtype) if self._loss_sum is not None
-                else torch.zeros(1, dtype=self.dtype, device=tail.device))
-        if isinstance(self._tokens, torch.Tensor):
-            torch.cat([loss, self._tokens.reshape(1).to(tail.device, self.dtype),
-                       torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
-        else:  # the tokens a number: with the timings in one tensor
-            torch.cat([loss, torch.tensor([float(self._tokens), *row], dtype=self.dtype).to(tail.device)], out=tail)
-        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by one tensor op, nothing read:
-            at = 2 + _TAIL * r + 5  # loss - loss is 0, or NaN when the loss was NaN or infinite
-            torch.sub(loss, loss, out=tail[at:at + 1])
+        words = buckets.tail_words() if len(tail) > 2 else None
+        if words is not None and not isinstance(self._tokens, torch.Tensor):
+            self._write_tail(words)
+        else:
+            self._write_tail_ops(tail)
         host_tail = None
 
         def reduce() -> None:
@@ -336,7 +326,7 @@ class DataParallelExecutor(RecoveryCore):
             buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
             if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
-            if not timings.numel():  # the gradients on a device: the timings go over gloo, on the host
+            if len(tail) <= 2:  # the gradients on a device: the timings go over gloo, on the host
                 host_tail = torch.zeros(_TAIL * self.view.world_size, dtype=torch.float64)
                 r = self.view.rank
                 host_tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s))
@@ -347,18 +337,23 @@ class DataParallelExecutor(RecoveryCore):
             buckets.disarm()  # (a failure before the buckets' finish: the header, a drop)
             return False  # this member's gradients are kept for the redone step (see _salvage)
         self._loss_sum = None
-        if host_tail is None:  # on the host: the tokens and the timings in the step's one read
-            (tokens,), timing_rows = self._read_tail(tail[1:], lead=1)
+        if host_tail is None:  # on the host: the loss, the tokens and the timings in the step's one read
+            (_, tokens), timing_rows = self._read_tail(tail, lead=2)
             denom = tokens if tokens > 0 else None
+            if words is not None:  # the loss divided in the tail's dtype, as a tensor op would
+                loss = float(words[0] if denom is None else words[0] / words.dtype.type(denom))
+            else:
+                loss = tail[0].clone() if denom is None else tail[0] / denom
         else:  # on a device: no read; a sample-weighted step divides by 1
             timing_rows = self._read_tail(host_tail)[1]
             denom = tail[1:2].clamp(min=1).clone()
+            loss = tail[0] / denom
         self._tokens = 0.0
         if self._nonfinite:  # nothing of the step is applied; the batch counts as consumed
             self._skip_nonfinite()
         else:
             self._nonfinite_run = 0
-            self._last_loss = tail[0].clone() if denom is None else tail[0] / denom  # read when someone looks
+            self._last_loss = loss  # a tensor stays one until someone looks
             if denom is not None:
                 buckets.divide(denom)
             buckets.assign_grads()
@@ -371,6 +366,42 @@ class DataParallelExecutor(RecoveryCore):
         self._done_slots = []
         self._finish_step(timing_rows, comm)
         return True
+
+    def _write_tail(self, words) -> None:
+        """The commit's tail on the host (``words``: a numpy view of it): the tokens and every
+        member's timings (ours set, the others zero) written as numbers; the loss, and its
+        non-finite flag (loss * 0: 0, or NaN for a NaN or infinite loss), by one tensor op --
+        nothing is read from the loss."""
+        r = self.view.rank
+        at = 2 + _TAIL * r
+        words[1:] = 0.0
+        words[1] = float(self._tokens)
+        words[at:at + _TAIL] = self._tail_row(self._compute_s)
+        if self._loss_sum is None:
+            words[0] = 0.0
+        else:
+            if self._one_zero is None or self._one_zero.dtype != self.buckets.tail().dtype:
+                self._one_zero = torch.tensor([1.0, 0.0], dtype=self.buckets.tail().dtype)
+            torch.mul(self._loss_sum, self._one_zero, out=self.buckets.tail_pair(at + 5))
+
+    def _write_tail_ops(self, tail: torch.Tensor) -> None:
+        """``_write_tail`` by tensor ops: the gradients on a device (the tail then holds the loss
+        and the tokens only), a dtype numpy has not, or the tokens a tensor."""
+        timings = tail[2:]
+        row = [0.0] * timings.numel()
+        if row:
+            r = self.view.rank
+            row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
+        loss = (self._loss_sum.reshape(1).to(self.dtype) if self._loss_sum is not None
+                else torch.zeros(1, dtype=self.dtype, device=tail.device))
+        if isinstance(self._tokens, torch.Tensor):
+            torch.cat([loss, self._tokens.reshape(1).to(tail.device, self.dtype),
+                       torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
+        else:  # the tokens a number: with the timings in one tensor
+            torch.cat([loss, torch.tensor([float(self._tokens), *row], dtype=self.dtype).to(tail.device)], out=tail)
+        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by one tensor op, nothing read:
+            at = 2 + _TAIL * r + 5  # loss - loss is 0, or NaN when the loss was NaN or infinite
+            torch.sub(loss, loss, out=tail[at:at + 1])
 
     def _skip_nonfinite(self) -> None:
         """Some member's loss was not finite (``_nonfinite``, read from the commit's tail: every

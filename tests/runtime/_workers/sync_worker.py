@@ -4,8 +4,9 @@ code makes during data-parallel steps, with ``DataParallelExecutor`` under ``cha
 
 A call counts when its direct caller is a function of the package (the user's loss code, torch's
 optimizer and the reduction's designated read of the reduced tail after the commit point,
-``_read_tail``, are reported apart).  At the end one deliberate read (``ctx.last_loss``) checks
-that the counter sees one.  Writes ``<out>/syncs_<worker id>.json``.
+``_read_tail``, are reported apart: it shows that the counter sees the package's reads).  At the
+end ``ctx.last_loss`` is read (``deliberate``): with the gradients on the host it is a number
+taken from that same read, so it reads nothing more.  Writes ``<out>/syncs_<worker id>.json``.
 """
 
 import argparse
@@ -79,7 +80,7 @@ def main():
         counting[0] = True
         steps_counted = dict(counts)
         counts.clear()
-        value = ctx.last_loss  # one deliberate host read: the counter must see it
+        value = ctx.last_loss  # on the host: a number from the tail's one read (no further read)
         deliberate = dict(counts)
     finally:
         counting[0] = False
