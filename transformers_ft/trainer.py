@@ -52,8 +52,8 @@ __all__ = ["FaultTolerantTrainer", "TRAINER_PRELOAD"]
 
 # What ``chameleon-ft run``'s template imports for a Trainer script besides its default
 # (``cli/warmstart.py``): ``transformers.trainer`` is a worker's longest import (~4.5 s of CPU
-# beyond torch on 2 cores), and reads no worker variable at import.  Given when this module
-# relaunches a job itself; pass it to ``chameleon-ft run`` yourself (docs/transformers.md).
+# beyond torch on 2 cores; the Trainer tests pass with it preloaded).  Given when this module
+# hands a job to ``chameleon-ft run``; pass it yourself otherwise (docs/transformers.md).
 TRAINER_PRELOAD = ("--preload", "+transformers.trainer")
 
 

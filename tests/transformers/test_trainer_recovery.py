@@ -145,12 +145,14 @@ CLS = {"steps": STEPS, "eval_keys": EVAL_KEYS, "args": (),
 
 
 def _moments(seed: int = 47, per_model: int = 12) -> list:
-    """Seeded (model, runtime step, delay, victim) draws; each model's first runs in CI."""
+    """Seeded (model, runtime step, delay, victim) draws; the classifier's first runs in CI (the
+    causal LM's kills are chaos runs: its token weighting and a kill are in CI through
+    ``test_a_causal_lm_update_is_the_global_batchs_token_mean`` and tests/recipes/)."""
     rng, out = random.Random(seed), []
     for name, spec in (("lm", LM), ("cls", CLS)):
         for i in range(per_model):
             moment = (name, rng.choice(spec["boundaries"]), rng.choice((0.0, 0.03, 0.08, 0.15)), rng.randrange(4))
-            out.append(moment if i == 0 else pytest.param(*moment, marks=pytest.mark.chaos))
+            out.append(moment if i == 0 and name == "cls" else pytest.param(*moment, marks=pytest.mark.chaos))
     return out
 
 
@@ -195,12 +197,19 @@ def same_run(final: dict, ref: dict, spec: dict) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, reference):
-    job = trainer_job(SCRIPT, tmp_path_factory.mktemp("reference-lm"), *LM["args"])
-    lm = job.run_to_end()
-    assert sorted(lm) == [0, 1, 2, 3]
-    for f in lm.values():
-        same_run(f, lm[0], LM)
-    return {"lm": lm[0], "cls": reference}
+    """The failure-free final state by model, the causal LM's run when first asked for."""
+    refs = {"cls": reference}
+
+    def get(model: str) -> dict:
+        if model not in refs:
+            job = trainer_job(SCRIPT, tmp_path_factory.mktemp("reference-lm"), *LM["args"])
+            lm = job.run_to_end()
+            assert sorted(lm) == [0, 1, 2, 3]
+            for f in lm.values():
+                same_run(f, lm[0], LM)
+            refs[model] = lm[0]
+        return refs[model]
+    return get
 
 
 @pytest.mark.parametrize("model,at,delay,victim", _moments())
@@ -212,7 +221,7 @@ def test_a_kill_anywhere_keeps_the_failure_free_run(tmp_path, references, model,
     spec = LM if model == "lm" else CLS
     _, finals = run_and_kill(tmp_path, spec["args"], victim, at, delay)
     for f in finals.values():
-        same_run(f, references[model], spec)
+        same_run(f, references(model), spec)
         assert f["world_size"] == 3
 
 
