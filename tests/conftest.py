@@ -37,6 +37,22 @@ def pytest_sessionstart(session) -> None:
             compileall.compile_dir(str(ROOT / pkg), quiet=1, workers=1)
 
 
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The longest files first (``tests/file_seconds.json``, from a run's ``--durations``),
+    in a stable order: pytest-xdist (``--dist loadfile --no-loadscope-reorder``) hands the
+    files out in this order as its workers free up, so the short files fill the end and the
+    two workers end together instead of one running a long file alone.  Every worker computes
+    the same order (xdist requires it)."""
+    path = TESTS / "file_seconds.json"
+    if not path.exists():
+        return
+    import json
+
+    seconds = json.loads(path.read_text())
+    rank = {f: -s for f, s in seconds.items()}
+    items[:] = [it for _, it in sorted(enumerate(items), key=lambda p: (rank.get(p[1].nodeid.split("::")[0], 0.0), p[0]))]
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist (the default run takes two files at a time), a test marked ``serial``
