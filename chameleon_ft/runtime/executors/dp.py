@@ -14,8 +14,9 @@ A step: compute the member's micro-batches (gradients weighted by their share of
 batch's samples); during the last one's backward the gradients are all-reduced in buckets as
 they become final (``buckets.py``, DDP's scheme on the live generation's group), the last
 bucket after backward with the step's loss and the members' timings in its tail; then the
-update.  Nothing on that path reads the device (the loss stays a tensor until someone looks:
-``last_loss``); the one wait is the reduction's completion, the commit point.
+update.  Nothing on that path reads the device (there the loss stays a tensor until someone
+looks: ``last_loss``; gradients on the host bring it as a number with the tail's one read);
+the one wait is the reduction's completion, the commit point.
 The commit protocol, recovery and Decisions are the core's (``recovery.py``); this module adds
 the micro-batch loop, the loop-shaped items of the adapters, and the salvage of an interrupted
 step (only the dead members' micro-batches are recomputed).
@@ -107,7 +108,8 @@ class DataParallelExecutor(RecoveryCore):
     def last_loss(self) -> Optional[float]:
         """The global batch's mean loss of the last committed step, the same on every member
         (reduced with the gradients); None until one is known.  Reading it waits for the
-        device: ``last_loss_tensor`` does not."""
+        device where the gradients are on one (``last_loss_tensor`` does not); on the host it
+        is already a number."""
         if isinstance(self._last_loss, torch.Tensor):
             self._last_loss = float(self._last_loss)
         return self._last_loss
