@@ -275,9 +275,8 @@ class ElasticSampler:
     def microbatches(self, step: int, lo: int = 0, hi: Optional[int] = None) -> list[MicroBatch]:
         """Non-empty micro-batches of ``step`` in slot order, independent of membership (only
         the slots ``lo <= j < hi`` when given)."""
-        self._check_step(step)
+        n_t = self.samples_in_step(step)
         start0 = self._start(step)
-        n_t = min(self.global_batch, self.dataset_len - start0)
         order = self.order()
         # Full batches give micro_batch samples per slot; a partial last batch is spread
         # evenly over the same slots so that the allocation's shares still hold.
@@ -349,11 +348,10 @@ class ElasticSampler:
     def _plan(self, step, members, counts) -> dict[int, list[MicroBatch]]:
         if not members:
             raise ValueError("no allocation: call set_allocation(members) first")
-        mbs = self.microbatches(step)
         plan: dict[int, list[MicroBatch]] = {}
         lo = 0
         for m, c in zip(members, counts):
-            plan[m] = [mb for mb in mbs if lo <= mb.index < lo + c]
+            plan[m] = self.microbatches(step, lo, lo + c)
             lo += c
         return plan
 

@@ -31,6 +31,8 @@ Used in place (an attribute, not an import; listed so that a torch upgrade check
 
 from __future__ import annotations
 
+import torch
+
 from chameleon_ft.runtime.errors import ConfigError
 
 __all__ = ["allgather_base", "foreach_copy", "fsdp_comm_bases"]
@@ -51,13 +53,13 @@ def allgather_base(pg, out, inp):
     return pg._allgather_base(out, inp)
 
 
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+
+
 def foreach_copy(dst: list, src: list) -> None:
     """``dst[i].copy_(src[i])`` for every ``i``, in one op where torch has ``_foreach_copy_``."""
-    import torch
-
-    op = getattr(torch, "_foreach_copy_", None)
-    if op is not None:
-        op(dst, src)
+    if _FOREACH_COPY is not None:
+        _FOREACH_COPY(dst, src)
     else:  # pragma: no cover - torch builds without it
         for d, s in zip(dst, src):
             d.copy_(s)

@@ -305,7 +305,8 @@ class DataParallelExecutor(RecoveryCore):
         self._arm()  # (no-op when the last backward was armed)
         buckets = self.buckets
         tail = buckets.tail()
-        words = buckets.tail_words() if len(tail) > 2 else None
+        on_host = len(tail) > 2  # the timings ride in the tail: the gradients are on the host
+        words = buckets.tail_words() if on_host else None
         if words is not None and not isinstance(self._tokens, torch.Tensor):
             self._write_tail(words)
         else:
@@ -328,7 +329,7 @@ class DataParallelExecutor(RecoveryCore):
             buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
             if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
-            if len(tail) <= 2:  # the gradients on a device: the timings go over gloo, on the host
+            if not on_host:  # the gradients on a device: the timings go over gloo, on the host
                 host_tail = torch.zeros(_TAIL * self.view.world_size, dtype=torch.float64)
                 r = self.view.rank
                 host_tail[_TAIL * r:_TAIL * (r + 1)] = torch.tensor(self._tail_row(self._compute_s))
@@ -382,8 +383,9 @@ class DataParallelExecutor(RecoveryCore):
         if self._loss_sum is None:
             words[0] = 0.0
         else:
-            if self._one_zero is None or self._one_zero.dtype != self.buckets.tail().dtype:
-                self._one_zero = torch.tensor([1.0, 0.0], dtype=self.buckets.tail().dtype)
+            dtype = self.buckets.tail().dtype
+            if self._one_zero is None or self._one_zero.dtype != dtype:
+                self._one_zero = torch.tensor([1.0, 0.0], dtype=dtype)
             torch.mul(self._loss_sum, self._one_zero, out=self.buckets.tail_pair(at + 5))
 
     def _write_tail_ops(self, tail: torch.Tensor) -> None:
