@@ -53,33 +53,73 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items[:] = [it for _, it in sorted(enumerate(items), key=lambda p: (rank.get(p[1].nodeid.split("::")[0], 0.0), p[0]))]
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist (the default run takes two files at a time), a test marked ``serial``
-    runs with no other test beside it: its timing must not meet a neighbour's load (a 3-member
-    etcd cluster that loses a member elects a new leader within the workers' 3 s quorum wait
-    on this machine, but not always beside another job).  Every test takes a shared lock, a
-    ``serial`` one the exclusive lock, through a turnstile so that a waiting ``serial`` test is
-    not starved; taken before pytest-timeout starts its clock (``tryfirst``)."""
+_LOCKS: list = []  # this xdist worker's open gate and lock files (flock holds per open file)
+
+
+def _lock_files():
+    """The run's gate and lock files, opened once per worker; None outside pytest-xdist."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not uid:
+        return None
+    if not _LOCKS:
+        import tempfile
+
+        base = os.path.join(tempfile.gettempdir(), f"cft-pytest-{uid}")
+        _LOCKS.extend([open(base + ".gate", "a+"), open(base + ".lock", "a+")])
+    return _LOCKS
+
+
+def _take(mode: int) -> None:
+    """Take the lock in ``mode`` through the turnstile: a waiting exclusive taker holds the
+    gate, so no new shared taker passes it and the exclusive one is not starved."""
+    import fcntl
+
+    gate, lock = _LOCKS
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, mode)
+    finally:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (the default run takes two files at a time), every test holds a
+    shared lock from its set-up to its teardown; a test marked ``serial`` turns it into the
+    exclusive lock for its call (``pytest_runtest_call``), so that its timing does not meet a
+    neighbour's load (a 3-member etcd cluster that loses a member elects a new leader within
+    the workers' 3 s quorum wait on this machine, but not always beside another job).  Its
+    set-up and teardown (namespaces, an etcd cluster, a reference run in a fixture) run beside
+    other tests.  Taken before pytest-timeout starts its clock (``tryfirst``)."""
+    if _lock_files() is None:
         yield
         return
     import fcntl
-    import tempfile
 
-    base = os.path.join(tempfile.gettempdir(), f"cft-pytest-{uid}")
-    alone = item.get_closest_marker("serial") is not None
-    with open(base + ".gate", "a+") as gate, open(base + ".lock", "a+") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    _take(fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(_LOCKS[1], fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_call(item):
+    """A ``serial`` test's call alone: its shared lock given up, the exclusive one taken (the
+    shared one is released first, so that two ``serial`` tests cannot wait on each other), and
+    the shared one taken again for its teardown."""
+    if _lock_files() is None or item.get_closest_marker("serial") is None:
+        yield
+        return
+    import fcntl
+
+    fcntl.flock(_LOCKS[1], fcntl.LOCK_UN)
+    _take(fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(_LOCKS[1], fcntl.LOCK_UN)
+        _take(fcntl.LOCK_SH)
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,12 @@ PORT = 29511
 
 
 @pytest.fixture
+def ref(tmp_path_factory):
+    """The failure-free run's final state, made in the set-up (beside other tests)."""
+    return reference(tmp_path_factory.mktemp("ref"), EPOCHS)
+
+
+@pytest.fixture
 def net():
     why = netns.available()
     if why:
@@ -51,7 +57,7 @@ def _events(evs, kind):
     return [e for e in evs if e["event"] == kind]
 
 
-def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_path, tmp_path_factory):
+def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_path, ref):
     """Node 1 (its launcher and both workers) is killed at step 5: the four survivors recover
     in place and end on the failure-free trajectory; gloo found its interface by itself (the
     hostname resolves to loopback in a namespace).  At step 25 node 2's launcher gets SIGTERM (a
@@ -85,7 +91,6 @@ def test_a_lost_node_is_survived_in_place_and_a_sigterm_is_forwarded(net, tmp_pa
     assert sorted(finals) == [0, 1]
     assert_replicas_equal(finals, [0, 1])
     assert_exactly_once(evs, EPOCHS)
-    ref = reference(tmp_path_factory.mktemp("ref"), EPOCHS)
     assert max_relative_diff(finals[0], ref) < 1e-5
 
 
