@@ -21,7 +21,8 @@ them at import time would see the launcher's.  So the default preload is torch,
 ``rank_zero_only.rank``, from ``RANK`` / ``LOCAL_RANK`` / ``SLURM_PROCID``): it is not in the
 default, and when a script's launcher preloads it (``--preload +lightning,lightning_ft``: ``+``
 adds to the default; it saves each Lightning worker its longest import) every fork sets that
-rank again from its own environment, as Lightning's import would have.  ``--preload ''``
+rank again from its own environment, as Lightning's import would have (``accelerate_ft``'s
+capture of the launch environment is run again likewise).  ``--preload ''``
 starts every worker as a fresh interpreter, as before.
 
 Supervision: the template reaps its children and sends each exit status to the launcher over a
@@ -70,14 +71,20 @@ def preload_modules(spec: str) -> tuple[str, ...]:
     return (DEFAULT_PRELOAD + tuple(m for m in names if m not in DEFAULT_PRELOAD)) if extra else names
 
 
-def _rerank_after_fork() -> None:
-    """Modules that read the worker's rank when imported get it again from the worker's own
-    environment (they were imported in the template, before it existed)."""
+def _rerun_import_hooks() -> None:
+    """Modules that read the worker's environment when imported do it again from the worker's
+    own (they were imported in the template, before it existed): Lightning's rank, and
+    ``accelerate_ft``'s capture of the launch environment (it hides torchrun's variables from
+    Accelerate; without it a preloaded ``accelerate_ft`` or ``transformers_ft`` left them, and
+    Accelerate set up a fixed default process group: ``MASTER_ADDR`` not set)."""
     rz = sys.modules.get("lightning_utilities.core.rank_zero")  # Lightning's rank_zero_only
     if rz is not None:
         rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
                      if os.environ.get(k) is not None), None)
         rz.rank_zero_only.rank = int(rank) if rank is not None else 0
+    acc_env = sys.modules.get("accelerate_ft._env")
+    if acc_env is not None:
+        acc_env.capture()
 
 
 class WarmStartError(RuntimeError):
@@ -352,7 +359,7 @@ def _become(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.environ[E.PRELOAD_S] = repr(req["preload_s"])
-    _rerank_after_fork()
+    _rerun_import_hooks()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     if "chameleon_ft.runtime.errors" in sys.modules:  # imported by the template, before this env

@@ -36,9 +36,17 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
-
 from chameleon_ft.engine.failures import Event, EventKind
+
+
+def _median(values) -> float:
+    """``statistics.median`` of ``values`` (the same number), without its per-call overhead:
+    the detector takes one per rank per step."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n % 2:
+        return ordered[n // 2]
+    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 def _median_without(ordered: list[float], i: int) -> float:
@@ -116,7 +124,7 @@ class StragglerDetector:
             step_s = max(timings.values(), default=0.0) * share
         floor = self.floor_s(step_s)
         events = []
-        for rank, (s, ref) in self._scored().items():
+        for rank, (s, ref, own) in self._scored().items():
             if rank not in timings:
                 continue
             if rank in self.flagged:
@@ -127,7 +135,7 @@ class StragglerDetector:
                 else:
                     self.flagged[rank] = s
                 continue
-            costly = (median(self._samples[rank]) - ref) * share > floor
+            costly = (own - ref) * share > floor
             full = len(self._samples[rank]) == self.window
             above = full and s > self.enter and costly
             self._above[rank] = self._above.get(rank, 0) + 1 if above else 0
@@ -138,28 +146,28 @@ class StragglerDetector:
                                     detail=f"median step {s:.2f}x the job's median, above "
                                            f"{self.enter}x for {self._above[rank]} steps in a row "
                                            f"({self._above_s[rank]:.1f} s), "
-                                           f"costing {(median(self._samples[rank]) - ref) * share * 1e3:.1f} ms"
+                                           f"costing {(own - ref) * share * 1e3:.1f} ms"
                                            f" a step (floor {floor * 1e3:.1f} ms)"))
                 self._above[rank] = self._below[rank] = 0
                 self._above_s[rank] = 0.0
         return sorted(events, key=lambda e: -e.slowdown)
 
-    def _scored(self) -> dict[int, tuple[float, float]]:
-        """Score and reference (the other ranks' median) of each rank with samples."""
-        per_rank = {r: median(q) for r, q in self._samples.items() if q}
+    def _scored(self) -> dict[int, tuple[float, float, float]]:
+        """Score, reference (the other ranks' median) and own median of each rank with samples."""
+        per_rank = {r: _median(q) for r, q in self._samples.items() if q}
         if len(per_rank) < 2:
-            return {r: (1.0, m) for r, m in per_rank.items()}
+            return {r: (1.0, m, m) for r, m in per_rank.items()}
         ordered = sorted(per_rank.values())
         out = {}
         for r, m in per_rank.items():
             ref = _median_without(ordered, bisect_left(ordered, m))
-            out[r] = (m / ref if ref > 0 else 1.0, ref)
+            out[r] = (m / ref if ref > 0 else 1.0, ref, m)
         return out
 
     def scores(self) -> dict[int, float]:
         """Each rank's median against the median of the *other* ranks (leave-one-out, so a
         straggler does not pull its own reference up: with two ranks, a 3x slow one scores 3)."""
-        return {r: s for r, (s, _) in self._scored().items()}
+        return {r: s for r, (s, _, _) in self._scored().items()}
 
     def _drop(self, rank: int) -> None:
         for d in (self._samples, self._above, self._above_s, self._below, self._idle, self.flagged):

@@ -336,7 +336,7 @@ class EngineBridge(PipelineCalibration):
         if not self._warmed:
             self._warm_up()
         per_mb = self._per_mb(timings)  # pipeline jobs: against same-stage peers
-        step_prev = max((s for *_, s in timings.values()), default=0.0)
+        step_prev = max((s for _, _, _, s in timings.values()), default=0.0)
         if step_prev > 0:
             self.estimator.observe(len(self.alive), step_prev)
         if self.mb_seconds is None and per_mb:
@@ -427,7 +427,7 @@ class EngineBridge(PipelineCalibration):
         if self.mb_seconds is None or self.plan is None:
             return
         comm = [c for _, _, c, _ in timings.values() if c > 0]
-        steps = [s for *_, s in timings.values() if s > 0]
+        steps = [s for _, _, _, s in timings.values() if s > 0]
         # The compute scale comes from the median worker's measured/predicted ratio, so that a
         # straggler (flagged or not yet) does not inflate it: its speed is the detector's
         # business, and counting it in both would double its slowdown in every prediction.

@@ -19,8 +19,18 @@ __all__ = ["group_hyperparams", "restore_group_hyperparams", "scale_lr"]
 def group_hyperparams(optimizers: Iterable) -> list[list[dict]]:
     """Per optimizer, per param group: every entry but ``params`` (tensors cloned: a scheduler
     may write them in place)."""
-    return [[{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
-             for g in opt.param_groups] for opt in optimizers]
+    out = []
+    for opt in optimizers:
+        groups = []
+        for g in opt.param_groups:  # taken at every commit: a dict copy, a pass for tensors
+            hp = g.copy()
+            hp.pop("params", None)
+            for k, v in hp.items():
+                if isinstance(v, torch.Tensor):
+                    hp[k] = v.clone()
+            groups.append(hp)
+        out.append(groups)
+    return out
 
 
 def restore_group_hyperparams(optimizers: Iterable, groups: list) -> None:

@@ -377,6 +377,7 @@ def test_scores_are_the_leave_one_out_medians_exactly(samples, ties):
         for t in ts:
             det._samples.setdefault(rank, __import__("collections").deque(maxlen=5)).append(round(t) if ties else t)
     per_rank = {r: median(q) for r, q in det._samples.items()}
-    for r, (score, ref) in det._scored().items():
+    for r, (score, ref, own) in det._scored().items():
         plain = median(v for k, v in per_rank.items() if k != r)
         assert ref == plain and score == (per_rank[r] / plain if plain > 0 else 1.0)
+        assert own == per_rank[r]  # the detector's own median: statistics.median's number

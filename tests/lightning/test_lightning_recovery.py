@@ -524,7 +524,7 @@ def test_a_stop_and_a_best_decided_apart_after_a_kill_are_agreed_on_the_next_com
 
 
 @pytest.mark.parametrize("how,victim", [
-    ("srun", 2), ("python", 0),
+    ("python", 0), pytest.param("srun", 2, marks=pytest.mark.chaos),
     pytest.param("python", 2, marks=pytest.mark.chaos), pytest.param("srun", 0, marks=pytest.mark.chaos)])
 def test_started_lightnings_own_way_survives_a_kill(tmp_path, reference, how, victim):
     """Issue 26: the script started as Lightning users start it -- ``python lit_train.py``

@@ -151,6 +151,34 @@ def test_lightnings_rank_read_at_import_is_set_again_in_each_fork(tmp_path):
         sp.close()
 
 
+def test_a_preloaded_accelerate_ft_hides_torchruns_variables_in_each_fork(tmp_path):
+    """``accelerate_ft`` records the launch environment and removes torchrun's variables when
+    imported in a ``chameleon-ft run`` worker (Accelerate would otherwise set up a fixed default
+    process group).  Imported in the template (``--preload +transformers_ft``), that import saw
+    no worker: each fork must do it with its own environment -- the variables gone, its own
+    rank recorded."""
+    from chameleon_ft.runtime import env as E
+
+    script = tmp_path / "acc.py"
+    script.write_text("import json, os\n"
+                      "from accelerate_ft._env import launch_env\n"
+                      "json.dump({'left': [k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR') if k in os.environ],\n"
+                      "           'rank': launch_env().rank}, open(os.environ['PROBE_OUT'], 'w'))\n")
+    sp = WarmSpawner(["accelerate_ft"], dict(os.environ))
+    try:
+        procs = []
+        for r in (0, 1):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                       PROBE_OUT=str(tmp_path / f"r{r}"), **{E.STORE: "127.0.0.1:1", E.LIGHTHOUSE: "x",
+                                                             E.WORKER_ID: str(r)})
+            procs.append((r, sp.spawn([str(script)], env)))
+        for r, p in procs:
+            assert p.wait(60) == 0
+            assert json.loads((tmp_path / f"r{r}").read_text()) == {"left": [], "rank": r}
+    finally:
+        sp.close()
+
+
 def test_with_warm_start_the_launcher_never_loads_torch(tmp_path):
     """The coordinator lives in an agent forked from the template (``cli/coordinator.py``):
     the launcher process itself maps no libtorch while its job runs."""
