@@ -52,9 +52,10 @@ __all__ = ["FaultTolerantTrainer", "TRAINER_PRELOAD"]
 
 # What ``chameleon-ft run``'s template imports for a Trainer script besides its default
 # (``cli/warmstart.py``): ``transformers.trainer`` is a worker's longest import (~4.5 s of CPU
-# beyond torch on 2 cores; the Trainer tests pass with it preloaded).  Given when this module
+# beyond torch on 2 cores), and this package (each fork runs accelerate_ft's capture of the
+# launch environment again: ``warmstart._rerun_import_hooks``).  Given when this module
 # hands a job to ``chameleon-ft run``; pass it yourself otherwise (docs/transformers.md).
-TRAINER_PRELOAD = ("--preload", "+transformers.trainer")
+TRAINER_PRELOAD = ("--preload", "+transformers.trainer,transformers_ft")
 
 
 class _OneAtATime:

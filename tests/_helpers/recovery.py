@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LIGHTNING_PRELOAD = ("--preload", "+lightning,lightning_ft")
 # And a Trainer script's (``transformers_ft.trainer.TRAINER_PRELOAD``, kept equal by
 # tests/transformers/test_trainer_launch.py; not imported here: it imports transformers).
-TRAINER_PRELOAD = ("--preload", "+transformers.trainer")
+TRAINER_PRELOAD = ("--preload", "+transformers.trainer,transformers_ft")
 
 
 class ScriptJob(LocalJob):
