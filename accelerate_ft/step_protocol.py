@@ -40,7 +40,7 @@ from accelerate.state import PartialState
 
 from chameleon_ft.runtime.errors import ConfigError, install_excepthook
 from chameleon_ft.runtime import codec as run_state
-from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_bucket_cap_mb, ft_metrics,
+from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_reduction, ft_metrics,
                                           recovery_line, training_order)
 from chameleon_ft.runtime.env import WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
@@ -254,7 +254,8 @@ class StepProtocol:
                                  f"{resume['micro_batch']}, this run uses {micro}")
             glob = int(resume["global_batch"])
         self.cfg.items_per_step = self.items_per_step  # a share may be merged into the items
-        self.cfg.bucket_cap_mb = ddp_bucket_cap_mb(self.acc.ddp_handler, self.cfg.bucket_cap_mb)
+        self.cfg.bucket_cap_mb, compression = ddp_reduction(self.acc.ddp_handler, self.cfg.bucket_cap_mb)
+        self.cfg.grad_compression = compression or self.cfg.grad_compression
         common = dict(scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle, drop_last=dl.drop_last,
                       config=self.cfg, env=self.env)
         if self.sharding is not None:

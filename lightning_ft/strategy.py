@@ -74,7 +74,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from chameleon_ft.runtime.errors import ConfigError, LauncherError
 from chameleon_ft.runtime.relaunch import launched
 from lightning_ft.launch import relaunch_lightning
-from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_bucket_cap_mb, refuse_grad_scaler,
+from chameleon_ft.runtime.adapter_kit import (LiveCollectives, UpdateHandle, ddp_reduction, refuse_grad_scaler,
                                           training_order)
 from chameleon_ft.runtime.env import EnvError, WorkerEnv
 from chameleon_ft.runtime.eventlog import EventLog
@@ -369,8 +369,10 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         self._handle = UpdateHandle(self.optimizers[0])
         # At least one micro-batch per member and step (ElasticConfig.one_microbatch_each).
         config = self.ft_config or ElasticConfig()
-        config = dataclasses.replace(config, one_microbatch_each=True,
-                                     bucket_cap_mb=ddp_bucket_cap_mb(self._ddp_kwargs, config.bucket_cap_mb))
+        cap_mb, compression = ddp_reduction(self._ddp_kwargs, config.bucket_cap_mb, hook=self._ddp_comm_hook,
+                                            wrapper=self._ddp_comm_wrapper)
+        config = dataclasses.replace(config, one_microbatch_each=True, bucket_cap_mb=cap_mb,
+                                     grad_compression=compression or config.grad_compression)
         return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
                                     scheduler=_SchedulerState(self), config=config, env=self.env,
                                     control_collectives=True, user_loop=True, **kw)  # metric syncs, barriers

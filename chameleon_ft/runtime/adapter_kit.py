@@ -57,7 +57,7 @@ from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 log = logging.getLogger(__name__)
 
 __all__ = ["MicroBatchSource", "MicroBatchFeed", "training_order", "shard_indices", "ShardSampler",
-           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics", "recovery_line", "ddp_bucket_cap_mb"]
+           "eval_batches", "LiveCollectives", "UpdateHandle", "ft_metrics", "recovery_line", "ddp_reduction"]
 
 
 # ---------------------------------------------------------------------------- training data
@@ -153,23 +153,48 @@ def refuse_grad_scaler(who: str, how: str) -> None:
                       "the fault-tolerant step; use bf16 mixed precision (no scaler) or full precision")
 
 
-def ddp_bucket_cap_mb(handler, default: float) -> float:
-    """The gradient buckets' size from a user's DDP settings (Accelerate's
-    ``DistributedDataParallelKwargs``, the HF Trainer's ``ddp_bucket_cap_mb``, Lightning's
-    ``DDPStrategy`` keyword arguments as a dict): ``bucket_cap_mb`` as DDP reads it.
-    ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` need nothing
-    (``executors/buckets.py``: unused parameters are reduced as zeros, the update reads the
-    buckets' views); a communication hook (fp16/bf16 compression, PowerSGD) is not carried
-    out, and is refused rather than silently dropped."""
-    if handler is None:
-        return default
-    get = handler.get if isinstance(handler, dict) else (lambda k, d=None: getattr(handler, k, d))
-    hook = get("comm_hook", None)
-    if hook is not None and str(getattr(hook, "value", hook)).lower() not in ("no", "none"):
-        raise ConfigError(f"DDP communication hook {hook!r}: chameleon-ft's gradient buckets do not run DDP "
-                          "communication hooks yet; leave comm_hook unset (full-precision reduction)")
+def ddp_reduction(handler, default_cap_mb: float, hook=None, wrapper=None) -> tuple[float, Optional[str]]:
+    """The gradient buckets' size and compression from a user's DDP settings: ``handler``
+    holds ``bucket_cap_mb`` as DDP reads it (Accelerate's ``DistributedDataParallelKwargs``, the
+    HF Trainer's ``ddp_bucket_cap_mb`` through it, Lightning's ``DDPStrategy`` keyword arguments
+    as a dict) and, for Accelerate, ``comm_hook`` / ``comm_wrapper``; ``hook`` / ``wrapper``:
+    Lightning's ``ddp_comm_hook`` / ``ddp_comm_wrapper``.  DDP's fp16 and bf16 compression hooks
+    (Accelerate's ``DDPCommunicationHookType.FP16`` / ``BF16``, torch's ``fp16_compress_hook`` /
+    ``bf16_compress_hook``) become ``"fp16"`` / ``"bf16"`` (``executors/buckets.py`` carries
+    them out); any other hook or wrapper (PowerSGD, a custom one) is refused rather than
+    silently dropped.  ``find_unused_parameters``, ``static_graph`` and
+    ``gradient_as_bucket_view`` need nothing (unused parameters are reduced as zeros, the
+    update reads the buckets' views).  Returns ``(bucket_cap_mb, compression or None)``."""
+    get = ((lambda k, d=None: d) if handler is None else handler.get if isinstance(handler, dict)
+           else (lambda k, d=None: getattr(handler, k, d)))
+    compression = _compression(get("comm_hook", None) if hook is None else hook)
+    wrap = get("comm_wrapper", None) if wrapper is None else wrapper
+    if wrap is not None and _hook_name(wrap) not in ("no", "none"):
+        raise ConfigError(f"DDP communication wrapper {wrap!r}: it wraps a hook chameleon-ft does not run "
+                          "(PowerSGD); use comm_hook fp16 or bf16 alone, or full precision")
     cap = get("bucket_cap_mb", None)
-    return float(cap) if cap is not None else default
+    return (float(cap) if cap is not None else default_cap_mb), compression
+
+
+def _hook_name(hook) -> str:
+    """A hook's name: an Accelerate enum's value, or a function's ``__name__``."""
+    value = getattr(hook, "value", None)
+    return str(value if value is not None else getattr(hook, "__name__", hook)).lower()
+
+
+def _compression(hook) -> Optional[str]:
+    if hook is None:
+        return None
+    name = _hook_name(hook)
+    if name in ("no", "none"):
+        return None
+    if name in ("fp16", "bf16"):  # Accelerate's DDPCommunicationHookType
+        return name
+    if callable(hook) and name in ("fp16_compress_hook", "bf16_compress_hook") and \
+            getattr(hook, "__module__", "").startswith("torch.distributed.algorithms.ddp_comm_hooks"):
+        return name[:4]
+    raise ConfigError(f"DDP communication hook {hook!r}: chameleon-ft's gradient buckets run DDP's fp16 and "
+                      "bf16 compression hooks only; use one of those or leave it unset (full precision)")
 
 
 def adapter_config(who: str, allowed_policies, hang_timeout_s, allow_batch_change: bool, **kw) -> ElasticConfig:

@@ -58,6 +58,10 @@ class ElasticConfig:
     bucket_cap_mb: data parallel: the gradient buckets' size in MiB (DDP's ``bucket_cap_mb``):
         buckets are all-reduced while backward runs (``executors/buckets.py``); the adapters
         take it from the user's DDP settings.
+    grad_compression: data parallel: ``"fp16"`` or ``"bf16"`` reduces every gradient bucket but
+        the last in that dtype (DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``; the
+        adapters take it from the user's DDP communication hook; ``executors/buckets.py``);
+        None (default): full precision.
     one_microbatch_each: every live member runs at least one micro-batch per step when the
         global batch has that many (set by the Lightning adapter: Lightning logs per
         ``training_step``, so a member with none would skip the epoch-end metric sync).  The
@@ -94,6 +98,7 @@ class ElasticConfig:
     device_memory_bytes: Optional[float] = None
     one_microbatch_each: bool = False
     bucket_cap_mb: float = 25.0
+    grad_compression: Optional[str] = None
     nonfinite: str = "skip"
     nonfinite_limit: int = 3
 
@@ -102,3 +107,5 @@ class ElasticConfig:
             raise ConfigError(f"ElasticConfig.nonfinite={self.nonfinite!r}: 'skip' or 'stop'")
         if self.nonfinite_limit < 1:
             raise ConfigError(f"ElasticConfig.nonfinite_limit={self.nonfinite_limit}: at least 1")
+        if self.grad_compression not in (None, "fp16", "bf16"):
+            raise ConfigError(f"ElasticConfig.grad_compression={self.grad_compression!r}: 'fp16', 'bf16' or None")

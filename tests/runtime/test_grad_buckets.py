@@ -102,6 +102,68 @@ def test_parameters_without_a_gradient_in_the_final_backward_are_filled_at_finis
     assert torch.count_nonzero(bufs2[0]) == 0
 
 
+@pytest.mark.parametrize("dtype,name", [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
+def test_compression_reduces_every_bucket_but_the_last_in_the_half_dtype_as_ddps_hooks_do(dtype, name):
+    """DDP's compression hooks: each bucket divided by the world size, cast, reduced, cast back
+    (times the world size: the buckets keep the sum).  The last bucket -- with the commit's
+    tail -- goes in full precision.  A launch standing for 4 members with the same gradients
+    (it multiplies the bucket it is given by 4)."""
+    model = _mlp()
+    params = list(model.parameters())
+    b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20, compress=name)
+    sent = []
+
+    def launch(buf):
+        sent.append(buf.dtype)
+        buf.mul_(4)  # four members' equal contributions summed
+        return buf
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    b.set_tail(1)
+    b.arm(launch, world=4)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    b.tail()[0] = 0.1  # not representable in fp16/bf16: must come back exact
+    bufs = b.finish(lambda work: None)
+    assert sent == [dtype, dtype, torch.float32]
+    assert float(bufs[-1][-1]) == float(torch.tensor(0.1) * 4)  # summed in float32
+    local = {id(p): p.grad for p in params}
+    for k, idx in enumerate(b.buckets):
+        want = torch.cat([local[id(params[i])].reshape(-1) for i in idx]) * 4
+        got = bufs[k][:want.numel()]
+        if k == len(b.buckets) - 1:
+            assert torch.equal(got, want)  # full precision
+        else:  # 4 x half(g / 4): the half dtype's rounding, not the float32 sum
+            assert torch.equal(got, (want / 4).to(dtype).float() * 4)
+            assert not torch.equal(got, want)
+    with pytest.raises(ValueError):
+        GradientBuckets(params, compress="int8")
+
+
+def test_ddp_settings_become_the_buckets_size_and_compression_or_a_clear_refusal():
+    """What a user sets on DDP (Accelerate's kwargs handler, Lightning's strategy) reaches the
+    buckets: the size, fp16/bf16 compression by Accelerate's enum or torch's hook functions;
+    PowerSGD and communication wrappers are refused by name, not dropped."""
+    from accelerate.utils import DDPCommunicationHookType as Hook
+    from accelerate.utils import DistributedDataParallelKwargs as Kw
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from chameleon_ft.runtime.adapter_kit import ddp_reduction
+    from chameleon_ft.runtime.errors import ConfigError
+
+    assert ddp_reduction(None, 25.0) == (25.0, None)
+    assert ddp_reduction(Kw(bucket_cap_mb=4), 25.0) == (4.0, None)
+    assert ddp_reduction(Kw(comm_hook=Hook.FP16), 25.0) == (25.0, "fp16")
+    assert ddp_reduction(Kw(comm_hook=Hook.BF16, bucket_cap_mb=8), 25.0) == (8.0, "bf16")
+    assert ddp_reduction({"bucket_cap_mb": 2}, 25.0, hook=default_hooks.bf16_compress_hook) == (2.0, "bf16")
+    assert ddp_reduction({}, 25.0, hook=default_hooks.fp16_compress_hook) == (25.0, "fp16")
+    for bad in (dict(handler=Kw(comm_hook=Hook.POWER_SGD)),
+                dict(handler=Kw(comm_hook=Hook.BF16, comm_wrapper=Hook.FP16)),
+                dict(handler={}, hook=powerSGD_hook.powerSGD_hook),
+                dict(handler={}, hook=lambda state, bucket: None),
+                dict(handler={}, hook=default_hooks.fp16_compress_hook, wrapper=default_hooks.fp16_compress_wrapper)):
+        with pytest.raises(ConfigError, match="communication"):
+            ddp_reduction(bad.pop("handler"), 25.0, **bad)
+
+
 def test_a_second_backward_into_a_reduced_bucket_is_refused_and_a_failed_launch_waits_for_finish():
     model = _mlp()
     b = GradientBuckets(list(model.parameters()), cap_mb=26 * 4 / 2 ** 20)

@@ -24,6 +24,15 @@ member with nothing to compute this step) is filled by ``launch_rest`` from its 
 so DDP's ``find_unused_parameters`` needs no flag here (the buckets holding such parameters are
 launched at the end instead of during backward).
 
+Compression (``compress``: DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``): each bucket but
+the last is cast to that dtype and divided by the world size, all-reduced so, and cast back
+and multiplied by it on arrival, as DDP's hooks do (they leave the mean; the buckets keep the
+sum).  The last bucket -- the first layers' gradients and the commit's tail, whose numbers
+(the loss, the timings, the non-finite flag) must arrive exact -- is reduced in full precision,
+so a model that fits in one bucket is not compressed at all.  Every member decodes the same
+reduced values: replicas stay bitwise equal; a step redone after a failure sums other partial
+sums, so the trajectory is that of compressed training, within the compressed dtype's rounding.
+
 Limits: one dtype for every trainable parameter (the core checks it); a second backward into a
 parameter after its bucket was launched in the same step is refused, as DDP refuses it; failures
 of a launch inside a hook are kept and raised by ``launch_rest`` (an exception must not escape into
@@ -38,10 +47,11 @@ import torch
 
 from chameleon_ft.runtime.torch_private import foreach_copy
 
-__all__ = ["GradientBuckets", "DEFAULT_CAP_MB", "FIRST_CAP_MB"]
+__all__ = ["GradientBuckets", "DEFAULT_CAP_MB", "FIRST_CAP_MB", "COMPRESSIONS"]
 
 DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb default
 FIRST_CAP_MB = 1.0  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}  # DDP's two compression hooks
 
 
 class GradientBuckets:
@@ -51,12 +61,19 @@ class GradientBuckets:
         params: the trainable parameters, in ``model.parameters()`` order (one dtype).
         cap_mb: bucket size in MiB (``bucket_cap_mb``).
         first_cap_mb: the first bucket's size (the last layers', launched first; at most ``cap_mb``).
+        compress: ``"fp16"`` or ``"bf16"``: every bucket but the last reduced in that dtype
+            (module doc); None: full precision.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], cap_mb: float = DEFAULT_CAP_MB,
-                 first_cap_mb: float = FIRST_CAP_MB) -> None:
+                 first_cap_mb: float = FIRST_CAP_MB, compress: Optional[str] = None) -> None:
         if cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {cap_mb}")
+        if compress is not None and compress not in COMPRESSIONS:
+            raise ValueError(f"compress must be one of {sorted(COMPRESSIONS)} or None, got {compress!r}")
+        self.compress = COMPRESSIONS[compress] if compress is not None else None
+        self._world = 1  # the compression's divisor (``arm``)
+        self._coded: list = []  # (bucket, its compressed copy) of the buckets launched compressed
         self.params = list(params)
         itemsize = self.params[0].element_size() if self.params else 4
         caps = [max(1, int(min(first_cap_mb, cap_mb) * 2 ** 20) // itemsize),
@@ -164,16 +181,19 @@ class GradientBuckets:
         return view
 
     # ---------------------------------------------------------------- the step
-    def arm(self, launch: Callable[[torch.Tensor], object]) -> None:
+    def arm(self, launch: Callable[[torch.Tensor], object], world: int = 1) -> None:
         """The next backward is this member's last of the step: reduce as gradients become final.
-        ``launch(buffer) -> work`` starts one bucket's all-reduce on the generation's group."""
+        ``launch(buffer) -> work`` starts one bucket's all-reduce on the generation's group;
+        ``world``: its members (a compressed bucket is divided by it before the reduction)."""
         if self.armed:
             return
         self._buffers()
         self._launch = launch
+        self._world = max(1, int(world))
         self._pending = [len(idx) for idx in self.buckets]
         self._filled = set()
         self._next, self._works, self.failure = 0, [], None
+        self._coded = []
         self.armed = True
 
     def disarm(self) -> None:
@@ -182,7 +202,7 @@ class GradientBuckets:
         if self._works:
             self.drop_buffers()
         self.armed = False
-        self._launch, self._works = None, []
+        self._launch, self._works, self._coded = None, [], []
 
     def _on_ready(self, p: torch.nn.Parameter) -> None:
         if not self.armed or self.failure is not None:
@@ -203,8 +223,12 @@ class GradientBuckets:
             self._start(self._next)
 
     def _start(self, b: int) -> None:
+        buf = self._bufs[b]
+        if self.compress is not None and b < len(self.buckets) - 1 and buf.dtype != self.compress:
+            buf = buf.to(self.compress).div_(self._world)  # DDP's compression hooks: x / N, cast
+            self._coded.append((b, buf))
         try:
-            self._works.append(self._launch(self._bufs[b]))
+            self._works.append(self._launch(buf))
         except Exception as exc:  # a CollectiveFailure: raised by ``launch_rest``, not in backward()
             self.failure = exc
         self._next = b + 1
@@ -255,6 +279,8 @@ class GradientBuckets:
             for work in self._works:
                 wait(work)
             self._works = []  # all done: the buffers stay ours
+            for b, coded in self._coded:  # back to the gradients' dtype, the sum again
+                self._bufs[b].copy_(coded).mul_(self._world)
             return self._bufs
         finally:
             self.disarm()

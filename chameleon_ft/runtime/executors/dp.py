@@ -84,7 +84,7 @@ class DataParallelExecutor(RecoveryCore):
             # (GroupManager.data_group), so a control collective never meets one.
             self.step_header = "step"
         super().__init__(*args, **kwargs)
-        self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb)
+        self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb, compress=self.cfg.grad_compression)
         self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
         self._tokens = 0.0  # this member's token count of the step (token-weighted losses)
         self._last_loss: Optional[torch.Tensor | float] = None
@@ -288,7 +288,7 @@ class DataParallelExecutor(RecoveryCore):
         # member's timings.
         on_host = not (self.params and self.params[0].is_cuda)
         self.buckets.set_tail(2 + (_TAIL * self.view.world_size if on_host else 0))
-        self.buckets.arm(self.gm.start_reduce)
+        self.buckets.arm(self.gm.start_reduce, self.view.world_size)
 
     def sync_and_step(self) -> bool:
         """Reduce the accumulated gradients and commit the step.

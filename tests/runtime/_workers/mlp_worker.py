@@ -49,6 +49,7 @@ def main():
     p.add_argument("--allowed", default=None, help="comma-separated policies the engine may choose")
     p.add_argument("--allow-batch-change", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=None, help="ElasticConfig.bucket_cap_mb")
+    p.add_argument("--compress", choices=["fp16", "bf16"], default=None, help="ElasticConfig.grad_compression")
     # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
     p.add_argument("--dataset", type=int, default=256)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -92,6 +93,7 @@ def main():
                                  stragglers=not a.no_stragglers, min_world_size=a.min_world,
                                  allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
                                  allow_batch_change=a.allow_batch_change,
+                                 grad_compression=a.compress,
                                  **({"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {})),
                              checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every,
                              on_step=on_step)
