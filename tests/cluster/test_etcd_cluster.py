@@ -26,6 +26,7 @@ from _helpers import etcd_tls, netns  # noqa: E402
 from chameleon_ft.runtime.eventlog import resumed_after  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+EPOCHS = 3  # 24 steps: the faults land at steps 5 and 15
 
 
 def _cluster(tmp_path, tls: bool):
@@ -48,9 +49,9 @@ def secured_cluster(tmp_path):
 
 
 @pytest.fixture
-def ref6(tmp_path_factory):
-    """The failure-free run's final state (6 epochs), made in the set-up, beside other tests."""
-    return reference(tmp_path_factory.mktemp("ref"), 6)
+def ref(tmp_path_factory):
+    """The failure-free run's final state, made in the set-up, beside other tests."""
+    return reference(tmp_path_factory.mktemp("ref"), EPOCHS)
 
 
 def _tls_flags(net) -> list[str]:
@@ -100,13 +101,13 @@ def test_the_secured_cluster_lets_in_the_jobs_certificate_and_role_only(secured_
 
 
 @pytest.mark.serial
-def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_cluster, tmp_path, ref6):
+def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_cluster, tmp_path, ref):
     """Node 0 -- its launcher, both workers and its etcd member (the cluster secured as
     docs/security.md advises) -- is killed at step 5: the four survivors train on, on the
     failure-free trajectory."""
     net, eps = secured_cluster
     (tmp_path / "run").mkdir()
-    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10,
+    job = Job(tmp_path / "run", nproc=2, epochs=EPOCHS, mb_sleep=0.02, hang_timeout=10,
               env={"CHAMELEON_FT_ETCD_USER": etcd_tls.JOB_USER, "CHAMELEON_FT_ETCD_PASSWORD": etcd_tls.JOB_PASSWORD})
     try:
         _start(job, net, eps)
@@ -124,19 +125,19 @@ def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_clust
     print(f"node 0 lost with etcd: first step {resumed_after(evs, t_kill):.3f} s after the kill")
     assert sorted(finals) == [2, 3, 4, 5]
     assert_replicas_equal(finals, [2, 3, 4, 5])
-    assert_exactly_once(evs, 6)
-    assert max_relative_diff(finals[2], ref6) < 1e-5
+    assert_exactly_once(evs, EPOCHS)
+    assert max_relative_diff(finals[2], ref) < 1e-5
 
 
 @pytest.mark.serial
-def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(cluster, tmp_path, ref6):
+def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(cluster, tmp_path, ref):
     """Node 1's etcd member is killed at step 5: no failure, no pause.  Node 2's is killed at
     step 15: one member of three left, no quorum -- every worker pauses before its next
     collective (nothing is committed) and says so.  It is started again 4 s later: the quorum
     is back and the job finishes on the failure-free trajectory, with no worker lost."""
     net, eps = cluster
     (tmp_path / "run").mkdir()
-    job = Job(tmp_path / "run", nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
+    job = Job(tmp_path / "run", nproc=2, epochs=EPOCHS, mb_sleep=0.02, hang_timeout=10)
     try:
         _start(job, net, eps)
         job.wait_step(5, 180)
@@ -165,5 +166,5 @@ def test_one_etcd_member_lost_changes_nothing_and_a_lost_quorum_pauses_the_job(c
     assert "paused, nothing is committed" in out and "answers again" in out
     assert sorted(finals) == [0, 1, 2, 3, 4, 5]
     assert_replicas_equal(finals, [0, 1, 2, 3, 4, 5])
-    assert_exactly_once(evs, 6)
-    assert max_relative_diff(finals[0], ref6) < 1e-5
+    assert_exactly_once(evs, EPOCHS)
+    assert max_relative_diff(finals[0], ref) < 1e-5
