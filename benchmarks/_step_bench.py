@@ -102,6 +102,9 @@ def run_ddp(a) -> None:
     model, data = build(a.model, a.device_ms)
     kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
     net = DDP(model, **kw)
+    if a.compress:  # DDP's own compression hook, as its docs advise
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net.register_comm_hook(None, getattr(default_hooks, f"{a.compress}_compress_hook"))
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     stamps = Stamps()
     for step in range(a.steps):
@@ -126,6 +129,8 @@ def run_ft(a) -> None:
         stamps = Stamps()
         world = int(os.environ.get("WORLD_SIZE", "2"))
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+        if a.compress:
+            kw["grad_compression"] = a.compress
         trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(**kw), on_step=stamps.mark)
         from _profiled import fit
@@ -180,6 +185,8 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_cap_mb (default: DDP's 25)")
+    ap.add_argument("--compress", choices=["fp16", "bf16"], default=None,
+                    help="ddp, ft: DDP's fp16/bf16 compression hook (ft: ElasticConfig.grad_compression)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
     ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (ft, acc, acc-ft) into OUT.prof")
     a = ap.parse_args()

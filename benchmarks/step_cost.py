@@ -11,7 +11,9 @@ is the script every side runs: the same model, samples, micro-batches and collat
   30 ms of emulated device time (the CPU free meanwhile, as while a GPU computes): reducing
   during backward hides the transfer there.  Plain DDP as shipped (``bucket_cap_mb`` 25) and
   tuned (``bucket_cap_mb=4``: a bucket per layer, as its docs advise for overlap), chameleon-ft
-  given the same ``bucket_cap_mb`` (``ElasticConfig.bucket_cap_mb``).  Needs root and iproute2.
+  given the same ``bucket_cap_mb`` (``ElasticConfig.bucket_cap_mb``).  ``--compress bf16``: both
+  sides reduce with DDP's compression hook (DDP ``register_comm_hook``, ours
+  ``ElasticConfig.grad_compression``).  Needs root and iproute2.
 * ``tiny``: two workers on this machine, a 2-layer MLP whose step is 1-2 ms: only the fixed cost
   per step shows (Python, synchronisation, the commit).
 * ``accelerate``: the ``tiny`` step written as an Accelerate loop (``prepare``, ``backward``,
@@ -62,11 +64,13 @@ def _ddp_cmd(nnodes: int, node: int, nproc: int, master: str, args: list[str]) -
             "--nproc-per-node", str(nproc), "--master-addr", master, "--master-port", str(PORT), str(SCRIPT), *args]
 
 
-def run_link(system: str, bucket_mb, steps: int, work: Path, net) -> Path:
+def run_link(system: str, bucket_mb, steps: int, work: Path, net, compress=None) -> Path:
     out = work / f"{system}-{bucket_mb}.json"
     args = ["--system", system, "--model", "mlp6", "--out", str(out), "--steps", str(steps), "--micro-batch", "8"]
     if bucket_mb:
         args += ["--bucket-mb", str(bucket_mb)]
+    if compress:
+        args += ["--compress", compress]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
     if system == "ddp":
         procs = [net.run(i, _ddp_cmd(2, i, 1, net.addr(0), args), env=env, stdout=subprocess.PIPE,
@@ -117,6 +121,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny-steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--compress", choices=["fp16", "bf16"], default=None,
+                    help="link: both sides reduce with DDP's fp16/bf16 compression hook (ours: "
+                         "ElasticConfig.grad_compression)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args(argv)
@@ -138,10 +145,11 @@ def main(argv=None) -> dict:
                     for system, bucket in order:
                         d = work / f"link{r}"
                         d.mkdir(exist_ok=True)
-                        s = step_seconds(run_link(system, bucket, a.link_steps, d, net), a.warmup)
+                        s = step_seconds(run_link(system, bucket, a.link_steps, d, net, a.compress), a.warmup)
                         runs[f"{system}/{bucket or 25}"].append(s)
                         print(f"link {system} bucket_cap_mb={bucket or 25}: {s * 1e3:.1f} ms/step", flush=True)
             res["cases"]["link"] = runs
+            res["compress"] = a.compress
         for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft"))):
             if case not in cases:
                 continue
@@ -176,8 +184,10 @@ def markdown(res: dict) -> str:
              "ratio = chameleon-ft's steps/s over plain DDP's in the same configuration.", ""]
     link = res["cases"].get("link")
     if link:
+        squeeze = (f", both sides with DDP's {res['compress']} compression hook (ours: `grad_compression`)"
+                   if res.get("compress") else "")
         lines += [f"## Two namespace nodes, 1 Gbit/s link, 6.3 M parameters, 30 ms emulated device time per "
-                  f"layer backward ({res.get('link', '')})", "",
+                  f"layer backward ({res.get('link', '')}){squeeze}", "",
                   "| bucket_cap_mb | plain DDP | chameleon-ft | ours / DDP (steps/s) | runs (DDP; ours) |",
                   "| --- | ---: | ---: | ---: | --- |"]
         for b in ("25", "4.0"):

@@ -58,10 +58,10 @@ class ElasticConfig:
     bucket_cap_mb: data parallel: the gradient buckets' size in MiB (DDP's ``bucket_cap_mb``):
         buckets are all-reduced while backward runs (``executors/buckets.py``); the adapters
         take it from the user's DDP settings.
-    grad_compression: data parallel: ``"fp16"`` or ``"bf16"`` reduces every gradient bucket but
-        the last in that dtype (DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``; the
-        adapters take it from the user's DDP communication hook; ``executors/buckets.py``);
-        None (default): full precision.
+    grad_compression: data parallel: ``"fp16"`` or ``"bf16"`` reduces the gradient buckets in
+        that dtype, the commit's tail in full precision (DDP's ``fp16_compress_hook`` /
+        ``bf16_compress_hook``; the adapters take it from the user's DDP communication hook;
+        ``executors/buckets.py``); None (default): full precision.
     one_microbatch_each: every live member runs at least one micro-batch per step when the
         global batch has that many (set by the Lightning adapter: Lightning logs per
         ``training_step``, so a member with none would skip the epoch-end metric sync).  The

@@ -103,11 +103,11 @@ def test_parameters_without_a_gradient_in_the_final_backward_are_filled_at_finis
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
-def test_compression_reduces_every_bucket_but_the_last_in_the_half_dtype_as_ddps_hooks_do(dtype, name):
+def test_compression_reduces_the_gradients_in_the_half_dtype_as_ddps_hooks_do_and_the_tail_exact(dtype, name):
     """DDP's compression hooks: each bucket divided by the world size, cast, reduced, cast back
-    (times the world size: the buckets keep the sum).  The last bucket -- with the commit's
-    tail -- goes in full precision.  A launch standing for 4 members with the same gradients
-    (it multiplies the bucket it is given by 4)."""
+    (times the world size: the buckets keep the sum).  The commit's tail goes in full precision,
+    an op of its own after the last bucket's gradients.  A launch standing for 4 members with
+    the same gradients (it multiplies what it is given by 4)."""
     model = _mlp()
     params = list(model.parameters())
     b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20, compress=name)
@@ -123,17 +123,15 @@ def test_compression_reduces_every_bucket_but_the_last_in_the_half_dtype_as_ddps
     torch.nn.functional.cross_entropy(model(x), y).backward()
     b.tail()[0] = 0.1  # not representable in fp16/bf16: must come back exact
     bufs = b.finish(lambda work: None)
-    assert sent == [dtype, dtype, torch.float32]
+    assert sent == [dtype, dtype, dtype, torch.float32]  # three buckets' gradients, then the tail
     assert float(bufs[-1][-1]) == float(torch.tensor(0.1) * 4)  # summed in float32
     local = {id(p): p.grad for p in params}
     for k, idx in enumerate(b.buckets):
-        want = torch.cat([local[id(params[i])].reshape(-1) for i in idx]) * 4
-        got = bufs[k][:want.numel()]
-        if k == len(b.buckets) - 1:
-            assert torch.equal(got, want)  # full precision
-        else:  # 4 x half(g / 4): the half dtype's rounding, not the float32 sum
-            assert torch.equal(got, (want / 4).to(dtype).float() * 4)
-            assert not torch.equal(got, want)
+        g = torch.cat([local[id(params[i])].reshape(-1) for i in idx])
+        got = bufs[k][:g.numel()]
+        # DDP's order: cast, divide by 4, summed over the 4 in that dtype, cast back, times 4
+        assert torch.equal(got, (g.to(dtype).div(4) * 4).float() * 4)
+        assert not torch.equal(got, g * 4)  # not the float32 sum
     with pytest.raises(ValueError):
         GradientBuckets(params, compress="int8")
 

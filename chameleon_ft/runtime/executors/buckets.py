@@ -24,12 +24,12 @@ member with nothing to compute this step) is filled by ``launch_rest`` from its 
 so DDP's ``find_unused_parameters`` needs no flag here (the buckets holding such parameters are
 launched at the end instead of during backward).
 
-Compression (``compress``: DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``): each bucket but
-the last is cast to that dtype and divided by the world size, all-reduced so, and cast back
-and multiplied by it on arrival, as DDP's hooks do (they leave the mean; the buckets keep the
-sum).  The last bucket -- the first layers' gradients and the commit's tail, whose numbers
-(the loss, the timings, the non-finite flag) must arrive exact -- is reduced in full precision,
-so a model that fits in one bucket is not compressed at all.  Every member decodes the same
+Compression (``compress``: DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``): each bucket's
+gradients are divided by the world size, cast to that dtype, all-reduced so, and cast back and
+multiplied by it on arrival, as DDP's hooks do (they leave the mean; the buckets keep the sum).
+The commit's tail (the loss, the token count, the timings, the non-finite flag) must arrive
+exact: with compression it goes as a small full-precision all-reduce of its own right after the
+last bucket's gradients (one more op per step, only then).  Every member decodes the same
 reduced values: replicas stay bitwise equal; a step redone after a failure sums other partial
 sums, so the trajectory is that of compressed training, within the compressed dtype's rounding.
 
@@ -61,8 +61,8 @@ class GradientBuckets:
         params: the trainable parameters, in ``model.parameters()`` order (one dtype).
         cap_mb: bucket size in MiB (``bucket_cap_mb``).
         first_cap_mb: the first bucket's size (the last layers', launched first; at most ``cap_mb``).
-        compress: ``"fp16"`` or ``"bf16"``: every bucket but the last reduced in that dtype
-            (module doc); None: full precision.
+        compress: ``"fp16"`` or ``"bf16"``: the gradients reduced in that dtype, the tail in
+            full precision (module doc); None: full precision.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], cap_mb: float = DEFAULT_CAP_MB,
@@ -73,7 +73,7 @@ class GradientBuckets:
             raise ValueError(f"compress must be one of {sorted(COMPRESSIONS)} or None, got {compress!r}")
         self.compress = COMPRESSIONS[compress] if compress is not None else None
         self._world = 1  # the compression's divisor (``arm``)
-        self._coded: list = []  # (bucket, its compressed copy) of the buckets launched compressed
+        self._coded: list = []  # (gradients' view, their compressed copy) of the launched buckets
         self.params = list(params)
         itemsize = self.params[0].element_size() if self.params else 4
         caps = [max(1, int(min(first_cap_mb, cap_mb) * 2 ** 20) // itemsize),
@@ -224,11 +224,16 @@ class GradientBuckets:
 
     def _start(self, b: int) -> None:
         buf = self._bufs[b]
-        if self.compress is not None and b < len(self.buckets) - 1 and buf.dtype != self.compress:
-            buf = buf.to(self.compress).div_(self._world)  # DDP's compression hooks: x / N, cast
-            self._coded.append((b, buf))
+        sends = [buf]
+        if self.compress is not None and buf.dtype != self.compress:
+            tail = self.tail_len if b == len(self.buckets) - 1 else 0
+            grads = buf[:buf.numel() - tail]
+            coded = grads.to(self.compress).div_(self._world)  # DDP's compression hooks: x / N, cast
+            self._coded.append((grads, coded))
+            sends = [coded, buf[buf.numel() - tail:]] if tail else [coded]
         try:
-            self._works.append(self._launch(buf))
+            for t in sends:
+                self._works.append(self._launch(t))
         except Exception as exc:  # a CollectiveFailure: raised by ``launch_rest``, not in backward()
             self.failure = exc
         self._next = b + 1
@@ -279,8 +284,8 @@ class GradientBuckets:
             for work in self._works:
                 wait(work)
             self._works = []  # all done: the buffers stay ours
-            for b, coded in self._coded:  # back to the gradients' dtype, the sum again
-                self._bufs[b].copy_(coded).mul_(self._world)
+            for grads, coded in self._coded:  # back to the gradients' dtype, the sum again
+                grads.copy_(coded).mul_(self._world)
             return self._bufs
         finally:
             self.disarm()
