@@ -569,6 +569,11 @@ class RecoveryCore:
                    and layouts[i] == layouts[source]] or [source]
         was_behind = self.fresh or self.step < top
         self._is_source = r == source
+        # Every member but the source needs the state (a job's start): it rides in the broadcast,
+        # the same bytes as sending it to each.  Sent point to point over a rate-limited link
+        # instead, every later step of the job ran ~4 % slower there, cause not found
+        # (docs/benchmarks-step.md, "The link case again").
+        in_broadcast = n > 1 and len(needers) == n - 1
         payload, state = None, None
         if self._is_source:
             t_engine = time.perf_counter()
@@ -578,6 +583,8 @@ class RecoveryCore:
                                 claim=lambda w: self.membership is None or first_to_record(self.membership.store, w))
             payload["engine_s"] = time.perf_counter() - t_engine  # not agreement (_measure_agreement)
             state = self.state_dict() if needers else None
+            if in_broadcast:
+                payload["state"] = state
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
             source, r, payload)
@@ -588,7 +595,14 @@ class RecoveryCore:
             self.gm.send, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), tree, needers, **kw))
         recv = lambda **kw: self._store_op(lambda: run_state.recv_tree(  # noqa: E731
             self.gm.recv, lambda works: self.gm.wait_p2p(works, self.hang_timeout_s), source, **kw))
-        if r in holders and needers:
+        if in_broadcast:
+            if r in needers:
+                self.load_state_dict(payload.pop("state"))
+            else:
+                payload.pop("state", None)
+                state_bytes = len(needers) * sum(t.numel() * t.element_size()
+                                                 for t in run_state.encode(state, host=False)[1])
+        elif r in holders and needers:
             rest = run_state.split_tree(state, shared) if self._is_source and shared is not None else state
             sent = send(rest) if self._is_source else 0
             if shared is not None and layouts[source]:
