@@ -36,6 +36,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+
 from chameleon_ft.engine.failures import Event, EventKind
 
 

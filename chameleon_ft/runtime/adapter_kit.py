@@ -51,6 +51,7 @@ from chameleon_ft.runtime import codec as run_state
 from chameleon_ft.runtime.groups import CollectiveFailure, CollectiveMismatch
 from chameleon_ft.engine.selector import BATCH_CHANGING
 from chameleon_ft.runtime.executors.dp import DataParallelExecutor
+from chameleon_ft.runtime.config import GRAD_COMPRESSIONS
 from chameleon_ft.runtime.recovery import ElasticConfig
 from chameleon_ft.runtime.sampler import MicroBatch, StepItem, step_items
 
@@ -153,7 +154,7 @@ def refuse_grad_scaler(who: str, how: str) -> None:
                       "the fault-tolerant step; use bf16 mixed precision (no scaler) or full precision")
 
 
-def ddp_reduction(handler, default_cap_mb: float, hook=None, wrapper=None) -> tuple[float, Optional[str]]:
+def ddp_reduction(handler, config: ElasticConfig, hook=None, wrapper=None) -> tuple[float, Optional[str]]:
     """The gradient buckets' size and compression from a user's DDP settings: ``handler``
     holds ``bucket_cap_mb`` as DDP reads it (Accelerate's ``DistributedDataParallelKwargs``, the
     HF Trainer's ``ddp_bucket_cap_mb`` through it, Lightning's ``DDPStrategy`` keyword arguments
@@ -164,16 +165,17 @@ def ddp_reduction(handler, default_cap_mb: float, hook=None, wrapper=None) -> tu
     them out); any other hook or wrapper (PowerSGD, a custom one) is refused rather than
     silently dropped.  ``find_unused_parameters``, ``static_graph`` and
     ``gradient_as_bucket_view`` need nothing (unused parameters are reduced as zeros, the
-    update reads the buckets' views).  Returns ``(bucket_cap_mb, compression or None)``."""
+    update reads the buckets' views).  Returns ``(bucket_cap_mb, grad_compression)``: the
+    user's DDP settings where given, else ``config``'s."""
     get = ((lambda k, d=None: d) if handler is None else handler.get if isinstance(handler, dict)
            else (lambda k, d=None: getattr(handler, k, d)))
-    compression = _compression(get("comm_hook", None) if hook is None else hook)
+    compression = _compression(get("comm_hook", None) if hook is None else hook) or config.grad_compression
     wrap = get("comm_wrapper", None) if wrapper is None else wrapper
     if wrap is not None and _hook_name(wrap) not in ("no", "none"):
         raise ConfigError(f"DDP communication wrapper {wrap!r}: it wraps a hook chameleon-ft does not run "
                           "(PowerSGD); use comm_hook fp16 or bf16 alone, or full precision")
     cap = get("bucket_cap_mb", None)
-    return (float(cap) if cap is not None else default_cap_mb), compression
+    return (float(cap) if cap is not None else config.bucket_cap_mb), compression
 
 
 def _hook_name(hook) -> str:
@@ -188,11 +190,12 @@ def _compression(hook) -> Optional[str]:
     name = _hook_name(hook)
     if name in ("no", "none"):
         return None
-    if name in ("fp16", "bf16"):  # Accelerate's DDPCommunicationHookType
+    if name in GRAD_COMPRESSIONS:  # Accelerate's DDPCommunicationHookType
         return name
-    if callable(hook) and name in ("fp16_compress_hook", "bf16_compress_hook") and \
+    kind = name.removesuffix("_compress_hook")  # torch's default_hooks.<kind>_compress_hook
+    if callable(hook) and kind in GRAD_COMPRESSIONS and \
             getattr(hook, "__module__", "").startswith("torch.distributed.algorithms.ddp_comm_hooks"):
-        return name[:4]
+        return kind
     raise ConfigError(f"DDP communication hook {hook!r}: chameleon-ft's gradient buckets run DDP's fp16 and "
                       "bf16 compression hooks only; use one of those or leave it unset (full precision)")
 

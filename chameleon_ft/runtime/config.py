@@ -9,6 +9,8 @@ from typing import Optional
 
 from chameleon_ft.runtime.errors import ConfigError
 
+GRAD_COMPRESSIONS = ("fp16", "bf16")  # ElasticConfig.grad_compression: DDP's two compression hooks
+
 __all__ = ["ElasticConfig"]
 
 
@@ -107,5 +109,6 @@ class ElasticConfig:
             raise ConfigError(f"ElasticConfig.nonfinite={self.nonfinite!r}: 'skip' or 'stop'")
         if self.nonfinite_limit < 1:
             raise ConfigError(f"ElasticConfig.nonfinite_limit={self.nonfinite_limit}: at least 1")
-        if self.grad_compression not in (None, "fp16", "bf16"):
-            raise ConfigError(f"ElasticConfig.grad_compression={self.grad_compression!r}: 'fp16', 'bf16' or None")
+        if self.grad_compression is not None and self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ConfigError(f"ElasticConfig.grad_compression={self.grad_compression!r}: one of "
+                              f"{GRAD_COMPRESSIONS} or None")

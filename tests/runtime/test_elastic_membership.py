@@ -43,8 +43,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-# Chaos since 2026-12-07 (the suite's time): a whole node lost in place, classified node_loss,
-# on the trajectory: tests/cluster/test_netns_cluster.py (real namespaces; launcher and workers).
+# In the chaos set; the default run's cover of a node lost in place, classified node_loss, on
+# the trajectory: tests/cluster/test_netns_cluster.py (real namespaces; launcher and workers).
 @pytest.mark.chaos
 def test_node_loss_two_of_four_local_ranks(tmp_path, tmp_path_factory):
     port = _free_port()

@@ -144,22 +144,27 @@ def test_ddp_settings_become_the_buckets_size_and_compression_or_a_clear_refusal
     from accelerate.utils import DistributedDataParallelKwargs as Kw
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    from chameleon_ft import ElasticConfig
     from chameleon_ft.runtime.adapter_kit import ddp_reduction
     from chameleon_ft.runtime.errors import ConfigError
 
-    assert ddp_reduction(None, 25.0) == (25.0, None)
-    assert ddp_reduction(Kw(bucket_cap_mb=4), 25.0) == (4.0, None)
-    assert ddp_reduction(Kw(comm_hook=Hook.FP16), 25.0) == (25.0, "fp16")
-    assert ddp_reduction(Kw(comm_hook=Hook.BF16, bucket_cap_mb=8), 25.0) == (8.0, "bf16")
-    assert ddp_reduction({"bucket_cap_mb": 2}, 25.0, hook=default_hooks.bf16_compress_hook) == (2.0, "bf16")
-    assert ddp_reduction({}, 25.0, hook=default_hooks.fp16_compress_hook) == (25.0, "fp16")
+    cfg = ElasticConfig()  # bucket_cap_mb 25, no compression
+    assert ddp_reduction(None, cfg) == (25.0, None)
+    assert ddp_reduction(Kw(bucket_cap_mb=4), cfg) == (4.0, None)
+    assert ddp_reduction(Kw(comm_hook=Hook.FP16), cfg) == (25.0, "fp16")
+    assert ddp_reduction(Kw(comm_hook=Hook.BF16, bucket_cap_mb=8), cfg) == (8.0, "bf16")
+    assert ddp_reduction({"bucket_cap_mb": 2}, cfg, hook=default_hooks.bf16_compress_hook) == (2.0, "bf16")
+    assert ddp_reduction({}, cfg, hook=default_hooks.fp16_compress_hook) == (25.0, "fp16")
+    # No DDP setting: the user's ElasticConfig stands.
+    assert ddp_reduction(None, ElasticConfig(bucket_cap_mb=8, grad_compression="bf16")) == (8.0, "bf16")
+    assert ddp_reduction(Kw(), ElasticConfig(grad_compression="bf16")) == (25.0, "bf16")  # DDP's defaults
     for bad in (dict(handler=Kw(comm_hook=Hook.POWER_SGD)),
                 dict(handler=Kw(comm_hook=Hook.BF16, comm_wrapper=Hook.FP16)),
                 dict(handler={}, hook=powerSGD_hook.powerSGD_hook),
                 dict(handler={}, hook=lambda state, bucket: None),
                 dict(handler={}, hook=default_hooks.fp16_compress_hook, wrapper=default_hooks.fp16_compress_wrapper)):
         with pytest.raises(ConfigError, match="communication"):
-            ddp_reduction(bad.pop("handler"), 25.0, **bad)
+            ddp_reduction(bad.pop("handler"), cfg, **bad)
 
 
 def test_a_second_backward_into_a_reduced_bucket_is_refused_and_a_failed_launch_waits_for_finish():
