@@ -254,7 +254,8 @@ class StepProtocol:
                                  f"{resume['micro_batch']}, this run uses {micro}")
             glob = int(resume["global_batch"])
         self.cfg.items_per_step = self.items_per_step  # a share may be merged into the items
-        self.cfg.bucket_cap_mb, self.cfg.grad_compression = ddp_reduction(self.acc.ddp_handler, self.cfg)
+        for field, value in ddp_reduction(self.acc.ddp_handler, self.cfg).items():
+            setattr(self.cfg, field, value)
         common = dict(scheduler=_SchedulerSteps(self), seed=seed, shuffle=shuffle, drop_last=dl.drop_last,
                       config=self.cfg, env=self.env)
         if self.sharding is not None:

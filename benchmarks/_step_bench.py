@@ -15,7 +15,10 @@ collated from ``dataset[i]`` the same way (``default_collate``), SGD with moment
   as while a GPU computes), so that a reduction that overlaps backward shows on a CPU.
 
 The lowest-ranked worker writes the wall-clock seconds of every step's end to ``--out`` (JSON),
-and its main thread's CPU seconds then (``cpu``).
+and its main thread's CPU seconds then (``cpu``), and its memory (``memory``): the resident set
+when training began (before the model was built; the peak mark reset then through
+``/proc/self/clear_refs``) and its peak until the end, in KiB -- what the model, its gradients,
+the optimizer's state, the buckets and the step's transients took (Linux).
 """
 
 from __future__ import annotations
@@ -75,17 +78,64 @@ def loss_of(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Memory:
+    """Worker 0's resident memory: the resident set when training begins, its peak over the run
+    (``peak_kb``) and over the steps after ``warmup`` (``steady_peak_kb``: start-up's one-off
+    transients -- DDP's parameter broadcast, chameleon-ft's state broadcast -- left out; freed
+    heap given back to the system first, ``malloc_trim``).  The peak mark is reset through
+    ``/proc/self/clear_refs`` (Linux), so imports and start-up before ``__init__`` do not count."""
+
+    def __init__(self, warmup: int = 5) -> None:
+        self.warmup = warmup
+        self._reset()
+        self.start_kb = _status_kb("VmRSS")
+        self.early_peak_kb = 0
+
+    @staticmethod
+    def _reset() -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def at_step(self, n: int) -> None:
+        if n == self.warmup:
+            self.early_peak_kb = _status_kb("VmHWM")
+            try:
+                import ctypes
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass
+            self._reset()
+
+    def result(self) -> dict:
+        steady = _status_kb("VmHWM")
+        return {"start_kb": self.start_kb, "peak_kb": max(self.early_peak_kb, steady), "steady_peak_kb": steady}
+
+
 class Stamps(list):
     """The wall-clock time of every step's end, and (``cpu``) the main thread's CPU time then:
     the host's own work per step, which waits for the peers (or a device) do not count."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: "Memory | None" = None) -> None:
         super().__init__()
         self.cpu: list[float] = []
+        self.memory = memory
 
     def mark(self, *_) -> None:
         self.append(time.perf_counter())
         self.cpu.append(time.thread_time())
+        if self.memory is not None:
+            self.memory.at_step(len(self))
 
 
 def write(out: str, stamps: Stamps, **extra) -> None:
@@ -99,14 +149,15 @@ def run_ddp(a) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    mem = Memory()
     model, data = build(a.model, a.device_ms)
     kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
-    net = DDP(model, **kw)
+    net = DDP(model, gradient_as_bucket_view=a.gav, **kw)
     if a.compress:  # DDP's own compression hook, as its docs advise
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         net.register_comm_hook(None, getattr(default_hooks, f"{a.compress}_compress_hook"))
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    stamps = Stamps()
+    stamps = Stamps(mem)
     for step in range(a.steps):
         lo = (step * a.micro_batch * world + rank * a.micro_batch) % N
         batch = default_collate([data[i] for i in range(lo, lo + a.micro_batch)])
@@ -115,7 +166,7 @@ def run_ddp(a) -> None:
         opt.zero_grad(set_to_none=True)
         stamps.mark()
     if rank == 0:
-        write(a.out, stamps)
+        write(a.out, stamps, memory=mem.result())
     dist.barrier()
     dist.destroy_process_group()
 
@@ -124,20 +175,23 @@ def run_ft(a) -> None:
     from chameleon_ft import ElasticConfig, ElasticTrainer, elastic_main
 
     def main():
+        mem = Memory()
         model, data = build(a.model, a.device_ms)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        stamps = Stamps()
+        stamps = Stamps(mem)
         world = int(os.environ.get("WORLD_SIZE", "2"))
         kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
         if a.compress:
             kw["grad_compression"] = a.compress
+        if a.gav:
+            kw["gradient_as_bucket_view"] = True
         trainer = ElasticTrainer(model, opt, data, loss_of, a.micro_batch * world, a.micro_batch, shuffle=False,
                                  config=ElasticConfig(**kw), on_step=stamps.mark)
         from _profiled import fit
 
         fit(trainer, a.steps, a.out, a.profile)
         if trainer.ctx.rank == 0:
-            write(a.out, stamps)
+            write(a.out, stamps, memory=mem.result())
 
     elastic_main(main)
 
@@ -187,6 +241,8 @@ if __name__ == "__main__":
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket_cap_mb (default: DDP's 25)")
     ap.add_argument("--compress", choices=["fp16", "bf16"], default=None,
                     help="ddp, ft: DDP's fp16/bf16 compression hook (ft: ElasticConfig.grad_compression)")
+    ap.add_argument("--gav", action="store_true",
+                    help="ddp, ft: gradient_as_bucket_view (DDP's flag; ours: ElasticConfig's)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
     ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (ft, acc, acc-ft) into OUT.prof")
     a = ap.parse_args()

@@ -16,6 +16,12 @@ is the script every side runs: the same model, samples, micro-batches and collat
   ``ElasticConfig.grad_compression``).  Needs root and iproute2.
 * ``tiny``: two workers on this machine, a 2-layer MLP whose step is 1-2 ms: only the fixed cost
   per step shows (Python, synchronisation, the commit).
+* ``memory``: the ``link`` case's model (6.3 M parameters, no emulated device time), two workers
+  on this machine: worker 0's peak resident memory from the start of training (before the model
+  is built) to its end, less the resident set then -- the model, its gradients, the optimizer's
+  momentum, the gradient buckets and the step's transients.  Plain DDP as shipped and with
+  ``gradient_as_bucket_view=True`` (DDP's docs: saves one gradient's size), chameleon-ft without
+  and with ``ElasticConfig.gradient_as_bucket_view``.
 * ``accelerate``: the ``tiny`` step written as an Accelerate loop (``prepare``, ``backward``,
   ``optimizer.step``): plain ``Accelerator`` under torchrun (DDP, gloo) against
   ``FaultTolerantAccelerator`` under ``chameleon-ft run`` -- the adapter against its plain self.
@@ -91,16 +97,19 @@ def run_link(system: str, bucket_mb, steps: int, work: Path, net, compress=None)
     return out
 
 
-def run_tiny(system: str, steps: int, work: Path) -> Path:
-    out = work / f"tiny-{system}.json"
-    args = ["--system", system, "--model", "tiny", "--out", str(out), "--steps", str(steps)]
+def run_tiny(system: str, steps: int, work: Path, model: str = "tiny", extra: tuple = ()) -> Path:
+    """Two workers of ``system`` on this machine (plain ones under torchrun, ours under
+    ``chameleon-ft run``); the lowest-ranked worker's output file."""
+    tag = "-".join([model, system, *(x.strip("-") for x in extra)])
+    out = work / f"{tag}.json"
+    args = ["--system", system, "--model", model, "--out", str(out), "--steps", str(steps), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system in ("ddp", "acc"):  # under torchrun
         p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
         if p.returncode:
             raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
         return out
-    job = LocalJob(work / "ft-tiny", SCRIPT, args, nproc=2, hang_timeout=30, env=env)
+    job = LocalJob(work / f"ft-{tag}", SCRIPT, args, nproc=2, hang_timeout=30, env=env)
     try:
         job.start()
         if job.wait(600) != [0]:
@@ -110,7 +119,16 @@ def run_tiny(system: str, steps: int, work: Path) -> Path:
     return out
 
 
+def peak_mb(out: Path) -> tuple[float, float]:
+    """Worker 0's peak resident memory over the run and over the steps after the first five
+    (start-up's one-off transients left out), each less its resident set when training
+    began (MB)."""
+    m = json.loads(out.read_text())["memory"]
+    return (m["peak_kb"] - m["start_kb"]) / 1024, (m["steady_peak_kb"] - m["start_kb"]) / 1024
+
+
 LINK_SYSTEMS = [("ddp", None), ("ft", None), ("ddp", 4.0), ("ft", 4.0)]
+MEMORY_SYSTEMS = [("ddp", False), ("ft", False), ("ddp", True), ("ft", True)]
 
 
 def main(argv=None) -> dict:
@@ -119,6 +137,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-steps", type=int, default=30)
     ap.add_argument("--tiny-steps", type=int, default=400)
+    ap.add_argument("--memory-steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--compress", choices=["fp16", "bf16"], default=None,
@@ -150,6 +169,19 @@ def main(argv=None) -> dict:
                         print(f"link {system} bucket_cap_mb={bucket or 25}: {s * 1e3:.1f} ms/step", flush=True)
             res["cases"]["link"] = runs
             res["compress"] = a.compress
+        if "memory" in cases:
+            runs = {f"{s}{'/gav' if g else ''}": [] for s, g in MEMORY_SYSTEMS}
+            for r in range(a.repeats):
+                for system, gav in (MEMORY_SYSTEMS if r % 2 == 0 else MEMORY_SYSTEMS[::-1]):
+                    d = work / f"memory{r}"
+                    d.mkdir(exist_ok=True)
+                    extra = ("--device-ms", "0", "--micro-batch", "8", *(("--gav",) if gav else ()))
+                    run, steady = peak_mb(run_tiny(system, a.memory_steps, d, "mlp6", extra))
+                    runs[f"{system}{'/gav' if gav else ''}"].append(steady)
+                    runs.setdefault(f"{system}{'/gav' if gav else ''}/run", []).append(run)
+                    print(f"memory {system} gradient_as_bucket_view={gav}: peak +{steady:.1f} MB in steps, "
+                          f"+{run:.1f} MB over the run", flush=True)
+            res["cases"]["memory"] = runs
         for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft"))):
             if case not in cases:
                 continue
@@ -199,6 +231,29 @@ def markdown(res: dict) -> str:
         if link.get("ddp/25") and link.get("ft/4.0"):
             lines += ["", f"Ours at `bucket_cap_mb=4` against DDP as shipped: "
                           f"{_med(link['ddp/25']) / _med(link['ft/4.0']):.3f}."]
+        lines.append("")
+    mem = res["cases"].get("memory")
+    if mem:
+        lines += ["## Peak memory: the link case's model (6.3 M parameters: a 24 MiB gradient), two workers "
+                  "on one machine", "",
+                  "Worker 0's peak resident memory less its resident set when training began (MB): the model, "
+                  "its gradients, the optimizer's momentum, the buckets, the step's transients.  *Steps*: the "
+                  "peak over the steps after the fifth (freed heap given back to the system first); *run*: "
+                  "over the whole run, start-up's one-off transients included (DDP's parameter broadcast, "
+                  "chameleon-ft's state broadcast).", "",
+                  "| gradient_as_bucket_view | plain DDP, steps | chameleon-ft, steps | ours / DDP, steps | "
+                  "plain DDP, run | chameleon-ft, run | ours / DDP, run | runs, steps (DDP; ours) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for tag, label in (("", "off (as shipped)"), ("/gav", "on (DDP's docs, for memory)")):
+            d, f = mem.get(f"ddp{tag}"), mem.get(f"ft{tag}")
+            dr, fr = mem.get(f"ddp{tag}/run"), mem.get(f"ft{tag}/run")
+            if d and f and dr and fr:
+                lines.append(f"| {label} | {_med(d):.1f} | {_med(f):.1f} | {_med(f) / _med(d):.3f} | "
+                             f"{_med(dr):.1f} | {_med(fr):.1f} | {_med(fr) / _med(dr):.3f} | "
+                             f"{', '.join(f'{x:.1f}' for x in d)}; {', '.join(f'{x:.1f}' for x in f)} |")
+        if mem.get("ddp") and mem.get("ft/gav"):
+            lines += ["", f"Ours with `gradient_as_bucket_view` against DDP as shipped, steps: "
+                          f"{_med(mem['ft/gav']) / _med(mem['ddp']):.3f}."]
         lines.append("")
     for case, title, names in (
             ("tiny", "A 1-2 ms step, two workers on one machine (the fixed cost per step)",

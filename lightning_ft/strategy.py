@@ -369,10 +369,8 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         self._handle = UpdateHandle(self.optimizers[0])
         # At least one micro-batch per member and step (ElasticConfig.one_microbatch_each).
         config = self.ft_config or ElasticConfig()
-        cap_mb, compression = ddp_reduction(self._ddp_kwargs, config, hook=self._ddp_comm_hook,
-                                            wrapper=self._ddp_comm_wrapper)
-        config = dataclasses.replace(config, one_microbatch_each=True, bucket_cap_mb=cap_mb,
-                                     grad_compression=compression)
+        config = dataclasses.replace(config, one_microbatch_each=True, **ddp_reduction(
+            self._ddp_kwargs, config, hook=self._ddp_comm_hook, wrapper=self._ddp_comm_wrapper))
         return DataParallelExecutor(self.lightning_module, self._handle, dataset_len, global_batch, micro_batch,
                                     scheduler=_SchedulerState(self), config=config, env=self.env,
                                     control_collectives=True, user_loop=True, **kw)  # metric syncs, barriers

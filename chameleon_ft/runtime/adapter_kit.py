@@ -154,19 +154,20 @@ def refuse_grad_scaler(who: str, how: str) -> None:
                       "the fault-tolerant step; use bf16 mixed precision (no scaler) or full precision")
 
 
-def ddp_reduction(handler, config: ElasticConfig, hook=None, wrapper=None) -> tuple[float, Optional[str]]:
-    """The gradient buckets' size and compression from a user's DDP settings: ``handler``
-    holds ``bucket_cap_mb`` as DDP reads it (Accelerate's ``DistributedDataParallelKwargs``, the
-    HF Trainer's ``ddp_bucket_cap_mb`` through it, Lightning's ``DDPStrategy`` keyword arguments
-    as a dict) and, for Accelerate, ``comm_hook`` / ``comm_wrapper``; ``hook`` / ``wrapper``:
-    Lightning's ``ddp_comm_hook`` / ``ddp_comm_wrapper``.  DDP's fp16 and bf16 compression hooks
-    (Accelerate's ``DDPCommunicationHookType.FP16`` / ``BF16``, torch's ``fp16_compress_hook`` /
+def ddp_reduction(handler, config: ElasticConfig, hook=None, wrapper=None) -> dict:
+    """The gradient buckets' settings from a user's DDP settings: ``handler`` holds
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view`` as DDP reads them (Accelerate's
+    ``DistributedDataParallelKwargs``, the HF Trainer's ``ddp_bucket_cap_mb`` through it,
+    Lightning's ``DDPStrategy`` keyword arguments as a dict) and, for Accelerate,
+    ``comm_hook`` / ``comm_wrapper``; ``hook`` / ``wrapper``: Lightning's ``ddp_comm_hook`` /
+    ``ddp_comm_wrapper``.  DDP's fp16 and bf16 compression hooks (Accelerate's
+    ``DDPCommunicationHookType.FP16`` / ``BF16``, torch's ``fp16_compress_hook`` /
     ``bf16_compress_hook``) become ``"fp16"`` / ``"bf16"`` (``executors/buckets.py`` carries
     them out); any other hook or wrapper (PowerSGD, a custom one) is refused rather than
-    silently dropped.  ``find_unused_parameters``, ``static_graph`` and
-    ``gradient_as_bucket_view`` need nothing (unused parameters are reduced as zeros, the
-    update reads the buckets' views).  Returns ``(bucket_cap_mb, grad_compression)``: the
-    user's DDP settings where given, else ``config``'s."""
+    silently dropped.  ``find_unused_parameters`` and ``static_graph`` need nothing (unused
+    parameters are reduced as zeros).  Returns the ``ElasticConfig`` fields ``bucket_cap_mb``,
+    ``grad_compression`` and ``gradient_as_bucket_view``: the user's DDP settings where given,
+    else ``config``'s."""
     get = ((lambda k, d=None: d) if handler is None else handler.get if isinstance(handler, dict)
            else (lambda k, d=None: getattr(handler, k, d)))
     compression = _compression(get("comm_hook", None) if hook is None else hook) or config.grad_compression
@@ -175,7 +176,10 @@ def ddp_reduction(handler, config: ElasticConfig, hook=None, wrapper=None) -> tu
         raise ConfigError(f"DDP communication wrapper {wrap!r}: it wraps a hook chameleon-ft does not run "
                           "(PowerSGD); use comm_hook fp16 or bf16 alone, or full precision")
     cap = get("bucket_cap_mb", None)
-    return (float(cap) if cap is not None else config.bucket_cap_mb), compression
+    view = get("gradient_as_bucket_view", None)
+    return {"bucket_cap_mb": float(cap) if cap is not None else config.bucket_cap_mb,
+            "grad_compression": compression,
+            "gradient_as_bucket_view": bool(view) if view is not None else config.gradient_as_bucket_view}
 
 
 def _hook_name(hook) -> str:

@@ -64,6 +64,14 @@ class ElasticConfig:
         that dtype, the commit's tail in full precision (DDP's ``fp16_compress_hook`` /
         ``bf16_compress_hook``; the adapters take it from the user's DDP communication hook;
         ``executors/buckets.py``); None (default): full precision.
+    gradient_as_bucket_view: data parallel: DDP's flag of that name, for memory: a
+        parameter's gradient is released into its bucket as soon as backward produces it (the
+        update reads the buckets' views), so a step holds one gradient copy instead of two (its
+        local sum and the buckets).  The price: a member's local sum is gone once its bucket is
+        reduced, so after a failed reduction it recomputes its share of the redone step instead
+        of keeping it (one step's compute more in the recovery).  The adapters take it from the
+        user's DDP settings.  Between the last backward and the step's reduction ``.grad`` is
+        None (clip through the adapter's ``clip_grad_norm_``, which runs after the reduction).
     one_microbatch_each: every live member runs at least one micro-batch per step when the
         global batch has that many (set by the Lightning adapter: Lightning logs per
         ``training_step``, so a member with none would skip the epoch-end metric sync).  The
@@ -101,6 +109,7 @@ class ElasticConfig:
     one_microbatch_each: bool = False
     bucket_cap_mb: float = 25.0
     grad_compression: Optional[str] = None
+    gradient_as_bucket_view: bool = False
     nonfinite: str = "skip"
     nonfinite_limit: int = 3
 

@@ -142,8 +142,10 @@ def test_state_saved_after_recovery_resumes_on_two_workers(killed_run, reference
 
 
 def test_two_failures_including_rank0_and_wrapped_accelerator(tmp_path, reference):
-    """wrap(Accelerator(...)); worker 0 (the tracker's rank 0) and worker 2 die in turn."""
-    job = AccJob(tmp_path, "--mb-sleep", "0.01", "--wrap")
+    """wrap(Accelerator(...)) given ``DistributedDataParallelKwargs(gradient_as_bucket_view=True)``
+    (each gradient released into its bucket: a failed reduction leaves the survivors nothing to
+    keep, they recompute the step); worker 0 (the tracker's rank 0) and worker 2 die in turn."""
+    job = AccJob(tmp_path, "--mb-sleep", "0.01", "--wrap", "--gav")
     try:
         job.start()
         job.wait_step(3)
@@ -157,6 +159,7 @@ def test_two_failures_including_rank0_and_wrapped_accelerator(tmp_path, referenc
     finally:
         job.cleanup()
     check(job, finals, [1, 3], reference)
+    assert all(f["released"] is True for f in finals.values())  # the DDP setting reached the buckets
     rows = job.tracker()
     assert {r["worker"] for r in rows} >= {0, 1}  # worker 1 took the trackers over
     assert rows[-1]["ft/world_size"] == 2.0

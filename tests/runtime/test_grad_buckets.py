@@ -102,6 +102,37 @@ def test_parameters_without_a_gradient_in_the_final_backward_are_filled_at_finis
     assert torch.count_nonzero(bufs2[0]) == 0
 
 
+def test_release_drops_each_gradient_into_its_bucket_as_backward_produces_it():
+    """``release`` (DDP's ``gradient_as_bucket_view``): after the final backward no parameter
+    holds a local gradient (one copy per step: the buckets), the buckets hold what the local
+    sums would have been, a second backward is refused as without it, and ``released`` says the
+    member keeps nothing for a redone step."""
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    ref = _mlp()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    expect = [p.grad.clone() for p in ref.parameters()]
+    model = _mlp()
+    params = list(model.parameters())
+    b = GradientBuckets(params, cap_mb=26 * 4 / 2 ** 20, release=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # not armed: accumulates locally
+    assert all(p.grad is not None for p in params) and not b.released
+    b.set_tail(0)
+    b.arm(lambda buf: buf)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is None for p in params) and b.released  # the last bucket's too
+    b.finish(lambda work: None)
+    b.assign_grads()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, expect))
+    b.arm(lambda buf: buf)
+    assert not b.released  # a new step
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="produced twice"):
+        b.finish(lambda work: None)
+
+
 @pytest.mark.parametrize("dtype,name", [(torch.float16, "fp16"), (torch.bfloat16, "bf16")])
 def test_compression_reduces_the_gradients_in_the_half_dtype_as_ddps_hooks_do_and_the_tail_exact(dtype, name):
     """DDP's compression hooks: each bucket divided by the world size, cast, reduced, cast back
@@ -149,15 +180,22 @@ def test_ddp_settings_become_the_buckets_size_and_compression_or_a_clear_refusal
     from chameleon_ft.runtime.errors import ConfigError
 
     cfg = ElasticConfig()  # bucket_cap_mb 25, no compression
-    assert ddp_reduction(None, cfg) == (25.0, None)
-    assert ddp_reduction(Kw(bucket_cap_mb=4), cfg) == (4.0, None)
-    assert ddp_reduction(Kw(comm_hook=Hook.FP16), cfg) == (25.0, "fp16")
-    assert ddp_reduction(Kw(comm_hook=Hook.BF16, bucket_cap_mb=8), cfg) == (8.0, "bf16")
-    assert ddp_reduction({"bucket_cap_mb": 2}, cfg, hook=default_hooks.bf16_compress_hook) == (2.0, "bf16")
-    assert ddp_reduction({}, cfg, hook=default_hooks.fp16_compress_hook) == (25.0, "fp16")
+
+    def got(*args, **kw):
+        r = ddp_reduction(*args, **kw)
+        return r["bucket_cap_mb"], r["grad_compression"], r["gradient_as_bucket_view"]
+    assert got(None, cfg) == (25.0, None, False)
+    assert got(Kw(bucket_cap_mb=4), cfg) == (4.0, None, False)
+    assert got(Kw(comm_hook=Hook.FP16), cfg) == (25.0, "fp16", False)
+    assert got(Kw(comm_hook=Hook.BF16, bucket_cap_mb=8), cfg) == (8.0, "bf16", False)
+    assert got({"bucket_cap_mb": 2}, cfg, hook=default_hooks.bf16_compress_hook) == (2.0, "bf16", False)
+    assert got({}, cfg, hook=default_hooks.fp16_compress_hook) == (25.0, "fp16", False)
+    assert got(Kw(gradient_as_bucket_view=True), cfg) == (25.0, None, True)
+    assert got({"gradient_as_bucket_view": True}, cfg) == (25.0, None, True)
     # No DDP setting: the user's ElasticConfig stands.
-    assert ddp_reduction(None, ElasticConfig(bucket_cap_mb=8, grad_compression="bf16")) == (8.0, "bf16")
-    assert ddp_reduction(Kw(), ElasticConfig(grad_compression="bf16")) == (25.0, "bf16")  # DDP's defaults
+    assert got(None, ElasticConfig(bucket_cap_mb=8, grad_compression="bf16")) == (8.0, "bf16", False)
+    assert got(Kw(), ElasticConfig(grad_compression="bf16")) == (25.0, "bf16", False)  # DDP's defaults
+    assert got(None, ElasticConfig(gradient_as_bucket_view=True)) == (25.0, None, True)
     for bad in (dict(handler=Kw(comm_hook=Hook.POWER_SGD)),
                 dict(handler=Kw(comm_hook=Hook.BF16, comm_wrapper=Hook.FP16)),
                 dict(handler={}, hook=powerSGD_hook.powerSGD_hook),

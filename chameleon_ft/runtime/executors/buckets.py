@@ -19,6 +19,12 @@ a failed reduction and is its share of the redone step (``DataParallelExecutor._
 After a successful reduction the executor points ``.grad`` at the buckets' views for the update
 (no copy back).  Memory: local gradients plus buckets, as DDP without ``gradient_as_bucket_view``.
 
+With ``release`` (DDP's ``gradient_as_bucket_view``, for memory) every parameter is hooked and
+its ``.grad`` is dropped as soon as the final backward's gradient is in its bucket: one gradient
+copy per step, as DDP with that flag.  The local sum is then gone once its bucket is reduced, so
+after a failed reduction the member holds nothing of the step (``released``) and recomputes
+its share of the redone step.
+
 A parameter whose gradient was not produced in the final backward (unused in this forward, or a
 member with nothing to compute this step) is filled by ``launch_rest`` from its ``.grad`` or zeros,
 so DDP's ``find_unused_parameters`` needs no flag here (the buckets holding such parameters are
@@ -63,10 +69,12 @@ class GradientBuckets:
         first_cap_mb: the first bucket's size (the last layers', launched first; at most ``cap_mb``).
         compress: ``"fp16"`` or ``"bf16"``: the gradients reduced in that dtype, the tail in
             full precision (module doc); None: full precision.
+        release: drop each parameter's ``.grad`` once it is copied into its bucket (module doc).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], cap_mb: float = DEFAULT_CAP_MB,
-                 first_cap_mb: float = FIRST_CAP_MB, compress: Optional[str] = None) -> None:
+                 first_cap_mb: float = FIRST_CAP_MB, compress: Optional[str] = None,
+                 release: bool = False) -> None:
         if cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {cap_mb}")
         if compress is not None and compress not in COMPRESSIONS:
@@ -110,13 +118,16 @@ class GradientBuckets:
         self._works: list = []
         self.failure: Optional[BaseException] = None
         self.armed = False
+        self.release = release
+        self.released = False  # a gradient of the armed (or last) step was dropped into its bucket
         self._views: Optional[list] = None  # (param, its slice of a bucket), per buffer allocation
         self._last_views: list = []  # the last bucket's slices, in its parameters' order
         self._tail: Optional[torch.Tensor] = None
         self._tail_words = None
         self._pairs: dict = {}
-        # The last bucket is filled and launched by ``launch_rest``: its parameters need no hook.
-        last = set(self.buckets[-1])
+        # The last bucket is filled and launched by ``launch_rest``: its parameters need no hook
+        # (unless their gradients are to be released as they come).
+        last = set() if release else set(self.buckets[-1])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready)
                        for i, p in enumerate(self.params) if i not in last]
 
@@ -194,6 +205,7 @@ class GradientBuckets:
         self._filled = set()
         self._next, self._works, self.failure = 0, [], None
         self._coded = []
+        self.released = False
         self.armed = True
 
     def disarm(self) -> None:
@@ -216,6 +228,9 @@ class GradientBuckets:
             return
         b, at = self._where[key]
         self._bufs[b][at:at + p.numel()].copy_(p.grad.reshape(-1))
+        if self.release:
+            p.grad = None
+            self.released = True
         self._filled.add(key)
         self._pending[b] -= 1
         # Launch in order; the last bucket waits for ``launch_rest`` (it carries the tail).
@@ -264,7 +279,13 @@ class GradientBuckets:
                             self._fill(self._bufs[b][at:at + p.numel()], p)
             # The last bucket in one op (its gradients are final once backward returned).
             grads = [self.params[i].grad for i in self.buckets[last]]
-            if grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
+            if self.release:  # filled by the hooks; what backward did not reach, as above
+                for i in self.buckets[last]:
+                    p = self.params[i]
+                    if id(p) not in self._filled:
+                        at = self._where[id(p)][1]
+                        self._fill(self._bufs[last][at:at + p.numel()], p)
+            elif grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
                 foreach_copy(self._last_views, grads)
             else:  # a parameter without a gradient (reduced as zeros), or another dtype
                 for g, v in zip(grads, self._last_views):

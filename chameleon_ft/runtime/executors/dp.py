@@ -84,7 +84,8 @@ class DataParallelExecutor(RecoveryCore):
             # (GroupManager.data_group), so a control collective never meets one.
             self.step_header = "step"
         super().__init__(*args, **kwargs)
-        self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb, compress=self.cfg.grad_compression)
+        self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb, compress=self.cfg.grad_compression,
+                                       release=self.cfg.gradient_as_bucket_view)
         self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
         self._tokens = 0.0  # this member's token count of the step (token-weighted losses)
         self._last_loss: Optional[torch.Tensor | float] = None
@@ -248,8 +249,10 @@ class DataParallelExecutor(RecoveryCore):
     @property
     def holds_gradients(self) -> bool:
         """This member holds gradients of the current step (micro-batches computed, or kept
-        across a failed all-reduce for the redo: ``_salvage``)."""
-        return bool(self._done_slots) and any(p.grad is not None for p in self.params)
+        across a failed all-reduce for the redo: ``_salvage``).  Not after its buckets took the
+        gradients (``gradient_as_bucket_view``): a failed reduction may have changed them."""
+        return (bool(self._done_slots) and not self.buckets.released
+                and any(p.grad is not None for p in self.params))
 
     def pending_microbatches(self) -> list[MicroBatch]:
         """What the next ``microbatches()`` yields: this member's share of the current step or,

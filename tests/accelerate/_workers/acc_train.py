@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared helpers
@@ -70,22 +70,27 @@ def main():
                    help="FSDP2: FullyShardedDataParallelPlugin(fsdp_version=2), every Linear a unit")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
     p.add_argument("--trigger-at", type=int, default=None, help="worker 1 sets the trigger after this step")
+    p.add_argument("--gav", action="store_true",
+                   help="DistributedDataParallelKwargs(gradient_as_bucket_view=True), as a DDP user sets it")
     p.add_argument("--window-sleep", type=float, default=0.0, help="sleep after the trigger step (doc)")
     a = p.parse_args()
     torch.set_num_threads(1)
     force_allocations(a.force_alloc)
     set_seed(7)
     tracker = JsonlTracker(os.path.join(a.out, "tracker.jsonl"))
+    handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)] if a.gav else []
     if a.wrap:
         from accelerate import Accelerator
-        acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=a.accum, log_with=[tracker]))
+        acc = wrap(Accelerator(cpu=True, gradient_accumulation_steps=a.accum, log_with=[tracker],
+                               kwargs_handlers=handlers))
     else:
         fsdp = {}
         if a.fsdp:
             from accelerate.utils import FullyShardedDataParallelPlugin
             fsdp = {"fsdp_plugin": FullyShardedDataParallelPlugin(
                 fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap="Linear")}
-        acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker], **fsdp)
+        acc = FaultTolerantAccelerator(gradient_accumulation_steps=a.accum, log_with=[tracker],
+                                       kwargs_handlers=handlers, **fsdp)
     acc.init_trackers("acc")
     model = Net(a.dropout)
     if a.optimizer == "adamw":
@@ -158,7 +163,8 @@ def main():
                 "step": ctx.step, "epoch": ctx.epoch, "completed": completed,
                 "lr": sched.get_last_lr(), "eval_ids": eval_ids, "val_acc": accs,
                 "num_processes": acc.num_processes, "process_index": acc.process_index,
-                "is_main": acc.is_main_process, "fit_s": fit_s},
+                "is_main": acc.is_main_process, "fit_s": fit_s,
+                "released": getattr(getattr(ctx, "buckets", None), "release", None)},
                os.path.join(a.out, f"final_{wid}.pt"))
     acc.end_training()
     print(f"worker {wid} done: step {ctx.step} completed {completed} val_acc {accs}", flush=True)

@@ -50,6 +50,7 @@ def main():
     p.add_argument("--allow-batch-change", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=None, help="ElasticConfig.bucket_cap_mb")
     p.add_argument("--compress", choices=["fp16", "bf16"], default=None, help="ElasticConfig.grad_compression")
+    p.add_argument("--gav", action="store_true", help="ElasticConfig.gradient_as_bucket_view")
     # for the fidelity trials (tests/fidelity): the defaults are the recovery tests' set-up
     p.add_argument("--dataset", type=int, default=256)
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
@@ -93,7 +94,7 @@ def main():
                                  stragglers=not a.no_stragglers, min_world_size=a.min_world,
                                  allowed_policies=frozenset(a.allowed.split(",")) if a.allowed else None,
                                  allow_batch_change=a.allow_batch_change,
-                                 grad_compression=a.compress,
+                                 grad_compression=a.compress, gradient_as_bucket_view=a.gav,
                                  **({"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {})),
                              checkpoint=a.checkpoint, checkpoint_every=a.checkpoint_every,
                              on_step=on_step)
