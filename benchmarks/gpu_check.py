@@ -28,6 +28,14 @@ checks:
   gradients all-reduced).  A baseline that cannot run there is reported with its error: with
   several ranks on one GPU gloo is torch's only choice, and gloo has no CUDA all-gather,
   reduce-scatter or send/recv;
+* **the step at size** (``perf``, failure-free, ``--perf-repeats`` runs each, alternating): a
+  GPT-2-small-shaped causal LM in bf16 (124 M parameters; ``--perf-size tiny`` on the CPU)
+  under ``ElasticTrainer`` against plain DDP running the same loop (the same micro-batches,
+  ``no_sync`` on all but the last, each collated from ``dataset[i]``): step time, peak memory
+  (``max_memory_allocated``; RSS growth on the CPU) and host syncs per step
+  (``torch.cuda.set_sync_debug_mode("warn")``, counted after a warm-up).  One worker on a
+  single GPU (several workers sharing it would time gloo's host staging, not the step), one per
+  GPU over NCCL with two or more, two on the CPU;
 * **NCCL** (a CUDA device only): one NCCL process group created, used, aborted and made again
   inside one process; with 2 GPUs or more the ``--nccl-kinds`` run again with one worker per GPU
   (``CHAMELEON_FT_BACKEND=nccl``, the baselines over NCCL too), a kill included.
@@ -83,7 +91,8 @@ def nccl_abort_check() -> dict:
 # ------------------------------------------------------------------ the harness
 def _worker_args(a, kind: str, out: Path, nproc: int, per_gpu: bool) -> list[str]:
     return (["--worker", "--kind", kind, "--out", str(out), "--epochs", str(a.epochs), "--hidden", str(a.hidden),
-             "--global-batch", str(a.global_batch), "--world", str(nproc)]
+             "--global-batch", str(a.global_batch), "--world", str(nproc), "--perf-size", a.perf_size,
+             "--perf-steps", str(a.perf_steps), "--perf-warmup", str(a.perf_warmup), "--perf-micro", str(a.perf_micro)]
             + (["--cpu"] if a.cpu else []) + (["--per-gpu"] if per_gpu else []))
 
 
@@ -148,17 +157,18 @@ def _memory(rows, t_kills: list[float], after_steps: int = 2) -> dict:
     return out
 
 
-def _baseline(a, kind: str, work: Path, nproc: int, per_gpu: bool) -> dict:
-    """Torch as shipped on the same device and layout (torchrun); a baseline that cannot run
-    there (gloo has no CUDA all-gather / reduce-scatter / send-recv, NCCL no two ranks on one
-    GPU) is reported with its error, not left out silently."""
-    out = work / f"plain-{kind}-{'nccl' if per_gpu else 'shared'}"
+def _baseline(a, kind: str, work: Path, nproc: int, per_gpu: bool, mbs: int = 1) -> dict:
+    """Torch as shipped on the same device and layout (torchrun), ``mbs`` micro-batches per
+    worker and step as the system compared; a baseline that cannot run there (gloo has no CUDA
+    all-gather / reduce-scatter / send-recv, NCCL no two ranks on one GPU) is reported with its
+    error, not left out silently."""
+    out = work / f"plain-{kind}-{mbs}-{'nccl' if per_gpu else 'shared'}"
     out.mkdir(parents=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           __file__, "--plain", *_worker_args(a, kind, out, nproc, per_gpu)[1:]]
+           __file__, "--plain", "--plain-mbs", str(mbs), *_worker_args(a, kind, out, nproc, per_gpu)[1:]]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, **_env(per_gpu)))
     except subprocess.TimeoutExpired:
@@ -166,6 +176,55 @@ def _baseline(a, kind: str, work: Path, nproc: int, per_gpu: bool) -> dict:
     if p.returncode != 0:
         return {"ran": False, "error": _worker_error(p.stderr or p.stdout)}
     return {"ran": True, "step_s": _median_gap(json.loads((out / "final_0.json").read_text())["steps"])}
+
+
+def perf_check(a, work: Path, nproc: int, per_gpu: bool) -> dict:
+    """The step at size (module doc): ours and plain DDP, ``--perf-repeats`` runs each,
+    alternating; medians and ours/DDP ratios."""
+    from chameleon_ft.cli.localjob import LocalJob
+
+    runs: dict = {"ours": [], "ddp": []}
+    for r in range(a.perf_repeats):
+        for side in (("ours", "ddp") if r % 2 == 0 else ("ddp", "ours")):
+            out = work / f"perf-{side}-{r}"
+            out.mkdir(parents=True)
+            if side == "ddp":
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                       "--master-port", str(port), __file__, "--plain",
+                       *_worker_args(a, "perf", out, nproc, per_gpu)[1:]]
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                                   env=dict(os.environ, **_env(per_gpu)))
+                if p.returncode != 0:
+                    return {"ran": False, "error": "plain DDP: " + _worker_error(p.stderr or p.stdout)}
+            else:
+                job = LocalJob(out, __file__, _worker_args(a, "perf", out, nproc, per_gpu), nproc=nproc,
+                               hang_timeout=60, env=_env(per_gpu))
+                try:
+                    job.start()
+                    codes = job.wait(900)
+                    if codes != [0]:
+                        return {"ran": False, "error": f"chameleon-ft: {codes}: {job.output()[-300:]}"}
+                finally:
+                    job.cleanup()
+            runs[side].append(json.loads((out / "perf_0.json").read_text()))
+    med = lambda side, k: _median([x[k] for x in runs[side]])  # noqa: E731
+    res = {"ran": True, "size": a.perf_size, "workers": nproc, "layout": "NCCL, one GPU per worker" if per_gpu
+           else "one device", "runs": runs}
+    for k in ("step_s", "peak_mb"):
+        res[k] = {"ours": med("ours", k), "ddp": med("ddp", k)}
+        res[f"{k}_ratio"] = res[k]["ours"] / res[k]["ddp"] if res[k]["ddp"] else None
+    syncs = [x["syncs_per_step"] for x in runs["ours"] + runs["ddp"]]
+    res["syncs_per_step"] = ({"ours": med("ours", "syncs_per_step"), "ddp": med("ddp", "syncs_per_step")}
+                             if None not in syncs else None)
+    return res
+
+
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def _worker_error(text: str) -> str:
@@ -219,9 +278,12 @@ def check(kind: str, a, work: Path, nproc: int = 4, per_gpu: bool = False) -> di
     base_kind = kind if kind in W.BASELINES else "dp"  # the adapters' baseline is plain DDP
     res["baseline"] = {"dp": "plain DDP", "sharded": "plain FSDP2 (fully_shard)",
                        "pipeline": "torch.distributed.pipelining Schedule1F1B + DP all-reduce"}[base_kind]
-    key = (base_kind, per_gpu)  # each baseline runs once per layout
+    # The micro-batches per worker and step of what is compared: ElasticTrainer's of 4 samples,
+    # the adapters' one DataLoader batch (the pipeline baseline runs its own schedule).
+    mbs = 1 if kind in W.ADAPTERS else max(1, a.global_batch // (nproc * W.MICRO))
+    key = (base_kind, per_gpu, mbs)  # each baseline runs once per layout and shape
     if key not in a.baselines:
-        a.baselines[key] = _baseline(a, base_kind, work, nproc, per_gpu)
+        a.baselines[key] = _baseline(a, base_kind, work, nproc, per_gpu, mbs)
     res["baseline_run"] = base = a.baselines[key]
     if base.get("ran"):
         res["overhead"] = res["step_s"] / base["step_s"] - 1
@@ -239,9 +301,17 @@ def main(argv=None) -> dict:
                    help="with 2 GPUs or more: the kinds also run with one worker per GPU over NCCL")
     p.add_argument("--recoveries", type=int, default=3, help="data parallel: workers killed in turn")
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--perf-size", choices=sorted(W.PERF_SIZES), default=None,
+                   help="the step at size: gpt2 (GPT-2 small, the GPU's default) or tiny (--cpu's)")
+    p.add_argument("--perf-steps", type=int, default=None, help="steps per run (30 on a GPU, 12 on the CPU)")
+    p.add_argument("--perf-warmup", type=int, default=5)
+    p.add_argument("--perf-micro", type=int, default=4, help="the micro-batch (two per worker and step)")
+    p.add_argument("--perf-repeats", type=int, default=2)
+    p.add_argument("--no-perf", action="store_true", help="skip the step at size")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plain-mbs", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--per-gpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", default="dp", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -250,6 +320,8 @@ def main(argv=None) -> dict:
     p.add_argument("--global-batch", type=int, default=32, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.epochs = a.epochs or (2 if a.quick else 4)
+    a.perf_size = a.perf_size or ("tiny" if a.cpu else "gpt2")
+    a.perf_steps = a.perf_steps or (12 if a.cpu else 30)
     if a.worker:
         return W.ADAPTERS.get(a.kind, W.elastic)(a)
     if a.plain:
@@ -277,6 +349,12 @@ def main(argv=None) -> dict:
             res["kinds"][key] = r = check(kind, a, Path(tmp), nproc, per_gpu)
             r["seconds"] = time.time() - t0
             print(json.dumps({k: v for k, v in r.items() if k != "memory_mb"}), flush=True)
+        if not a.no_perf:
+            t0 = time.time()
+            nproc = 2 if a.cpu else (min(4, gpus) if gpus >= 2 else 1)
+            res["perf"] = perf_check(a, Path(tmp), nproc, per_gpu=gpus >= 2)
+            res["perf"]["seconds"] = time.time() - t0
+            print(json.dumps({k: v for k, v in res["perf"].items() if k != "runs"}), flush=True)
     res["passed"] = all(r["passed"] for r in res["kinds"].values())
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
@@ -300,6 +378,16 @@ def table(res: dict) -> str:
         lines.append(f"| {key} | {r['workers']} | {','.join(r['chosen'])} | {r['exactly_once']} | {r['replicas_equal']} | "
                      f"{r['trajectory_rel']:.2e} | {', '.join(f'{x:.3f}' for x in r['mttr_s'] if x is not None)} | "
                      f"{r['step_s']:.4f} | {ov} | {mem} | {r['passed']} |")
+    pf = res.get("perf")
+    if pf and pf.get("ran"):
+        sy = pf["syncs_per_step"]
+        lines.append(f"the step at size ({pf['size']}, bf16, {pf['workers']} worker(s), {pf['layout']}): "
+                     f"ours {pf['step_s']['ours'] * 1e3:.2f} ms vs plain DDP {pf['step_s']['ddp'] * 1e3:.2f} ms "
+                     f"({100 * (pf['step_s_ratio'] - 1):+.1f} %); peak memory {pf['peak_mb']['ours']:.0f} vs "
+                     f"{pf['peak_mb']['ddp']:.0f} MB ({pf['peak_mb_ratio']:.3f}x); host syncs per step: "
+                     + (f"ours {sy['ours']:.2f}, DDP {sy['ddp']:.2f}" if sy else "not counted (no CUDA)"))
+    elif pf:
+        lines.append(f"the step at size did not run: {pf.get('error')}")
     lines.append(f"NCCL abort and re-create: {res['nccl_abort']}")
     if "multi_gpu_nccl" in res:
         lines.append(f"one worker per GPU over NCCL: {res['multi_gpu_nccl']}")

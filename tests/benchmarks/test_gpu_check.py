@@ -32,6 +32,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert "growth_mb" in res["kinds"]["dp"]["memory_mb"]
     assert res["passed"]
     assert res["nccl_abort"] == {"ran": False, "why": "--cpu"}
+    # The step at size: ours and plain DDP ran the same loop; on the CPU no syncs are counted.
+    pf = res["perf"]
+    assert pf["ran"] and pf["size"] == "tiny" and pf["workers"] == 2, pf
+    assert len(pf["runs"]["ours"]) == len(pf["runs"]["ddp"]) == 2
+    assert pf["step_s"]["ours"] > 0 and pf["step_s"]["ddp"] > 0 and pf["peak_mb"]["ddp"] > 0
+    assert pf["syncs_per_step"] is None
 
 
 def test_a_baseline_that_failed_is_reported_by_its_workers_exception():
