@@ -5,6 +5,10 @@
     chameleon-ft run ... _step_bench.py --system ft --model mlp6 --bucket-mb 4 --out F
     torchrun ... _step_bench.py --system acc --out F         (plain Accelerate: DDP)
     chameleon-ft run ... _step_bench.py --system acc-ft --out F   (FaultTolerantAccelerator)
+    torchrun ... _step_bench.py --system pl --out F          (Lightning, strategy="ddp")
+    chameleon-ft run ... _step_bench.py --system pl-ft --out F    (+ FaultToleranceCallback)
+    torchrun ... _step_bench.py --system hf --out F          (transformers.Trainer: DDP)
+    chameleon-ft run ... _step_bench.py --system hf-ft --out F    (FaultTolerantTrainer)
 
 Every system trains the same model on the same samples: one micro-batch per worker per step,
 collated from ``dataset[i]`` the same way (``default_collate``), SGD with momentum.  Models:
@@ -231,9 +235,95 @@ def run_accelerate(a, ft: bool) -> None:
     acc.end_training()
 
 
+def _is_worker0() -> bool:
+    return int(os.environ.get("CHAMELEON_FT_WORKER_ID", os.environ.get("RANK", "0"))) == 0
+
+
+def run_lightning(a, ft: bool) -> None:
+    """The ``tiny`` step as a ``LightningModule`` under ``Trainer(strategy="ddp")`` (torchrun), or
+    the same plus ``FaultToleranceCallback()`` (under ``chameleon-ft run``): one micro-batch per
+    worker and step from a ``DataLoader``, no logger, checkpoint or progress bar on either side."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    model, data = build(a.model, a.device_ms)
+    stamps = Stamps()
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, i):
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class Mark(pl.Callback):
+        def on_train_batch_end(self, *args):
+            stamps.mark()
+
+    callbacks = [Mark()]
+    if ft:
+        from lightning_ft import FaultToleranceCallback
+        callbacks.append(FaultToleranceCallback())
+    kw = {"bucket_cap_mb": a.bucket_mb} if a.bucket_mb else {}
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                         strategy=pl.strategies.DDPStrategy(**kw), max_steps=a.steps, callbacks=callbacks,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Lit(), DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate))
+    if _is_worker0():
+        write(a.out, stamps)
+
+
+def run_trainer(a, ft: bool) -> None:
+    """The ``tiny`` step under ``transformers.Trainer`` (torchrun: DDP over gloo) or
+    ``FaultTolerantTrainer`` (``chameleon-ft run``): the same arguments on both sides (no saves,
+    no reports, the default AdamW and logging), one micro-batch per worker and step."""
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    if ft:
+        from transformers_ft import FaultTolerantTrainer as Trainer  # noqa: F811
+    model, data = build(a.model, a.device_ms)
+    stamps = Stamps()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            x, y = data[i]
+            return {"x": x, "labels": y}
+
+    class Mark(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            stamps.mark()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=a.micro_batch, max_steps=a.steps,
+                                 save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
+                                 disable_tqdm=True, seed=0, **({"ddp_bucket_cap_mb": int(a.bucket_mb)}
+                                                               if a.bucket_mb else {}))
+        Trainer(model=Net(), args=args, train_dataset=Rows(), callbacks=[Mark()]).train()
+    if _is_worker0():
+        write(a.out, stamps)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", choices=["ddp", "ft", "acc", "acc-ft"], required=True)
+    ap.add_argument("--system", choices=["ddp", "ft", "acc", "acc-ft", "pl", "pl-ft", "hf", "hf-ft"], required=True)
     ap.add_argument("--model", choices=["tiny", "mlp6"], default="tiny")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=200)
@@ -249,5 +339,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if a.system.startswith("acc"):
         run_accelerate(a, a.system == "acc-ft")
+    elif a.system.startswith("pl"):
+        run_lightning(a, a.system == "pl-ft")
+    elif a.system.startswith("hf"):
+        run_trainer(a, a.system == "hf-ft")
     else:
         run_ddp(a) if a.system == "ddp" else run_ft(a)

@@ -24,7 +24,11 @@ is the script every side runs: the same model, samples, micro-batches and collat
   and with ``ElasticConfig.gradient_as_bucket_view``.
 * ``accelerate``: the ``tiny`` step written as an Accelerate loop (``prepare``, ``backward``,
   ``optimizer.step``): plain ``Accelerator`` under torchrun (DDP, gloo) against
-  ``FaultTolerantAccelerator`` under ``chameleon-ft run`` -- the adapter against its plain self.
+  ``FaultTolerantAccelerator`` under ``chameleon-ft run`` -- the adapter against its plain self;
+* ``lightning``: the ``tiny`` step as a ``LightningModule``, ``Trainer(strategy="ddp")`` under
+  torchrun against the same plus ``FaultToleranceCallback()`` under ``chameleon-ft run``;
+* ``trainer``: the ``tiny`` step under ``transformers.Trainer`` (torchrun) against
+  ``FaultTolerantTrainer`` (``chameleon-ft run``), the same ``TrainingArguments``.
 
 Step time = median of the gaps between consecutive steps on the lowest-ranked worker, after
 ``--warmup`` steps; ratio = DDP's steps/s over ours... reported as ours/DDP steps per second.
@@ -49,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from chameleon_ft.cli.localjob import LocalJob  # noqa: E402
+from _helpers.recovery import LIGHTNING_PRELOAD, TRAINER_PRELOAD  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("_step_bench.py")
 PORT = 29561
@@ -104,19 +109,23 @@ def run_tiny(system: str, steps: int, work: Path, model: str = "tiny", extra: tu
     out = work / f"{tag}.json"
     args = ["--system", system, "--model", model, "--out", str(out), "--steps", str(steps), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if system in ("ddp", "acc"):  # under torchrun
+    if system in ("ddp", "acc", "pl", "hf"):  # under torchrun
         p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
         if p.returncode:
             raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
         return out
     job = LocalJob(work / f"ft-{tag}", SCRIPT, args, nproc=2, hang_timeout=30, env=env)
     try:
-        job.start()
+        job.start(extra=PRELOAD.get(system, ()))
         if job.wait(600) != [0]:
             raise RuntimeError(f"chameleon-ft failed:\n{job.output()[-3000:]}")
     finally:
         job.cleanup()
     return out
+
+
+# What the adapters' users preload at launch (docs/lightning.md, docs/transformers.md).
+PRELOAD = {"pl-ft": LIGHTNING_PRELOAD, "hf-ft": TRAINER_PRELOAD}
 
 
 def peak_mb(out: Path) -> tuple[float, float]:
@@ -182,7 +191,8 @@ def main(argv=None) -> dict:
                     print(f"memory {system} gradient_as_bucket_view={gav}: peak +{steady:.1f} MB in steps, "
                           f"+{run:.1f} MB over the run", flush=True)
             res["cases"]["memory"] = runs
-        for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft"))):
+        for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft")), ("lightning", ("pl", "pl-ft")),
+                           ("trainer", ("hf", "hf-ft"))):
             if case not in cases:
                 continue
             runs = {"ddp": [], "ft": [], "ddp_cpu": [], "ft_cpu": []}
@@ -259,7 +269,11 @@ def markdown(res: dict) -> str:
             ("tiny", "A 1-2 ms step, two workers on one machine (the fixed cost per step)",
              ("plain DDP", "chameleon-ft")),
             ("accelerate", "The same step as an Accelerate loop: plain `Accelerator` (DDP under torchrun) "
-             "against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator"))):
+             "against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator")),
+            ("lightning", "The same step under Lightning: `Trainer(strategy=\"ddp\")` against the same plus "
+             "`FaultToleranceCallback()`", ("plain Lightning", "with FaultToleranceCallback")),
+            ("trainer", "The same step under the HF `Trainer`: `transformers.Trainer` (DDP under torchrun) "
+             "against `FaultTolerantTrainer`", ("plain Trainer", "FaultTolerantTrainer"))):
         runs = res["cases"].get(case)
         if not runs:
             continue

@@ -12,8 +12,13 @@ moment before the Trainer resolves ``strategy="ddp"`` is the construction of the
 itself (Python builds ``callbacks=[...]`` before calling ``Trainer``), so the constructor
 points Lightning's ``StrategyRegistry`` entry ``"ddp"`` at ``FaultTolerantDDPStrategy``.
 ``strategy="ddp_ft"`` is the same strategy by name, for code that builds the Trainer first.
-``setup`` checks that the trainer really runs it and stops with a clear error otherwise
-(e.g. ``strategy=DDPStrategy(...)`` given as an object).
+A ``DDPStrategy`` given as an object (``strategy=DDPStrategy(bucket_cap_mb=4)``: built before the
+callback) is turned into ``FaultTolerantDDPStrategy`` in place when its launcher is configured
+or its set-up starts, before any process group, keeping its settings (as a
+``ModelParallelStrategy`` object becomes ``FaultTolerantModelParallelStrategy``); a subclass of
+either is refused there with a clear error (its own code would run on the wrong class).
+``setup`` checks that the trainer really runs the fault-tolerant strategy and stops with a
+clear error otherwise.
 
 Hooks: ``setup`` (checks), ``on_train_batch_end`` (one console line per recovery, the
 fault-tolerance metrics to the loggers at Lightning's step),
@@ -34,7 +39,8 @@ from typing import Iterable, Optional
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import (DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy,
+                                          StrategyRegistry)
 
 from chameleon_ft.runtime.adapter_kit import adapter_config, ft_metrics, recovery_line
 from chameleon_ft.runtime.env import RESTART_EXIT_CODE
@@ -54,21 +60,31 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-_UNADOPTED = ("FaultToleranceCallback could not carry this {}: the callback turns a ModelParallelStrategy "
-              "object into FaultTolerantModelParallelStrategy when its set-up starts, and does not turn "
+_UNADOPTED = ("FaultToleranceCallback could not carry this {}: the callback turns a {base} "
+              "object into {ours} when its set-up starts, and does not turn "
               "subclasses (their own code would run on the wrong class); pass "
-              "strategy=lightning_ft.FaultTolerantModelParallelStrategy(...) instead")
+              "strategy=lightning_ft.{ours}(...) instead")
 
 
 def install_as_ddp() -> None:
     """Make ``strategy="ddp"`` (and ``"ddp_ft"``) build ``FaultTolerantDDPStrategy``, and a
-    ``ModelParallelStrategy`` object of a Trainer with this callback become
-    ``FaultTolerantModelParallelStrategy`` before it forms a process group."""
+    ``DDPStrategy`` or ``ModelParallelStrategy`` object of a Trainer with this callback become
+    ``FaultTolerantDDPStrategy`` / ``FaultTolerantModelParallelStrategy`` before it forms a
+    process group."""
     for name in ("ddp", "ddp_ft"):
         StrategyRegistry.register(name, FaultTolerantDDPStrategy, override=True,
                                   description="fault-tolerant DDP (chameleon-ft)")
-    if not getattr(ModelParallelStrategy._configure_launcher, "_cft", False):
-        configure_launcher = ModelParallelStrategy._configure_launcher
+    for base, ours in ((ModelParallelStrategy, FaultTolerantModelParallelStrategy),
+                       (DDPStrategy, FaultTolerantDDPStrategy)):
+        _adopt_objects(base, ours)
+
+
+def _adopt_objects(base, ours) -> None:
+    """Patch ``base``'s launcher configuration and set-up (once) so that an object of exactly
+    ``base`` in a Trainer with this callback is carried by ``ours`` (``ours.adopt``); ``ours``
+    overrides both, so its own objects never come here."""
+    if not getattr(base._configure_launcher, "_cft", False):
+        configure_launcher = base._configure_launcher
 
         def _configure_launcher(strategy) -> None:
             # A FaultToleranceCallback exists (it called this): started Lightning's way, the
@@ -76,12 +92,15 @@ def install_as_ddp() -> None:
             if not launched():
                 relaunch_lightning(strategy.cluster_environment, len(strategy.parallel_devices or [None]),
                                    strategy.num_nodes)
+            elif type(strategy) is DDPStrategy:  # its workers are ours: no launcher of Lightning's
+                strategy._launcher = None  # (as FaultTolerantDDPStrategy under chameleon-ft run)
+                return
             configure_launcher(strategy)
 
         _configure_launcher._cft = True
-        ModelParallelStrategy._configure_launcher = _configure_launcher
-    if not getattr(ModelParallelStrategy.setup_environment, "_cft", False):
-        original = ModelParallelStrategy.setup_environment
+        base._configure_launcher = _configure_launcher
+    if not getattr(base.setup_environment, "_cft", False):
+        original = base.setup_environment
 
         def setup_environment(strategy) -> None:
             # The strategy object was built before the callback (``strategy=`` comes first in
@@ -89,16 +108,17 @@ def install_as_ddp() -> None:
             # runs before any process group is this one.
             trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
             if trainer is not None and any(isinstance(cb, FaultToleranceCallback) for cb in trainer.callbacks):
-                if type(strategy) is not ModelParallelStrategy:
-                    raise ConfigError(_UNADOPTED.format(type(strategy).__name__))
+                if type(strategy) is not base:
+                    raise ConfigError(_UNADOPTED.format(type(strategy).__name__, base=base.__name__,
+                                                        ours=ours.__name__))
                 if strategy._launcher is not None:
                     raise LauncherError(_NOT_LAUNCHED)
-                FaultTolerantModelParallelStrategy.adopt(strategy).setup_environment()
+                ours.adopt(strategy).setup_environment()
                 return
             original(strategy)
 
         setup_environment._cft = True
-        ModelParallelStrategy.setup_environment = setup_environment
+        base.setup_environment = setup_environment
 
 
 class FaultToleranceCallback(Callback, StrategyHooks):
@@ -156,7 +176,8 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                 "use ModelParallelStrategy(data_parallel_size=<workers>, tensor_parallel_size=1) with "
                 "fully_shard(...) in configure_model (FSDP2), which the callback carries")
         if isinstance(trainer.strategy, ModelParallelStrategy):
-            raise ConfigError(_UNADOPTED.format(type(trainer.strategy).__name__))
+            raise ConfigError(_UNADOPTED.format(type(trainer.strategy).__name__, base="ModelParallelStrategy",
+                                                ours="FaultTolerantModelParallelStrategy"))
         if not isinstance(trainer.strategy, FaultTolerantDDPStrategy):
             one = ""
             if isinstance(trainer.strategy, SingleDeviceStrategy) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -165,7 +186,7 @@ class FaultToleranceCallback(Callback, StrategyHooks):
                        "started: pass devices=<workers per node> (devices='auto' counts 1 on a CPU), "
                        "as under torchrun")
             raise LauncherError(
-                f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' given as a string (got "
+                f"FaultToleranceCallback needs strategy='ddp' or 'ddp_ft' (or a DDPStrategy object) (got "
                 f"{type(trainer.strategy).__name__}); build the callback before the Trainer, e.g. "
                 f"Trainer(strategy='ddp', callbacks=[FaultToleranceCallback()]){one}")
         self._strategy = trainer.strategy

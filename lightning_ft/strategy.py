@@ -188,6 +188,20 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         self.eval_reruns = 0  # evaluations rerun over the survivors after a failure
         self.eval_partial = 0  # evaluations whose metrics cover only this worker's shard
 
+    @classmethod
+    def adopt(cls, strategy: DDPStrategy) -> "FaultTolerantDDPStrategy":
+        """Turn a ``DDPStrategy`` the Trainer already holds (``strategy=DDPStrategy(...)``) into
+        this class, in place, before it forms any process group: its DDP settings
+        (``bucket_cap_mb``, ``gradient_as_bucket_view``, the communication hook, ...) and the
+        accelerator, devices, cluster environment, precision and checkpoint IO Lightning set."""
+        lightning_set = dict(vars(strategy))
+        strategy.__class__ = cls
+        strategy.__dict__.clear()
+        cls.__init__(strategy)
+        for k, v in lightning_set.items():
+            setattr(strategy, k, v)
+        return strategy
+
     # ---------------------------------------------------------------- ranks
     def _view(self):
         if self.ctx is not None and self.ctx.view is not None:

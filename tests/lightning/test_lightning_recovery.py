@@ -166,8 +166,11 @@ def tb_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    """A run with one worker SIGKILLed from outside in the middle of epoch 0."""
-    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test", "--sync-train-loss")
+    """A run with one worker SIGKILLed from outside in the middle of epoch 0, its Trainer given
+    ``strategy=DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=...)`` as an object (the
+    callback carries it, its DDP settings with it)."""
+    job = LitJob(tmp_path_factory.mktemp("killed"), "--mb-sleep", "0.01", "--test", "--sync-train-loss",
+                 "--ddp-object")
     victim, finals = kill_at_random_step(job)
     return job, victim, finals
 
@@ -192,6 +195,10 @@ def test_sigkill_mid_epoch_same_steps_samples_weights_and_metric(killed_run, ref
     assert rel_diff(got, reference) < 1e-6
     assert got["val_acc"] == reference["val_acc"]
     assert got["world_size"] == 3
+    # The DDPStrategy object was carried, its settings with it (gradients released into buckets
+    # of 64 floats: several).
+    assert all(f["strategy"] == "FaultTolerantDDPStrategy" and f["released"] is True and f["buckets"] > 1
+               for f in finals.values()), [(f["strategy"], f.get("released"), f.get("buckets")) for f in finals.values()]
     # trainer.test() after the recovered fit: on the 3 survivors, the failure-free metrics.
     check_test_loop(finals, 3)
     assert got["test_acc"] == reference["test_acc"]

@@ -180,6 +180,8 @@ def main():
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr-step", type=int, default=5, help="StepLR step_size (stepped every step)")
     p.add_argument("--force-alloc", default=None, help="test-only: see tests/_helpers/allocation.py")
+    p.add_argument("--ddp-object", action="store_true",
+                   help="strategy=DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=...) as an object")
     a = p.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where is it stuck?
     torch.set_num_threads(1)
@@ -207,7 +209,10 @@ def main():
         callbacks.append(FaultToleranceCallback(hang_timeout_s=a.hang_timeout))
     logger_cls = TensorBoardLogger if a.logger == "tb" else CSVLogger
     logger = logger_cls(os.path.join(a.out, "logs"), name="lit")
-    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, strategy="ddp", max_epochs=a.epochs,
+    # As many users write it: a DDPStrategy object with DDP settings (the callback carries it).
+    strategy = (pl.strategies.DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=64 * 4 / 2 ** 20)
+                if a.ddp_object else "ddp")
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, strategy=strategy, max_epochs=a.epochs,
                          accumulate_grad_batches=a.accumulate, callbacks=callbacks,
                          logger=logger, precision=a.precision,
                          log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
@@ -230,7 +235,11 @@ def main():
              "checkpoints": [{"best_model_path": cb.best_model_path, "best_model_score":
                               None if cb.best_model_score is None else float(cb.best_model_score)}
                              for cb in trainer.checkpoint_callbacks],
-             "stopped_epoch": [cb.stopped_epoch for cb in trainer.early_stopping_callbacks]}
+             "stopped_epoch": [cb.stopped_epoch for cb in trainer.early_stopping_callbacks],
+             "strategy": type(trainer.strategy).__name__}
+    ctx = getattr(trainer.strategy, "ctx", None)
+    if ctx is not None and hasattr(ctx, "buckets"):
+        final.update(buckets=len(ctx.buckets), released=ctx.buckets.release)
     if a.validate:
         metrics = trainer.validate(model, val, verbose=False)[0]
         final.update(validate_acc=float(metrics["val_acc"]), validate_n=float(metrics["val_n"]),
