@@ -273,7 +273,10 @@ def run_lightning(a, ft: bool) -> None:
                          strategy=pl.strategies.DDPStrategy(**kw), max_steps=a.steps, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(Lit(), DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate))
+    from _profiled import run
+
+    loader = DataLoader(data, batch_size=a.micro_batch, shuffle=False, collate_fn=default_collate)
+    run(lambda: trainer.fit(Lit(), loader), a.out, a.profile and _is_worker0())
     if _is_worker0():
         write(a.out, stamps)
 
@@ -316,7 +319,10 @@ def run_trainer(a, ft: bool) -> None:
                                  save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
                                  disable_tqdm=True, seed=0, **({"ddp_bucket_cap_mb": int(a.bucket_mb)}
                                                                if a.bucket_mb else {}))
-        Trainer(model=Net(), args=args, train_dataset=Rows(), callbacks=[Mark()]).train()
+        from _profiled import run
+
+        trainer = Trainer(model=Net(), args=args, train_dataset=Rows(), callbacks=[Mark()])
+        run(trainer.train, a.out, a.profile and _is_worker0())
     if _is_worker0():
         write(a.out, stamps)
 
@@ -334,7 +340,7 @@ if __name__ == "__main__":
     ap.add_argument("--gav", action="store_true",
                     help="ddp, ft: gradient_as_bucket_view (DDP's flag; ours: ElasticConfig's)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
-    ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (ft, acc, acc-ft) into OUT.prof")
+    ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (all but ddp) into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.system.startswith("acc"):

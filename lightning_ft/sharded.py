@@ -265,6 +265,7 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
         def attempt() -> bool:
             nonlocal ran_closure, result
             step = ctx.step
+            cursor = ctx.sampler.cursor  # the step within the epoch: what the loader's items are keyed by
             t0 = ctx.begin_step()
             self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
             plan = ctx.sampler.step_plan()
@@ -276,14 +277,14 @@ class FaultTolerantModelParallelStrategy(FaultTolerantDDPStrategy):
                     ctx.faults.at(step, "forward")
                     mb = mine[i] if i < len(mine) else None
                     # (the closure zeroes the gradients: only as the attempt's first pass)
-                    if mb is not None and i == 0 and not ran_closure and self._batch_key == (step, mb.index):
+                    if mb is not None and i == 0 and not ran_closure and self._batch_key == (cursor, mb.index):
                         self._mb = mb
                         result = closure()  # training_step on Lightning's batch, zero_grad, backward
                         ran_closure, loss = True, result
                     else:
                         self._mb = mb if mb is not None else _Ghost(0.0, -1)
                         source = mb if mb is not None else (mine or [m for v in plan.values() for m in v])[0]
-                        batch = self._prepare(self._loader.fetch(step, source))
+                        batch = self._prepare(self._loader.fetch(cursor, source))
                         batch = Strategy.batch_to_device(self, batch)
                         with _quiet(model, mb is None):
                             loss = self._extra_microbatch(trainer, batch, batch_idx, optimizer)

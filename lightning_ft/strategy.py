@@ -466,6 +466,7 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
         def attempt() -> bool:
             nonlocal ran_closure, result, compute, data_wait, ts
             step = ctx.step
+            cursor = ctx.sampler.cursor  # the step within the epoch: what the loader's items are keyed by
             self._coll.local_reason = None if self._step_collectives_line_up() else _UNEVEN
             # Lightning's closure zeroes the gradients before its backward: only the step's first
             # micro-batch on this member runs through it (none computed before it, none kept).
@@ -474,12 +475,12 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
                 self._mb = mb
                 tc = time.perf_counter()
                 wait = 0.0
-                if first and self._batch_key == (step, mb.index):
+                if first and self._batch_key == (cursor, mb.index):
                     result = closure()  # training_step on Lightning's batch, zero_grad, backward
                     ran_closure = True
                 else:
                     td = time.perf_counter()
-                    batch = self._prepare(self._loader.fetch(step, mb))
+                    batch = self._prepare(self._loader.fetch(cursor, mb))
                     batch = Strategy.batch_to_device(self, batch)
                     wait = time.perf_counter() - td
                     self._extra_microbatch(trainer, batch, batch_idx, optimizer)

@@ -69,6 +69,7 @@ class Classifier(pl.LightningModule):
         self.save_hyperparameters()
         self.val_history = []  # one entry per completed validation: what the loggers got
         self.batch_log = []  # (epoch, batch_idx, global_step, num_training_batches) per batch end
+        self.no_outputs = []  # global steps whose on_train_batch_end got no training_step output
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                        torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
@@ -100,6 +101,8 @@ class Classifier(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         t = self.trainer
         self.batch_log.append((t.current_epoch, batch_idx, t.global_step, int(t.num_training_batches)))
+        if not outputs:  # Lightning's closure did not run training_step on Lightning's batch ({} or None)
+            self.no_outputs.append(t.global_step)
 
     def on_train_epoch_end(self):
         if self.hparams.epoch_end_sleep:  # for tests that kill a worker between two epochs
@@ -231,7 +234,7 @@ def main():
              "global_step": trainer.global_step, "epoch": trainer.current_epoch, "val_acc": val_acc,
              "lr": trainer.lr_scheduler_configs[0].scheduler.get_last_lr(),
              "world_size": trainer.world_size, "fit_s": fit_s, "val_history": model.val_history,
-             "batch_log": model.batch_log,
+             "batch_log": model.batch_log, "no_outputs": model.no_outputs,
              "checkpoints": [{"best_model_path": cb.best_model_path, "best_model_score":
                               None if cb.best_model_score is None else float(cb.best_model_score)}
                              for cb in trainer.checkpoint_callbacks],
