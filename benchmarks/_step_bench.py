@@ -8,6 +8,7 @@
     torchrun ... _step_bench.py --system pl --out F          (Lightning, strategy="ddp")
     chameleon-ft run ... _step_bench.py --system pl-ft --out F    (+ FaultToleranceCallback)
     torchrun ... _step_bench.py --system hf --out F          (transformers.Trainer: DDP)
+    torchrun ... _step_bench.py --system hf-tuned --out F    (the same, ddp_find_unused_parameters=False)
     chameleon-ft run ... _step_bench.py --system hf-ft --out F    (FaultTolerantTrainer)
 
 Every system trains the same model on the same samples: one micro-batch per worker per step,
@@ -318,7 +319,8 @@ def run_trainer(a, ft: bool) -> None:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=a.micro_batch, max_steps=a.steps,
                                  save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
                                  disable_tqdm=True, seed=0, **({"ddp_bucket_cap_mb": int(a.bucket_mb)}
-                                                               if a.bucket_mb else {}))
+                                                               if a.bucket_mb else {}),
+                                 **({"ddp_find_unused_parameters": False} if a.tuned else {}))
         from _profiled import run
 
         trainer = Trainer(model=Net(), args=args, train_dataset=Rows(), callbacks=[Mark()])
@@ -329,7 +331,8 @@ def run_trainer(a, ft: bool) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", choices=["ddp", "ft", "acc", "acc-ft", "pl", "pl-ft", "hf", "hf-ft"], required=True)
+    ap.add_argument("--system", choices=["ddp", "ft", "acc", "acc-ft", "pl", "pl-ft", "hf", "hf-tuned", "hf-ft"],
+                    required=True)
     ap.add_argument("--model", choices=["tiny", "mlp6"], default="tiny")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=200)
@@ -339,6 +342,9 @@ if __name__ == "__main__":
                     help="ddp, ft: DDP's fp16/bf16 compression hook (ft: ElasticConfig.grad_compression)")
     ap.add_argument("--gav", action="store_true",
                     help="ddp, ft: gradient_as_bucket_view (DDP's flag; ours: ElasticConfig's)")
+    ap.add_argument("--tuned", action="store_true",
+                    help="hf, hf-ft: ddp_find_unused_parameters=False (the Trainer's docs: True by default "
+                         "for a model that is not a PreTrainedModel, which costs DDP a graph walk a step)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
     ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (all but ddp) into OUT.prof")
     a = ap.parse_args()
@@ -348,6 +354,7 @@ if __name__ == "__main__":
     elif a.system.startswith("pl"):
         run_lightning(a, a.system == "pl-ft")
     elif a.system.startswith("hf"):
+        a.tuned = a.tuned or a.system == "hf-tuned"
         run_trainer(a, a.system == "hf-ft")
     else:
         run_ddp(a) if a.system == "ddp" else run_ft(a)

@@ -28,7 +28,10 @@ is the script every side runs: the same model, samples, micro-batches and collat
 * ``lightning``: the ``tiny`` step as a ``LightningModule``, ``Trainer(strategy="ddp")`` under
   torchrun against the same plus ``FaultToleranceCallback()`` under ``chameleon-ft run``;
 * ``trainer``: the ``tiny`` step under ``transformers.Trainer`` (torchrun) against
-  ``FaultTolerantTrainer`` (``chameleon-ft run``), the same ``TrainingArguments``.
+  ``FaultTolerantTrainer`` (``chameleon-ft run``), the same ``TrainingArguments``; the plain
+  ``Trainer`` tuned as its docs advise (``ddp_find_unused_parameters=False``: it defaults to True
+  for a model that is not a ``PreTrainedModel``, a graph walk a step for DDP); ``trainer-shipped``:
+  the same against the plain ``Trainer`` as shipped.
 
 Step time = median of the gaps between consecutive steps on the lowest-ranked worker, after
 ``--warmup`` steps; ratio = DDP's steps/s over ours... reported as ours/DDP steps per second.
@@ -109,7 +112,7 @@ def run_tiny(system: str, steps: int, work: Path, model: str = "tiny", extra: tu
     out = work / f"{tag}.json"
     args = ["--system", system, "--model", model, "--out", str(out), "--steps", str(steps), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if system in ("ddp", "acc", "pl", "hf"):  # under torchrun
+    if system in ("ddp", "acc", "pl", "hf", "hf-tuned"):  # under torchrun
         p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
         if p.returncode:
             raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
@@ -192,7 +195,7 @@ def main(argv=None) -> dict:
                           f"+{run:.1f} MB over the run", flush=True)
             res["cases"]["memory"] = runs
         for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft")), ("lightning", ("pl", "pl-ft")),
-                           ("trainer", ("hf", "hf-ft"))):
+                           ("trainer", ("hf-tuned", "hf-ft")), ("trainer-shipped", ("hf", "hf-ft"))):
             if case not in cases:
                 continue
             runs = {"ddp": [], "ft": [], "ddp_cpu": [], "ft_cpu": []}
@@ -272,8 +275,11 @@ def markdown(res: dict) -> str:
              "against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator")),
             ("lightning", "The same step under Lightning: `Trainer(strategy=\"ddp\")` against the same plus "
              "`FaultToleranceCallback()`", ("plain Lightning", "with FaultToleranceCallback")),
-            ("trainer", "The same step under the HF `Trainer`: `transformers.Trainer` (DDP under torchrun) "
-             "against `FaultTolerantTrainer`", ("plain Trainer", "FaultTolerantTrainer"))):
+            ("trainer", "The same step under the HF `Trainer`: `transformers.Trainer` (DDP under torchrun, "
+             "`ddp_find_unused_parameters=False` as its docs advise) against `FaultTolerantTrainer`",
+             ("plain Trainer, tuned", "FaultTolerantTrainer")),
+            ("trainer-shipped", "The same with the plain `Trainer` as shipped (`ddp_find_unused_parameters` "
+             "left to its default, True for this model)", ("plain Trainer", "FaultTolerantTrainer"))):
         runs = res["cases"].get(case)
         if not runs:
             continue
