@@ -84,6 +84,8 @@ class StepItem:
 
     @property
     def indices(self) -> tuple[int, ...]:
+        if len(self.parts) == 1:
+            return self.parts[0].indices
         return tuple(i for mb in self.parts for i in mb.indices)
 
     @property
@@ -201,6 +203,7 @@ class ElasticSampler:
         self.members: tuple[int, ...] = ()
         self.allocation: tuple[int, ...] = ()
         self._order_cache: tuple[int, list[int]] | None = None
+        self._mb_cache: dict[tuple, tuple[MicroBatch, ...]] = {}  # microbatches(), recent steps
         if members is not None:
             self.set_allocation(members)
 
@@ -274,7 +277,19 @@ class ElasticSampler:
 
     def microbatches(self, step: int, lo: int = 0, hi: Optional[int] = None) -> list[MicroBatch]:
         """Non-empty micro-batches of ``step`` in slot order, independent of membership (only
-        the slots ``lo <= j < hi`` when given)."""
+        the slots ``lo <= j < hi`` when given).  A new list each call; the micro-batches of the
+        last few steps asked for are kept (a step asks for its own several times).  The
+        non-empty slots are a prefix of the step's (``_microbatches``), so slot ``j`` is the
+        ``j``-th micro-batch."""
+        key = (self.epoch, self.global_batch, self.base, self.offset, step)
+        got = self._mb_cache.get(key)
+        if got is None:
+            if len(self._mb_cache) >= 8:
+                self._mb_cache.clear()
+            got = self._mb_cache[key] = tuple(self._microbatches(step))
+        return list(got[lo:hi])
+
+    def _microbatches(self, step: int) -> list[MicroBatch]:
         n_t = self.samples_in_step(step)
         start0 = self._start(step)
         order = self.order()
@@ -282,7 +297,7 @@ class ElasticSampler:
         # evenly over the same slots so that the allocation's shares still hold.
         base, extra = divmod(n_t, self.num_microbatches)
         out = []
-        for j in range(lo, self.num_microbatches if hi is None else min(hi, self.num_microbatches)):
+        for j in range(self.num_microbatches):
             size = base + (1 if j < extra else 0)
             if size:
                 start = start0 + j * base + min(j, extra)
