@@ -163,13 +163,18 @@ def run_ddp(a) -> None:
         net.register_comm_hook(None, getattr(default_hooks, f"{a.compress}_compress_hook"))
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     stamps = Stamps(mem)
-    for step in range(a.steps):
-        lo = (step * a.micro_batch * world + rank * a.micro_batch) % N
-        batch = default_collate([data[i] for i in range(lo, lo + a.micro_batch)])
-        loss_of(net, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        stamps.mark()
+
+    def loop():
+        for step in range(a.steps):
+            lo = (step * a.micro_batch * world + rank * a.micro_batch) % N
+            batch = default_collate([data[i] for i in range(lo, lo + a.micro_batch)])
+            loss_of(net, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stamps.mark()
+    from _profiled import run
+
+    run(loop, a.out, a.profile and rank == 0)
     if rank == 0:
         write(a.out, stamps, memory=mem.result())
     dist.barrier()
@@ -346,7 +351,7 @@ if __name__ == "__main__":
                     help="hf, hf-ft: ddp_find_unused_parameters=False (the Trainer's docs: True by default "
                          "for a model that is not a PreTrainedModel, which costs DDP a graph walk a step)")
     ap.add_argument("--device-ms", type=float, default=30.0, help="mlp6: emulated device time per layer backward")
-    ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker (all but ddp) into OUT.prof")
+    ap.add_argument("--profile", action="store_true", help="cProfile the lowest-ranked worker into OUT.prof")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.system.startswith("acc"):
