@@ -372,11 +372,24 @@ def _become(req: dict) -> None:
 _TEMPLATE_PID = os.getpid()
 
 def _agent(req: dict) -> None:
-    """In the agent's fork: serve the launcher's coordinator calls until its pipe ends."""
+    """In the agent's fork: serve the launcher's coordinator calls until its pipe ends, then
+    end the process at once (the coordinator is shut down by then): an interpreter's
+    finalization would stop the coordinator's daemon threads inside C++ calls, where a thread
+    exit is an abort ("FATAL: exception not rethrown")."""
     from chameleon_ft.cli.coordinator import serve_agent
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    serve_agent(*req["agent_fds"])
+    code = 1
+    try:
+        serve_agent(*req["agent_fds"])
+        code = 0
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 if __name__ == "__main__":

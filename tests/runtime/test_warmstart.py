@@ -202,3 +202,17 @@ def test_with_warm_start_the_launcher_never_loads_torch(tmp_path):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def test_the_coordinator_agent_ends_without_an_abort(tmp_path):
+    """When its node's workers are done, the agent shuts the coordinator down and ends at once:
+    an interpreter's finalization stopped the coordinator's daemon threads inside C++ calls,
+    which aborted the agent with "FATAL: exception not rethrown" (every such run, seen)."""
+    script = tmp_path / "w.py"
+    script.write_text("import sys, time; time.sleep(1); sys.exit(1)\n")
+    p = subprocess.run([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "2",
+                        "--max-replacements", "0", "--run-dir", str(tmp_path / "run"), str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "exited with code 1" in p.stderr
+    assert "FATAL" not in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
