@@ -393,22 +393,26 @@ class DataParallelExecutor(RecoveryCore):
 
     def _write_tail_ops(self, tail: torch.Tensor) -> None:
         """``_write_tail`` by tensor ops: the gradients on a device (the tail then holds the loss
-        and the tokens only), a dtype numpy has not, or the tokens a tensor."""
-        timings = tail[2:]
-        row = [0.0] * timings.numel()
-        if row:
-            r = self.view.rank
-            row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
-        loss = (self._loss_sum.reshape(1).to(self.dtype) if self._loss_sum is not None
-                else torch.zeros(1, dtype=self.dtype, device=tail.device))
+        and the tokens only), a dtype numpy has not, or the tokens a tensor.  On a device nothing
+        crosses from the host: the loss is copied on the device and a token count that is a
+        number is filled in as a kernel argument (a host tensor copied in would synchronise)."""
+        if self._loss_sum is None:
+            tail[0:1].zero_()
+        else:
+            tail[0:1].copy_(self._loss_sum.reshape(1))
         if isinstance(self._tokens, torch.Tensor):
-            torch.cat([loss, self._tokens.reshape(1).to(tail.device, self.dtype),
-                       torch.tensor(row, dtype=self.dtype).to(tail.device)], out=tail)
-        else:  # the tokens a number: with the timings in one tensor
-            torch.cat([loss, torch.tensor([float(self._tokens), *row], dtype=self.dtype).to(tail.device)], out=tail)
-        if row and self._loss_sum is not None:  # a NaN/inf loss flagged by one tensor op, nothing read:
-            at = 2 + _TAIL * r + 5  # loss - loss is 0, or NaN when the loss was NaN or infinite
-            torch.sub(loss, loss, out=tail[at:at + 1])
+            tail[1:2].copy_(self._tokens.reshape(1))
+        else:
+            tail[1:2].fill_(float(self._tokens))
+        timings = tail[2:]
+        if timings.numel():  # on the host: every member's timings, ours set
+            r = self.view.rank
+            row = [0.0] * timings.numel()
+            row[_TAIL * r:_TAIL * (r + 1)] = self._tail_row(self._compute_s)
+            timings.copy_(torch.tensor(row, dtype=timings.dtype))
+            if self._loss_sum is not None:  # a NaN/inf loss flagged by one tensor op, nothing read:
+                at = 2 + _TAIL * r + 5  # loss - loss is 0, or NaN when the loss was NaN or infinite
+                torch.sub(tail[0:1], tail[0:1], out=tail[at:at + 1])
 
     def _skip_nonfinite(self) -> None:
         """Some member's loss was not finite (``_nonfinite``, read from the commit's tail: every
