@@ -377,6 +377,7 @@ def _agent(req: dict) -> None:
     finalization would stop the coordinator's daemon threads inside C++ calls, where a thread
     exit is an abort ("FATAL: exception not rethrown")."""
     from chameleon_ft.cli.coordinator import serve_agent
+    from chameleon_ft.runtime.errors import end_process
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = 1
@@ -384,12 +385,7 @@ def _agent(req: dict) -> None:
         serve_agent(*req["agent_fds"])
         code = 0
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        end_process(code)
 
 
 if __name__ == "__main__":

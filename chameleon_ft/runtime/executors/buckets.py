@@ -270,22 +270,19 @@ class GradientBuckets:
             raise RuntimeError("launch_rest() without arm()")
         last = len(self.buckets) - 1
         if self.failure is None:
-            for b in range(last):  # parameters no gradient reached in the final backward
+            # The hooked buckets (with ``release`` the last one too): parameters no gradient
+            # reached in the final backward.
+            for b in range(last + 1 if self.release else last):
                 if self._pending[b]:
                     for i in self.buckets[b]:
                         p = self.params[i]
                         if id(p) not in self._filled:
                             at = self._where[id(p)][1]
                             self._fill(self._bufs[b][at:at + p.numel()], p)
+        if self.failure is None and not self.release:
             # The last bucket in one op (its gradients are final once backward returned).
             grads = [self.params[i].grad for i in self.buckets[last]]
-            if self.release:  # filled by the hooks; what backward did not reach, as above
-                for i in self.buckets[last]:
-                    p = self.params[i]
-                    if id(p) not in self._filled:
-                        at = self._where[id(p)][1]
-                        self._fill(self._bufs[last][at:at + p.numel()], p)
-            elif grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
+            if grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
                 foreach_copy(self._last_views, grads)
             else:  # a parameter without a gradient (reduced as zeros), or another dtype
                 for g, v in zip(grads, self._last_views):
