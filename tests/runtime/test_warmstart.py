@@ -205,9 +205,9 @@ def test_with_warm_start_the_launcher_never_loads_torch(tmp_path):
 
 
 def test_the_coordinator_agent_ends_without_an_abort(tmp_path):
-    """When its node's workers are done, the agent shuts the coordinator down and ends at once:
-    an interpreter's finalization stopped the coordinator's daemon threads inside C++ calls,
-    which aborted the agent with "FATAL: exception not rethrown" (every such run, seen)."""
+    """When its node's workers are done, the agent shuts the coordinator down and ends at once,
+    without the interpreter's finalization (which would stop the coordinator's daemon threads
+    inside C++ calls and abort the agent: "FATAL: exception not rethrown")."""
     script = tmp_path / "w.py"
     script.write_text("import sys, time; time.sleep(1); sys.exit(1)\n")
     p = subprocess.run([sys.executable, "-m", "chameleon_ft.cli.launch", "--nproc-per-node", "2",
