@@ -119,18 +119,24 @@ def host(args) -> None:
     def run(w: int) -> None:
         m = mm.Membership(w, args.store, args.lighthouse, heartbeat_timeout_s=1.0, cut_off_s=None,
                           connect_timeout_s=args.connect_timeout)
+        woken = threading.Event()  # the watcher agreed on the next generation: take it
+        m.on_early_view = lambda view: woken.set()
         members[w] = m
         m.join(min_world_size=args.n, timeout_s=600)
-        while not stop.is_set():
-            if w in silenced:
+        taken = m.view().token
+        while not stop.is_set():  # a worker's main thread: it takes a generation the watcher
+            if w in silenced:     # agreed on, and asks itself when the watcher did not
                 return
+            woken.clear()
             view = m.view()
-            if view is not None and m.abort_seen(view.token):
-                try:
-                    m.next_view(30.0, after=view.token)
-                except Exception:
-                    pass
-            time.sleep(0.05)
+            try:
+                if view is not None and view.token != taken:
+                    taken = m.next_view(30.0, after=taken).token
+                elif view is not None and m.abort_seen(view.token):
+                    taken = m.next_view(30.0, after=view.token).token
+            except Exception:
+                pass
+            woken.wait(0.2)
 
     threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(lo, hi)]
     for t in threads:

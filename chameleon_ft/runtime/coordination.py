@@ -31,7 +31,8 @@ from torchft._torchft import LighthouseClient, LighthouseServer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "report_dead", "stop_job",
+__all__ = ["CoordinatorServer", "abort_key", "read_latest", "read_value", "dead_workers", "mark_dead", "report_dead",
+           "reported_dead_among", "stop_job",
            "read_stop", "stand_in_for_the_dead", "job_digest", "TOKEN_ENV", "JobTokenError", "check_token", "namespaced",
            "connect_store", "presence_ended", "GenerationEnds", "join_proof", "proven", "registry"]
 
@@ -80,6 +81,36 @@ def _incarnation_key(worker_id: int) -> str:
 
 def _dead_key(worker_id: int) -> str:
     return f"cft/dead/{worker_id}"
+
+
+_DEAD_LOG_KEY = "cft/dead-log"  # every dead mark once more, "worker:incarnation\n" appended
+
+
+def mark_dead(store, worker_id: int, incarnation: int) -> None:
+    """Record that ``worker_id``'s ``incarnation`` is gone: its own key (``dead_workers``'s
+    range read over etcd) and a line of the one log that ``reported_dead_among`` reads."""
+    store.set(_dead_key(worker_id), str(incarnation))
+    store.append(_DEAD_LOG_KEY, f"{worker_id}:{incarnation}\n")
+
+
+def reported_dead_among(store, workers) -> set[int]:
+    """Which of ``workers`` (registered workers) have their current incarnation reported dead,
+    by the rule of ``reported_dead``, in one or two requests whatever their number: the log of
+    dead marks, then -- only when some of ``workers`` have a mark -- their incarnation counters
+    in one ``multi_get``.  (One check per worker was N requests for each member after every
+    agreement: O(N^2) for the job.)"""
+    raw = read_value(store, _DEAD_LOG_KEY)
+    if not raw:
+        return set()
+    marks: dict[int, int] = {}
+    for line in raw.decode().split():
+        w, _, inc = line.partition(":")
+        marks[int(w)] = max(marks.get(int(w), 0), int(inc))
+    marked = [int(w) for w in workers if int(w) in marks]
+    if not marked:
+        return set()
+    incarnations = store.multi_get([_incarnation_key(w) for w in marked])
+    return {w for w, inc in zip(marked, incarnations) if _marks_dead(str(marks[w]).encode(), int(inc or b"0"))}
 
 
 def dead_workers(store) -> set[str]:
@@ -357,8 +388,7 @@ def report_dead(store: dist.Store, worker_id: int, reason: str = "process exited
     recorded, so a quorum that the worker joined just before dying is ended as soon as it
     forms (otherwise its group construction would wait for the connect timeout).  Works from
     any launcher that holds a client of the coordinator's store, not only the one hosting it."""
-    incarnation = store.add(_incarnation_key(worker_id), 0)
-    store.set(_dead_key(worker_id), str(incarnation))
+    mark_dead(store, worker_id, store.add(_incarnation_key(worker_id), 0))
     latest = read_latest(store)
     if latest is not None:
         _end_for(store, latest, worker_id, reason)

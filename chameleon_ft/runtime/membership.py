@@ -63,8 +63,8 @@ from torchft._torchft import LighthouseClient  # noqa: E402
 
 from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the coordinator side)
     _FAILURES_KEY, _FIRST_KEY, _LATEST_KEY, _REGISTRY_KEY, STORE_REQUEST_TIMEOUT_S, CoordinatorServer,
-    _dead_key, _incarnation_key, _stood_in, abort_key, connect_store, dead_workers, read_latest, read_stop,
-    read_value, report_dead, reported_dead, TOKEN_ENV, stand_in_for_the_dead, stop_job, join_proof, registry)
+    _incarnation_key, _stood_in, abort_key, connect_store, dead_workers, mark_dead, read_latest, read_stop,
+    read_value, report_dead, reported_dead_among, TOKEN_ENV, stand_in_for_the_dead, stop_job, join_proof, registry)
 from chameleon_ft.runtime.coordination import proven as _proven  # noqa: E402
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
@@ -392,7 +392,7 @@ class Membership:
         """Leave the job, announced (``runtime/preemption.py``): mark this incarnation gone, so
         that peers acting on a quorum without it need not wait for its silence, then ``close``.
         Its generation is ended by its peers, who read the announcement in the same commit."""
-        self.store.set(_dead_key(self.worker_id), str(self.incarnation))
+        mark_dead(self.store, self.worker_id, self.incarnation)
         self.close()
 
     def await_left(self, workers, timeout_s: float) -> tuple[int, ...]:
@@ -607,7 +607,7 @@ class Membership:
         return data
 
     def _reported_dead(self, members) -> tuple[int, ...]:
-        return tuple(w for w in members if w != self.worker_id and reported_dead(self.store, w))
+        return tuple(sorted(reported_dead_among(self.store, [w for w in members if w != self.worker_id])))
 
     def _registered(self) -> dict[int, list]:
         """The workers that registered with a valid join proof: id -> [incarnation, proof]."""

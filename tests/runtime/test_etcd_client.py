@@ -303,3 +303,13 @@ def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_
     c0 = calls[0]
     assert a.multi_get(["cft/beat/0", "cft/beat/2", "cft/liveness"]) == [b"3", b"4", b"{}"]
     assert calls[0] - c0 == 1
+
+
+def test_which_members_were_reported_dead_is_read_in_a_few_requests_over_etcd(member, monkeypatch):
+    """``coordination.reported_dead_among`` over etcd: the dead marks' log in one request, the
+    marked workers' incarnations in one transaction (test_membership has the TCPStore side)."""
+    from _helpers.dead_marks import dead_marks_are_read_in_a_few_requests
+
+    calls = _count_requests(monkeypatch)
+    dead_marks_are_read_in_a_few_requests(EtcdStore([member], "/cft/tdead/", timeout=timedelta(seconds=2)),
+                                           lambda: calls[0])
