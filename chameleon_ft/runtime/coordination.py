@@ -250,8 +250,12 @@ class CoordinatorServer:
             report=lambda w, s, latest: report_silent(self._presence_store, latest, w, s))
         if self.judge is not None:
             self.store.set(JUDGED_KEY, "coordinator")
+        # A death reported here is also stood in for at the Lighthouse, as the launcher's agent
+        # does for a process it saw exit: the survivors agree as soon as they all asked, not a
+        # join window later (a whole node's loss: its launcher is gone with it).
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
-                                        lambda w, inc: presence_ended(self._presence_store, w, inc),
+                                        lambda w, inc: presence_ended(self._presence_store, w, inc)
+                                        and stand_in_for_the_dead(self.lighthouse_addr, w),
                                         ended=ends, judge=self.judge)
         self.store.set(PRESENCE_KEY, self._presence.address)
 
@@ -305,16 +309,17 @@ class GenerationEnds:
         return ended
 
 
-def presence_ended(store, worker: int, incarnation: int, where: str = "the coordinator") -> None:
+def presence_ended(store, worker: int, incarnation: int, where: str = "the coordinator") -> bool:
     """A registered worker's presence connection (``runtime/presence.py``) ended without a
     goodbye: its process is gone.  Reported as its launcher would (``report_dead``), unless a
-    replacement took the id or the launcher already did."""
+    replacement took the id or the launcher already did; True when reported here."""
     if store.add(_incarnation_key(worker), 0) != incarnation:
-        return
+        return False
     if reported_dead(store, worker, incarnation):
-        return
+        return False
     log.info("worker %d's connection to %s ended: reported dead", worker, where)
     report_dead(store, worker, f"its connection to {where} ended (the process is gone)")
+    return True
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:

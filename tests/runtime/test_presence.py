@@ -218,3 +218,50 @@ def test_the_watcher_polls_again_when_the_coordinator_closes_the_presence_connec
         assert not client.streaming
     finally:
         client.close()
+
+
+def test_a_worker_whose_connection_ends_is_stood_in_for_at_the_lighthouse():
+    """A whole node's loss (no launcher left to report it): the coordinator stands in for the
+    dead worker at its Lighthouse as the launcher's agent would, so the survivor's round forms
+    as soon as it asks -- here under a join window of 20 s and a heartbeat timeout of 60 s,
+    where only a complete set of askers forms a quorum in time."""
+    import threading
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
+    from chameleon_ft.runtime.coordination import join_proof
+    from chameleon_ft.runtime.membership import Membership
+
+    server = CoordinatorServer(token="secret", join_timeout_ms=20_000, heartbeat_timeout_ms=60_000)
+    store = server.store
+    got: dict = {}
+    beating = threading.Barrier(2)
+
+    def ask(w, first_round=False):
+        c = LighthouseClient(server.lighthouse_addr, timedelta(seconds=5))
+        c.heartbeat(str(w))
+        if first_round:
+            beating.wait(10)
+        t0 = time.monotonic()
+        q = c.quorum(replica_id=str(w), timeout=timedelta(seconds=15),
+                     data={"worker_id": w, "incarnation": 1, "proof": join_proof(w, 1)})
+        got[w] = (time.monotonic() - t0, q)
+
+    try:
+        ts = [threading.Thread(target=ask, args=(w, True)) for w in (0, 3)]
+        [t.start() for t in ts]
+        [t.join(20) for t in ts]
+        assert sorted(got) == [0, 3]
+        got.clear()
+        p = _worker(server, store, "kill")  # worker 3's process: its presence connection
+        _wait_registered(p)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        ask(0)
+        seconds, quorum = got[0]
+        assert seconds < 5.0, f"the round waited {seconds:.1f} s: nobody stood in for worker 3"
+        view = Membership._to_view(type("M", (), {"worker_id": 0, "_refused": lambda self, w: None})(), quorum)
+        assert view.members == (0,)
+    finally:
+        server.shutdown()
