@@ -375,6 +375,16 @@ class EtcdClient:
             got.append((_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None)
         return got
 
+    def read(self, *specs: tuple[bytes, bool]) -> list[dict[bytes, bytes]]:
+        """Several reads in one request (a transaction of ranges: one revision), each a key
+        (``(key, False)``) or every key under a prefix (``(prefix, True)``); each answer
+        ``{key: value}`` (empty when nothing is there)."""
+        ops = [{"request_range": {"key": _b64(k), **({"range_end": _b64(_prefix_end(k))} if prefix else {})}}
+               for k, prefix in specs]
+        out = self.call("/v3/kv/txn", {"success": ops})
+        return [{_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in (r.get("response_range") or {}).get("kvs") or []}
+                for r in out.get("responses") or [{}] * len(specs)]
+
     def range_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
         kvs = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}).get("kvs") or []
         return {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in kvs}
@@ -805,18 +815,25 @@ class EtcdQuorum:
             self.client.put(self._k("ask", r, replica_id), json.dumps(data or {}).encode())
             first_seen: Optional[float] = None
             while True:
-                decided = self.client.get(self._k("decided", r))
-                if decided is not None:
-                    q = json.loads(decided[0])
+                # One request a poll: this round's decision and askers, the previous round's
+                # decision, the live workers (the dead marks only when someone live did not ask).
+                decided, asked_kv, prev, alive = self.client.read(
+                    (self._k("decided", r), False), (self._k("ask", r, ""), True),
+                    (self._k("decided", r - 1), False), (self._k("alive", ""), True))
+                if decided:
+                    q = json.loads(next(iter(decided.values())))
                     if replica_id in q["members"]:
                         return self._as_quorum(r, q)
                     r += 1  # decided without us: the next round
                     break
-                asked = {k.rsplit(b"/", 1)[1].decode(): v for k, v in self.client.range_prefix(self._k("ask", r, "")).items()}
+                asked = {k.rsplit(b"/", 1)[1].decode(): v for k, v in asked_kv.items()}
                 askers = set(asked)
                 now = time.monotonic()
                 first_seen = first_seen or now
-                if self._ready(r, askers, now - first_seen, _suspects(asked.values())):
+                previous = set(json.loads(next(iter(prev.values())))["members"]) if prev and r > 1 else None
+                base = self._k("alive", "")
+                if self._ready(askers, now - first_seen, _suspects(asked.values()), previous,
+                               {k[len(base):].decode() for k in alive}):
                     created = time.time()
                     q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
                     self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)
@@ -831,22 +848,26 @@ class EtcdQuorum:
         rounds = [int(k[len(base):]) for k in self.client.range_prefix(base)]
         return max(rounds, default=0) + 1
 
-    def _ready(self, r: int, askers: set[str], waited_s: float, suspects: frozenset = frozenset()) -> bool:
-        """The Lighthouse's rules for deciding round ``r`` now.  A worker an asker names as a
-        suspect (silent, or gone, in the generation that failed) or one reported dead
-        (``gone``) does not count as alive while its lease lasts -- etcd extends every lease when
-        its leader changes, so a partitioned worker's can outlive the partition's detection by
-        a second -- so the survivors agree as soon as all of them asked, as the Lighthouse's
-        stand-in requests make it do."""
+    def _ready(self, askers: set[str], waited_s: float, suspects: frozenset, previous: Optional[set],
+               alive: set[str]) -> bool:
+        """The Lighthouse's rules for deciding a round now (``previous``: the members the round
+        before decided, if any; ``alive``: the workers whose liveness lease lasts).  A worker an
+        asker names as a suspect (silent, or gone, in the generation that failed) or one
+        reported dead (``gone``, read only when a live worker did not ask) does not count as
+        alive while its lease lasts -- etcd extends every lease when its leader changes, so a
+        partitioned worker's can outlive the partition's detection by a second -- so the
+        survivors agree as soon as all of them asked, as the Lighthouse's stand-in requests
+        make it do."""
         if not askers:
             return False
-        prev = self.client.get(self._k("decided", r - 1)) if r > 1 else None
-        if prev is not None and set(json.loads(prev[0])["members"]) <= askers:
+        if previous is not None and previous <= askers:
             return True  # every member of the previous quorum asked again
-        alive = (self.alive() - suspects - self._gone()) | askers
-        if askers >= alive:
+        waiting = alive - suspects - askers
+        if waiting:
+            waiting -= self._gone()
+        if not waiting:
             return True
-        return waited_s >= self.join_timeout_s and len(askers) > len(alive) / 2
+        return waited_s >= self.join_timeout_s and len(askers) > len(askers | waiting) / 2
 
     @staticmethod
     def _as_quorum(r: int, q: dict) -> SimpleNamespace:

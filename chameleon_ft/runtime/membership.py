@@ -469,7 +469,7 @@ class Membership:
             latest = self._latest()
             view = self._missed_quorum(previous_token, latest)
             if view is None:
-                self._request_admission(previous_token)
+                self._request_admission(previous_token, latest)
                 self.watcher.answered()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -627,11 +627,11 @@ class Membership:
         except (ValueError, UnicodeDecodeError):
             return None
 
-    def _request_admission(self, previous_token: Optional[str]) -> None:
+    def _request_admission(self, previous_token: Optional[str], latest: Optional[dict]) -> None:
         """If a generation is running without us, end it so its members come and admit us.
         Asked again soon after our last admission, first wait, longer each time, unless the
-        generation ends meanwhile (``ADMISSION_BACKOFF_S``; why: docs/runtime-membership.md)."""
-        latest = self._latest()
+        generation ends meanwhile (``ADMISSION_BACKOFF_S``; why: docs/runtime-membership.md).
+        ``latest``: the published generation, as the caller just read it."""
         if latest is None or latest.get("token") == previous_token:
             return
         now = time.monotonic()

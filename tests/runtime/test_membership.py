@@ -1140,7 +1140,7 @@ def test_many_admissions_in_a_row_do_not_overflow_the_backoff():
     m.worker_id, m.store = 1, _Store()
     m._latest = lambda: {"token": "g2", "generation": 2}
     m._admitted_at, m._admission_tries = time.monotonic(), 5000
-    m._request_admission("g1")
+    m._request_admission("g1", m._latest())
     assert m._admission_tries == 5001 and len(m.store.written) == 1
 
 
