@@ -186,7 +186,8 @@ def _rss_mb(pid: int) -> float:
 _COORDINATOR = """
 import sys, time
 from chameleon_ft.runtime.coordination import CoordinatorServer
-c = CoordinatorServer(min_replicas=1, **({} if sys.argv[1] == "members" else {"liveness_timeout_s": 1.0}))
+c = CoordinatorServer(min_replicas=1, join_timeout_ms=int(sys.argv[2]),
+                      **({} if sys.argv[1] == "members" else {"liveness_timeout_s": 1.0}))
 print(c.store_addr, c.lighthouse_addr, flush=True)
 while True:
     time.sleep(1)
@@ -231,21 +232,21 @@ class Run:
     """One N: the coordinator (or etcd), the host processes, the control directory."""
 
     def __init__(self, n: int, per_process: int, ctl: Path, clients: int = 8, backend: str = "embedded",
-                 connect_timeout: float = 30.0, judge: str = "coordinator") -> None:
+                 connect_timeout: float = 30.0, judge: str = "coordinator", join_ms: int = 50) -> None:
         self.n, self.ctl, self.connect_timeout = n, ctl, connect_timeout
         ctl.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.coord = self.etcd = None
         if backend == "etcd":
             self.etcd = Etcd(ctl)
-            self.store, self.lighthouse = f"etcd://{','.join(self.etcd.endpoints)}/cpbench", "etcd?join_ms=50"
+            self.store, self.lighthouse = f"etcd://{','.join(self.etcd.endpoints)}/cpbench", f"etcd?join_ms={join_ms}"
             self.pids = self.etcd.pids
             from chameleon_ft.runtime.coordination import AUTH_KEY, job_digest
             from chameleon_ft.runtime.etcd import EtcdStore, parse_etcd
             endpoints, prefix = parse_etcd(self.store)  # what the job's first launcher records
             EtcdStore(endpoints, prefix).compare_set(AUTH_KEY, "", job_digest())
         else:
-            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR, judge], stdout=subprocess.PIPE,
+            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR, judge, str(join_ms)], stdout=subprocess.PIPE,
                                           text=True, env=env)
             self.store, self.lighthouse = self.coord.stdout.readline().split()
             self.pids = [self.coord.pid]
@@ -340,8 +341,9 @@ class Run:
 
 
 def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int = 8,
-            backend: str = "embedded", connect_timeout: float = 30.0, judge: str = "coordinator") -> dict:
-    run = Run(n, per_process, ctl, clients, backend, connect_timeout, judge)
+            backend: str = "embedded", connect_timeout: float = 30.0, judge: str = "coordinator",
+            join_ms: int = 50) -> dict:
+    run = Run(n, per_process, ctl, clients, backend, connect_timeout, judge, join_ms)
     cpu = lambda: sum(_cpu_s(p) for p in run.pids)  # noqa: E731
     try:
         join_s = run.wait_ready(60 + n * 0.5)
@@ -361,7 +363,7 @@ def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int =
             if run.latest().get("token") == before:
                 break
         rate = (r1 - r0) / (t1 - t0)
-        out = {"members": n, "backend": backend, "join_s": round(join_s, 2), "requests_per_s": round(rate),
+        out = {"members": n, "backend": backend, "join_ms": join_ms, "join_s": round(join_s, 2), "requests_per_s": round(rate),
                "requests_per_member_s": round(rate / n, 1),
                "lighthouse_per_member_s": round((h1 - h0) / (t1 - t0) / n, 1) if backend == "embedded" else None,
                "coordinator_cores": round((c1 - c0) / (t1 - t0), 2), "windows": tries,
@@ -418,6 +420,8 @@ def main() -> None:
     p.add_argument("--judge", choices=("coordinator", "members"), default="coordinator",
                    help="embedded backend: the coordinator judges liveness (the launcher's --coordinator-judges: the workers beat "
                         "on their presence connections) or the members do (a judge member reads the counters)")
+    p.add_argument("--join-ms", type=int, default=50,
+                   help="the quorum's join window (the launcher's --join-timeout-ms; default 50)")
     p.add_argument("--label", default="this tree")
     p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
     p.add_argument("--out", default=None, help="write the table to this markdown file (appended)")
@@ -428,7 +432,8 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in a.members.split(",")]:
         with tempfile.TemporaryDirectory() as d:
-            row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend, a.connect_timeout, a.judge)
+            row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend, a.connect_timeout, a.judge,
+                          a.join_ms)
         row["label"] = a.label
         rows.append(row)
         print(json.dumps(row), flush=True)
