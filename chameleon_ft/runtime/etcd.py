@@ -680,6 +680,10 @@ class EtcdStore(dist.Store):
             self._written.pop(k, None)
 
     def add(self, key, amount: int) -> int:
+        if int(amount) == 0:  # TCPStore's way of reading a counter: a read, no write, when it exists
+            got = self.client.get(self._k(key))
+            if got is not None:
+                return int(got[0] or b"0")
         return int(self._update(key, lambda cur: str(int(cur or b"0") + int(amount)).encode()))
 
     def append(self, key, value) -> None:

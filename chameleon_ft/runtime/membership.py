@@ -68,7 +68,7 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
 from chameleon_ft.runtime.coordination import proven as _proven  # noqa: E402
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
-from chameleon_ft.runtime.etcd import EtcdQuorum, is_etcd  # noqa: E402
+from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
 from chameleon_ft.runtime.presence import (PRESENCE_KEY, PRESENCE_NODE_ENV, PresenceClient,  # noqa: E402
                                            presence_node_key)
 from chameleon_ft.runtime.liveness import (JUDGED_KEY, LIVENESS_KEY, LivenessMonitor, beat_key,  # noqa: E402
@@ -219,7 +219,11 @@ class Membership:
         return connect_store(self.store_addr, self.connect_timeout_s)
 
     def connect_store(self) -> dist.Store:
-        """A fresh client to the coordinator store (for a process group's set-up)."""
+        """A fresh client to the coordinator store (for a process group's set-up).  Over etcd a
+        clone of this worker's client (its own connections; the job token already checked):
+        a new client's health and token requests cost two etcd round trips in every recovery."""
+        if isinstance(self.store, EtcdStore):
+            return self.store.clone()
         return connect_store(self.store_addr, self.connect_timeout_s)
 
     # ---------------------------------------------------------------- lifecycle
@@ -497,14 +501,15 @@ class Membership:
                        and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"]))
             self._view = view
             self._publish(view)
-            dead = self._reported_dead(view.members)
+            missing = set(latest["members"]) if went_on else set(before.members) - set(view.members) if before else set()
+            marked = set(self._reported_dead(set(view.members) | missing))  # (one read for both)
+            dead = tuple(sorted(marked & set(view.members)))
             if dead:
                 # A member asked and then died (the launcher saw it exit): this quorum can
                 # never form a group; end it now rather than after the connect timeout.
                 self.report_failure(dead, "member reported dead by the launcher")
                 continue
-            missing = set(latest["members"]) if went_on else set(before.members) - set(view.members) if before else ()
-            if self._left_out_came_back(missing, view):
+            if self._left_out_came_back(missing - marked, view):
                 previous_token = view.token  # a live member it left out ended it: ask again
                 continue
             if went_on:  # and they are gone (silent or dead for the heartbeat timeout)

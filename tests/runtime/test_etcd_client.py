@@ -286,7 +286,8 @@ def test_the_abort_watcher_over_etcd_sees_an_end_at_once_and_reads_only_a_few_ti
 def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_read_in_one(member, monkeypatch):
     """``EtcdStore.add`` tries the value and revision it last wrote (a liveness counter: one
     compare-and-swap, no read first) and falls back to a read when another client wrote since;
-    ``multi_get`` of keys under different parents is one transaction."""
+    ``add(key, 0)`` of an existing counter is one read; ``multi_get`` of keys under different
+    parents is one transaction."""
     calls = _count_requests(monkeypatch)
     a = EtcdStore([member], "/cft/tadd/", timeout=timedelta(seconds=2))
     b = a.clone()
@@ -303,6 +304,9 @@ def test_a_counter_only_this_client_writes_takes_one_request_and_a_few_keys_are_
     c0 = calls[0]
     assert a.multi_get(["cft/beat/0", "cft/beat/2", "cft/liveness"]) == [b"3", b"4", b"{}"]
     assert calls[0] - c0 == 1
+    c0 = calls[0]
+    assert b.add("cft/beat/2", 0) == 4 and calls[0] - c0 == 1  # reading a counter: one read, no write
+    assert a.add("cft/beat/9", 0) == 0 and a.get("cft/beat/9") == b"0"  # a missing one is made, as TCPStore's
 
 
 def test_which_members_were_reported_dead_is_read_in_a_few_requests_over_etcd(member, monkeypatch):
