@@ -68,7 +68,7 @@ import torch.distributed as dist
 from chameleon_ft.runtime import env as E
 from chameleon_ft.runtime.errors import ConfigError
 
-__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdRefused", "EtcdSecurity", "EtcdClient", "EtcdWatch", "EtcdStore", "EtcdQuorum",
+__all__ = ["ETCD_SCHEME", "EtcdError", "EtcdRefused", "EtcdSecurity", "EtcdClient", "EtcdWatch", "EtcdStore", "EtcdQuorum", "LeftOut",
            "is_etcd", "parse_etcd"]
 
 ETCD_SCHEME = "etcd://"
@@ -762,6 +762,16 @@ def _suspects(asks) -> frozenset:
     return frozenset(out)
 
 
+class LeftOut(Exception):
+    """A round this worker asked in was decided without it (it asked after the join window):
+    ``quorum`` is that round's decision, which the worker ends to be admitted at once
+    (``Membership._agree``) rather than leave its members waiting for it."""
+
+    def __init__(self, quorum: SimpleNamespace) -> None:
+        super().__init__(f"round {quorum.quorum_id} was decided without this worker")
+        self.quorum = quorum
+
+
 def _member(replica_id: str) -> SimpleNamespace:
     return SimpleNamespace(replica_id=replica_id)
 
@@ -810,41 +820,48 @@ class EtcdQuorum:
         return {k[len(base):].decode() for k in self.client.range_prefix(base)}
 
     # ------------------------------------------------------------ quorum
-    def quorum(self, replica_id: str, timeout: timedelta, data=None) -> SimpleNamespace:
-        """Block until a round this worker asked in is decided with it; the Lighthouse's
-        ``Quorum`` shape (``quorum_id``, ``participants``, ``created``)."""
+    def quorum(self, replica_id: str, timeout: timedelta, data=None, after: Optional[int] = None) -> SimpleNamespace:
+        """Block until the round this worker asked in is decided with it; the Lighthouse's
+        ``Quorum`` shape (``quorum_id``, ``participants``, ``created``).  Raises ``LeftOut``
+        when that round, or the last round decided after generation ``after`` (this worker's
+        last), was decided without it -- it asked late -- so that the caller ends that round's
+        generation to be admitted at once instead of waiting in the next round for peers that
+        wait for it; TimeoutError."""
         deadline = time.monotonic() + timeout.total_seconds()
         r = self._round()
+        if after is not None and r - 1 > after:
+            last = self.client.get(self._k("decided", r - 1))
+            q = json.loads(last[0]) if last is not None else None
+            if q is not None and replica_id not in q["members"]:
+                raise LeftOut(self._as_quorum(r - 1, q))
+        self.client.put(self._k("ask", r, replica_id), json.dumps(data or {}).encode())
+        first_seen: Optional[float] = None
         while True:
-            self.client.put(self._k("ask", r, replica_id), json.dumps(data or {}).encode())
-            first_seen: Optional[float] = None
-            while True:
-                # One request a poll: this round's decision and askers, the previous round's
-                # decision, the live workers (the dead marks only when someone live did not ask).
-                decided, asked_kv, prev, alive = self.client.read(
-                    (self._k("decided", r), False), (self._k("ask", r, ""), True),
-                    (self._k("decided", r - 1), False), (self._k("alive", ""), True))
-                if decided:
-                    q = json.loads(next(iter(decided.values())))
-                    if replica_id in q["members"]:
-                        return self._as_quorum(r, q)
-                    r += 1  # decided without us: the next round
-                    break
-                asked = {k.rsplit(b"/", 1)[1].decode(): v for k, v in asked_kv.items()}
-                askers = set(asked)
-                now = time.monotonic()
-                first_seen = first_seen or now
-                previous = set(json.loads(next(iter(prev.values())))["members"]) if prev and r > 1 else None
-                base = self._k("alive", "")
-                if self._ready(askers, now - first_seen, _suspects(asked.values()), previous,
-                               {k[len(base):].decode() for k in alive}):
-                    created = time.time()
-                    q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
-                    self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)
-                    continue  # read what was decided (ours, or an earlier decision)
-                if now > deadline:
-                    raise TimeoutError(f"no quorum in round {r} within {timeout.total_seconds():.1f} s")
-                time.sleep(self.poll_s)
+            # One request a poll: this round's decision and askers, the previous round's
+            # decision, the live workers (the dead marks only when someone live did not ask).
+            decided, asked_kv, prev, alive = self.client.read(
+                (self._k("decided", r), False), (self._k("ask", r, ""), True),
+                (self._k("decided", r - 1), False), (self._k("alive", ""), True))
+            if decided:
+                q = json.loads(next(iter(decided.values())))
+                if replica_id in q["members"]:
+                    return self._as_quorum(r, q)
+                raise LeftOut(self._as_quorum(r, q))
+            asked = {k.rsplit(b"/", 1)[1].decode(): v for k, v in asked_kv.items()}
+            askers = set(asked)
+            now = time.monotonic()
+            first_seen = first_seen or now
+            previous = set(json.loads(next(iter(prev.values())))["members"]) if prev and r > 1 else None
+            base = self._k("alive", "")
+            if self._ready(askers, now - first_seen, _suspects(asked.values()), previous,
+                           {k[len(base):].decode() for k in alive}):
+                created = time.time()
+                q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
+                self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)
+                continue  # read what was decided (ours, or an earlier decision)
+            if now > deadline:
+                raise TimeoutError(f"no quorum in round {r} within {timeout.total_seconds():.1f} s")
+            time.sleep(self.poll_s)
 
     def _round(self) -> int:
         """The first undecided round."""

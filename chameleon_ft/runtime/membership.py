@@ -68,7 +68,7 @@ from chameleon_ft.runtime.coordination import (  # noqa: E402  (the keys; the co
 from chameleon_ft.runtime.coordination import proven as _proven  # noqa: E402
 from chameleon_ft.runtime.errors import MembershipError, NothingToHeal  # noqa: E402  (defined with the other outcomes)
 from chameleon_ft.runtime.abort_watch import AbortWatcher  # noqa: E402
-from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, is_etcd  # noqa: E402
+from chameleon_ft.runtime.etcd import EtcdQuorum, EtcdStore, LeftOut, is_etcd  # noqa: E402
 from chameleon_ft.runtime.presence import (PRESENCE_KEY, PRESENCE_NODE_ENV, PresenceClient,  # noqa: E402
                                            presence_node_key)
 from chameleon_ft.runtime.liveness import (JUDGED_KEY, LIVENESS_KEY, LivenessMonitor, beat_key,  # noqa: E402
@@ -119,6 +119,13 @@ class MembershipView:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "members": list(self.members),
                            "token": self.token})
+
+
+def _token_of(quorum) -> str:
+    """The generation token of a quorum round: its id and creation time (every member of the
+    round computes the same one)."""
+    created = quorum.created
+    return f"{quorum.quorum_id}.{created.seconds}{created.nanos:09d}"
 
 
 class Membership:
@@ -178,6 +185,7 @@ class Membership:
         # One quorum request at a time: the main thread's, or the abort watcher's on its behalf.
         self._agree_lock = threading.Lock()
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
+        self._left_out_of = -1  # (etcd) the last round decided without this worker that it ended
         # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
         # group's set-up overlaps the main thread's compute).
         self.on_early_view: Optional[Callable[[MembershipView], None]] = None
@@ -481,10 +489,19 @@ class Membership:
                         f"worker {self.worker_id}: no quorum formed in time "
                         f"(coordinator {self.lighthouse_addr})")
                 try:
+                    # (etcd) a round decided without this worker after its last generation, not yet
+                    # ended by it, is ended at once (``LeftOut``), not waited out in the next round
+                    more = {"after": max(self._view.generation, self._left_out_of)} \
+                        if self._view is not None and isinstance(self._client, EtcdQuorum) else {}
                     quorum = self._client.quorum(
                         replica_id=str(self.worker_id),
                         timeout=timedelta(seconds=min(remaining, self.retry_s)),
-                        data=self._ask_data(previous_token))
+                        data=self._ask_data(previous_token), **more)
+                except LeftOut as out:  # (etcd) decided without this worker: end it to be admitted
+                    self._left_out_of = int(out.quorum.quorum_id)
+                    self._request_admission(previous_token, {"token": _token_of(out.quorum),
+                                                             "generation": int(out.quorum.quorum_id)})
+                    continue
                 except Exception as exc:  # timeout, or the coordinator is gone
                     if self._stop.is_set():
                         raise MembershipError("membership closed") from exc
@@ -576,11 +593,9 @@ class Membership:
         self._proofs = proofs
         if self.worker_id not in members:
             return None
-        created = quorum.created
-        token = f"{quorum.quorum_id}.{created.seconds}{created.nanos:09d}"
         return MembershipView(generation=int(quorum.quorum_id), members=members,
                               rank=members.index(self.worker_id), world_size=len(members),
-                              token=token)
+                              token=_token_of(quorum))
 
     def _with_proofs(self, workers, proofs: dict) -> list[int]:
         """The ``workers`` whose join proof ``proofs`` (by id as a string) holds, in order;

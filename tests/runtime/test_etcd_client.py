@@ -317,3 +317,30 @@ def test_which_members_were_reported_dead_is_read_in_a_few_requests_over_etcd(me
     calls = _count_requests(monkeypatch)
     dead_marks_are_read_in_a_few_requests(EtcdStore([member], "/cft/tdead/", timeout=timedelta(seconds=2)),
                                            lambda: calls[0])
+
+
+def test_a_worker_that_asks_after_its_peers_round_was_decided_without_it_is_told_at_once(member):
+    """Workers 1 and 2 agree without 3 (it had not asked within the join window); 3, whose last
+    generation is older than that round, learns it at its next ask (``LeftOut``: it ends that
+    round to be admitted) instead of waiting in the next round for peers that wait for it."""
+    from chameleon_ft.runtime.etcd import EtcdQuorum, LeftOut
+
+    store = EtcdStore([member], "/cft/tleft/", timeout=timedelta(seconds=5))
+    qs = {w: EtcdQuorum(store, join_timeout_s=0.05, heartbeat_timeout_s=5.0) for w in "123"}
+    for w in "123":
+        qs[w].heartbeat(w)
+    got = {}
+    threads = [threading.Thread(target=lambda w=w: got.setdefault(w, qs[w].quorum(w, timedelta(seconds=5))))
+               for w in "12"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert {tuple(p.replica_id for p in q.participants) for q in got.values()} == {("1", "2")}
+    round_ = got["1"].quorum_id
+    t0 = time.monotonic()
+    with pytest.raises(LeftOut) as left:
+        qs["3"].quorum("3", timedelta(seconds=5), after=round_ - 1)
+    assert left.value.quorum.quorum_id == round_ and time.monotonic() - t0 < 1.0
+    with pytest.raises(TimeoutError):  # once it ended that round (after=round_), it asks in the next
+        qs["3"].quorum("3", timedelta(seconds=0.5), after=round_)
