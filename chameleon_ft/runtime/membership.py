@@ -493,14 +493,10 @@ class Membership:
                     # ended by it, is ended at once (``LeftOut``), not waited out in the next round
                     more = {"after": max(self._view.generation, self._left_out_of)} \
                         if self._view is not None and isinstance(self._client, EtcdQuorum) else {}
-                    asking = self._while_asking(previous_token)
-                    try:
-                        quorum = self._client.quorum(
-                            replica_id=str(self.worker_id),
-                            timeout=timedelta(seconds=min(remaining, self.retry_s)),
-                            data=self._ask_data(previous_token), **more)
-                    finally:
-                        asking.set()
+                    quorum = self._client.quorum(
+                        replica_id=str(self.worker_id),
+                        timeout=timedelta(seconds=min(remaining, self.retry_s)),
+                        data=self._ask_data(previous_token), **more)
                 except LeftOut as out:  # (etcd) decided without this worker: end it to be admitted
                     self._left_out_of = int(out.quorum.quorum_id)
                     self._request_admission(previous_token, {"token": _token_of(out.quorum),
@@ -539,32 +535,6 @@ class Membership:
                     f"and none of them is in its quorum {list(view.members)}: the job went on without it and "
                     "they are gone (finished, or lost); it stops rather than train on alone from its older state")
             return view
-
-    def _while_asking(self, previous_token: Optional[str]) -> threading.Event:
-        """(The Lighthouse) While this worker's quorum request blocks, end a generation its
-        peers publish without it meanwhile (``_request_admission``): it asked after their
-        round's join window, its request waits for the next round, and they wait for it
-        (``await_the_missing``) -- each up to a second.  Ended, they ask again, and the round
-        forms with the request already waiting.  Set the returned event when the request is
-        back.  (Over etcd the quorum tells a late asker itself: ``LeftOut``.)"""
-        done = threading.Event()
-        mine = self._view
-        if mine is None or isinstance(self._client, EtcdQuorum):
-            return done
-
-        def watch() -> None:
-            while not done.wait(0.02):
-                try:
-                    latest = self._latest()
-                except Exception:
-                    return
-                if (latest is not None and latest.get("token") != previous_token
-                        and latest.get("generation", -1) > mine.generation
-                        and self.worker_id not in latest.get("members", ())):
-                    self._request_admission(previous_token, latest)
-                    return
-        threading.Thread(target=watch, daemon=True, name=f"cft-asking-{self.worker_id}").start()
-        return done
 
     def _missed_quorum(self, previous_token: Optional[str], latest: Optional[dict]) -> Optional[MembershipView]:
         """A quorum formed with this worker that it did not receive: a request that timed out

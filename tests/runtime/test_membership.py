@@ -1157,37 +1157,3 @@ def test_which_members_were_reported_dead_is_read_in_a_few_requests_whatever_the
         dead_marks_are_read_in_a_few_requests(store, lambda: store.n)
     finally:
         server.shutdown()
-
-
-def test_a_worker_whose_quorum_request_waits_ends_a_generation_its_peers_publish_without_it():
-    """Over the Lighthouse a worker that asked after its peers' round formed waits in its request
-    for the next round while they wait for it (each up to a second): while it waits, a
-    generation published without it is ended at once (an admission record), so that they ask
-    again and the round forms with its request.  A real coordinator store; the request's wait
-    itself is the test's (``_while_asking`` runs beside it)."""
-    import json
-
-    from chameleon_ft.runtime.coordination import abort_key
-    from chameleon_ft.runtime.membership import MembershipView, connect_store
-
-    server = CoordinatorServer()
-    try:
-        store = connect_store(server.store_addr, 5.0)
-        m = object.__new__(Membership)
-        m.worker_id, m.store, m._client = 3, store, object()  # (not the etcd quorum)
-        m._view = MembershipView(generation=4, members=(0, 1, 2, 3), rank=3, world_size=4, token="g4")
-        m._admitted_at, m._admission_tries = None, 0
-        store.set("cft/latest", json.dumps({"generation": 4, "members": [0, 1, 2, 3], "token": "g4"}))
-        asking = m._while_asking("g4")
-        time.sleep(0.2)
-        assert not store.check([abort_key("g4")])  # nothing newer published: nothing ended
-        store.set("cft/latest", json.dumps({"generation": 5, "members": [0, 1, 2], "token": "g5"}))
-        t0 = time.monotonic()
-        while not store.check([abort_key("g5")]):
-            assert time.monotonic() - t0 < 2.0, "the generation published without it was not ended"
-            time.sleep(0.01)
-        record = json.loads(store.get(abort_key("g5")).decode())
-        assert record["by"] == 3 and record["reason"] == "admission"
-        asking.set()
-    finally:
-        server.shutdown()
