@@ -145,8 +145,8 @@ class AbortWatcher:
                 if stream is None:
                     raise OSError("no stream")
                 opened = stream.streaming
-                # Wait on the stream until the next read is due (it wakes at a line), not ``poll_s``:
-                # 4 wake-ups a second instead of 50 for a thread beside the training loop.
+                # Wait on the stream until the next read is due (it wakes at a line): about
+                # 1 / READ_EVERY_S wake-ups a second for a thread beside the training loop.
                 pending = view is not None and view.token in ended and view.token != acted
                 wait_s = 0.0 if pending else self.poll_s if view is None else \
                     min(READ_EVERY_S, max(self.poll_s, read_at - time.monotonic()))

@@ -87,18 +87,17 @@ _DEAD_LOG_KEY = "cft/dead-log"  # every dead mark once more, "worker:incarnation
 
 
 def mark_dead(store, worker_id: int, incarnation: int) -> None:
-    """Record that ``worker_id``'s ``incarnation`` is gone: its own key (``dead_workers``'s
-    range read over etcd) and a line of the one log that ``reported_dead_among`` reads."""
+    """Record that ``worker_id``'s ``incarnation`` is gone: its own key (``reported_dead``) and a
+    line of the one log that ``reported_dead_among`` and ``dead_workers`` read."""
     store.set(_dead_key(worker_id), str(incarnation))
     store.append(_DEAD_LOG_KEY, f"{worker_id}:{incarnation}\n")
 
 
-def reported_dead_among(store, workers) -> set[int]:
-    """Which of ``workers`` (registered workers) have their current incarnation reported dead,
-    by the rule of ``reported_dead``, in one or two requests whatever their number: the log of
-    dead marks, then -- only when some of ``workers`` have a mark -- their incarnation counters
-    in one ``multi_get``.  (One check per worker was N requests for each member after every
-    agreement: O(N^2) for the job.)"""
+def reported_dead_among(store, workers=None) -> set[int]:
+    """Which of ``workers`` (registered workers; None: every worker with a mark) have their
+    current incarnation reported dead, by the rule of ``reported_dead``, in one or two requests
+    whatever their number: the log of dead marks, then -- only when some of them have a mark --
+    their incarnation counters in one ``multi_get``."""
     raw = read_value(store, _DEAD_LOG_KEY)
     if not raw:
         return set()
@@ -106,7 +105,7 @@ def reported_dead_among(store, workers) -> set[int]:
     for line in raw.decode().split():
         w, _, inc = line.partition(":")
         marks[int(w)] = max(marks.get(int(w), 0), int(inc))
-    marked = [int(w) for w in workers if int(w) in marks]
+    marked = list(marks) if workers is None else [int(w) for w in workers if int(w) in marks]
     if not marked:
         return set()
     incarnations = store.multi_get([_incarnation_key(w) for w in marked])
@@ -114,15 +113,10 @@ def reported_dead_among(store, workers) -> set[int]:
 
 
 def dead_workers(store) -> set[str]:
-    """The workers whose current incarnation a launcher (or a presence connection's end)
-    reported dead (``report_dead``), read with two range requests of an ``EtcdStore``: what the
-    quorum over etcd does instead of the Lighthouse's stand-in requests
-    (``stand_in_for_the_dead``)."""
-    marks = store.read_prefix("cft/dead/")
-    if not marks:
-        return set()
-    incarnations = store.read_prefix("cft/incarnation/")
-    return {w for w, v in marks.items() if _marks_dead(v, int(incarnations.get(w) or b"0"))}
+    """Every worker whose current incarnation a launcher (or a presence connection's end)
+    reported dead (``report_dead``), as strings: what the quorum over etcd does instead of the
+    Lighthouse's stand-in requests (``stand_in_for_the_dead``)."""
+    return {str(w) for w in reported_dead_among(store)}
 
 
 def _marks_dead(mark: Optional[bytes], incarnation: int) -> bool:
@@ -250,14 +244,17 @@ class CoordinatorServer:
             report=lambda w, s, latest: report_silent(self._presence_store, latest, w, s))
         if self.judge is not None:
             self.store.set(JUDGED_KEY, "coordinator")
-        # A death reported here is also stood in for at the Lighthouse, as the launcher's agent
-        # does for a process it saw exit: the survivors agree as soon as they all asked, not a
-        # join window later (a whole node's loss: its launcher is gone with it).
         self._presence = PresenceServer(host, os.environ.get(TOKEN_ENV, "") if token is None else token,
-                                        lambda w, inc: presence_ended(self._presence_store, w, inc)
-                                        and stand_in_for_the_dead(self.lighthouse_addr, w),
-                                        ended=ends, judge=self.judge)
+                                        self._connection_ended, ended=ends, judge=self.judge)
         self.store.set(PRESENCE_KEY, self._presence.address)
+
+    def _connection_ended(self, worker: int, incarnation: int) -> None:
+        """A worker's presence connection ended without a goodbye: report it dead and, as the
+        launcher's agent does for a process it saw exit, stand in for it at the Lighthouse, so
+        that the survivors agree as soon as they all asked, not a join window later (a whole
+        node's loss: its launcher is gone with it)."""
+        if presence_ended(self._presence_store, worker, incarnation):
+            stand_in_for_the_dead(self.lighthouse_addr, worker)
 
     def latest_view(self) -> Optional[dict]:
         """The newest generation published by its members: generation, members, token."""

@@ -368,22 +368,22 @@ class EtcdClient:
 
     def get_many(self, keys: Sequence[bytes]) -> list[Optional[tuple[bytes, int]]]:
         """``get`` of each key, in one request (a transaction of range reads: one revision)."""
-        out = self.call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in keys]})
-        got: list[Optional[tuple[bytes, int]]] = []
-        for r in out.get("responses") or [{}] * len(keys):
-            kvs = (r.get("response_range") or {}).get("kvs") or []
-            got.append((_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None)
-        return got
+        return [(_unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])) if kvs else None
+                for kvs in self._ranges([(k, False) for k in keys])]
 
     def read(self, *specs: tuple[bytes, bool]) -> list[dict[bytes, bytes]]:
         """Several reads in one request (a transaction of ranges: one revision), each a key
         (``(key, False)``) or every key under a prefix (``(prefix, True)``); each answer
         ``{key: value}`` (empty when nothing is there)."""
+        return [{_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in kvs} for kvs in self._ranges(specs)]
+
+    def _ranges(self, specs: Sequence[tuple[bytes, bool]]) -> list[list[dict]]:
+        """The key-values etcd answers for each range of ``specs`` (a key, or a prefix when
+        ``True``), all in one transaction."""
         ops = [{"request_range": {"key": _b64(k), **({"range_end": _b64(_prefix_end(k))} if prefix else {})}}
                for k, prefix in specs]
         out = self.call("/v3/kv/txn", {"success": ops})
-        return [{_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in (r.get("response_range") or {}).get("kvs") or []}
-                for r in out.get("responses") or [{}] * len(specs)]
+        return [(r.get("response_range") or {}).get("kvs") or [] for r in out.get("responses") or [{}] * len(specs)]
 
     def range_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
         kvs = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}).get("kvs") or []
@@ -735,11 +735,6 @@ class EtcdStore(dist.Store):
             got.update({k: v[0] for k, v in zip(rest, self.client.get_many([self._k(k) for k in rest])) if v})
         return [got[k] if k in got else self.get(k) for k in keys]
 
-    def read_prefix(self, prefix: str) -> dict[str, bytes]:
-        """Every key under ``prefix`` (one range request), by the rest of its name."""
-        base = self._k(prefix)
-        return {k[len(base):].decode(): v for k, v in self.client.range_prefix(base).items()}
-
     def multi_set(self, keys, values) -> None:
         for k, v in zip(keys, values):
             self.set(k, v)
@@ -816,8 +811,12 @@ class EtcdQuorum:
             self._renewed_at = now
 
     def alive(self) -> set[str]:
+        return self._alive_ids(self.client.range_prefix(self._k("alive", "")))
+
+    def _alive_ids(self, keys) -> set[str]:
+        """The worker ids of liveness keys read under ``alive/``."""
         base = self._k("alive", "")
-        return {k[len(base):].decode() for k in self.client.range_prefix(base)}
+        return {k[len(base):].decode() for k in keys}
 
     # ------------------------------------------------------------ quorum
     def quorum(self, replica_id: str, timeout: timedelta, data=None, after: Optional[int] = None) -> SimpleNamespace:
@@ -852,9 +851,7 @@ class EtcdQuorum:
             now = time.monotonic()
             first_seen = first_seen or now
             previous = set(json.loads(next(iter(prev.values())))["members"]) if prev and r > 1 else None
-            base = self._k("alive", "")
-            if self._ready(askers, now - first_seen, _suspects(asked.values()), previous,
-                           {k[len(base):].decode() for k in alive}):
+            if self._ready(askers, now - first_seen, _suspects(asked.values()), previous, self._alive_ids(alive)):
                 created = time.time()
                 q = {"members": sorted(askers, key=int), "created": [int(created), int((created % 1) * 1e9)]}
                 self.client.swap(self._k("decided", r), json.dumps(q).encode(), None)

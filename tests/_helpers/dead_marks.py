@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 
-class CountingStore:
-    """A store client that counts its requests."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.n = inner, 0
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-
-        def call(*args, **kwargs):
-            self.n += 1
-            return attr(*args, **kwargs)
-        return call
-
-
 def dead_marks_are_read_in_a_few_requests(store, count) -> None:
     """``coordination.reported_dead_among`` on ``store`` (requests counted by ``count``): 200
     registered workers, none marked, then 7 and 150 reported dead, then 150's id taken by a
     replacement (a newer incarnation: alive)."""
-    from chameleon_ft.runtime.coordination import (_incarnation_key, report_dead, reported_dead,
+    from chameleon_ft.runtime.coordination import (_incarnation_key, dead_workers, report_dead, reported_dead,
                                                    reported_dead_among)
     workers = range(200)
     for w in workers:
@@ -38,4 +23,5 @@ def dead_marks_are_read_in_a_few_requests(store, count) -> None:
     store.add(_incarnation_key(150), 1)  # a replacement took id 150
     got = reported_dead_among(store, workers)
     assert got == {7} == {w for w in workers if reported_dead(store, w)}  # the per-worker rule agrees
+    assert dead_workers(store) == {"7"}  # every marked worker (the quorum over etcd's ``gone``)
     assert reported_dead_among(store, [3, 150]) == set()

@@ -1147,7 +1147,8 @@ def test_many_admissions_in_a_row_do_not_overflow_the_backoff():
 def test_which_members_were_reported_dead_is_read_in_a_few_requests_whatever_their_number():
     """What every member asks after each agreement (``Membership._reported_dead``): one request
     per member before, N for each of N members -- O(N^2) for the job at every recovery."""
-    from _helpers.dead_marks import CountingStore, dead_marks_are_read_in_a_few_requests
+    from _helpers.counting import CountingStore
+    from _helpers.dead_marks import dead_marks_are_read_in_a_few_requests
     from chameleon_ft.runtime.coordination import CoordinatorServer
     from chameleon_ft.runtime.membership import connect_store
 

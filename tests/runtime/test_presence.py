@@ -20,6 +20,7 @@ from chameleon_ft.runtime.coordination import (CoordinatorServer, _dead_key, _in
 from chameleon_ft.runtime.presence import PRESENCE_KEY, PresenceClient
 
 from _helpers.abort_watch import reads_a_few_times_a_second_and_sees_an_end_at_once
+from _helpers.counting import CountingStore
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -131,17 +132,6 @@ def test_only_a_holder_of_the_job_token_registers(coordinator):
     assert server._presence.registered == {} and not _dead(store)
 
 
-class _Counting:
-    """A store client that counts its requests (what the watcher's client sends)."""
-
-    def __init__(self, store):
-        self.store, self.requests = store, 0
-
-    def check(self, keys):
-        self.requests += 1
-        return self.store.check(keys)
-
-
 def test_the_coordinator_writes_each_end_once_and_the_watcher_reads_a_few_times_a_second(coordinator, monkeypatch):
     """Over the embedded coordinator the abort watcher learns a generation's end from the line the
     coordinator writes on its presence connection (``GenerationEnds``: one reader of the newest
@@ -165,7 +155,7 @@ def test_the_coordinator_writes_each_end_once_and_the_watcher_reads_a_few_times_
     client = PresenceClient()
     client.connect(store.get(PRESENCE_KEY).decode(), "secret", 3, store.add(_incarnation_key(3), 1))
     assert client.streaming
-    counting = _Counting(connect_store(server.store_addr, 5.0))
+    counting = CountingStore(connect_store(server.store_addr, 5.0))
     view = SimpleNamespace(token="gen5")
     seen, stop = [], threading.Event()
     w = abort_watch.AbortWatcher(3, server.store_addr, 5.0, view=lambda: view,
@@ -176,7 +166,7 @@ def test_the_coordinator_writes_each_end_once_and_the_watcher_reads_a_few_times_
     try:
         # the coordinator's tick (20 ms) and the line, not the watcher's own read (250 ms)
         reads_a_few_times_a_second_and_sees_an_end_at_once(
-            w, seen, lambda: counting.requests, lambda: store.set(abort_key("gen5"), "{}"), "gen5",
+            w, seen, lambda: counting.n, lambda: store.set(abort_key("gen5"), "{}"), "gen5",
             1.5 / abort_watch.READ_EVERY_S)
     finally:
         stop.set()
