@@ -119,6 +119,7 @@ class GroupManager(Waits):
         self._view: Optional[MembershipView] = None
         self._pg: Optional[dist.ProcessGroup] = None
         self._stores: list = []  # the stores of the newest groups (kept alive: see rebuild)
+        self._data_stores: list = []  # (their data groups' own clients)
         # Group set-ups given up while still blocked in gloo's connect (see rebuild, close).
         self._abandoned: list[tuple[threading.Thread, float]] = []
         # A set-up started ahead of ``rebuild`` (``prebuild``): (token, thread, result, deadline).
@@ -190,6 +191,7 @@ class GroupManager(Waits):
         # A store written in Python (etcd's) must outlive the group that may call into it:
         # the C++ side holds no reference to the Python object.
         self._stores = (self._stores + [result["store"]])[-4:]
+        self._data_stores = (self._data_stores + [result.get("data_store")])[-4:]
         return self._pg
 
     def prebuild(self, view: MembershipView) -> None:
@@ -214,31 +216,46 @@ class GroupManager(Waits):
         time by which it must have ended."""
         result: dict = {}
 
+        def gloo(prefix: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+            pg = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.connect_timeout_s))
+            pg.set_timeout(timedelta(seconds=self.op_timeout_s))  # set-up and ops: separate limits
+            return pg
+
+        def build_data(store: dist.Store, into: dict) -> None:  # the buckets' own group (data_group)
+            try:
+                into["data"] = gloo(dist.PrefixStore(f"cft/pg/{view.token}/data", store), view.rank, view.world_size)
+                into["data_store"] = store
+            except Exception as exc:
+                into["error"] = exc
+
         def build() -> None:
             try:
                 if data:
-                    store, rank, size = self._stores[-1], view.rank, view.world_size
-                    prefix = None
-                elif ranks is None:
+                    build_data(self._stores[-1], result)
+                    if "data" in result:
+                        result["pg"], result["store"] = result["data"], result.pop("data_store")
+                    return
+                side, beside = {}, None
+                if ranks is None:
                     store = self._store_factory()
                     prefix = dist.PrefixStore(f"cft/pg/{view.token}", store)
                     rank, size = view.rank, view.world_size
+                    if self.separate_data:  # set up beside the generation's group, on a client of its own
+                        beside = threading.Thread(target=build_data, args=(self._store_factory(), side),
+                                                  name=f"cft-pg-data-{view.token}", daemon=True)
+                        beside.start()
                 else:
                     store = self._stores[-1]
                     prefix = dist.PrefixStore(f"cft/pg/{view.token}/sub/{'.'.join(map(str, ranks))}", store)
                     rank, size = ranks.index(view.rank), len(ranks)
-                pg = None if data else dist.ProcessGroupGloo(prefix, rank, size,
-                                                             timedelta(seconds=self.connect_timeout_s))
-                # Connection set-up and ops get separate limits.
-                if pg is not None:
-                    pg.set_timeout(timedelta(seconds=self.op_timeout_s))
-                if ranks is None and (data or self.separate_data):  # the buckets' own group (data_group)
-                    result["data"] = dist.ProcessGroupGloo(dist.PrefixStore(f"cft/pg/{view.token}/data", store),
-                                                           rank, size, timedelta(seconds=self.connect_timeout_s))
-                    result["data"].set_timeout(timedelta(seconds=self.op_timeout_s))
-                    if data:
-                        result["pg"], result["store"] = result["data"], store
-                        return
+                try:
+                    pg = gloo(prefix, rank, size)
+                finally:
+                    if beside is not None:  # (gloo's connect timeout bounds it)
+                        beside.join()
+                if "error" in side:
+                    raise side["error"]
+                result.update(side)
                 if self.nccl is not None and ranks is None:  # built here, installed by the waiter
                     result["nccl"] = self.nccl.build(dist.PrefixStore(f"cft/nccl/{view.token}", store),
                                                      view.rank, view.world_size)
