@@ -617,6 +617,7 @@ class EtcdStore(dist.Store):
         self._timeout = timeout
         self.poll_s = 0.005
         self._written: dict[bytes, tuple[bytes, int]] = {}  # key -> (value, revision) this client wrote
+        self._waited: dict[bytes, bytes] = {}  # key -> the value ``wait`` read, for the next ``get``
 
     def _k(self, key) -> bytes:
         return self.prefix + (key if isinstance(key, bytes) else str(key).encode())
@@ -634,9 +635,18 @@ class EtcdStore(dist.Store):
         return self._timeout
 
     def set(self, key, value) -> None:
+        self._waited.pop(self._k(key), None)
         self.client.put(self._k(key), value if isinstance(value, bytes) else str(value).encode())
 
     def get(self, key) -> bytes:
+        """``key``'s value, waited for up to the store's timeout.  Right after a ``wait`` for it,
+        the value that wait read (once; no second request): gloo's rendezvous waits for each
+        peer's address and then gets it -- keys written once -- so a group's set-up takes half
+        the requests.  A write by another client between the two is not seen (TCPStore's two
+        requests would see it); no key of this package is written after it is waited for."""
+        got = self._waited.pop(self._k(key), None)
+        if got is not None:
+            return got
         got = self._wait_get(key, self._timeout.total_seconds())
         if got is None:
             raise dist.DistStoreError(f"key {key!r} not in the store after {self._timeout}")
@@ -663,6 +673,7 @@ class EtcdStore(dist.Store):
         are tried first: a key only this client writes (a liveness counter) takes one request,
         not a read and a write."""
         k = self._k(key)
+        self._waited.pop(k, None)
         mine = self._written.get(k)
         while True:
             got = mine or self.client.get(k)
@@ -704,11 +715,15 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys, timeout: Optional[timedelta] = None) -> None:
         t = (timeout or self._timeout).total_seconds()
+        self._waited.clear()  # (only the newest wait's values stand for a get)
         for k in keys:
-            if self._wait_get(k, t) is None:
+            got = self._wait_get(k, t)
+            if got is None:
                 raise dist.DistStoreError(f"wait for {k!r} timed out after {t:.1f} s")
+            self._waited[self._k(k)] = got
 
     def delete_key(self, key) -> bool:
+        self._waited.pop(self._k(key), None)
         return self.client.delete(self._k(key)) > 0
 
     def clone(self) -> "EtcdStore":

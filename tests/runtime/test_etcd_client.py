@@ -344,3 +344,53 @@ def test_a_worker_that_asks_after_its_peers_round_was_decided_without_it_is_told
     assert left.value.quorum.quorum_id == round_ and time.monotonic() - t0 < 1.0
     with pytest.raises(TimeoutError):  # once it ended that round (after=round_), it asks in the next
         qs["3"].quorum("3", timedelta(seconds=0.5), after=round_)
+
+
+def test_a_gloo_group_over_etcd_reads_each_peers_address_once(member, monkeypatch):
+    """gloo's rendezvous waits for each peer's address and then gets it: the get takes the
+    value the wait read (no second request), and a later write through the client is seen.
+    Four ranks set up a real gloo group over one ``EtcdStore`` client each; per rank one write
+    and one read per peer key (more where a key is polled before it exists), no read in a get."""
+    import torch
+    import torch.distributed as dist
+
+    calls = _count_requests(monkeypatch)
+    in_get = [0]  # requests made inside EtcdStore.get
+    real_get = EtcdStore.get
+
+    def get(self, key):
+        c0 = calls[0]
+        try:
+            return real_get(self, key)
+        finally:
+            in_get[0] += calls[0] - c0  # (threads may add theirs: an upper bound)
+    monkeypatch.setattr(EtcdStore, "get", get)
+    n, out, errors = 4, {}, []
+
+    def rank(r: int) -> None:
+        try:
+            s = EtcdStore([member], "/cft/tgloo/", timeout=timedelta(seconds=20))
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", s), r, n, timedelta(seconds=20))
+            t = torch.tensor([float(r)])
+            pg.allreduce([t]).wait()
+            out[r] = float(t)
+        except Exception as exc:  # shown below
+            errors.append(exc)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and out == {r: 6.0 for r in range(n)}
+    # Each rank waited for every address and then got it: the gets took no request of their
+    # own (they took one each, n * n, before).
+    assert in_get[0] < n
+    s = EtcdStore([member], "/cft/tgloo2/", timeout=timedelta(seconds=2))
+    s.set("k", "1")
+    s.wait(["k"])
+    c0 = calls[0]
+    assert s.get("k") == b"1" and calls[0] == c0  # the value the wait read
+    assert s.get("k") == b"1" and calls[0] == c0 + 1  # once only: then the store again
+    s.wait(["k"])
+    s.set("k", "2")
+    assert s.get("k") == b"2"  # this client's own write after the wait is seen
