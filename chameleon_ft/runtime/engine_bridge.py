@@ -171,6 +171,7 @@ class EngineBridge(PipelineCalibration):
         self.agree_s = 0.0
         self._residual_key: Optional[tuple] = None
         self._steps_since_fit = 0
+        self._since_s = 0.0  # shared step seconds since the last step observed (``observe_step``)
 
     # ---------------------------------------------------------------- engine inputs
     def workload(self) -> Workload:
@@ -276,6 +277,7 @@ class EngineBridge(PipelineCalibration):
         joined (if any); the plan and allocation follow the choices.  Raises
         ``RestartRequested`` when the engine picks checkpoint-restart."""
         members = frozenset(members)
+        self._flush_exposure()  # (counted for the members it ran with)
         # ``_redo``: the workers an undone Decision lost (``undo_migration``), decided on again
         dead = (self.alive - members) | (self._redo - members)
         redone, self._redo, joined, self.decided_dead = self._redo, frozenset(), members - self.alive, dead
@@ -335,10 +337,19 @@ class EngineBridge(PipelineCalibration):
         straggler Decision when the detector flags or clears someone or a rebalance is undone."""
         if not self._warmed:
             self._warm_up()
-        per_mb = self._per_mb(timings)  # pipeline jobs: against same-stage peers
         step_prev = max((s for _, _, _, s in timings.values()), default=0.0)
-        if step_prev > 0:
-            self.estimator.observe(len(self.alive), step_prev)
+        # Steps shorter than the detector's min_cost_s (5 ms) are observed one in every
+        # min_cost_s of them (the step that completes the span; an observation costs tens of
+        # microseconds): in a step that short no member's slowdown costs min_cost_s, so none
+        # counts as evidence, and a step that holds one is that long and observed.  Every step
+        # while warming up, while someone is flagged or a rebalance is measured.  The same on
+        # every member: the timings are the shared ones, the sum is in the state.
+        self._since_s += step_prev
+        if (self._since_s < self.detector.min_cost_s and self.mb_seconds is not None
+                and not self.detector.flagged and self._check is None and self.stages == 1):
+            return None
+        self._flush_exposure()
+        per_mb = self._per_mb(timings)  # pipeline jobs: against same-stage peers
         if self.mb_seconds is None and per_mb:
             self._warm.append(sorted(per_mb.values())[len(per_mb) // 2])
             if len(self._warm) >= self.warmup_steps:
@@ -389,6 +400,13 @@ class EngineBridge(PipelineCalibration):
                            "predicted": d.option("rebalance").step_time / d.option("keep").step_time,
                            "after": []}
         return d
+
+    def _flush_exposure(self) -> None:
+        """The step seconds summed since the last observation, as the failure-rate estimator's
+        exposure of the members alive now."""
+        if self._since_s > 0:
+            self.estimator.observe(len(self.alive), self._since_s)
+        self._since_s = 0.0
 
     def _hold_steps(self, rank: int) -> int:
         """Steps a rank's timings are ignored after its rebalance was undone: two windows of
@@ -544,7 +562,7 @@ class EngineBridge(PipelineCalibration):
             # between two refits must hold the same figures as the one it came from.
             "pipeline_fit": self.fit.to_json() if self.fit else None,
             "pipeline_refit": [self._steps_since_fit, list(self._residual_key) if self._residual_key else None],
-            "agree_s": self.agree_s,
+            "agree_s": self.agree_s, "observe_since_s": self._since_s,
             "replacements_used": [[n, k] for n, k in sorted(self.replacements_used.items())],
             "replacement": {"eta_s": self.replacement_eta_s, "delays": list(self.replacement_delays),
                             "lost_at": [[d, t] for d, t in sorted(self._lost_at.items())]},
@@ -571,6 +589,7 @@ class EngineBridge(PipelineCalibration):
         self.weight_bytes, self.optim_bytes = (int(x) for x in s.get("state_bytes", (4, 8)))
         self.migrating_from = s.get("migrating_from")
         self.agree_s = float(s.get("agree_s", 0.0))
+        self._since_s = float(s.get("observe_since_s", 0.0))
         self.replacements_used = {int(n): int(k) for n, k in s.get("replacements_used", [])}
         rep = s.get("replacement")
         if rep is not None:

@@ -235,10 +235,10 @@ def test_allocate_min_one_keeps_a_slow_device_measurable():
 class SimJob:
     """Timings a data-parallel job reports for the policy's allocation."""
 
-    def __init__(self, workers=4, global_batch=32, micro_batch=4, mb_s=0.1, **kw):
+    def __init__(self, workers=4, global_batch=32, micro_batch=4, mb_s=0.1, comm_s=0.02, **kw):
         self.policy = EngineBridge([1000, 1000], global_batch, micro_batch, mttf_s=86400.0, **kw)
         self.policy.start(list(range(workers)))
-        self.mb_s = mb_s
+        self.mb_s, self.comm_s = mb_s, comm_s
         self.step, self.prev = 0, 0.0
         self.decisions = []
 
@@ -248,8 +248,8 @@ class SimJob:
             alloc = self.policy.allocation
             comp = {w: n * self.mb_s * (slow or {}).get(w, 1.0) + (fixed or {}).get(w, 0.0)
                     for w, n in alloc.items()}
-            timings = {w: (comp[w], n, 0.02, self.prev) for w, n in alloc.items()}
-            self.prev = max(comp.values()) + 0.02
+            timings = {w: (comp[w], n, self.comm_s, self.prev) for w, n in alloc.items()}
+            self.prev = max(comp.values()) + self.comm_s
             self.step += 1
             d = self.policy.observe_step(timings, self.step)
             if d is not None:
@@ -277,6 +277,37 @@ def test_a_flagged_worker_keeps_a_microbatch():
     alloc = job.policy.allocation
     assert alloc[1] == 1 and sum(alloc.values()) == 8, alloc
     assert job.policy.detector.flagged.keys() == {1}  # still measured: still slow
+
+
+def test_steps_of_a_millisecond_are_observed_in_a_sample_and_a_costly_straggler_at_every_step():
+    """Steps shorter than the detector's min_cost_s are observed once per min_cost_s of them
+    (the failure-rate estimator still counts every second); a slowdown that costs min_cost_s
+    makes every step that long, so it is flagged at the step it would be were every step
+    observed (forced here by a full span before each)."""
+    calls = []
+
+    def counting(job):
+        real = job.policy.detector.observe
+        job.policy.detector.observe = lambda *a, **k: calls.append(job.step) or real(*a, **k)
+
+    fast = SimJob(mb_s=0.0002, comm_s=0.0002)  # 2 micro-batches a worker: 0.6 ms steps
+    counting(fast)
+    fast.run(600)
+    ran_s = 599 * 0.0006  # every step's seconds after the first
+    assert 3 <= len(calls) < 600 * 0.0006 / 0.005 + 10, len(calls)  # (the first three: warm-up)
+    assert fast.policy.estimator.device_s == pytest.approx(4 * ran_s, abs=4 * 0.005)
+
+    def flagged_at(force: bool):
+        job = SimJob(mb_s=0.0002, comm_s=0.0002)
+        job.run(20)
+        steps = []
+        for _ in range(200):  # worker 1 takes 10 ms more a micro-batch: 20 ms a step
+            if force:
+                job.policy._since_s = 1.0
+            job.run(1, slow={1: 50.0})
+            steps += [job.step for _, d in job.decisions[len(steps):]]
+        return [(s, d.event.devices) for s, d in job.decisions]
+    assert flagged_at(False) == flagged_at(True) and flagged_at(False), flagged_at(False)
 
 
 def test_flags_then_a_kill_leave_no_worker_idle_and_clearing_restores_the_even_split():
