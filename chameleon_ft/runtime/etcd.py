@@ -13,7 +13,9 @@ agreement itself.  Two pieces:
 * ``EtcdStore`` -- a ``torch.distributed.Store`` (what gloo's rendezvous and ``membership.py``
   use): ``set``/``get`` (waits for the key)/``add``/``compare_set``/``check``/``wait``/
   ``append``/``delete_key``, each a linearizable etcd request (``add``, ``append`` and
-  ``compare_set`` are one compare-and-swap transaction, retried on a conflict).
+  ``compare_set`` are one compare-and-swap transaction, retried on a conflict) -- except a
+  ``get`` right after a ``wait`` for its key, which returns what the wait read (gloo's
+  rendezvous waits, then gets, keys written once).
 * ``EtcdWatch`` -- the keys written under a prefix, pushed by etcd on a watch stream (the abort
   watcher's wait: no request while nothing ends).
 * ``EtcdQuorum`` -- what the Lighthouse's client does (``heartbeat``, ``quorum``), with the
