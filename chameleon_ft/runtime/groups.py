@@ -250,9 +250,12 @@ class GroupManager(Waits):
                     rank, size = ranks.index(view.rank), len(ranks)
                 try:
                     pg = gloo(prefix, rank, size)
-                finally:
-                    if beside is not None:  # (gloo's connect timeout bounds it)
-                        beside.join()
+                except Exception:
+                    if beside is not None:  # not waited for: ``close`` waits for it, as for a given-up set-up
+                        self._abandon(beside, time.monotonic() + self.connect_timeout_s + 1.0)
+                    raise
+                if beside is not None:  # (gloo's connect timeout bounds it)
+                    beside.join()
                 if "error" in side:
                     raise side["error"]
                 result.update(side)
