@@ -422,6 +422,47 @@ def test_closing_waits_for_a_given_up_group_set_up():
     assert time.monotonic() - t0 < 1.5 + 1.0  # no longer than its connect timeout
 
 
+def test_a_generation_whose_group_fails_at_once_does_not_wait_for_its_data_group():
+    # With ``separate_data`` a generation's two gloo groups are set up side by side.  The
+    # generation's own set-up fails at once (its store refuses the address) while the data
+    # group's waits for a peer that never comes: the failure is reported at once, not after the
+    # data group's connect timeout, and close() waits for the data group's thread.
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_ft.runtime.groups import CollectiveFailure, GroupManager
+    from chameleon_ft.runtime.membership import MembershipView
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    def client():
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+
+    class Refusing(dist.Store):
+        def set(self, key, value):
+            raise RuntimeError("refused")
+
+    made = []
+
+    def factory():  # the generation's client first, then the data group's
+        made.append(Refusing() if not made else client())
+        return made[-1]
+
+    gm = GroupManager(client(), 0, factory, op_timeout_s=2.0, connect_timeout_s=2.0)
+    gm.separate_data = True
+    view = MembershipView(generation=0, members=(0, 1), rank=0, world_size=2, token="0.d")
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveFailure, match="group formation failed.*refused"):
+        gm.rebuild(view)
+    assert time.monotonic() - t0 < 1.0  # not the data group's 2 s connect timeout
+    data = [t for t in threading.enumerate() if t.name == "cft-pg-data-0.d"]
+    assert data and data[0].is_alive()  # still in gloo's connect
+    gm.close()
+    assert not data[0].is_alive()
+
+
 def test_liveness_restarts_its_clocks_after_a_stalled_read(monkeypatch):
     # An etcd leader election stalls this worker's liveness read for 0.8 s; afterwards worker 3's
     # beat (failed over to another etcd member) comes 0.5 s later than the others'.  Judged by a
