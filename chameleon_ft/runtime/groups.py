@@ -212,8 +212,9 @@ class GroupManager(Waits):
                      data: bool = False) -> tuple[threading.Thread, dict, float]:
         """A thread that sets up ``view``'s group (or, with ``ranks``, its subgroup of those
         ranks, on the generation's store client; with ``data``, only its data group) into the
-        returned dict ("pg" and "store", "data" with ``separate_data``, or "error"), and the
-        time by which it must have ended."""
+        returned dict ("pg" and "store"; with ``separate_data`` also "data", set up beside "pg"
+        in a thread and on a store client ("data_store") of its own; or "error"), and the time
+        by which it must have ended."""
         result: dict = {}
 
         def gloo(prefix: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
