@@ -33,6 +33,11 @@ is the script every side runs: the same model, samples, micro-batches and collat
   for a model that is not a ``PreTrainedModel``, a graph walk a step for DDP); ``trainer-shipped``:
   the same against the plain ``Trainer`` as shipped.
 
+* ``calls``: the ``tiny`` step once more for each pair above (``ElasticTrainer`` and each adapter
+  against its plain self), worker 0 under cProfile: Python calls (functions and builtins) per
+  step over ``--tiny-steps`` steps, start-up included -- a figure that does not move with the
+  machine's speed, unlike every timing here.
+
 Step time = median of the gaps between consecutive steps on the lowest-ranked worker, after
 ``--warmup`` steps; ratio = DDP's steps/s over ours... reported as ours/DDP steps per second.
 The 1-2 ms cases also give the median of each repeat's ours/plain ratio (the runs alternate, so
@@ -209,6 +214,12 @@ def main(argv=None) -> dict:
                     runs[("ddp_cpu", "ft_cpu")[side]].append(c)
                     print(f"{case} {pair[side]}: {s * 1e3:.3f} ms/step, main thread CPU {c * 1e3:.3f} ms/step", flush=True)
             res["cases"][case] = runs
+        if "calls" in cases:
+            res["cases"]["calls"] = {case: {side: python_calls(system, a.tiny_steps, work / f"calls-{case}")
+                                            for side, system in zip(("plain", "ours"), pair)}
+                                     for case, pair in CALL_PAIRS}
+            for case, got in res["cases"]["calls"].items():
+                print(f"calls {case}: plain {got['plain']:.0f}, ours {got['ours']:.0f} a step", flush=True)
     text = markdown(res)
     print(text)
     if a.json:
@@ -216,6 +227,19 @@ def main(argv=None) -> dict:
     if a.markdown:
         Path(a.markdown).write_text(text)
     return res
+
+
+CALL_PAIRS = (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft")), ("lightning", ("pl", "pl-ft")),
+              ("trainer", ("hf-tuned", "hf-ft")))
+
+
+def python_calls(system: str, steps: int, work: Path) -> float:
+    """Python calls a step on worker 0 of ``system`` (cProfile over the whole loop)."""
+    import pstats
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = run_tiny(system, steps, work, extra=("--profile",))
+    return pstats.Stats(str(out) + ".prof").total_calls / steps
 
 
 def _med(xs) -> float:
@@ -295,6 +319,17 @@ def markdown(res: dict) -> str:
             lines += [f"The lowest-ranked worker's main thread, CPU per step (the host's own work, what a "
                       f"launch-bound GPU step pays): {names[0]} {dc * 1e3:.3f} ms, {names[1]} {fc * 1e3:.3f} ms "
                       f"({100 * (fc / dc - 1):+.1f} %).", ""]
+    calls = res["cases"].get("calls")
+    if calls:
+        names = {"tiny": "`ElasticTrainer` against plain DDP", "accelerate": "`FaultTolerantAccelerator` against "
+                 "plain `Accelerator`", "lightning": "`FaultToleranceCallback` against plain Lightning",
+                 "trainer": "`FaultTolerantTrainer` against the plain `Trainer`, tuned"}
+        lines += ["## Python calls a step (worker 0 under cProfile; does not move with the machine's speed)", "",
+                  "| the 1-2 ms step | plain | chameleon-ft | more calls a step |", "| --- | ---: | ---: | ---: |"]
+        for case, got in calls.items():
+            lines.append(f"| {names.get(case, case)} | {got['plain']:.0f} | {got['ours']:.0f} | "
+                         f"{got['ours'] - got['plain']:+.0f} ({100 * (got['ours'] / got['plain'] - 1):+.1f} %) |")
+        lines.append("")
     return "\n".join(lines)
 
 
