@@ -17,9 +17,10 @@ gradient accumulation 2, an evaluation per epoch, from step 8).  At step 5, from
   with etcd, node 2's etcd member is cut off with it).
 
 With etcd, whether the lost or cut-off node held etcd's leader is recorded (``etcd_leader_hit``,
-asked of each member a few steps before the fault: asking takes 0.1-0.3 s, which delayed the
-fault past the step it is meant for -- into the Accelerate loop's evaluation at the epoch's end): such a run includes etcd's election, during which
-no request that needs the quorum is answered (500 ms election timeout in these tests).
+asked of each member a few steps before the fault, so that the asking, 0.1-0.3 s, does not push
+the fault past its step; each run records the step it landed at, ``fault_step``): such a run
+includes etcd's election, during which no request that needs the quorum is answered (500 ms
+election timeout in these tests).
 
 MTTR = the first step a survivor attempts after the fault (its event-log record) - the moment
 the fault was made (wall clocks of one machine).  For a partition also the detection (the

@@ -199,8 +199,7 @@ def main(argv=None) -> dict:
                     print(f"memory {system} gradient_as_bucket_view={gav}: peak +{steady:.1f} MB in steps, "
                           f"+{run:.1f} MB over the run", flush=True)
             res["cases"]["memory"] = runs
-        for case, pair in (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft")), ("lightning", ("pl", "pl-ft")),
-                           ("trainer", ("hf-tuned", "hf-ft")), ("trainer-shipped", ("hf", "hf-ft"))):
+        for case, pair, _, _ in TINY_CASES:
             if case not in cases:
                 continue
             runs = {"ddp": [], "ft": [], "ddp_cpu": [], "ft_cpu": []}
@@ -217,7 +216,7 @@ def main(argv=None) -> dict:
         if "calls" in cases:
             res["cases"]["calls"] = {case: {side: python_calls(system, a.tiny_steps, work / f"calls-{case}")
                                             for side, system in zip(("plain", "ours"), pair)}
-                                     for case, pair in CALL_PAIRS}
+                                     for case, pair, _, _ in TINY_CASES if case != "trainer-shipped"}
             for case, got in res["cases"]["calls"].items():
                 print(f"calls {case}: plain {got['plain']:.0f}, ours {got['ours']:.0f} a step", flush=True)
     text = markdown(res)
@@ -229,8 +228,20 @@ def main(argv=None) -> dict:
     return res
 
 
-CALL_PAIRS = (("tiny", ("ddp", "ft")), ("accelerate", ("acc", "acc-ft")), ("lightning", ("pl", "pl-ft")),
-              ("trainer", ("hf-tuned", "hf-ft")))
+# The 1-2 ms cases: (case, (plain system, ours) for ``_step_bench.py``, the table's title, their names).
+TINY_CASES = (
+    ("tiny", ("ddp", "ft"), "A 1-2 ms step, two workers on one machine (the fixed cost per step)",
+     ("plain DDP", "chameleon-ft")),
+    ("accelerate", ("acc", "acc-ft"), "The same step as an Accelerate loop: plain `Accelerator` (DDP under "
+     "torchrun) against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator")),
+    ("lightning", ("pl", "pl-ft"), "The same step under Lightning: `Trainer(strategy=\"ddp\")` against the same "
+     "plus `FaultToleranceCallback()`", ("plain Lightning", "with FaultToleranceCallback")),
+    ("trainer", ("hf-tuned", "hf-ft"), "The same step under the HF `Trainer`: `transformers.Trainer` (DDP under "
+     "torchrun, `ddp_find_unused_parameters=False` as its docs advise) against `FaultTolerantTrainer`",
+     ("plain Trainer, tuned", "FaultTolerantTrainer")),
+    ("trainer-shipped", ("hf", "hf-ft"), "The same with the plain `Trainer` as shipped "
+     "(`ddp_find_unused_parameters` left to its default, True for this model)",
+     ("plain Trainer", "FaultTolerantTrainer")))
 
 
 def python_calls(system: str, steps: int, work: Path) -> float:
@@ -292,18 +303,7 @@ def markdown(res: dict) -> str:
             lines += ["", f"Ours with `gradient_as_bucket_view` against DDP as shipped, steps: "
                           f"{_med(mem['ft/gav']) / _med(mem['ddp']):.3f}."]
         lines.append("")
-    for case, title, names in (
-            ("tiny", "A 1-2 ms step, two workers on one machine (the fixed cost per step)",
-             ("plain DDP", "chameleon-ft")),
-            ("accelerate", "The same step as an Accelerate loop: plain `Accelerator` (DDP under torchrun) "
-             "against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator")),
-            ("lightning", "The same step under Lightning: `Trainer(strategy=\"ddp\")` against the same plus "
-             "`FaultToleranceCallback()`", ("plain Lightning", "with FaultToleranceCallback")),
-            ("trainer", "The same step under the HF `Trainer`: `transformers.Trainer` (DDP under torchrun, "
-             "`ddp_find_unused_parameters=False` as its docs advise) against `FaultTolerantTrainer`",
-             ("plain Trainer, tuned", "FaultTolerantTrainer")),
-            ("trainer-shipped", "The same with the plain `Trainer` as shipped (`ddp_find_unused_parameters` "
-             "left to its default, True for this model)", ("plain Trainer", "FaultTolerantTrainer"))):
+    for case, _, title, names in TINY_CASES:
         runs = res["cases"].get(case)
         if not runs:
             continue
@@ -321,13 +321,11 @@ def markdown(res: dict) -> str:
                       f"({100 * (fc / dc - 1):+.1f} %).", ""]
     calls = res["cases"].get("calls")
     if calls:
-        names = {"tiny": "`ElasticTrainer` against plain DDP", "accelerate": "`FaultTolerantAccelerator` against "
-                 "plain `Accelerator`", "lightning": "`FaultToleranceCallback` against plain Lightning",
-                 "trainer": "`FaultTolerantTrainer` against the plain `Trainer`, tuned"}
+        names = {case: names for case, _, _, names in TINY_CASES}
         lines += ["## Python calls a step (worker 0 under cProfile; does not move with the machine's speed)", "",
                   "| the 1-2 ms step | plain | chameleon-ft | more calls a step |", "| --- | ---: | ---: | ---: |"]
         for case, got in calls.items():
-            lines.append(f"| {names.get(case, case)} | {got['plain']:.0f} | {got['ours']:.0f} | "
+            lines.append(f"| {names[case][0]} / {names[case][1]} | {got['plain']:.0f} | {got['ours']:.0f} | "
                          f"{got['ours'] - got['plain']:+.0f} ({100 * (got['ours'] / got['plain'] - 1):+.1f} %) |")
         lines.append("")
     return "\n".join(lines)

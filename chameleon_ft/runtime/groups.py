@@ -211,10 +211,10 @@ class GroupManager(Waits):
     def _start_build(self, view: MembershipView, ranks: Optional[tuple[int, ...]] = None,
                      data: bool = False) -> tuple[threading.Thread, dict, float]:
         """A thread that sets up ``view``'s group (or, with ``ranks``, its subgroup of those
-        ranks, on the generation's store client; with ``data``, only its data group) into the
-        returned dict ("pg" and "store"; with ``separate_data`` also "data", set up beside "pg"
-        in a thread and on a store client ("data_store") of its own; or "error"), and the time
-        by which it must have ended."""
+        ranks, on the generation's store client) into the returned dict ("pg" and "store"; with
+        ``separate_data`` also "data", set up beside "pg" in a thread and on a store client
+        ("data_store") of its own; with ``data``, only "data"; or "error"), and the time by which
+        it must have ended."""
         result: dict = {}
 
         def gloo(prefix: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
@@ -231,10 +231,8 @@ class GroupManager(Waits):
 
         def build() -> None:
             try:
-                if data:
+                if data:  # (on the generation's client, kept already)
                     build_data(self._stores[-1], result)
-                    if "data" in result:
-                        result["pg"], result["store"] = result["data"], result.pop("data_store")
                     return
                 side, beside = {}, None
                 if ranks is None:
