@@ -20,7 +20,10 @@ With etcd, whether the lost or cut-off node held etcd's leader is recorded (``et
 asked of each member a few steps before the fault, so that the asking, 0.1-0.3 s, does not push
 the fault past its step; each run records the step it landed at, ``fault_step``): such a run
 includes etcd's election, during which no request that needs the quorum is answered (500 ms
-election timeout in these tests).
+election timeout in these tests; ``--etcd-election-ms`` sets it, heartbeats a tenth of it).  ``--etcd-leader hit`` (``spared``) moves the leadership onto
+(away from) the node about to fail at that point (``etcdctl move-leader``), so that each case
+is measured on purpose rather than as the election happened to fall; ``any`` (the default)
+leaves it where it is.
 
 MTTR = the first step a survivor attempts after the fault (its event-log record) - the moment
 the fault was made (wall clocks of one machine).  For a partition also the detection (the
@@ -77,11 +80,29 @@ def etcd_leader(net, endpoints: list) -> Optional[int]:
     return None
 
 
-def one(kind: str, backend: str, work: Path, adapter: str = "elastic") -> dict:
+def move_leader(net, endpoints: list, onto: Optional[int] = None, off: Optional[int] = None) -> None:
+    """Move etcd's leadership onto node ``onto``, or off node ``off`` (to the next node), unless
+    it is already where asked."""
+    st = net.etcdctl("endpoint", "status", "-w", "json", endpoints=endpoints)
+    if st.returncode != 0:
+        raise RuntimeError(f"etcdctl endpoint status: {st.stderr}")
+    status = json.loads(st.stdout)
+    ids = [s["Status"]["header"]["member_id"] for s in status]
+    lead = ids.index(status[0]["Status"]["leader"])
+    target = onto if onto is not None else (lead if lead != off else (off + 1) % len(ids))
+    if target == lead:
+        return
+    r = net.etcdctl("move-leader", format(ids[target], "x"), endpoints=[endpoints[lead]])
+    if r.returncode != 0:
+        raise RuntimeError(f"etcdctl move-leader: {r.stdout} {r.stderr}")
+
+
+def one(kind: str, backend: str, work: Path, adapter: str = "elastic", leader: str = "any",
+        election_ms: int = 500) -> dict:
     with netns.Net(3) as net:
         flags = ["--nnodes", "3"]
         if backend == "etcd":
-            eps = net.etcd_up(str(work / "etcd"))
+            eps = net.etcd_up(str(work / "etcd"), election_ms=election_ms)
             flags += ["--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(eps), "--rdzv-id", f"b{os.getpid()}"]
         else:
             flags += ["--rdzv-endpoint", f"{net.addr(0)}:{PORT}"]
@@ -94,6 +115,9 @@ def one(kind: str, backend: str, work: Path, adapter: str = "elastic") -> dict:
             victim = 0 if backend == "etcd" else 1  # with etcd: node 0 holds an etcd member too
             if backend == "etcd":  # a lost or cut-off leader costs an etcd election first
                 job.wait_step(2, 180)  # (asked before the step is awaited: the asking takes 0.1-0.3 s)
+                lost = 2 if kind == "partition" else victim
+                if leader != "any":
+                    move_leader(net, eps, **({"onto": lost} if leader == "hit" else {"off": lost}))
                 out["etcd_leader_hit"] = etcd_leader(net, eps) == (2 if kind == "partition" else victim)
             job.wait_step(5 if adapter == "elastic" else 8, 180)
             if kind == "worker":
@@ -128,6 +152,10 @@ def main(argv=None) -> dict:
                                       "node/c10d/accelerate,partition/c10d/accelerate,node/etcd/accelerate,"
                                       "partition/etcd/accelerate",
                    help="KIND/BACKEND[/accelerate] (default: ElasticTrainer)")
+    p.add_argument("--etcd-leader", choices=("any", "hit", "spared"), default="any",
+                   help="etcd's leader moved onto (hit) or off (spared) the node about to fail, or left (any)")
+    p.add_argument("--etcd-election-ms", type=int, default=500,
+                   help="etcd's election timeout (heartbeats a tenth of it; default 500)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
@@ -135,13 +163,15 @@ def main(argv=None) -> dict:
     if why:
         raise SystemExit(f"cluster_bench: {why}")
     res: dict = {"command": "python benchmarks/cluster_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {},
+                 "etcd_election_ms": a.etcd_election_ms, "etcd_leader": a.etcd_leader}
     for case in a.cases.split(","):
         kind, backend, *adapter = case.split("/")
         runs = []
         for r in range(a.repeats):
             with tempfile.TemporaryDirectory(prefix="cft-cluster-") as tmp:
-                runs.append(one(kind, backend, Path(tmp), *adapter))
+                runs.append(one(kind, backend, Path(tmp), *adapter, leader=a.etcd_leader,
+                                election_ms=a.etcd_election_ms))
             print(case, r, json.dumps(runs[-1]), flush=True)
         res["cases"][case] = runs
     if a.json:
@@ -164,7 +194,7 @@ def markdown(res: dict) -> str:
              f"`{res['command']}` ({res['date']}; 3 namespace nodes x 2 workers on one 2-core machine; "
              "method in `benchmarks/cluster_bench.py`).  MTTR: fault -> the survivors' first step; `*`: "
              "the lost or cut-off node held etcd's leader, so the figure includes etcd's election "
-             "(500 ms election timeout here).", "",
+             f"({res.get('etcd_election_ms', 500)} ms election timeout here).", "",
              "| fault | MTTR median (runs) | median without etcd's leader hit | detection median | minority's launcher exited after |",
              "| --- | --- | --- | --- | --- |"]
     for case, runs in res["cases"].items():

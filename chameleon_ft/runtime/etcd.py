@@ -172,7 +172,9 @@ def _prefix_end(key: bytes) -> bytes:
 # endpoint: the monotonic time until which this process's clients -- every thread and every
 # clone of a store -- open no new connection to them, and move an open one away before its next
 # request, while another member is trusted: a member that stopped answering costs the process
-# one request timeout, not one per thread or store clone.
+# one request timeout, not one per thread or store clone.  A member that answers a request is
+# trusted again at once (an election makes every member fail requests for a while; afterwards
+# the process's new connections go to one that answers, not round to one that is cut off).
 SUSPECT_S = 10.0
 _suspect: dict[str, float] = {}
 # A member's host must take a TCP connection within CONNECT_S (its kernel answers, whatever
@@ -206,6 +208,9 @@ class EtcdClient:
         self._next = 0
         self._token: Optional[str] = None  # etcd's auth token (shared by the threads)
         self._token_lock = threading.Lock()
+        # The highest raft term an answer carried: it grows when etcd elects a new leader, so a
+        # request that stalled across a change of term stalled in an election (``LivenessMonitor``).
+        self.raft_term = 0
 
     def call(self, path: str, body: dict) -> dict:
         if self.security.user and self._token is None:
@@ -254,6 +259,10 @@ class EtcdClient:
                 self._drop(suspect=True)  # no leader, or a member going down: try another
                 continue
             _answered[self._endpoint()] = time.monotonic()
+            _suspect.pop(self._endpoint(), None)  # it answers: trusted again (after an election)
+            head = out.get("header")
+            if head and "raft_term" in head:
+                self.raft_term = max(self.raft_term, int(head["raft_term"]))
             return out.get("result", out)
         # Every member refused the handshake (our certificate, or theirs, rejected: a member
         # going down refuses the connection instead).
@@ -623,6 +632,11 @@ class EtcdStore(dist.Store):
 
     def _k(self, key) -> bytes:
         return self.prefix + (key if isinstance(key, bytes) else str(key).encode())
+
+    @property
+    def raft_term(self) -> int:
+        """The highest raft term etcd's answers to this client carried (``EtcdClient.raft_term``)."""
+        return self.client.raft_term
 
     def watch(self, prefix: str) -> EtcdWatch:
         """A watch stream (``EtcdWatch``) on this store's keys starting with ``prefix``."""

@@ -48,16 +48,21 @@ def beat_key(worker_id: int) -> str:
 class Liveness:
     """One watcher's clocks for the members of its current generation (see module doc)."""
 
-    def __init__(self, worker_id: int, timeout_s: Optional[float], *, grace_s: float, every_s: float = 0.1):
+    def __init__(self, worker_id: int, timeout_s: Optional[float], *, grace_s: float, every_s: float = 0.1,
+                 election_grace_s: Optional[float] = None):
         self.worker_id, self.timeout_s, self.every_s = worker_id, timeout_s, every_s
         # After an outage: a peer's store request may still be blocked this long (the store
         # client's request timeout, ``membership.STORE_REQUEST_TIMEOUT_S``).
         self.grace_s = grace_s
+        # After an etcd election: how long a live peer's beat may still take to get through
+        # (its liveness client's request timeout and a beat interval or two; ``back``).
+        self.election_grace_s = grace_s if election_grace_s is None else election_grace_s
         self._next = 0.0
         self._token: Optional[str] = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._reported: set[int] = set()
         self._judge_after = 0.0
+        self._backdate: Optional[float] = None  # when the moves seen next happened at the latest (``back``)
         # (count, when it last moved) per worker across generations (``last_moved``)
         self._moved: dict[int, tuple[int, float]] = {}
 
@@ -69,13 +74,38 @@ class Liveness:
         self._token = None
         self._judge_after = time.monotonic() + self.grace_s
 
+    def stalled(self, seconds: float) -> bool:
+        """Whether a store request of this worker's that took ``seconds`` stalled: half the
+        timeout (at most 0.5 s) is an outage too -- an etcd leader election blocks every write
+        for a while, and when it ends the first beats through are not all at once, so a reader
+        whose own beat got through first would otherwise take a peer still waiting for its write
+        (or failing over to another member) for silent."""
+        return self.timeout_s is not None and seconds > min(0.5, self.timeout_s / 2)
+
     def took(self, seconds: float) -> None:
-        """One of this worker's store requests (its liveness read or its own beat) took
-        ``seconds``.  A stall of half the timeout is an outage too (``reset``): an etcd leader
-        election blocks every write for a while, and when it ends the first beats through are
-        not all at once -- a reader whose own beat got through first would otherwise take a
-        peer still waiting for its write (or failing over to another member) for silent."""
-        if self.timeout_s is not None and seconds > min(0.5, self.timeout_s / 2):
+        """One of this worker's store requests took ``seconds``: ``reset`` if it stalled."""
+        if self.stalled(seconds):
+            self.reset()
+
+    def outage(self) -> None:
+        """This worker's store requests fail: judge nobody until ``back``."""
+        self._judge_after = float("inf")
+
+    def back(self, election: bool, since: Optional[float] = None) -> None:
+        """The store answers again after an outage or a stall of this worker's requests that
+        began at ``since`` (monotonic).  After anything but an election, ``reset``.  After an
+        etcd election (the answer carried a newer raft term than the last one before it) every
+        member's writes were blocked by the same election and go through once it is over,
+        within a peer's liveness request timeout: the clocks are kept -- a member silent since
+        before the election is not given a new timeout -- and nobody is judged for
+        ``election_grace_s``, in which every live peer has beaten.  A counter first seen moved
+        after the election is taken to have moved when the stall began (``since``): the new
+        leader also commits the writes the old one had replicated, a lost member's last beats
+        among them; a live member beats again within the grace, which dates it afresh."""
+        if election:
+            self._judge_after = time.monotonic() + self.election_grace_s
+            self._backdate = since
+        else:
             self.reset()
 
     def heard(self, quiet: dict[int, tuple[int, float]]) -> None:
@@ -126,12 +156,13 @@ class Liveness:
         now = time.monotonic()
         if token != self._token:
             self._token, self._seen, self._reported = token, {}, set()
+        moved_at, self._backdate = (now if self._backdate is None else self._backdate), None
         for w, c in counts.items():
             last = self._seen.get(w)
             if last is None or last[0] != c:
-                self._seen[w] = (c, now)
+                self._seen[w] = (c, now if last is None else moved_at)
             if self._moved.get(w, (None,))[0] != c:
-                self._moved[w] = (c, now)
+                self._moved[w] = (c, moved_at)
         if now < self._judge_after:
             return []
         # "the store takes writes now": counters that moved within a few heartbeats
@@ -170,10 +201,12 @@ class LivenessMonitor:
                  grace_s: float, beat_every_s: float, view: Callable[[], object],
                  report: Callable[[int, float, str], None], answered: Callable[[], None],
                  judge: bool = True, every_s: float = 0.1, peer_every_s: float = 0.25,
-                 beat: Callable[[], bool] = lambda: False) -> None:
+                 beat: Callable[[], bool] = lambda: False, election_grace_s: Optional[float] = None) -> None:
         self.worker_id, self.connect, self.view, self.report, self.answered = worker_id, connect, view, report, answered
         self.beat = beat  # a beat on the presence connection (True: sent there, no store request)
-        self.clock = Liveness(worker_id, timeout_s, grace_s=grace_s, every_s=every_s)
+        self.clock = Liveness(worker_id, timeout_s, grace_s=grace_s, every_s=every_s, election_grace_s=election_grace_s)
+        self._term: Optional[int] = None  # etcd's raft term at this monitor's last answer
+        self._down: Optional[float] = None  # since when its requests failed (monotonic), if they do
         self.every_s, self.peer_every_s = every_s, peer_every_s  # the judge's reads, another member's
         self.beat_every_s, self.judge = beat_every_s, judge and timeout_s is not None
         self.requests = 0  # store requests made (the control-plane benchmark reads it)
@@ -202,17 +235,29 @@ class LivenessMonitor:
                     next_beat = now + self.beat_every_s
                     store.add(beat_key(self.worker_id), 1)
                     self.requests += 1
-                    self.clock.took(time.monotonic() - now)  # its own write stalled: the peers' too
-                    self.answered()
+                    self._answer(store, time.monotonic() - now)
                 view = self.view()
                 if self.judge and view is not None:
                     self.clock.every_s = self.every_s if self.worker_id == min(view.members) else self.peer_every_s
                     if self.clock.due():
                         self._check(store, view)
             except Exception as exc:  # unreachable: the coordinator-lost guard decides
-                store = None
-                self.clock.reset()  # counters could not be written either: start afresh
+                store, self._down = None, now if self._down is None else self._down
+                self.clock.outage()  # counters could not be written either: judged afresh after
                 log.debug("liveness of worker %d: %s", self.worker_id, exc)
+
+    def _answer(self, store, seconds: float) -> None:
+        """One of this monitor's requests was answered after ``seconds``.  Its first answer after
+        failures, or one that stalled (its own write stalled: the peers' too), ends an outage
+        (``Liveness.back``); an election's if the answer carries a newer etcd raft term than the
+        last answer before it (``EtcdClient.raft_term``; a TCPStore has none)."""
+        term = getattr(store, "raft_term", None)
+        if self._down is not None or self.clock.stalled(seconds):
+            since = time.monotonic() - seconds if self._down is None else self._down
+            self.clock.back(election=term is not None and self._term is not None and term > self._term, since=since)
+            self._down = None
+        self._term = term
+        self.answered()
 
     def _check(self, store, view) -> None:
         members = watched(self.worker_id, view.members)
@@ -221,8 +266,7 @@ class LivenessMonitor:
         t0 = time.monotonic()
         got = store.multi_get(keys)
         self.requests += 1
-        self.clock.took(time.monotonic() - t0)
-        self.answered()
+        self._answer(store, time.monotonic() - t0)
         counts = {w: int(v or b"0") for w, v in zip(members, got)}
         if not judge:
             self.clock.heard_record(json.loads(got[-1] or b"{}"), view.token)

@@ -256,10 +256,12 @@ class Membership:
         self._hb_thread.start()
         self.store.add(beat_key(self.worker_id), 0)  # the counters the judge reads exist
         self.store.compare_set(LIVENESS_KEY, "", "{}")  # before any generation names this worker
+        liveness_request_s = (self.heartbeat_timeout_s or 4.0) / 2  # a liveness client's request limit
         self._monitor = LivenessMonitor(
             self.worker_id, lambda: connect_store(self.store_addr, min(1.0, self.connect_timeout_s),
-                                                  request_timeout_s=(self.heartbeat_timeout_s or 4.0) / 2),
+                                                  request_timeout_s=liveness_request_s),
             timeout_s=self.heartbeat_timeout_s, grace_s=STORE_REQUEST_TIMEOUT_S,
+            election_grace_s=liveness_request_s + 3 * self.heartbeat_interval_s,  # (its reconnect and beat)
             beat_every_s=self.heartbeat_interval_s, view=lambda: self._view, report=self._silent,
             answered=self.watcher.answered, judge=self.watch_aborts,
             beat=lambda: self._presence is not None and self._presence.beat())

@@ -118,16 +118,18 @@ class Net:
         return t
 
     # ------------------------------------------------------------ etcd
-    def etcd_up(self, data_root: str, nodes: Optional[Sequence[int]] = None, tls: bool = False) -> list[str]:
+    def etcd_up(self, data_root: str, nodes: Optional[Sequence[int]] = None, tls: bool = False,
+                election_ms: int = 500) -> list[str]:
         """One etcd member per node (Debian's ``etcd``), clients on ``<addr>:2379``, peers on
-        ``:2380``, a quick election (50 ms heartbeats, 500 ms election timeout); returns the
-        client endpoints once the cluster has a leader.  ``tls``: clients over TLS with client
-        certificates and etcd's authentication on (``_helpers/etcd_tls.py``; the certificates in
-        ``self.etcd_certs``)."""
+        ``:2380``, a quick election (``election_ms`` election timeout, heartbeats a tenth of it,
+        as etcd's tuning guide pairs them); returns the client endpoints once the cluster has a
+        leader.  ``tls``: clients over TLS with client certificates and etcd's authentication on
+        (``_helpers/etcd_tls.py``; the certificates in ``self.etcd_certs``)."""
         from _helpers import etcd_tls
 
         nodes = list(range(self.n)) if nodes is None else list(nodes)
         self.etcd_nodes, self.etcd_root, self.etcd_procs = nodes, data_root, {}
+        self.etcd_election_ms = int(election_ms)
         os.makedirs(data_root, exist_ok=True)
         self.etcd_certs = (etcd_tls.make_certs(os.path.join(data_root, "certs"), [self.addr(i) for i in nodes])
                            if tls else None)
@@ -164,7 +166,8 @@ class Net:
                "--listen-client-urls", f"{client}://{a}:2379", "--advertise-client-urls", f"{client}://{a}:2379",
                "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
                "--initial-cluster", peers, "--initial-cluster-state", "new" if new else "existing",
-               "--heartbeat-interval", "50", "--election-timeout", "500", "--pre-vote"]
+               "--heartbeat-interval", str(max(1, self.etcd_election_ms // 10)),
+               "--election-timeout", str(self.etcd_election_ms), "--pre-vote"]
         if self.etcd_certs:
             cmd += etcd_tls.server_flags(self.etcd_certs)
         log = open(os.path.join(self.etcd_root, f"e{i}.log"), "ab")

@@ -394,3 +394,21 @@ def test_a_gloo_group_over_etcd_reads_each_peers_address_once(member, monkeypatc
     s.wait(["k"])
     s.set("k", "2")
     assert s.get("k") == b"2"  # this client's own write after the wait is seen
+
+
+def test_an_answer_carries_etcds_raft_term_and_makes_its_member_trusted_again(member):
+    """Every answer's header names etcd's raft term (``EtcdClient.raft_term``, what tells the
+    liveness monitor that a stall was an election); a member suspected after failed requests
+    (an election makes every member fail some) is trusted again once it answers, so the
+    process's next new connection goes to it rather than round to a member that is cut off."""
+    store = EtcdStore([member], "/cft-test-term/", request_timeout_s=1.0)
+    assert store.raft_term == 0
+    store.set("k", "v")
+    assert store.raft_term >= 1 and store.get("k") == b"v"
+    etcd._suspect[member] = time.monotonic() + etcd.SUSPECT_S
+    try:
+        assert not etcd._trusted(member)
+        assert store.get("k") == b"v"  # (the only member: asked although suspected)
+        assert etcd._trusted(member)
+    finally:
+        etcd._suspect.pop(member, None)

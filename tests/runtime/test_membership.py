@@ -345,6 +345,76 @@ def test_liveness_judges_nobody_right_after_this_workers_own_outage(monkeypatch)
         raise AssertionError("a member silent past the grace was never reported")
 
 
+def test_after_an_etcd_election_a_member_cut_off_with_the_leader_is_found_within_the_grace(monkeypatch):
+    """etcd's leader is cut off with worker 4 at t=101; the election stalls every write until
+    t=101.7, and the new leader then commits worker 4's last beat (replicated before the cut).
+    After an election (``back(election=True)``) the clocks are kept and that move is dated at
+    the stall's start, so worker 4 is reported once the grace (0.8 s) is over -- 1.5 s after the
+    cut -- while worker 3, whose beat gets through 0.6 s after the election, is not.  After a
+    stall that was not an election the clocks restart and the 2 s grace holds (the rule before)."""
+    import chameleon_ft.runtime.liveness as lvmod
+
+    def run(election: bool) -> list:
+        now = [100.0]
+        monkeypatch.setattr(lvmod.time, "monotonic", lambda: now[0])
+        lv = Liveness(0, timeout_s=1.0, every_s=0.1, grace_s=2.0, election_grace_s=0.8)
+        counts = {w: 0 for w in range(5)}
+        for t in range(10):  # 1 s of beats from everyone
+            now[0] += 0.1
+            counts = {w: c + 1 for w, c in counts.items()}
+            assert lv.silent("g1", counts) == []
+        counts[4] += 1  # worker 4's last beat, replicated but not yet committed at the cut
+        now[0] = 101.7  # the election is over; this worker's first answer
+        lv.back(election, since=101.0)
+        reported = []
+        for t in range(40):  # beats again; worker 3's only from 0.6 s on, worker 4's never
+            now[0] = round(101.7 + 0.1 * (t + 1), 6)
+            counts = {w: c + (1 if w < 3 or (w == 3 and t >= 5) else 0) for w, c in counts.items()}
+            reported += [(w, now[0]) for w, _ in lv.silent("g1", counts)]
+        return reported
+
+    (who, when), = run(election=True)
+    assert who == 4 and 102.5 <= when <= 102.6, when  # the grace's end, not 1 s after the election
+    (who, when), = run(election=False)
+    assert who == 4 and when >= 103.7, when  # the 2 s grace after a stall of another kind
+
+
+def test_the_liveness_monitor_tells_an_election_by_etcds_raft_term():
+    """The monitor's first answer after failed requests (or a stalled one) ends the outage:
+    an election's when the answer carries a newer raft term than the last before it (clocks
+    kept, the short grace, moves dated at the outage's start), otherwise ``reset`` (a TCPStore
+    has no term)."""
+    from chameleon_ft.runtime.liveness import LivenessMonitor
+
+    class Store:
+        def __init__(self, term):
+            self.raft_term = term
+
+    class Plain:  # a TCPStore: no term
+        pass
+
+    def monitor():
+        return LivenessMonitor(0, Plain, timeout_s=1.0, grace_s=2.0, election_grace_s=0.8, beat_every_s=0.1,
+                               view=lambda: None, report=lambda *a: None, answered=lambda: None)
+
+    mon = monitor()
+    mon._answer(Store(3), 0.01)  # a normal answer: nothing to end
+    assert mon.clock._judge_after == 0.0 and mon._term == 3
+    mon._down = since = time.monotonic() - 0.6  # requests failed from then on
+    mon.clock.outage()
+    mon._answer(Store(4), 0.01)  # back, one term later: an election
+    assert mon._down is None and mon.clock._backdate == since
+    assert 0.7 < mon.clock._judge_after - time.monotonic() <= 0.8
+    mon.clock._token = "g1"
+    mon._answer(Store(4), 0.9)  # a stall within the same term: not an election
+    assert mon.clock._token is None and mon.clock._judge_after - time.monotonic() > 1.9
+    plain = monitor()
+    plain._answer(Plain(), 0.01)
+    plain._down = time.monotonic()
+    plain._answer(Plain(), 0.01)
+    assert plain.clock._judge_after - time.monotonic() > 1.9 and plain.clock._backdate is None
+
+
 def test_a_worker_slow_after_registering_takes_the_first_generation_it_is_in():
     # Seen in CI (a failure-free HF Trainer job): worker 0 registered, then its process was slow;
     # its peers agreed on the first generation -- worker 0 in it -- and published it.  Worker 0
