@@ -184,10 +184,17 @@ _suspect: dict[str, float] = {}
 # election, a loaded machine) is waited for.
 CONNECT_S = 0.15
 PROBE_AFTER_S = 0.2
+TERM_CHECK_S = 0.05  # how often a request waiting for its answer looks at ``_term``
 # When each member last answered a request of this process: a new connection goes to the member
 # that answered last (another thread's connection vouches for it) rather than to one whose state
 # nobody here has seen lately.
 _answered: dict[str, float] = {}
+
+
+# The highest raft term any answer to this process carried.  A request still unanswered when
+# another answer brings a newer term was most likely lost in the election (a proposal forwarded
+# to a leader that is gone is never answered): it is asked again at once, not after its timeout.
+_term = [0]
 
 
 def _trusted(endpoint: str) -> bool:
@@ -263,6 +270,7 @@ class EtcdClient:
             head = out.get("header")
             if head and "raft_term" in head:
                 self.raft_term = max(self.raft_term, int(head["raft_term"]))
+                _term[0] = max(_term[0], self.raft_term)
             return out.get("result", out)
         # Every member refused the handshake (our certificate, or theirs, rejected: a member
         # going down refuses the connection instead).
@@ -313,20 +321,24 @@ class EtcdClient:
 
     def _await_answer(self, conn: http.client.HTTPConnection) -> None:
         """Return once the answer to the request just sent starts to arrive; raise
-        ``TimeoutError`` after the request timeout, or ``ConnectionError`` as soon as the member's
-        host no longer takes a connection (probed once, after ``PROBE_AFTER_S``)."""
+        ``TimeoutError`` after the request timeout, or as soon as another answer to this process
+        carried a newer raft term (``_term``: the request was most likely lost in the election),
+        or ``ConnectionError`` as soon as the member's host no longer takes a connection (probed
+        once, after ``PROBE_AFTER_S``)."""
         sock = conn.sock
         if isinstance(sock, ssl.SSLSocket) and sock.pending():
             return
         deadline = time.monotonic() + self.timeout_s
-        probed = False
+        probed, term = False, _term[0]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no answer within {self.timeout_s:.1f} s")
-            if select.select([sock], [], [], left if probed else min(PROBE_AFTER_S, left))[0]:
+            if select.select([sock], [], [], min(TERM_CHECK_S, left))[0]:
                 return
-            if not probed:
+            if _term[0] > term:
+                raise TimeoutError(f"no answer, and etcd elected a leader meanwhile (term {_term[0]})")
+            if not probed and time.monotonic() >= deadline - self.timeout_s + PROBE_AFTER_S:
                 probed = True
                 try:
                     socket.create_connection((conn.host, conn.port), CONNECT_S).close()

@@ -412,3 +412,27 @@ def test_an_answer_carries_etcds_raft_term_and_makes_its_member_trusted_again(me
         assert etcd._trusted(member)
     finally:
         etcd._suspect.pop(member, None)
+
+
+def test_a_request_still_waiting_when_another_answer_brings_a_newer_raft_term_is_asked_again(member, silent,
+                                                                                             monkeypatch):
+    """A request forwarded to a leader that was cut off is never answered; once another thread
+    of the process hears of the next term (an answer's header), the waiting request is asked of
+    the next member at once instead of after its whole timeout.  The silent listener stands for
+    the member whose forwarded proposal was lost (it takes connections, so the probe passes)."""
+    monkeypatch.setattr(etcd, "_suspect", {})
+    monkeypatch.setattr(etcd, "_answered", {})
+    monkeypatch.setattr(etcd, "_term", [0])
+    EtcdClient([member], 1.0).put(b"/cft/t9/k", b"v")
+    term = etcd._term[0]
+    assert term >= 1
+    etcd._answered.clear()  # (else new connections go to the member that answered last)
+    waited = EtcdClient([silent, member], 1.0)  # its first request goes to the silent one
+    assert 1.0 <= _timed(lambda: waited.get(b"/cft/t9/k")) < 1.6  # no new term: the timeout
+    etcd._suspect.clear()
+    etcd._answered.clear()
+    bumped = EtcdClient([silent, member], 1.0)
+    threading.Timer(0.3, lambda: etcd._term.__setitem__(0, term + 1)).start()  # another answer, a term on
+    took, got = [], []
+    took.append(_timed(lambda: got.append(bumped.get(b"/cft/t9/k"))))
+    assert 0.3 <= took[0] < 0.6 and got[0][0] == b"v", took
