@@ -336,7 +336,7 @@ class EtcdClient:
                 raise TimeoutError(f"no answer within {self.timeout_s:.1f} s")
             if select.select([sock], [], [], min(TERM_CHECK_S, left))[0]:
                 return
-            if _term[0] > term:
+            if term and _term[0] > term:  # (0: no term known yet, e.g. a process's first requests)
                 raise TimeoutError(f"no answer, and etcd elected a leader meanwhile (term {_term[0]})")
             if not probed and time.monotonic() >= deadline - self.timeout_s + PROBE_AFTER_S:
                 probed = True
