@@ -117,8 +117,8 @@ def host(args) -> None:
     stop = threading.Event()
 
     def run(w: int) -> None:
-        m = mm.Membership(w, args.store, args.lighthouse, heartbeat_timeout_s=1.0, cut_off_s=None,
-                          connect_timeout_s=args.connect_timeout)
+        m = mm.Membership(w, args.store, args.lighthouse, heartbeat_timeout_s=1.0 * args.beat_scale, cut_off_s=None,
+                          heartbeat_interval_s=0.1 * args.beat_scale, connect_timeout_s=args.connect_timeout)
         woken = threading.Event()  # the watcher agreed on the next generation: take it
         m.on_early_view = lambda view: woken.set()
         members[w] = m
@@ -186,8 +186,9 @@ def _rss_mb(pid: int) -> float:
 _COORDINATOR = """
 import sys, time
 from chameleon_ft.runtime.coordination import CoordinatorServer
-c = CoordinatorServer(min_replicas=1, join_timeout_ms=int(sys.argv[2]),
-                      **({} if sys.argv[1] == "members" else {"liveness_timeout_s": 1.0}))
+scale = float(sys.argv[3])
+c = CoordinatorServer(min_replicas=1, join_timeout_ms=int(sys.argv[2]), heartbeat_timeout_ms=int(1000 * scale),
+                      **({} if sys.argv[1] == "members" else {"liveness_timeout_s": 1.0 * scale}))
 print(c.store_addr, c.lighthouse_addr, flush=True)
 while True:
     time.sleep(1)
@@ -232,7 +233,8 @@ class Run:
     """One N: the coordinator (or etcd), the host processes, the control directory."""
 
     def __init__(self, n: int, per_process: int, ctl: Path, clients: int = 8, backend: str = "embedded",
-                 connect_timeout: float = 30.0, judge: str = "coordinator", join_ms: int = 50) -> None:
+                 connect_timeout: float = 30.0, judge: str = "coordinator", join_ms: int = 50,
+                 beat_scale: float = 1.0) -> None:
         self.n, self.ctl, self.connect_timeout = n, ctl, connect_timeout
         ctl.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -246,7 +248,7 @@ class Run:
             endpoints, prefix = parse_etcd(self.store)  # what the job's first launcher records
             EtcdStore(endpoints, prefix).compare_set(AUTH_KEY, "", job_digest())
         else:
-            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR, judge, str(join_ms)], stdout=subprocess.PIPE,
+            self.coord = subprocess.Popen([sys.executable, "-c", _COORDINATOR, judge, str(join_ms), str(beat_scale)], stdout=subprocess.PIPE,
                                           text=True, env=env)
             self.store, self.lighthouse = self.coord.stdout.readline().split()
             self.pids = [self.coord.pid]
@@ -258,7 +260,7 @@ class Run:
             self.hosts.append(subprocess.Popen(
                 [sys.executable, __file__, "--host", "--ids", f"{lo}:{hi}", "--n", str(n), "--store", self.store,
                  "--lighthouse", self.lighthouse, "--ctl", str(ctl), "--clients", str(clients),
-                 "--connect-timeout", str(self.connect_timeout)], env=env,
+                 "--connect-timeout", str(self.connect_timeout), "--beat-scale", str(beat_scale)], env=env,
                 stdout=subprocess.DEVNULL, stderr=open(ctl / f"host.{lo}.log", "w")))
         self.los = list(range(0, n, per_process))
         self._cmds = 0
@@ -342,8 +344,8 @@ class Run:
 
 def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int = 8,
             backend: str = "embedded", connect_timeout: float = 30.0, judge: str = "coordinator",
-            join_ms: int = 50) -> dict:
-    run = Run(n, per_process, ctl, clients, backend, connect_timeout, judge, join_ms)
+            join_ms: int = 50, beat_scale: float = 1.0) -> dict:
+    run = Run(n, per_process, ctl, clients, backend, connect_timeout, judge, join_ms, beat_scale)
     cpu = lambda: sum(_cpu_s(p) for p in run.pids)  # noqa: E731
     try:
         join_s = run.wait_ready(60 + n * 0.5)
@@ -363,7 +365,7 @@ def measure(n: int, per_process: int, window_s: float, ctl: Path, clients: int =
             if run.latest().get("token") == before:
                 break
         rate = (r1 - r0) / (t1 - t0)
-        out = {"members": n, "backend": backend, "join_ms": join_ms, "join_s": round(join_s, 2), "requests_per_s": round(rate),
+        out = {"members": n, "backend": backend, "join_ms": join_ms, "beat_scale": beat_scale, "join_s": round(join_s, 2), "requests_per_s": round(rate),
                "requests_per_member_s": round(rate / n, 1),
                "lighthouse_per_member_s": round((h1 - h0) / (t1 - t0) / n, 1) if backend == "embedded" else None,
                "coordinator_cores": round((c1 - c0) / (t1 - t0), 2), "windows": tries,
@@ -422,6 +424,11 @@ def main() -> None:
                         "on their presence connections) or the members do (a judge member reads the counters)")
     p.add_argument("--join-ms", type=int, default=50,
                    help="the quorum's join window (the launcher's --join-timeout-ms; default 50)")
+    p.add_argument("--beat-scale", type=float, default=1.0,
+                   help="every heartbeat interval (0.1 s) and timeout (1 s) times this: the members' beats to the "
+                        "Lighthouse and to the liveness judge, the Lighthouse's and the judge's timeouts (to emulate "
+                        "more members than this machine's cores carry at the real rates: per-member rates scale by "
+                        "1/S, detection by S)")
     p.add_argument("--label", default="this tree")
     p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
     p.add_argument("--out", default=None, help="write the table to this markdown file (appended)")
@@ -433,7 +440,7 @@ def main() -> None:
     for n in [int(x) for x in a.members.split(",")]:
         with tempfile.TemporaryDirectory() as d:
             row = measure(n, a.per_process, a.window, Path(d), a.clients, a.backend, a.connect_timeout, a.judge,
-                          a.join_ms)
+                          a.join_ms, a.beat_scale)
         row["label"] = a.label
         rows.append(row)
         print(json.dumps(row), flush=True)
