@@ -20,10 +20,10 @@ With etcd, whether the lost or cut-off node held etcd's leader is recorded (``et
 asked of each member a few steps before the fault, so that the asking, 0.1-0.3 s, does not push
 the fault past its step; each run records the step it landed at, ``fault_step``): such a run
 includes etcd's election, during which no request that needs the quorum is answered (500 ms
-election timeout in these tests; ``--etcd-election-ms`` sets it, heartbeats a tenth of it).  ``--etcd-leader hit`` (``spared``) moves the leadership onto
-(away from) the node about to fail at that point (``etcdctl move-leader``), so that each case
-is measured on purpose rather than as the election happened to fall; ``any`` (the default)
-leaves it where it is.
+election timeout in these tests; ``--etcd-election-ms`` sets it, heartbeats a tenth of it).
+``--etcd-leader hit`` (``spared``) moves the leadership onto (away from) the node about to fail
+at that point (``etcdctl move-leader``), so that each case is measured on purpose rather than
+as the election happened to fall; ``any`` (the default) leaves it where it is.
 
 MTTR = the first step a survivor attempts after the fault (its event-log record) - the moment
 the fault was made (wall clocks of one machine).  For a partition also the detection (the
@@ -118,7 +118,7 @@ def one(kind: str, backend: str, work: Path, adapter: str = "elastic", leader: s
                 lost = 2 if kind == "partition" else victim
                 if leader != "any":
                     move_leader(net, eps, **({"onto": lost} if leader == "hit" else {"off": lost}))
-                out["etcd_leader_hit"] = etcd_leader(net, eps) == (2 if kind == "partition" else victim)
+                out["etcd_leader_hit"] = etcd_leader(net, eps) == lost
             job.wait_step(5 if adapter == "elastic" else 8, 180)
             if kind == "worker":
                 t = job.kill(2 * victim + 1)
