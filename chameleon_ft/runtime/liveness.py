@@ -23,7 +23,10 @@ judge's counter, its own and that record (a silent judge is found within the tim
 quarter of a second).  So the store serves O(N) requests a second for N workers (each worker a
 constant rate), not N², and a judge that goes silent is reported by everyone.  Only durations
 are compared: the record carries seconds measured on the judge's clock, translated onto the
-reader's own (``last_moved``), never a timestamp across machines."""
+reader's own (``last_moved``), never a timestamp across machines.  While its own requests fail
+or stall a member judges nobody, and afterwards only after a grace: 2 s, or, when etcd's answer
+shows the stall was an election, the liveness request timeout and three beats with the clocks
+kept (``Liveness.back``)."""
 
 from __future__ import annotations
 
