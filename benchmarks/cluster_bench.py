@@ -17,8 +17,8 @@ gradient accumulation 2, an evaluation per epoch, from step 8).  At step 5, from
   with etcd, node 2's etcd member is cut off with it).
 
 With etcd, whether the lost or cut-off node held etcd's leader is recorded (``etcd_leader_hit``,
-asked of each member a few steps before the fault, so that the asking, 0.1-0.3 s, does not push
-the fault past its step; each run records the step it landed at, ``fault_step``): such a run
+asked of etcd with ``etcdctl endpoint status`` a few steps before the fault, so that the asking
+does not push the fault past its step; each run records the step it landed at, ``fault_step``): such a run
 includes etcd's election, during which no request that needs the quorum is answered (500 ms
 election timeout in these tests; ``--etcd-election-ms`` sets it, heartbeats a tenth of it).
 ``--etcd-leader hit`` (``spared``) moves the leadership onto (away from) the node about to fail
@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,29 +65,28 @@ def _job(adapter: str, run: Path):
     return Job(run, nproc=2, epochs=6, mb_sleep=0.02, hang_timeout=10)
 
 
-_STATUS = ("import http.client, json, sys; c = http.client.HTTPConnection(sys.argv[1], timeout=2); "
-           "c.request('POST', '/v3/maintenance/status', '{}', {'Content-Type': 'application/json'}); "
-           "s = json.loads(c.getresponse().read()); print(int(s['header']['member_id'] == s['leader']))")
+def _members(net, endpoints: list) -> tuple[list[int], Optional[int]]:
+    """The etcd members' ids, in the order of ``endpoints``, and the index of the one that says
+    it leads (None if none does): one ``etcdctl endpoint status``."""
+    st = net.etcdctl("endpoint", "status", "-w", "json", endpoints=endpoints)
+    if st.returncode != 0:
+        raise RuntimeError(f"etcdctl endpoint status: {st.stderr}")
+    status = [s["Status"] for s in json.loads(st.stdout)]
+    ids = [s["header"]["member_id"] for s in status]
+    return ids, next((i for i, s in enumerate(status) if s["header"]["member_id"] == s["leader"]), None)
 
 
 def etcd_leader(net, endpoints: list) -> Optional[int]:
-    """The node whose etcd member leads now (asked from inside each node), or None."""
-    for i, ep in enumerate(endpoints):
-        r = subprocess.run(net.wrap(i) + [sys.executable, "-c", _STATUS, ep], capture_output=True, text=True)
-        if r.stdout.strip() == "1":
-            return i
-    return None
+    """The node whose etcd member leads now, or None."""
+    return _members(net, endpoints)[1]
 
 
 def move_leader(net, endpoints: list, onto: Optional[int] = None, off: Optional[int] = None) -> None:
     """Move etcd's leadership onto node ``onto``, or off node ``off`` (to the next node), unless
     it is already where asked."""
-    st = net.etcdctl("endpoint", "status", "-w", "json", endpoints=endpoints)
-    if st.returncode != 0:
-        raise RuntimeError(f"etcdctl endpoint status: {st.stderr}")
-    status = json.loads(st.stdout)
-    ids = [s["Status"]["header"]["member_id"] for s in status]
-    lead = ids.index(status[0]["Status"]["leader"])
+    ids, lead = _members(net, endpoints)
+    if lead is None:
+        raise RuntimeError("etcd has no leader to move")
     target = onto if onto is not None else (lead if lead != off else (off + 1) % len(ids))
     if target == lead:
         return
@@ -114,7 +112,7 @@ def one(kind: str, backend: str, work: Path, adapter: str = "elastic", leader: s
             out = {}
             victim = 0 if backend == "etcd" else 1  # with etcd: node 0 holds an etcd member too
             if backend == "etcd":  # a lost or cut-off leader costs an etcd election first
-                job.wait_step(2, 180)  # (asked before the step is awaited: the asking takes 0.1-0.3 s)
+                job.wait_step(2, 180)  # (asked before the step is awaited: an etcdctl call or three)
                 lost = 2 if kind == "partition" else victim
                 if leader != "any":
                     move_leader(net, eps, **({"onto": lost} if leader == "hit" else {"off": lost}))

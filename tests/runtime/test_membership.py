@@ -351,7 +351,7 @@ def test_after_an_etcd_election_a_member_cut_off_with_the_leader_is_found_within
     After an election (``back(election=True)``) the clocks are kept and that move is dated at
     the stall's start, so worker 4 is reported once the grace (0.8 s) is over -- 1.5 s after the
     cut -- while worker 3, whose beat gets through 0.6 s after the election, is not.  After a
-    stall that was not an election the clocks restart and the 2 s grace holds (the rule before)."""
+    stall that was not an election the clocks restart and the 2 s grace holds."""
     import chameleon_ft.runtime.liveness as lvmod
 
     def run(election: bool) -> list:
