@@ -153,21 +153,35 @@ class EventLog:
         """One attempted step.  The common line (no sample ids, an ``int`` epoch, a ``str``
         token, a finite time) is formatted directly -- a line per step of 1-2 ms must cost
         microseconds -- and returns None; any other goes through ``write`` (the record)."""
-        epoch, token = fields.get("epoch"), fields.get("token")
-        if (fields.keys() <= {"epoch", "token", "ids"} and fields.get("ids") is None and type(epoch) is int
-                and type(token) is str and type(step) is int and type(world_size) is int and type(samples) is int
-                and isinstance(step_time, float) and math.isfinite(step_time) and self._fd is not None):
-            if self._head is None:
-                self._head = json.dumps({"event": "step", **self.defaults}, separators=(",", ":"))[:-1]
-            if token != self._token[0]:
-                self._token = (token, json.dumps(token))
-            ids = ',"ids":null' if "ids" in fields else ""
-            line = (f'{self._head},"ts":{time.time()!r},"step":{step},"world_size":{world_size},"samples":{samples},'
-                    f'"step_time":{step_time!r},"epoch":{epoch},"token":{self._token[1]}{ids}}}\n')
-            self._append(line.encode())
-            return None
+        if fields.keys() <= {"epoch", "token", "ids"} and fields.get("ids") is None:
+            done = self._step_line(step, world_size, samples, step_time, fields.get("epoch"), fields.get("token"),
+                                   ',"ids":null' if "ids" in fields else "")
+            if done:
+                return None
         return self.write("step", step=step, world_size=world_size, samples=samples,
                           step_time=step_time, **fields)
+
+    def attempt(self, step: int, world_size: int, samples: int, step_time: float, epoch: int, token: str) -> None:
+        """``step(step, world_size, samples, step_time, epoch=epoch, token=token, ids=None)``
+        without the keyword arguments (the data-parallel step's line, every step)."""
+        if not self._step_line(step, world_size, samples, step_time, epoch, token, ',"ids":null'):
+            self.write("step", step=step, world_size=world_size, samples=samples, step_time=step_time,
+                       epoch=epoch, token=token, ids=None)
+
+    def _step_line(self, step, world_size, samples, step_time, epoch, token, ids: str) -> bool:
+        """Append the common step line, formatted directly; False (nothing written) when a field
+        is not of the common kind (``write`` then checks and formats it)."""
+        if not (type(epoch) is int and type(token) is str and type(step) is int and type(world_size) is int
+                and type(samples) is int and type(step_time) is float and math.isfinite(step_time)
+                and self._fd is not None):
+            return False
+        if self._head is None:
+            self._head = json.dumps({"event": "step", **self.defaults}, separators=(",", ":"))[:-1]
+        if token != self._token[0]:
+            self._token = (token, json.dumps(token))
+        self._append(f'{self._head},"ts":{time.time()!r},"step":{step},"world_size":{world_size},"samples":{samples},'
+                     f'"step_time":{step_time!r},"epoch":{epoch},"token":{self._token[1]}{ids}}}\n'.encode())
+        return True
 
     def run_end(self, **fields: Any) -> dict:
         return self.write("run_end", **fields)

@@ -267,15 +267,19 @@ class RecoveryCore:
 
     def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
         """The reduced tail's first ``lead`` numbers, and every member's timings by worker id
-        after them (the step's one host read, after its commit point); the members that
+        after them -- (compute s, micro-batches, the previous reduction's s, the previous step's
+        s) -- (the step's one host read, after its commit point); the members that
         announced their leave in it go to ``_leavers``, those whose loss was not finite to
         ``_nonfinite``, the steering words to ``_steer_words``."""
         words = tail.tolist()
-        rows = {w: words[lead + i * _TAIL:lead + (i + 1) * _TAIL] for i, w in enumerate(self.view.members)}
-        self._leavers = tuple(w for w, row in rows.items() if row[4] > 0)
-        self._nonfinite = tuple(w for w, row in rows.items() if row[5] != 0)  # (1, or NaN: loss - loss)
-        self._steer_words = {w: row[6] for w, row in rows.items() if row[6] > 0}
-        return words[:lead], {w: tuple(row[:4]) for w, row in rows.items()}
+        members = self.view.members
+        end = lead + _TAIL * len(members)
+        # Column k of the rows: words[lead + k:end:_TAIL], one number per member.
+        self._leavers = tuple(w for w, v in zip(members, words[lead + 4:end:_TAIL]) if v > 0)
+        self._nonfinite = tuple(w for w, v in zip(members, words[lead + 5:end:_TAIL]) if v != 0)  # (1, or NaN)
+        self._steer_words = {w: v for w, v in zip(members, words[lead + 6:end:_TAIL]) if v > 0}
+        return words[:lead], {w: (words[i], int(words[i + 1]), words[i + 2], words[i + 3])
+                              for w, i in zip(members, range(lead, end, _TAIL))}
 
     def _commit_attempt(self, reduce, logged: bool = False) -> Optional[float]:
         """Run the step's reduction (the commit point; ``logged``: it writes ``_log_attempt``
@@ -296,9 +300,13 @@ class RecoveryCore:
 
     def _log_attempt(self) -> None:
         if self.log:
-            self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
-                          token=self.view.token + (f"/{self.rollbacks}" if self.rollbacks else ""),
-                          ids=self._ids if self.cfg.log_samples else None)
+            token = self.view.token + (f"/{self.rollbacks}" if self.rollbacks else "")
+            if self.cfg.log_samples:
+                self.log.step(self.step, self.view.world_size, len(self._ids), self._compute_s, epoch=self.epoch,
+                              token=token, ids=self._ids)
+            else:
+                self.log.attempt(self.step, self.view.world_size, len(self._ids), self._compute_s, self.epoch, token)
+
     def _commit_reduce(self, buf: torch.Tensor) -> None:
         """The step's all-reduce in place (its header makes a peer's stray control call give way)."""
         self.gm.allreduce(buf, dist.ReduceOp.SUM, timeout_s=self.hang_timeout_s, copy=False, header=self.step_header)
@@ -365,9 +373,7 @@ class RecoveryCore:
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def _after_commit(self, timings: dict) -> None:
-        decision = self.policy.observe_step(
-            {w: (c, int(m), pc, ps) for w, (c, m, pc, ps) in timings.items()},
-            self.step, self.step - self.last_checkpoint_step)
+        decision = self.policy.observe_step(timings, self.step, self.step - self.last_checkpoint_step)
         if decision is not None:
             self.apply_allocation()
             self.last_decisions = [decision.to_json()]

@@ -544,5 +544,5 @@ def seed_generators(seed: int) -> None:
     backend not yet initialised it records a formatted stack trace per call (cuda, mtia, xpu),
     about 0.5 ms each -- too much once per micro-batch."""
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (initialised implies available)
         torch.cuda.manual_seed_all(seed)

@@ -109,6 +109,8 @@ class GradientBuckets:
                 self._where[id(self.params[i])] = (b, at)
                 at += self.params[i].numel()
         self.sizes = sizes
+        self._counts = tuple(len(idx) for idx in self.buckets)  # parameters per bucket
+        self._last_params = [self.params[i] for i in self.buckets[-1]]  # filled by ``launch_rest``
         self.tail_len = 0
         self._bufs: Optional[list[torch.Tensor]] = None
         self._launch: Optional[Callable[[torch.Tensor], object]] = None
@@ -201,7 +203,7 @@ class GradientBuckets:
         self._buffers()
         self._launch = launch
         self._world = max(1, int(world))
-        self._pending = [len(idx) for idx in self.buckets]
+        self._pending = list(self._counts)
         self._filled = set()
         self._next, self._works, self.failure = 0, [], None
         self._coded = []
@@ -281,8 +283,9 @@ class GradientBuckets:
                             self._fill(self._bufs[b][at:at + p.numel()], p)
         if self.failure is None and not self.release:
             # The last bucket in one op (its gradients are final once backward returned).
-            grads = [self.params[i].grad for i in self.buckets[last]]
-            if grads and all(g is not None and g.dtype == v.dtype for g, v in zip(grads, self._last_views)):
+            grads = [p.grad for p in self._last_params]
+            dtype = self._bufs[last].dtype
+            if grads and all(g is not None and g.dtype == dtype for g in grads):
                 foreach_copy(self._last_views, grads)
             else:  # a parameter without a gradient (reduced as zeros), or another dtype
                 for g, v in zip(grads, self._last_views):

@@ -233,7 +233,12 @@ class DataParallelExecutor(RecoveryCore):
     def _run(self, items: list[StepItem], last: bool) -> Iterator[StepItem]:
         """Yield ``items``; with ``last`` (nothing more of this step follows them on this member)
         the buckets are armed before the last one that computes: its backward reduces."""
-        final = max((k for k, item in enumerate(items) if not item.ghost), default=None) if last else None
+        final = None
+        if last:  # the last item with parts
+            for k in range(len(items) - 1, -1, -1):
+                if items[k].parts:
+                    final = k
+                    break
         for k, item in enumerate(items):
             if k == final:
                 self._arm()
@@ -308,7 +313,7 @@ class DataParallelExecutor(RecoveryCore):
         self._arm()  # (no-op when the last backward was armed)
         buckets = self.buckets
         tail = buckets.tail()
-        on_host = len(tail) > 2  # the timings ride in the tail: the gradients are on the host
+        on_host = buckets.tail_len > 2  # the timings ride in the tail: the gradients are on the host
         words = buckets.tail_words() if on_host else None
         if words is not None and not isinstance(self._tokens, torch.Tensor):
             self._write_tail(words)
@@ -378,18 +383,15 @@ class DataParallelExecutor(RecoveryCore):
         member's timings (ours set, the others zero) written as numbers; the loss, and its
         non-finite flag (loss * 0: 0, or NaN for a NaN or infinite loss), by one tensor op --
         nothing is read from the loss."""
-        r = self.view.rank
-        at = 2 + _TAIL * r
-        words[1:] = 0.0
+        at = 2 + _TAIL * self.view.rank
+        words.fill(0.0)
         words[1] = float(self._tokens)
         words[at:at + _TAIL] = self._tail_row(self._compute_s)
-        if self._loss_sum is None:
-            words[0] = 0.0
-        else:
-            dtype = self.buckets.tail().dtype
-            if self._one_zero is None or self._one_zero.dtype != dtype:
-                self._one_zero = torch.tensor([1.0, 0.0], dtype=dtype)
-            torch.mul(self._loss_sum, self._one_zero, out=self.buckets.tail_pair(at + 5))
+        if self._loss_sum is not None:
+            pair = self.buckets.tail_pair(at + 5)
+            if self._one_zero is None or self._one_zero.dtype != pair.dtype:
+                self._one_zero = torch.tensor([1.0, 0.0], dtype=pair.dtype)
+            torch.mul(self._loss_sum, self._one_zero, out=pair)
 
     def _write_tail_ops(self, tail: torch.Tensor) -> None:
         """``_write_tail`` by tensor ops: the gradients on a device (the tail then holds the loss
