@@ -86,7 +86,9 @@ class DataParallelExecutor(RecoveryCore):
         super().__init__(*args, **kwargs)
         self.buckets = GradientBuckets(self.params, self.cfg.bucket_cap_mb, compress=self.cfg.grad_compression,
                                        release=self.cfg.gradient_as_bucket_view)
-        self._loss_sum: Optional[torch.Tensor] = None  # this member's weighted losses of the step
+        self._loss_sum: Optional[torch.Tensor] = None  # this member's losses of the step, times _loss_w
+        self._loss_w = 1.0
+        self._seeds: dict = {}  # backward's starting gradients by (weight, dtype, device)
         self._tokens = 0.0  # this member's token count of the step (token-weighted losses)
         self._last_loss: Optional[torch.Tensor | float] = None
         # Slots of the current step whose gradients this member holds (kept across a failed
@@ -98,7 +100,7 @@ class DataParallelExecutor(RecoveryCore):
         self.last_grad_norms: list[float] = []  # an adapter's clipping norms of that step
         self._groups_at_commit: Optional[list] = None  # runtime/hyperparams.py
         self._fields_batch: Optional[int] = None  # the global batch when recovery_fields reported
-        self._one_zero: Optional[torch.Tensor] = None  # _write_tail's factors of the loss
+        self._factors: dict = {}  # _write_tail's factors of the loss, (w, 0), by (w, dtype)
 
     def reset_step(self) -> None:
         self._done_slots, self._redo_slots = [], None
@@ -274,8 +276,25 @@ class DataParallelExecutor(RecoveryCore):
         the step's gradient is then the sum over the global batch's tokens divided by their
         number (``_token_weight``).  A step's micro-batches are weighted one way or the other.
         The weighted loss is added to the step's (a device op: nothing is read); ``kwargs`` go
-        to ``Tensor.backward``."""
-        self.weigh(loss, mb, tokens).backward(**kwargs)
+        to ``Tensor.backward``.
+
+        A sample-weighted scalar loss is not multiplied: backward starts from its weight
+        instead of 1 (``gradient=``; the same gradients, bit for bit, as ``(loss * w).backward()``
+        without the product and its backward node), and the loss is weighted where the commit's
+        tail is written."""
+        if tokens is not None or "gradient" in kwargs or loss.dim():
+            self.weigh(loss, mb, tokens).backward(**kwargs)
+            return
+        if self.faults and self.faults.fires(self.step, "backward", "nan"):
+            loss = loss * float("nan")  # (test fault: one bad batch)
+        self.faults.at(self.step, "backward")
+        w = mb.weight
+        self._add_loss(loss.detach(), w)
+        key = (w, loss.dtype, loss.device)
+        seed = self._seeds.get(key)
+        if seed is None:  # a fill on the loss's device: nothing crosses from the host
+            seed = self._seeds[key] = torch.full((), w, dtype=loss.dtype, device=loss.device)
+        loss.backward(gradient=seed, **kwargs)
 
     def weigh(self, loss: torch.Tensor, mb: MicroBatch, tokens=None) -> torch.Tensor:
         """``RecoveryCore.weigh``, the ``nan`` fault, and the weighted loss added to the step's
@@ -283,9 +302,17 @@ class DataParallelExecutor(RecoveryCore):
         if self.faults and self.faults.fires(self.step, "backward", "nan"):
             loss = loss * float("nan")  # (test fault: one bad batch)
         scaled = super().weigh(loss, mb, tokens)
-        part = scaled.detach()
-        self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
+        self._add_loss(scaled.detach(), 1.0)
         return scaled
+
+    def _add_loss(self, part: torch.Tensor, w: float) -> None:
+        """Add ``part * w`` to the step's loss; the first one's weight is applied where the
+        tail is written (``_loss_w``), so that a member's one micro-batch costs no product here."""
+        if self._loss_sum is None:
+            self._loss_sum, self._loss_w = part, w
+            return
+        total = self._loss_sum if self._loss_w == 1.0 else self._loss_sum * self._loss_w
+        self._loss_sum, self._loss_w = total + (part if w == 1.0 else part * w), 1.0
 
     def _arm(self) -> None:
         """The coming backward is this member's last of the step: its gradients are reduced in
@@ -389,9 +416,11 @@ class DataParallelExecutor(RecoveryCore):
         words[at:at + _TAIL] = self._tail_row(self._compute_s)
         if self._loss_sum is not None:
             pair = self.buckets.tail_pair(at + 5)
-            if self._one_zero is None or self._one_zero.dtype != pair.dtype:
-                self._one_zero = torch.tensor([1.0, 0.0], dtype=pair.dtype)
-            torch.mul(self._loss_sum, self._one_zero, out=pair)
+            key = (self._loss_w, pair.dtype)
+            factors = self._factors.get(key)
+            if factors is None:
+                factors = self._factors[key] = torch.tensor([self._loss_w, 0.0], dtype=pair.dtype)
+            torch.mul(self._loss_sum, factors, out=pair)
 
     def _write_tail_ops(self, tail: torch.Tensor) -> None:
         """``_write_tail`` by tensor ops: the gradients on a device (the tail then holds the loss
@@ -400,8 +429,10 @@ class DataParallelExecutor(RecoveryCore):
         number is filled in as a kernel argument (a host tensor copied in would synchronise)."""
         if self._loss_sum is None:
             tail[0:1].zero_()
-        else:
+        elif self._loss_w == 1.0:
             tail[0:1].copy_(self._loss_sum.reshape(1))
+        else:  # (the weight as a kernel argument)
+            torch.mul(self._loss_sum.reshape(1), self._loss_w, out=tail[0:1])
         if isinstance(self._tokens, torch.Tensor):
             tail[1:2].copy_(self._tokens.reshape(1))
         else:
