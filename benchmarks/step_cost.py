@@ -16,6 +16,10 @@ is the script every side runs: the same model, samples, micro-batches and collat
   ``ElasticConfig.grad_compression``).  Needs root and iproute2.
 * ``tiny``: two workers on this machine, a 2-layer MLP whose step is 1-2 ms: only the fixed cost
   per step shows (Python, synchronisation, the commit).
+* ``solo``: the ``tiny`` step with one worker (a group of one: every collective still goes through
+  gloo's queue and worker thread, but no peer is waited for): each system's fixed cost per step
+  without the peer's scheduling on a shared 2-core machine, which moves the two-worker step by
+  tens of per cent from run to run; the difference in microseconds is what ours adds to a step.
 * ``memory``: the ``link`` case's model (6.3 M parameters, no emulated device time), two workers
   on this machine: worker 0's peak resident memory from the start of training (before the model
   is built) to its end, less the resident set then -- the model, its gradients, the optimizer's
@@ -110,19 +114,23 @@ def run_link(system: str, bucket_mb, steps: int, work: Path, net, compress=None)
     return out
 
 
-def run_tiny(system: str, steps: int, work: Path, model: str = "tiny", extra: tuple = ()) -> Path:
-    """Two workers of ``system`` on this machine (plain ones under torchrun, ours under
+def run_tiny(system: str, steps: int, work: Path, model: str = "tiny", extra: tuple = (), nproc: int = 2) -> Path:
+    """``nproc`` workers of ``system`` on this machine (plain ones under torchrun, ours under
     ``chameleon-ft run``); the lowest-ranked worker's output file."""
-    tag = "-".join([model, system, *(x.strip("-") for x in extra)])
+    tag = "-".join([model, system, *(x.strip("-") for x in extra)] + ([f"n{nproc}"] if nproc != 2 else []))
     out = work / f"{tag}.json"
     args = ["--system", system, "--model", model, "--out", str(out), "--steps", str(steps), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system in ("ddp", "acc", "pl", "hf", "hf-tuned"):  # under torchrun
-        p = subprocess.run(_ddp_cmd(1, 0, 2, "127.0.0.1", args), capture_output=True, text=True, env=env, timeout=600)
-        if p.returncode:
-            raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
-        return out
-    job = LocalJob(work / f"ft-{tag}", SCRIPT, args, nproc=2, hang_timeout=30, env=env)
+        for attempt in range(2):  # (plain Lightning now and then aborts in teardown, after its steps)
+            p = subprocess.run(_ddp_cmd(1, 0, nproc, "127.0.0.1", args), capture_output=True, text=True, env=env,
+                               timeout=600)
+            if not p.returncode:
+                return out
+            print(f"{system}: the plain run failed (exit {p.returncode}){'; once more' if not attempt else ''}:\n"
+                  f"{p.stderr[-1500:]}", flush=True)
+        raise RuntimeError(f"plain DDP failed:\n{p.stderr[-3000:]}")
+    job = LocalJob(work / f"ft-{tag}", SCRIPT, args, nproc=nproc, hang_timeout=30, env=env)
     try:
         job.start(extra=PRELOAD.get(system, ()))
         if job.wait(600) != [0]:
@@ -207,7 +215,7 @@ def main(argv=None) -> dict:
                 for side in ((0, 1) if r % 2 == 0 else (1, 0)):
                     d = work / f"{case}{r}"
                     d.mkdir(exist_ok=True)
-                    out = run_tiny(pair[side], a.tiny_steps, d)
+                    out = run_tiny(pair[side], a.tiny_steps, d, nproc=NPROC.get(case, 2))
                     s, c = step_seconds(out, a.warmup), step_cpu_seconds(out, a.warmup)
                     runs[("ddp", "ft")[side]].append(s)
                     runs[("ddp_cpu", "ft_cpu")[side]].append(c)
@@ -216,7 +224,7 @@ def main(argv=None) -> dict:
         if "calls" in cases:
             res["cases"]["calls"] = {case: {side: python_calls(system, a.tiny_steps, work / f"calls-{case}")
                                             for side, system in zip(("plain", "ours"), pair)}
-                                     for case, pair, _, _ in TINY_CASES if case != "trainer-shipped"}
+                                     for case, pair, _, _ in TINY_CASES if case not in ("trainer-shipped", "solo")}
             for case, got in res["cases"]["calls"].items():
                 print(f"calls {case}: plain {got['plain']:.0f}, ours {got['ours']:.0f} a step", flush=True)
     text = markdown(res)
@@ -232,6 +240,8 @@ def main(argv=None) -> dict:
 TINY_CASES = (
     ("tiny", ("ddp", "ft"), "A 1-2 ms step, two workers on one machine (the fixed cost per step)",
      ("plain DDP", "chameleon-ft")),
+    ("solo", ("ddp", "ft"), "The same step with one worker: each system's fixed cost per step without a peer",
+     ("plain DDP", "chameleon-ft")),
     ("accelerate", ("acc", "acc-ft"), "The same step as an Accelerate loop: plain `Accelerator` (DDP under "
      "torchrun) against `FaultTolerantAccelerator`", ("plain Accelerate", "FaultTolerantAccelerator")),
     ("lightning", ("pl", "pl-ft"), "The same step under Lightning: `Trainer(strategy=\"ddp\")` against the same "
@@ -242,6 +252,8 @@ TINY_CASES = (
     ("trainer-shipped", ("hf", "hf-ft"), "The same with the plain `Trainer` as shipped "
      "(`ddp_find_unused_parameters` left to its default, True for this model)",
      ("plain Trainer", "FaultTolerantTrainer")))
+
+NPROC = {"solo": 1}  # workers of a 1-2 ms case (2 unless named)
 
 
 def python_calls(system: str, steps: int, work: Path) -> float:
@@ -318,7 +330,8 @@ def markdown(res: dict) -> str:
             dc, fc = _med(runs["ddp_cpu"]), _med(runs["ft_cpu"])
             lines += [f"The lowest-ranked worker's main thread, CPU per step (the host's own work, what a "
                       f"launch-bound GPU step pays): {names[0]} {dc * 1e3:.3f} ms, {names[1]} {fc * 1e3:.3f} ms "
-                      f"({100 * (fc / dc - 1):+.1f} %).", ""]
+                      f"({100 * (fc / dc - 1):+.1f} %).  Ours less plain, medians: {(f - d) * 1e6:+.0f} us a "
+                      f"step of wall clock, {(fc - dc) * 1e6:+.0f} us of main-thread CPU.", ""]
     calls = res["cases"].get("calls")
     if calls:
         names = {case: names for case, _, _, names in TINY_CASES}
