@@ -354,8 +354,9 @@ class GroupManager(Waits):
         pipeline executor waits for later); ``wait`` it, or the generation's failure ends it.
         ``check_abort=False`` skips the store look-up (point-to-point ops: their wait checks)."""
         since = time.monotonic()
+        paused = self.paused
         while True:
-            while self.paused():  # the membership's guard ends the process if this lasts too long
+            while paused():  # the membership's guard ends the process if this lasts too long
                 self.pause_over(since)
                 time.sleep(0.05)
             # Someone may already have ended this generation (e.g. a joiner is waiting); checked
@@ -366,7 +367,7 @@ class GroupManager(Waits):
             # The look-up may have blocked on a store that stopped answering (etcd without a
             # quorum) and reported "no abort": look at the pause again, so that no collective
             # (a step's commit) starts without a working membership.
-            if not self.paused():
+            if not check_abort or not paused():
                 break
         pg = self.group()
         try:

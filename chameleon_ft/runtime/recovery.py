@@ -396,7 +396,7 @@ class RecoveryCore:
             self.predictions.append(rec)
             if self.log and self.rank == 0:
                 self.log.write("prediction", step=self.step, **rec)
-        if self.log and self.rank == 0 and self.policy.fit is not None and self.step % _CALIBRATION_EVERY == 0:
+        if self.step % _CALIBRATION_EVERY == 0 and self.log and self.rank == 0 and self.policy.fit is not None:
             self.log.write("calibration", step=self.step, **self.policy.calibration_json())
 
     def _measure_agreement(self, mttr: dict) -> None:
