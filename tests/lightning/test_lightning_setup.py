@@ -197,3 +197,24 @@ def test_a_grad_scaler_is_refused_clearly_and_the_gpu_is_the_local_ranks():
         assert s.root_device == torch.device("cuda", want)
     s.parallel_devices = [torch.device("cpu")] * 4
     assert s.root_device == torch.device("cpu")
+
+
+def test_the_callback_leaves_out_the_per_batch_hooks_it_does_not_use_and_a_subclass_keeps_its_own():
+    """Lightning runs every callback's every hook inside its profiler's context and skips an
+    attribute that is not callable: the empty per-batch hooks are None on the instance, the
+    hook the callback uses and a subclass's override are still called."""
+    from lightning.pytorch.trainer import call
+
+    seen = []
+
+    class Mine(FaultToleranceCallback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            seen.append("before_backward")
+
+    plain, mine = FaultToleranceCallback(), Mine()
+    assert plain.on_before_backward is None and plain.on_train_batch_start is None
+    assert callable(plain.on_train_batch_end) and callable(mine.on_before_backward)
+    t = Trainer(accelerator="cpu", devices=1, callbacks=[plain, mine], logger=False)
+    call._call_callback_hooks(t, "on_before_backward", torch.zeros(()))  # as the precision plugin calls it
+    call._call_callback_hooks(t, "on_train_batch_start", None, 0)
+    assert seen == ["before_backward"]
