@@ -169,6 +169,7 @@ class RecoveryCore:
         self.steering = Steering()  # stop/save decisions an adapter could not agree at once
         self._steer_words: dict = {}  # every member's steering word of the last commit
         self._is_source = False
+        self._engine_undo: Optional[dict] = None  # the engine before a reconfiguration attempt (_sync)
         # What this member does outside a step (an adapter's tag, 0: nothing in particular),
         # shared by every reconfiguration's agreement (``recover_off_step``).
         self.activity = 0
@@ -534,6 +535,9 @@ class RecoveryCore:
             except CollectiveFailure as again:
                 failure = again  # the lambda runs now, but keep the name alive past the except
                 failed = view
+                if self._engine_undo is not None:  # (see _sync)
+                    self.policy.load_state_dict(self._engine_undo)
+                    self._engine_undo = None
                 self._store_op(lambda: self.membership.report_failure(
                     failure.suspects, f"{failure.kind} during recovery: {str(failure)[:200]}",
                     token=failed.token))
@@ -583,6 +587,11 @@ class RecoveryCore:
         payload, state = None, None
         if self._is_source:
             t_engine = time.perf_counter()
+            # The engine decides in ``source_payload``; should this attempt fail before its
+            # Decisions are logged, ``_recover`` puts the engine back (``_engine_undo``), so that
+            # the next attempt -- this member its source again -- decides them again instead of
+            # finding nobody lost.
+            self._engine_undo = self.policy.state_dict()
             payload = self.source_payload(view, info)
             if self.log:  # before the broadcast: after it, a next source's engine no longer counts them
                 self.log.deaths(payload.get("dead", []), info, payload["decisions"], worker_id=self.worker_id, step=self.step,
@@ -632,6 +641,7 @@ class RecoveryCore:
         if self._is_source and self.log:
             self._log_reconfiguration(view, info, payload, [view.members[i] for i in needers], state_bytes,
                                       [view.members[i] for i in holders] if needers else [])
+        self._engine_undo = None
         if payload["restart"]:
             raise RestartRequested(payload["decisions"][-1] if payload["decisions"] else None)
         self.carry_out(payload, top, n, r)
