@@ -28,19 +28,6 @@ from chameleon_ft.runtime.errors import MembershipError
 __all__ = ["Waits", "poller"]
 
 
-_DELTAS: dict = {}
-
-
-def _delta(seconds: float) -> timedelta:
-    """``timedelta(seconds=seconds)``, made once per value (a wait's poll interval, every op)."""
-    d = _DELTAS.get(seconds)
-    if d is None:
-        if len(_DELTAS) > 64:
-            _DELTAS.clear()
-        d = _DELTAS[seconds] = timedelta(seconds=seconds)
-    return d
-
-
 def poller(done: Callable[[], bool], cap: float) -> Callable[[float], bool]:
     """``within(seconds)``: poll ``done()`` for up to ``seconds``, sleeping 0.1 ms, then twice as
     long each time up to ``cap`` (the schedule carries over between calls: short ops finish
@@ -84,7 +71,7 @@ class Waits:
 
         def within(seconds: float) -> bool:
             try:
-                work.wait(_delta(seconds))
+                work.wait(timedelta(seconds=seconds))
                 return True
             except Exception:
                 if not work.is_completed():

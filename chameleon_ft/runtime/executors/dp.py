@@ -236,9 +236,9 @@ class DataParallelExecutor(RecoveryCore):
         """Yield ``items``; with ``last`` (nothing more of this step follows them on this member)
         the buckets are armed before the last one that computes: its backward reduces."""
         final = None
-        if last:  # the last item with parts
+        if last:  # the last item that is not a ghost
             for k in range(len(items) - 1, -1, -1):
-                if items[k].parts:
+                if not items[k].ghost:
                     final = k
                     break
         for k, item in enumerate(items):
@@ -285,10 +285,9 @@ class DataParallelExecutor(RecoveryCore):
         if tokens is not None or "gradient" in kwargs or loss.dim():
             self.weigh(loss, mb, tokens).backward(**kwargs)
             return
-        if self.faults and self.faults.fires(self.step, "backward", "nan"):
-            loss = loss * float("nan")  # (test fault: one bad batch)
+        loss = self._nan_fault(loss)
         self.faults.at(self.step, "backward")
-        w = mb.weight
+        w = self._token_weight(mb)
         self._add_loss(loss.detach(), w)
         key = (w, loss.dtype, loss.device)
         seed = self._seeds.get(key)
@@ -299,11 +298,15 @@ class DataParallelExecutor(RecoveryCore):
     def weigh(self, loss: torch.Tensor, mb: MicroBatch, tokens=None) -> torch.Tensor:
         """``RecoveryCore.weigh``, the ``nan`` fault, and the weighted loss added to the step's
         (what the commit's non-finite check reads)."""
-        if self.faults and self.faults.fires(self.step, "backward", "nan"):
-            loss = loss * float("nan")  # (test fault: one bad batch)
-        scaled = super().weigh(loss, mb, tokens)
+        scaled = super().weigh(self._nan_fault(loss), mb, tokens)
         self._add_loss(scaled.detach(), 1.0)
         return scaled
+
+    def _nan_fault(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, or NaN where the ``nan`` fault fires at this step's backward (a test's bad batch)."""
+        if self.faults and self.faults.fires(self.step, "backward", "nan"):
+            return loss * float("nan")
+        return loss
 
     def _add_loss(self, part: torch.Tensor, w: float) -> None:
         """Add ``part * w`` to the step's loss; the first one's weight is applied where the
