@@ -24,7 +24,9 @@ without it a kill/hang/exit fires at the first matching phase and a slow/jitter 
 one), ``from=S``/``to=S`` (slow and jitter; inclusive range, either end open: a ``slow`` with
 ``to=`` is a straggler that recovers), ``phase=P`` (default ``any``; ``save``: inside the
 lowest-ranked member's checkpoint write, once the data is in the temporary file and before the
-rename), ``once`` (fire at most once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``prob=P``
+rename), ``once`` (fire at most once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``delay=S``
+(slow and jitter, instead of ``factor``: pad by S seconds whatever the phase took -- a pad that
+does not grow with the machine's load), ``prob=P``
 (jitter only, in (0, 1], default 0.1; drawn from a generator seeded by the rank, so a run is
 reproducible) and ``code=C`` (exit only, nonzero, default 1).
 
@@ -73,7 +75,7 @@ PHASES = ("step_start", "forward", "backward", "allreduce", "commit", "optimizer
           "save", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
-_KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "code", "prob")
+_KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "delay", "code", "prob")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class FaultSpec:
     to_step: int | None = None
     code: int | None = None
     prob: float | None = None
+    delay: float | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -109,17 +112,26 @@ class FaultSpec:
             if v is not None and v < 0:
                 raise ValueError(f"{name.replace('_step', '')} must be >= 0, got {v}")
         if self.action in _PADDING:
-            default = 2.0 if self.action == "slow" else 4.0
-            object.__setattr__(self, "factor", default if self.factor is None else float(self.factor))
-            if not self.factor >= 1:  # also rejects NaN
-                raise ValueError(f"{self.action} factor must be >= 1, got {self.factor}")
+            if self.delay is not None:
+                if self.factor is not None:
+                    raise ValueError(f"{self.action} takes factor= or delay=, not both")
+                object.__setattr__(self, "delay", float(self.delay))
+                if not 0 <= self.delay < float("inf"):  # also rejects NaN
+                    raise ValueError(f"{self.action} delay must be a finite number of seconds >= 0, "
+                                     f"got {self.delay}")
+            else:
+                default = 2.0 if self.action == "slow" else 4.0
+                object.__setattr__(self, "factor", default if self.factor is None else float(self.factor))
+                if not self.factor >= 1:  # also rejects NaN
+                    raise ValueError(f"{self.action} factor must be >= 1, got {self.factor}")
             if self.step is not None and (self.from_step is not None or self.to_step is not None):
                 raise ValueError(f"{self.action} takes step= or a from=/to= range, not both")
             if self.from_step is not None and self.to_step is not None and self.to_step < self.from_step:
                 raise ValueError(f"empty step range from={self.from_step} to={self.to_step}")
         else:
-            if self.factor is not None:
-                raise ValueError("factor= applies to jitter and slow faults only")
+            for key in ("factor", "delay"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}= applies to jitter and slow faults only")
             if self.action not in _RANGED and (self.from_step is not None or self.to_step is not None):
                 raise ValueError("from=/to= apply to jitter, slow and nan faults only; use step=")
             if self.step is not None and (self.from_step is not None or self.to_step is not None):
@@ -188,7 +200,7 @@ class FaultSpec:
                               ("to", "to_step"), ("code", "code")):
                 if key in fields:
                     kw[name] = int(fields[key])
-            for key in ("factor", "prob"):
+            for key in ("factor", "prob", "delay"):
                 if key in fields:
                     kw[key] = float(fields[key])
         except ValueError:
@@ -215,6 +227,8 @@ class FaultSpec:
             out.append(f"phase={self.phase}")
         if self.factor is not None:
             out.append(f"factor={self.factor!r}")  # repr round-trips a float exactly
+        if self.delay is not None:
+            out.append(f"delay={self.delay!r}")
         if self.prob is not None:
             out.append(f"prob={self.prob!r}")
         if self.code is not None:
@@ -327,7 +341,7 @@ class FaultInjector:
         for spec in self._due(step, phase, _PADDING):
             if spec.action == "jitter" and self._rng.random() >= spec.prob:
                 continue
-            delay = (spec.factor - 1.0) * max(phase_time, 0.0)
+            delay = spec.delay if spec.delay is not None else (spec.factor - 1.0) * max(phase_time, 0.0)
             self._announce(spec, step, phase, f" delay={delay:.4f}s")
             self.slept += delay
             self._sleep(delay)

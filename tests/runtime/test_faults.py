@@ -78,6 +78,10 @@ def test_env_var():
         ("slow:rank=1:from=5:to=2", "empty step range"),
         ("slow:rank=1:step=2:from=1", "not both"),
         ("kill:rank=1:factor=2", "slow faults only"),
+        ("kill:rank=1:delay=2", "slow faults only"),
+        ("slow:rank=1:factor=2:delay=1", "factor= or delay="),
+        ("slow:rank=1:delay=-1", "delay must be"),
+        ("jitter:rank=1:delay=inf", "delay must be"),
         ("kill:rank=1:from=2", "slow and nan faults only"),
         ("kill:rank=1:code=3", "exit faults only"),
         ("exit:rank=1:code=0", "exit code"),
@@ -118,6 +122,10 @@ specs = st.one_of(
 )
 
 
+specs = st.one_of(specs, st.builds(FaultSpec, action=st.sampled_from(["slow", "jitter"]), ranks=st.just((0,)),
+                                   delay=st.floats(0, 100, allow_nan=False), step=st.none() | st.integers(0, 99)))
+
+
 @given(st.lists(specs, max_size=4))
 def test_to_string_round_trips(spec_list):
     assert parse_faults(format_faults(spec_list)) == spec_list
@@ -145,6 +153,16 @@ def test_slow_applies_factor_minus_one_times_phase_time_in_range():
             inj.at(step, ph, phase_time=0.5)
     assert delays == [1.0, 1.0]
     assert inj.slept == 2.0
+
+
+def test_a_slow_delay_pads_by_seconds_whatever_the_phase_took():
+    delays: list[float] = []
+    inj = FaultInjector("slow:rank=0:delay=1.5:step=2:phase=optimizer", rank=0, sleep=delays.append)
+    inj.at(1, "optimizer", phase_time=0.01)
+    inj.at(2, "optimizer", phase_time=0.01)
+    inj.at(2, "backward", phase_time=9.0)
+    inj.at(2, "optimizer", phase_time=7.0)  # a second call at the same step: ranged, pads again
+    assert delays == [1.5, 1.5] and inj.slept == 3.0
 
 
 def test_slow_once_fires_once_and_at_needs_concrete_phase():

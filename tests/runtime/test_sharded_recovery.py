@@ -288,15 +288,13 @@ def test_hsdp_replacement_rejoins_and_reshards(tmp_path, failure_free):
 def test_a_buddy_lost_after_the_step_committed_recovers_at_the_snapshot(tmp_path, failure_free):
     """Worker 1 dies after the all-reduce of step 10 (a snapshot step) and before its update:
     the others committed step 10 and their snapshot sends find the peer gone.  That failure
-    comes after a committed step, outside any step's collectives: the job recovers from there
-    (it used to escape as an error in the script and stop the job).  The survivors' updates
-    are padded so that the peer's sockets are closed when the sends start: by 300 x the
-    update's time (0.4-3 s here), not 2000 x (2.5-17 s: a survivor padded by more than the hang
-    timeout beyond the others was left out as hung, and the job restarted)."""
+    comes after a committed step, outside any step's collectives: the job recovers from there.
+    The survivors' updates are padded by the same 1.5 s, so that the peer's sockets are closed
+    when the sends start and no survivor is padded beyond the others by the hang timeout."""
     job = ScriptJob(WORKER, tmp_path, "--steps", str(STEPS), "--sharding", "full", "--snapshot-every", "5",
                     "--paths", "recompute,restart", nproc=4, hang_timeout=10,
                     launch_args=("--faults", "kill:rank=1:step=9:phase=optimizer;"
-                                 "slow:rank=0,2,3:step=9:phase=optimizer:factor=300"))
+                                 "slow:rank=0,2,3:step=9:phase=optimizer:delay=1.5"))
     try:
         job.start()
         assert job.wait(240) == [0], job.output()[-4000:]
