@@ -24,7 +24,9 @@ without it a kill/hang/exit fires at the first matching phase and a slow/jitter 
 one), ``from=S``/``to=S`` (slow and jitter; inclusive range, either end open: a ``slow`` with
 ``to=`` is a straggler that recovers), ``phase=P`` (default ``any``; ``save``: inside the
 lowest-ranked member's checkpoint write, once the data is in the temporary file and before the
-rename), ``once`` (fire at most once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``delay=S``
+rename; ``reconfigure``: inside a reconfiguration's agreement, on every member, after the
+source's engine decided and wrote its failure record and before the agreed state is broadcast;
+its step is the step the members agreed on), ``once`` (fire at most once), ``factor=F`` (slow and jitter, >= 1, default 2 for slow and 4 for jitter), ``delay=S``
 (slow and jitter, instead of ``factor``: pad by S seconds whatever the phase took -- a pad that
 does not grow with the machine's load), ``prob=P``
 (jitter only, in (0, 1], default 0.1; drawn from a generator seeded by the rank, so a run is
@@ -72,7 +74,7 @@ ACTIONS = ("kill", "hang", "slow", "jitter", "exit", "corrupt", "drop", "nan")
 _PADDING = ("slow", "jitter")  # actions that pad a phase instead of ending or stopping it
 _RANGED = _PADDING + ("nan",)  # actions that take from=/to= and fire at every matching phase
 PHASES = ("step_start", "forward", "backward", "allreduce", "commit", "optimizer", "migrate", "snapshot", "restore",
-          "save", "any")
+          "save", "reconfigure", "any")
 ENV_VAR = "CHAMELEON_FT_FAULTS"
 
 _KEYS = ("rank", "node", "step", "from", "to", "phase", "once", "factor", "delay", "code", "prob")

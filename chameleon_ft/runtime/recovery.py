@@ -600,6 +600,7 @@ class RecoveryCore:
             state = self.state_dict() if needers else None
             if in_broadcast:
                 payload["state"] = state
+        self.faults.at(top, "reconfigure")  # (tests: a death between the Decisions and their broadcast)
         payload = run_state.broadcast_tree(
             lambda fn: self._store_op(lambda: self.gm.collective(fn, self.hang_timeout_s)),
             source, r, payload)

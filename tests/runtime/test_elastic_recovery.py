@@ -119,6 +119,27 @@ def test_kill_during_recovery(tmp_path, tmp_path_factory):
         job.cleanup()
 
 
+def test_a_death_between_the_decisions_and_their_broadcast_is_decided_again(tmp_path, tmp_path_factory):
+    """Worker 3 dies at step 5; worker 2 dies inside that recovery, after the source's engine
+    decided on worker 3 and wrote its failure record, before the agreed state was broadcast.
+    The failed attempt puts the source's engine back, so the next one decides on both deaths:
+    every recorded death has its Decision, and each is recorded once."""
+    faults = "kill:rank=3:step=5:phase=forward;kill:rank=2:step=5:phase=reconfigure"
+    job = Job(tmp_path, launch_args=("--faults", faults))
+    try:
+        job.start()
+        assert job.wait(90) == [0], job.output()
+        evs = _check_run(job, [0, 1], tmp_path_factory)
+    finally:
+        job.cleanup()
+    assert "chameleon-ft fault: kill rank=2" in job.output() and "phase=reconfigure" in job.output()
+    recorded = sorted(w for f in _events(evs, "failure") for w in f["workers"])
+    assert recorded == [2, 3], _events(evs, "failure")
+    decided = [d["decision"]["event"] for d in _events(evs, "decision")
+               if d["decision"]["event"]["kind"] != "straggler"]
+    assert sorted(w for e in decided for w in e["devices"]) == [2, 3], decided
+
+
 def test_sigstop_hang_detected_within_timeout(tmp_path, tmp_path_factory):
     hang_timeout = 2.0
     job = Job(tmp_path, hang_timeout=hang_timeout)
