@@ -417,3 +417,25 @@ def test_global_batch_change_round_trips_and_validates():
         s.set_global_batch(10)
     with pytest.raises(ValueError, match="multiple"):
         s.set_global_batch(5)
+
+
+def test_warm_computes_the_next_steps_microbatches_once_and_changes_nothing(monkeypatch):
+    """``warm`` (a step's reduction in flight) computes the next step's micro-batches into the
+    cache: that step then reads them without computing, the same as a sampler never warmed;
+    past the epoch's last step, or for a member without a share, it does nothing."""
+    a = ElasticSampler(100, 20, 5, seed=3, members=[0, 1])
+    b = ElasticSampler(100, 20, 5, seed=3, members=[0, 1])
+    computed = []
+    real = ElasticSampler._microbatches
+    monkeypatch.setattr(ElasticSampler, "_microbatches", lambda self, step: computed.append(step) or real(self, step))
+    a.warm(1, a.cursor + 1)
+    assert computed == [1]
+    a.commit()
+    assert a.local_microbatches(1) == b.local_microbatches(1, 1) and computed == [1, 1]  # (b computed its own)
+    assert a.local_microbatches(0) == b.local_microbatches(0, 1) and computed == [1, 1]
+    a.set_allocation([0, 1], [4, 0])  # the cache does not depend on the allocation
+    assert a.local_microbatches(0) == b.microbatches(1) and computed == [1, 1]
+    computed.clear()
+    a.warm(7, 2)  # not a member
+    a.warm(0, a.steps_per_epoch)  # the next epoch's order is drawn at its start
+    assert computed == []

@@ -364,6 +364,8 @@ class DataParallelExecutor(RecoveryCore):
             # is killed the next instant (gloo's own thread would finish the op without it).
             self._log_attempt()
             buckets.launch_rest()
+            # While the buckets travel: the next step's micro-batches (the sampler's cache).
+            self.sampler.warm(self.worker_id, self.sampler.cursor + 1)
             buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
             if posted is not None:
                 self.gm.settle_header(posted, self.hang_timeout_s)
