@@ -266,10 +266,11 @@ class RecoveryCore:
         return [compute_s, self._n_mb, self._prev_comm, self._prev_step, 1.0 if self.notice.reason else 0.0, 0.0,
                 self.steering.word()]
 
-    def _read_tail(self, tail: torch.Tensor, lead: int = 0) -> tuple[list, dict]:
+    def _read_tail(self, tail, lead: int = 0) -> tuple[list, dict]:
         """The reduced tail's first ``lead`` numbers, and every member's timings by worker id
         after them -- (compute s, micro-batches, the previous reduction's s, the previous step's
-        s) -- (the step's one host read, after its commit point); the members that
+        s) -- (the step's one host read, after its commit point; ``tail`` a tensor or a numpy
+        view of one, read with one ``tolist``); the members that
         announced their leave in it go to ``_leavers``, those whose loss was not finite to
         ``_nonfinite``, the steering words to ``_steer_words``."""
         words = tail.tolist()

@@ -381,7 +381,7 @@ class DataParallelExecutor(RecoveryCore):
             return False  # this member's gradients are kept for the redone step (see _salvage)
         self._loss_sum = None
         if host_tail is None:  # on the host: the loss, the tokens and the timings in the step's one read
-            (_, tokens), timing_rows = self._read_tail(tail, lead=2)
+            (_, tokens), timing_rows = self._read_tail(tail if words is None else words, lead=2)
             denom = tokens if tokens > 0 else None
             if words is not None:  # the loss divided in the tail's dtype, as a tensor op would
                 loss = float(words[0] if denom is None else words[0] / words.dtype.type(denom))
