@@ -359,11 +359,18 @@ class DataParallelExecutor(RecoveryCore):
             # generation agreed (``GroupManager.step_aligned``).
             posted = (self.gm.post_header("step", label="buckets", arg=len(buckets))
                       if self.step_header is not None and not self.gm.step_aligned() else None)
-            # The attempt's record (its sample ids) is written before the last bucket leaves:
-            # no peer can commit this member's samples before it exists, even if this process
-            # is killed the next instant (gloo's own thread would finish the op without it).
-            self._log_attempt()
-            buckets.launch_rest()
+            # The attempt's record with its sample ids is written before the last bucket
+            # leaves: no peer can commit this member's samples before it exists, even if this
+            # process is killed the next instant (gloo's own thread would finish the op
+            # without it).  Without ids (the default) it is written while the buckets travel.
+            ids = self.cfg.log_samples
+            if ids:
+                self._log_attempt()
+            try:
+                buckets.launch_rest()
+            finally:  # (a launch that failed is an attempt too)
+                if not ids:
+                    self._log_attempt()
             # While the buckets travel: the next step's micro-batches (the sampler's cache).
             self.sampler.warm(self.worker_id, self.sampler.cursor + 1)
             buckets.wait_all(lambda handle: self.gm.wait_reduce(handle, self.hang_timeout_s))
