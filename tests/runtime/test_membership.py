@@ -61,7 +61,7 @@ def _wait_steps(c: ProtoCluster, wids, n: int, timeout: float = 30) -> None:
     c.wait_for(lambda: all(len(_steps(c, w)) >= n for w in wids), timeout, f"{n} steps")
 
 
-def _step_after(c: ProtoCluster, wids, t: float, timeout: float = 20) -> None:
+def _step_after(c: ProtoCluster, wids, t: float, timeout: float = 40) -> None:
     try:
         c.wait_for(lambda: all(recovered(c, w, t) for w in wids), timeout,
                    "a failure and then a completed step after the event")

@@ -2,11 +2,12 @@
 ``item``, ``tolist``, ``float(t)``, ``bool(t)``, ``cpu()``, ``numpy()``...) that chameleon-ft's own
 code makes during data-parallel steps, with ``DataParallelExecutor`` under ``chameleon-ft run``.
 
-A call counts when its direct caller is a function of the package (the user's loss code, torch's
-optimizer and the reduction's designated read of the reduced tail after the commit point,
-``_read_tail``, are reported apart: it shows that the counter sees the package's reads).  At the
-end ``ctx.last_loss`` is read (``deliberate``): with the gradients on the host it is a number
-taken from that same read, so it reads nothing more.  Writes ``<out>/syncs_<worker id>.json``.
+A call counts when its direct caller is a function of the package (the user's loss code and
+torch's optimizer are not counted).  With the gradients on the host the step's one read of the
+reduced tail after the commit point goes through the tail's numpy view, not a tensor API, so the
+steps count nothing.  At the end ``ctx.last_loss`` is read (``deliberate``): a number taken from
+that same read, so it reads nothing more; then ``_read_tail`` is given a tensor (``control``: the
+counter sees the package's reads).  Writes ``<out>/syncs_<worker id>.json``.
 """
 
 import argparse
@@ -82,6 +83,11 @@ def main():
         counts.clear()
         value = ctx.last_loss  # on the host: a number from the tail's one read (no further read)
         deliberate = dict(counts)
+        counts.clear()
+        # The counter's own check: the package's read of a reduced tail given as a tensor (as on
+        # a GPU, where the timings come back in a host tensor) is seen.
+        ctx._read_tail(torch.zeros(7 * ctx.view.world_size, dtype=torch.float64))
+        control = dict(counts)
     finally:
         counting[0] = False
         for name, fn in originals.items():
@@ -89,7 +95,8 @@ def main():
         ctx.close()
     torch.save([p.detach().clone() for p in model.parameters()], os.path.join(a.out, f"params_{ctx.worker_id}.pt"))
     with open(os.path.join(a.out, f"syncs_{ctx.worker_id}.json"), "w") as f:
-        json.dump({"steps": a.steps, "counts": steps_counted, "deliberate": deliberate, "loss": value}, f)
+        json.dump({"steps": a.steps, "counts": steps_counted, "deliberate": deliberate, "control": control,
+                   "loss": value}, f)
 
 
 if __name__ == "__main__":
