@@ -120,8 +120,10 @@ def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_clust
     finally:
         job.cleanup()
     lost = [e for e in _events(evs, "failure") if sorted(e["workers"]) == [0, 1]]
-    assert lost and lost[0]["kind"] == "node_loss", [(e["workers"], e["kind"], e.get("detected_by"), e.get("collective"))
-                                                     for e in _events(evs, "failure")]
+    assert lost and lost[0]["kind"] == "node_loss", [
+        (e["event"], e.get("worker"), e.get("step"), round(e["ts"] - t_kill, 3), e.get("workers") or e.get("members"),
+         e.get("kind") or (e.get("decision") or {}).get("event"), e.get("detected_by"), e.get("reason"))
+        for e in evs if e["event"] in ("failure", "decision", "membership", "recovery") and e["ts"] >= t_kill - 1]
     print(f"node 0 lost with etcd: first step {resumed_after(evs, t_kill):.3f} s after the kill")
     assert sorted(finals) == [2, 3, 4, 5]
     assert_replicas_equal(finals, [2, 3, 4, 5])
