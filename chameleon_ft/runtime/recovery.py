@@ -589,7 +589,7 @@ class RecoveryCore:
         if self._is_source:
             t_engine = time.perf_counter()
             # The engine decides in ``source_payload``; should this attempt fail before its
-            # Decisions are logged, ``_recover`` puts the engine back (``_engine_undo``), so that
+            # Decisions are logged, ``_establish`` puts the engine back (``_engine_undo``), so that
             # the next attempt -- this member its source again -- decides them again instead of
             # finding nobody lost.
             self._engine_undo = self.policy.state_dict()

@@ -362,10 +362,10 @@ class ElasticSampler:
 
     def warm(self, member: int, step: int) -> None:
         """Compute ``step``'s micro-batches now, into the cache ``microbatches`` reads, when
-        ``step`` is in this epoch and ``member`` has a share: a caller with idle time (a step's
-        reduction in flight) takes this work off the next step's start.  What it computes does
-        not depend on the allocation; a change of the batch or the epoch first makes the next
-        step compute its own (the cache is keyed by them)."""
+        ``step`` is in this epoch and ``member`` is in the allocation: a caller with idle time
+        (a step's reduction in flight) takes this work off the next step's start.  What it
+        computes does not depend on the allocation; a change of the batch or the epoch first
+        makes the next step compute its own (the cache is keyed by them)."""
         if step < self.steps_per_epoch and member in self.members:
             self.microbatches(step)
 

@@ -1145,8 +1145,7 @@ def test_the_coordinator_judges_a_stopped_member_and_no_member_sends_a_liveness_
         _wait_steps(c, range(N), 15)
         t_stop = c.kill(3, signal.SIGSTOP)
         survivors = [0, 1, 2]
-        # (a deadline for the test, not the promise: that is the judged time below; a clean-clone
-        # run beside another test on a slow machine took more than 15 s to its first step after)
+        # (a deadline for the test, not the promise: that is the judged time below)
         _step_after(c, survivors, t_stop, timeout=45)
         records = [json.loads(ln) for ln in c.coordinator.store.get(_FAILURES_KEY).decode().splitlines()]
         judged = [r for r in records if r["time"] > t_stop and r["by"] == "coordinator"]
