@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_ft.runtime.config import ElasticConfig
-from chameleon_ft.runtime.coordination import first_to_record
+from chameleon_ft.runtime.coordination import first_to_record, reported_dead_among
 from chameleon_ft.runtime.errors import (ConfigError, LeftBehind, NothingToHeal, Preempted, RestartRequested,
                                          WorldTooSmall)
 from chameleon_ft.runtime.preemption import PreemptionNotice
@@ -230,6 +230,61 @@ class RecoveryCore:
         if self.env.replacement:
             self._pending = (timer, {"reason": "replacement joined"})
         return self.view
+
+    def depart(self) -> bool:
+        """The end of training on this member, before it leaves: True once every member of the
+        generation has committed the step this one ends at.  A commit can complete on some
+        members and fail on another (gloo's partial completion, the ``drop`` fault): that one
+        must adopt the step from a peer, which it cannot once its peers have left -- it would
+        redo the step alone and end on other weights.  So each member marks its step in the
+        store (``cft/done/<token>/<worker>``) and waits until every member's mark is there (a
+        member reported dead is not waited for).  Meanwhile a peer that failed ends the
+        generation: this member then recovers with it and returns False (the caller checks
+        whether training is still over -- a member behind adopted the step -- and departs
+        again).  Waits at most ``view_timeout_s``; a coordinator that no longer answers (or that
+        deadline) ends the wait with a warning: this member has committed everything."""
+        if self.membership is None or self.gm is None or self.view is None or self.view.world_size < 2:
+            return True
+        view, store = self.view, self.membership.store
+        keys = {w: f"cft/done/{view.token}/{w}" for w in view.members}
+        deadline = time.monotonic() + self.cfg.view_timeout_s
+        pause = 0.001
+        try:
+            store.set(keys[self.worker_id], str(self.step))
+            pending, dead_read = [w for w in view.members if w != self.worker_id], 0.0
+            while pending:
+                self.gm.raise_if_aborted()
+                if store.check([keys[w] for w in pending]):
+                    return True
+                now = time.monotonic()
+                if now - dead_read > 0.25:
+                    dead_read, dead = now, reported_dead_among(store, pending)
+                    pending = [w for w in pending if w not in dead]
+                if now > deadline:
+                    log.warning("worker %d: leaves without the end-of-training marks of worker(s) %s after %.0f s",
+                                self.worker_id, pending, self.cfg.view_timeout_s)
+                    return True
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        except CollectiveFailure as failure:
+            self.recover_off_step(failure)
+            return False
+        except (dist.DistError, MembershipError) as exc:
+            log.warning("worker %d: the coordinator did not answer at the end of training (%s); it leaves, "
+                        "having committed step %d", self.worker_id, exc, self.step)
+        return True
+
+    def depart_at_exit(self) -> None:
+        """``depart`` for an adapter whose user loop has ended (its process exits normally):
+        recover with any member still finishing the last step until every member is done."""
+        try:
+            for _ in range(8):  # (each round is a recovery: a member failing its last commit again and again)
+                if self.depart():
+                    return
+            log.warning("worker %d: leaves after 8 recoveries at the end of training", self.worker_id)
+        except Exception as exc:  # (at exit: nothing is left to run; the peers see a lost member)
+            log.warning("worker %d: a recovery at the end of training failed (%s: %s); it leaves",
+                        self.worker_id, type(exc).__name__, exc)
 
     def close(self, **fields) -> None:
         self.notice.uninstall()

@@ -119,8 +119,9 @@ class ElasticTrainer:
                     if ctx.run_step(self._attempt) is StepEnd.COMMITTED:
                         self._after_step()
                 # Sharded: the trained model into the user's module (a failure during the
-                # gather recovers, and training goes on where the recovery left it).
-                if not self.sharded or ctx.finish():
+                # gather recovers, and training goes on where the recovery left it).  Then every
+                # member waits until all have committed the last step (``depart``).
+                if (not self.sharded or ctx.finish()) and ctx.depart():
                     break
             if self.checkpoint:
                 ctx.save_final(self.checkpoint)

@@ -183,3 +183,24 @@ def test_busy_survivor_is_not_evicted(tmp_path, tmp_path_factory):
         assert len(_events(evs, "recovery")) == 1
     finally:
         job.cleanup()
+
+
+def test_a_last_step_committed_by_all_but_one_is_adopted_before_the_others_leave(tmp_path, tmp_path_factory):
+    """The last step's commit completes on workers 1-3 and is reported failed on worker 0 (a
+    ``drop``: gloo's partial completion).  Its peers do not leave before every member has
+    committed that step (``RecoveryCore.depart``): worker 0 adopts it from them and all four
+    end on the same weights -- alone, it would have redone the step on its own and ended on
+    others (bitwise)."""
+    last = EPOCHS * 8 - 1  # 8 steps an epoch: 256 samples, a global batch of 32
+    job = Job(tmp_path, launch_args=("--faults", f"drop:rank=0:step={last}:phase=commit"))
+    try:
+        job.start()
+        assert job.wait(90) == [0], job.output()
+        evs = _check_run(job, [0, 1, 2, 3], tmp_path_factory)
+    finally:
+        job.cleanup()
+    assert "chameleon-ft fault: drop rank=0" in job.output()
+    ends = {e["worker"]: e for e in _events(evs, "run_end") if "worker" in e}
+    assert {w: (e["step"], e["members"]) for w, e in ends.items()} == {w: (last + 1, [0, 1, 2, 3]) for w in range(4)}
+    assert ends[0]["adopted_steps"] == 1 and ends[0]["redone_steps"] == 0, ends
+    assert not _events(evs, "failure"), _events(evs, "failure")
