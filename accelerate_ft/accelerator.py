@@ -501,6 +501,11 @@ class FaultTolerantAccelerator(Accelerator):
 
     @override
     def end_training(self):
+        """Accelerate's end of a script (the trackers finish), and here also the point where no
+        member goes on before every member has committed the last step: one whose last commit
+        failed after its peers' succeeded adopts the step from them (``RecoveryCore.depart``)."""
+        if self._ft is not None:
+            self._ft.end_training()
         if self._ft is None or self.is_main_process:
             super().end_training()
 

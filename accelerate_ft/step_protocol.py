@@ -628,6 +628,12 @@ class StepProtocol:
             self._warned.add(key)
             log.warning("accelerate_ft: %s", msg)
 
+    def end_training(self) -> None:
+        """The user's loop is over: wait until every member has committed its last step
+        (``RecoveryCore.end_training``)."""
+        if self.ctx is not None:
+            self.ctx.end_training()
+
     def close(self) -> None:
         if self.ctx is not None:
             self.ctx.close(redone_steps=self.ctx.redone_steps, adopted_steps=self.ctx.adopted_steps)

@@ -654,6 +654,15 @@ class FaultTolerantDDPStrategy(DDPStrategy, LoopWrappers):
 
     # ---------------------------------------------------------------- teardown
     @override
+    def on_train_end(self) -> None:
+        """The fit loop ended (after the callbacks' and the module's ``on_train_end``): no member
+        goes on before every member has committed the last step -- one whose last commit failed
+        after its peers' succeeded adopts it from them (``RecoveryCore.depart``)."""
+        super().on_train_end()
+        if self.ctx is not None:
+            self.ctx.end_training()
+
+    @override
     def teardown(self) -> None:
         # The membership and group stay for later stages (validate/test after fit); they end
         # with the process.

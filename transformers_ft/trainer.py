@@ -265,8 +265,12 @@ class FaultTolerantTrainer(Trainer):
             gathered(ft, ctx.whole_state if optimizer else ctx.refresh_model, 0)
 
     def train(self, *args: Any, **kwargs: Any):
-        """``Trainer.train``; sharded, ``self.model`` then holds the trained (or best) weights."""
+        """``Trainer.train``; it returns once every member has committed the last step (a member
+        whose last commit failed after its peers' succeeded adopts it from them:
+        ``RecoveryCore.depart``); sharded, ``self.model`` then holds the trained (or best) weights."""
         out = super().train(*args, **kwargs)
+        if self._ft is not None:
+            self._ft.end_training()
         self._whole_model()
         return out
 

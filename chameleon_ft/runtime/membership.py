@@ -186,6 +186,7 @@ class Membership:
         self._agree_lock = threading.Lock()
         self._early: Optional[str] = None  # token of a view the watcher agreed on, not yet taken
         self._left_out_of = -1  # (etcd) the last round decided without this worker that it ended
+        self._fatal: Optional[NothingToHeal] = None  # the job went on without this worker (_agree)
         # Called by the watcher with each view it agreed on (``GroupManager.prebuild``: the
         # group's set-up overlaps the main thread's compute).
         self.on_early_view: Optional[Callable[[MembershipView], None]] = None
@@ -371,6 +372,8 @@ class Membership:
         after ``timeout_s``.
         """
         with self._agree_lock:
+            if self._fatal is not None:  # (found by the abort watcher, asking on its behalf)
+                raise self._fatal
             current = self._view.token if self._view else None
             if after is not None and current is not None and current != after:
                 self._early = None
@@ -454,7 +457,7 @@ class Membership:
                 if self.on_early_view is not None:
                     self.on_early_view(new)
         except Exception as exc:  # closed, or no quorum: the main thread will ask itself
-            log.debug("abort watcher of worker %d: %s", self.worker_id, exc)
+            log.debug("abort watcher of worker %d: %s", self.worker_id, exc)  # (NothingToHeal: _fatal)
         finally:
             self._agree_lock.release()
         return True
@@ -518,7 +521,9 @@ class Membership:
             # without this worker (seen: it then trained alone from step 15 after they finished).
             went_on = (before is not None and latest is not None and latest.get("generation", -1) > before.generation
                        and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"]))
-            self._view = view
+            # (Published before it is acted on: a live member it left out, asking meanwhile,
+            # sees it as the newest generation and ends it; this worker's own view only once
+            # every check below passed -- the abort watcher may be the one asking.)
             self._publish(view)
             missing = set(latest["members"]) if went_on else set(before.members) - set(view.members) if before else set()
             marked = set(self._reported_dead(set(view.members) | missing))  # (one read for both)
@@ -526,16 +531,21 @@ class Membership:
             if dead:
                 # A member asked and then died (the launcher saw it exit): this quorum can
                 # never form a group; end it now rather than after the connect timeout.
-                self.report_failure(dead, "member reported dead by the launcher")
+                self.report_failure(dead, "member reported dead by the launcher", token=view.token)
                 continue
             if self._left_out_came_back(missing - marked, view):
                 previous_token = view.token  # a live member it left out ended it: ask again
                 continue
             if went_on:  # and they are gone (silent or dead for the heartbeat timeout)
-                raise NothingToHeal(
+                # Ended, so that no later request takes the published view for a quorum it missed.
+                self.report_failure((), f"worker {self.worker_id} was left out: the job went on without it",
+                                    token=view.token)
+                self._fatal = NothingToHeal(
                     f"worker {self.worker_id} was left out of generation {latest['generation']} {latest['members']}, "
                     f"and none of them is in its quorum {list(view.members)}: the job went on without it and "
                     "they are gone (finished, or lost); it stops rather than train on alone from its older state")
+                raise self._fatal
+            self._view = view
             return view
 
     def _missed_quorum(self, previous_token: Optional[str], latest: Optional[dict]) -> Optional[MembershipView]:

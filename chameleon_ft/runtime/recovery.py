@@ -274,9 +274,11 @@ class RecoveryCore:
                         "having committed step %d", self.worker_id, exc, self.step)
         return True
 
-    def depart_at_exit(self) -> None:
-        """``depart`` for an adapter whose user loop has ended (its process exits normally):
-        recover with any member still finishing the last step until every member is done."""
+    def end_training(self) -> None:
+        """``depart`` for an adapter whose user's loop has ended (Accelerate's ``end_training``,
+        Lightning's ``on_train_end``, the ``Trainer``'s ``train``): recover with any member still
+        finishing the last step until every member is done.  Never raises: a failure here is
+        logged and the member goes on (its peers see a lost member if it then dies)."""
         try:
             for _ in range(8):  # (each round is a recovery: a member failing its last commit again and again)
                 if self.depart():

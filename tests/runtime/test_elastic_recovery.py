@@ -204,3 +204,4 @@ def test_a_last_step_committed_by_all_but_one_is_adopted_before_the_others_leave
     assert {w: (e["step"], e["members"]) for w, e in ends.items()} == {w: (last + 1, [0, 1, 2, 3]) for w in range(4)}
     assert ends[0]["adopted_steps"] == 1 and ends[0]["redone_steps"] == 0, ends
     assert not _events(evs, "failure"), _events(evs, "failure")
+

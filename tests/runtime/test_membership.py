@@ -848,6 +848,36 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
         assert time.monotonic() - t0 >= (0.9 * liveness_s if liveness_s else 0)  # waited for them
 
 
+def test_a_worker_left_out_stops_also_when_its_abort_watcher_asks_for_it():
+    """The same, when the abort watcher asks for the quorum on behalf of a busy main thread
+    (``_generation_ended``): it does not leave the member a view of its own -- the quorum it got
+    is ended -- and the main thread's next ``next_view`` raises the ``NothingToHeal`` at once.
+    (It set the view before the check and swallowed the error: the main thread took that view
+    and trained alone to the end, seen in loaded runs of ``test_busy_survivor_is_not_evicted``.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from chameleon_ft.runtime.coordination import abort_key
+    from chameleon_ft.runtime.errors import NothingToHeal
+
+    with _joined(3, heartbeat_timeout_ms=600, liveness_s=0.5) as (server, members):
+        before = members[2]._view
+        members[0].report_failure([2], "test: worker 2 taken for lost")
+        with ThreadPoolExecutor(2) as pool:
+            views = list(pool.map(lambda w: members[w].next_view(timeout_s=10), (0, 1)))
+        assert [v.members for v in views] == [(0, 1), (0, 1)]
+        members[0].close()
+        members[1].close()
+        time.sleep(1.0)
+        assert members[2]._generation_ended(before) is True  # what the watcher does, then returns
+        assert members[2]._view is before
+        latest = members[2]._latest()
+        assert latest["members"] == [2] and members[2].store.check([abort_key(latest["token"])])  # ended
+        t0 = time.monotonic()
+        with pytest.raises(NothingToHeal, match=r"left out of generation \d+ \[0, 1\].*none of them"):
+            members[2].next_view(timeout_s=10)
+        assert time.monotonic() - t0 < 0.5  # the watcher's finding, not a second wait
+
+
 def test_liveness_is_judged_once_per_job_and_the_judges_record_reaches_every_member(monkeypatch):
     """The lowest worker id reads every member's counter, the others the judge's and their own
     (O(N) reads a job, not N²); what the judge saw (a member quiet for some seconds) becomes
