@@ -107,7 +107,11 @@ def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_clust
     failure-free trajectory."""
     net, eps = secured_cluster
     (tmp_path / "run").mkdir()
+    # Liveness judged after 2 s of silence (1 s by default): node 0's loss is found from its
+    # workers' presence connections, not from beats, and on a loaded 2-core CI run a survivor
+    # was missing from the finals (why was not recorded; a beat a second late would do it).
     job = Job(tmp_path / "run", nproc=2, epochs=EPOCHS, mb_sleep=0.02, hang_timeout=10,
+              launch_args=("--heartbeat-timeout", "2"),
               env={"CHAMELEON_FT_ETCD_USER": etcd_tls.JOB_USER, "CHAMELEON_FT_ETCD_PASSWORD": etcd_tls.JOB_PASSWORD})
     try:
         _start(job, net, eps)
@@ -120,12 +124,14 @@ def test_losing_node_0_and_its_etcd_member_leaves_the_job_training(secured_clust
     finally:
         job.cleanup()
     lost = [e for e in _events(evs, "failure") if sorted(e["workers"]) == [0, 1]]
-    assert lost and lost[0]["kind"] == "node_loss", [
-        (e["event"], e.get("worker"), e.get("step"), round(e["ts"] - t_kill, 3), e.get("workers") or e.get("members"),
-         e.get("kind") or (e.get("decision") or {}).get("event"), e.get("detected_by"), e.get("reason"))
-        for e in evs if e["event"] in ("failure", "decision", "membership", "recovery") and e["ts"] >= t_kill - 1]
+    # (What happened from the kill on: each failure, decision, membership, recovery and end.)
+    said = [(e["event"], e.get("worker"), e.get("step"), round(e["ts"] - t_kill, 3), e.get("workers") or e.get("members"),
+             e.get("kind") or (e.get("decision") or {}).get("event"), e.get("detected_by"), e.get("reason"),
+             e.get("exits") or e.get("left_behind"))
+            for e in evs if e["event"] in ("failure", "decision", "membership", "recovery", "run_end") and e["ts"] >= t_kill - 1]
+    assert lost and lost[0]["kind"] == "node_loss", said
     print(f"node 0 lost with etcd: first step {resumed_after(evs, t_kill):.3f} s after the kill")
-    assert sorted(finals) == [2, 3, 4, 5]
+    assert sorted(finals) == [2, 3, 4, 5], (said, job.output()[-3000:])
     assert_replicas_equal(finals, [2, 3, 4, 5])
     assert_exactly_once(evs, EPOCHS)
     assert max_relative_diff(finals[2], ref) < 1e-5
