@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--hang-timeout (seconds, default 1; 0: off)")
     p.add_argument("--coordinator-judges", action="store_true",
                    help="the embedded coordinator judges the workers' liveness from beats on their "
-                        "presence connections (no liveness request to the store; experimental: "
-                        "off by default until it holds in CI)")
+                        "presence connections (no liveness request to the store; experimental, "
+                        "off by default)")
     p.add_argument("--cut-off", type=float, default=3.0,
                    help="a worker that gets no answer from the coordinator this long stops with "
                         "exit 3: the wrong side of a partition never trains on alone (seconds, "

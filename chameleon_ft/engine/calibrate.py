@@ -156,8 +156,8 @@ def fit_migration(samples: Sequence[tuple[int, float, float]], p2p: Link | None 
     """The migration link from (transfers on the critical path, their bytes, seconds) samples:
     ``seconds = hops x alpha + bytes / beta``.  Samples whose hops-to-bytes ratios barely differ
     (one migration, or several alike) cannot tell ``alpha`` from ``beta`` -- non-negative least
-    squares then put a 1 MB heal's 5.3 s into latency alone and priced a 10-transfer re-plan at
-    50 s (seen on the ``slowlink`` trace, 2026-12-03) -- so ``alpha`` is then the point-to-point
+    squares then can put a 1 MB heal's 5.3 s into latency alone and price a 10-transfer re-plan
+    at 50 s (the ``slowlink`` trace) -- so ``alpha`` is then the point-to-point
     link's latency (the start-up probe tells it from bandwidth) and only ``beta`` is fitted."""
     rows = np.array([[r, nb] for r, nb, _ in samples], dtype=float)
     t = np.array([x for *_, x in samples], dtype=float)

@@ -300,7 +300,7 @@ def critical_path(rounds, ends: Callable) -> tuple[float, list]:
 def warm_imports() -> None:
     """Import what a migration plan imports on first use (scipy.optimize: ~0.6 s, networkx:
     ~0.14 s on a 2-core machine), so that a pipeline job's first re-plan does not: its first
-    decision took 0.09-0.26 s against 4-6 ms for the next ones (seen).  For a helper thread."""
+    decision would take 0.09-0.26 s against 4-6 ms for the next ones.  For a helper thread."""
     import networkx  # noqa: F401
     from scipy.optimize import linear_sum_assignment  # noqa: F401
 

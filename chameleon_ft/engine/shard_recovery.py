@@ -266,7 +266,7 @@ def heal_check(history: Sequence[tuple[int, float]], start: int, predicted: floa
     ``fallback_step``: the snapshot step a recompute could still roll back to; ``path``: the
     decision's predicted lag per step (``ShardDecision.heal_path``).  None without a decreasing
     trend: on a plateau (the slope not below zero by two standard errors) steps of progress are
-    not defined -- a residual over a slope of ~0 reads as a lag of tens of steps (seen: a heal on
+    not defined -- a residual over a slope of ~0 would read as a lag of tens of steps (a heal on
     the MLP's plateau "19 steps behind", and a needless fall back to recompute)."""
     pts = heal_points(history, start, window)
     log = bool(pts) and all(v > 0 for _, v in pts)

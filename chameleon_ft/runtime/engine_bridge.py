@@ -320,11 +320,11 @@ class EngineBridge(PipelineCalibration):
         return decisions
 
     def _warm_up(self) -> None:
-        """A pipeline job's first re-plan imports networkx and scipy.optimize (its first decision
-        took 0.09-0.26 s against 4-6 ms, seen): import them in a helper thread once the job
-        trains, each worker after a random delay of up to 2 s -- not at start, where 8 workers
-        importing at once on 2 cores starved their heartbeat threads past the 1 s timeout and the
-        start-up churned through generations (seen in 1 of ~10 starts; docs/runtime-pipeline.md)."""
+        """A pipeline job's first re-plan imports networkx and scipy.optimize (a first decision
+        0.09-0.26 s against 4-6 ms): import them in a helper thread once the job trains, each
+        worker after a random delay of up to 2 s -- not at start, where 8 workers importing at
+        once on 2 cores can starve their heartbeat threads past the 1 s timeout and churn the
+        start-up through generations (docs/runtime-pipeline.md)."""
         self._warmed = True
         self._warm_thread = threading.Timer(random.uniform(0.0, 2.0), warm_imports)
         self._warm_thread.daemon = True

@@ -567,8 +567,8 @@ class GroupManager(Waits):
         """Drop the current group; parked groups stay parked (see module docstring).  Waits
         for the group set-ups given up while blocked in gloo's connect (each until its connect
         timeout): a process whose script then ends normally would otherwise be aborted at exit
-        (seen: "terminate called without an active exception", SIGABRT after a finished run,
-        when such a thread's store wait timed out during the interpreter's finalization)."""
+        ("terminate called without an active exception", SIGABRT after a finished run, when
+        such a thread's store wait times out during the interpreter's finalization)."""
         self._retire(None)
         self._view = None
         self.realigning = None

@@ -73,7 +73,7 @@ class Liveness:
         """This worker's own store requests failed (an outage): start every clock afresh, and
         judge nobody until the peers' requests blocked by the same outage have given up (the
         store client's request timeout): a peer whose beat thread is still inside one when the
-        store answers again is not lost (seen: etcd's quorum back, one member reported)."""
+        store answers again is not lost (as when etcd's quorum comes back)."""
         self._token = None
         self._judge_after = time.monotonic() + self.grace_s
 
@@ -343,8 +343,8 @@ def await_the_missing(missing: Iterable[int], timeout_s: float, *, beat: Callabl
     before).
 
     Why: a quorum forms ``join_timeout_ms`` after its first request; a live member that was not
-    scheduled for that long (a loaded machine) missed it, and its peers took it for lost --
-    seen in CI: a pipeline job declared three live stages lost and restarted from its checkpoint.
+    scheduled for that long (a loaded machine) misses it, and without this wait its peers take
+    it for lost (a pipeline job then declares live stages lost and restarts from its checkpoint).
     Only this worker's clock is used; a gap in its own polling (it was not scheduled either)
     starts every clock afresh, as ``Liveness.took`` does."""
     missing = tuple(sorted(set(missing)))

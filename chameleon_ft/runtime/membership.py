@@ -290,15 +290,15 @@ class Membership:
         by a Lighthouse round.  The Lighthouse forms a quorum ``join_timeout_ms`` after its first
         request once more than half of the live workers asked, so workers that start spread out
         (a loaded machine, a slow network) got quorums too small to start, asked again, and
-        missed each other over and over (seen: jobs that never started).  None for a worker
+        could miss each other over and over (a job that never starts).  None for a worker
         that joins a running job, or one the agreed first generation does not hold: it asks
         the Lighthouse (``_agree``) and is admitted as a late joiner.
 
         A member of the agreed first generation that gets here after its peers published it
-        (it registered, then its process was slow: a loaded machine) takes it as it is.  Seen
-        in CI: it took the published generation for a running job, ended it to be admitted
-        (``_request_admission``), and its peers trained without it for the steps it took to
-        be admitted -- the first generation of every job must hold every worker that made it."""
+        (it registered, then its process was slow: a loaded machine) takes it as it is, rather
+        than take it for a running job's and end it to be admitted (``_request_admission``),
+        which would leave its peers training without it for the steps that takes -- the first
+        generation of every job holds every worker that made it."""
         if min_world_size <= 1:
             return None
         latest = self._latest()
@@ -518,7 +518,7 @@ class Membership:
                 if view is None:
                     continue
             # Left out of a newer generation none of whose members is in this quorum: they went on
-            # without this worker (seen: it then trained alone from step 15 after they finished).
+            # without this worker, which must not train on alone from its older state.
             went_on = (before is not None and latest is not None and latest.get("generation", -1) > before.generation
                        and self.worker_id not in latest["members"] and not set(view.members) & set(latest["members"]))
             # (Published before it is acted on: a live member it left out, asking meanwhile,

@@ -851,9 +851,8 @@ def test_a_worker_left_out_whose_peers_are_gone_stops_instead_of_training_alone(
 def test_a_worker_left_out_stops_also_when_its_abort_watcher_asks_for_it():
     """The same, when the abort watcher asks for the quorum on behalf of a busy main thread
     (``_generation_ended``): it does not leave the member a view of its own -- the quorum it got
-    is ended -- and the main thread's next ``next_view`` raises the ``NothingToHeal`` at once.
-    (It set the view before the check and swallowed the error: the main thread took that view
-    and trained alone to the end, seen in loaded runs of ``test_busy_survivor_is_not_evicted``.)"""
+    is ended -- and the main thread's next ``next_view`` raises the ``NothingToHeal`` at once
+    (else the main thread takes the watcher's view of its own and trains alone to the end)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from chameleon_ft.runtime.coordination import abort_key

@@ -152,7 +152,7 @@ class PipelineCalibration:
         # A worker whose blocks no other worker holds as one stage (unequal pipelines after a
         # re-plan) has no peer to be compared with: against the fit's nominal seconds of its
         # blocks instead (each block's fastest holder, from any stage that holds it), relative
-        # to every worker's ratio (seen: a 4x slow worker alone in its stage was never flagged).
+        # to every worker's ratio (else a 4x slow worker alone in its stage is never flagged).
         fit, total = self.fit, sum(self.layer_params)
         alone = [ds[0] for ds in groups.values() if len(ds) == 1]
         if alone and fit is not None and len(fit.fwd_s) == len(self.layer_params) and total > 0:
@@ -215,7 +215,7 @@ class PipelineCalibration:
             # What a failure's plan search costs this job, before the first failure measures
             # it: price the loss of one worker once (no state changes) -- once the helper thread
             # imported what a re-plan imports (``EngineBridge._warm_up``): in the main thread
-            # that import stalled every worker of an 8-worker job for ~4 s at step 2 (seen).
+            # that import stalls every worker of an 8-worker job for ~4 s at step 2.
             probe = Event(EventKind.FAIL_STOP, (max(self.alive),), 0.0)
             d = select(probe, self.job_state(self.alive), self.selector_config(0), self.mttf(len(self.alive) - 1))
             self.search_s = max(d.search_s, 1e-6)
