@@ -52,6 +52,7 @@ from chameleon_ft.runtime.engine_bridge import EngineBridge, layer_params
 from chameleon_ft.runtime.predictions import PredictionTracker
 from chameleon_ft.runtime.sampler import ElasticSampler, seed_generators
 from chameleon_ft.runtime.steering import Steering
+from chameleon_ft.runtime.waits import poller
 from chameleon_ft.runtime import codec as run_state
 
 __all__ = ["ElasticConfig", "RecoveryCore", "StepEnd", "WorldTooSmall", "NothingToHeal", "layer_params",
@@ -247,25 +248,24 @@ class RecoveryCore:
             return True
         view, store = self.view, self.membership.store
         keys = {w: f"cft/done/{view.token}/{w}" for w in view.members}
-        deadline = time.monotonic() + self.cfg.view_timeout_s
-        pause = 0.001
+        pending = [w for w in view.members if w != self.worker_id]
+        dead_read = [0.0]
+
+        def all_marked() -> bool:  # (raises the generation's failure once a member ended it)
+            self.gm.raise_if_aborted()
+            if store.check([keys[w] for w in pending]):
+                return True
+            if time.monotonic() - dead_read[0] > 0.25:
+                dead_read[0] = time.monotonic()
+                dead = reported_dead_among(store, pending)
+                pending[:] = [w for w in pending if w not in dead]
+            return not pending
+
         try:
             store.set(keys[self.worker_id], str(self.step))
-            pending, dead_read = [w for w in view.members if w != self.worker_id], 0.0
-            while pending:
-                self.gm.raise_if_aborted()
-                if store.check([keys[w] for w in pending]):
-                    return True
-                now = time.monotonic()
-                if now - dead_read > 0.25:
-                    dead_read, dead = now, reported_dead_among(store, pending)
-                    pending = [w for w in pending if w not in dead]
-                if now > deadline:
-                    log.warning("worker %d: leaves without the end-of-training marks of worker(s) %s after %.0f s",
-                                self.worker_id, pending, self.cfg.view_timeout_s)
-                    return True
-                time.sleep(pause)
-                pause = min(2 * pause, 0.02)
+            if not poller(all_marked, 0.02)(self.cfg.view_timeout_s):
+                log.warning("worker %d: leaves without the end-of-training marks of worker(s) %s after %.0f s",
+                            self.worker_id, pending, self.cfg.view_timeout_s)
         except CollectiveFailure as failure:
             self.recover_off_step(failure)
             return False
